@@ -1,0 +1,1 @@
+"""Cloud adapters: each turns one cloud's APIs into offers and capacity signals."""

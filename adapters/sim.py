@@ -1,0 +1,598 @@
+"""The simulated market: a seeded, deterministic multi-cloud GPU market.
+
+`SimAdapter` implements the `CloudAdapter` contract for several clouds at once (AWS, GCP,
+Azure, Alibaba by default). It drives `gpubroker demo`, most tests and the benchmark, so
+it behaves like the real thing where the broker can tell the difference:
+
+* **Catalog.** Instance types, GPUs, vCPUs, RAM and on-demand list prices come from the
+  real price snapshot in `/work/shared/data` (`CATALOG` below names the file of every
+  number); Alibaba, which the snapshot lacks, uses approximate public list prices.
+* **Regions and zones.** Real region names per cloud (then synthesized ones, so a
+  benchmark can ask for hundreds), real-looking zone names, a small fixed price multiplier
+  per region, and a seeded subset (about 85%) of the catalog offered in each zone.
+* **Markets.** On-demand pools are steady: list price, high availability, a capacity
+  that wanders, no interruption rate. Spot pools move: the discount does a mean-reverting
+  random walk around a per-pool base discount, availability and capacity rise and fall
+  (sometimes to zero; now and then a pool loses all capacity for a few polls), and the
+  interruption rate rises as availability falls.
+* **Signals.** `signals()` preempts leased spot pools at random, at their interruption
+  rate (times `preempt_rate_multiplier`), and passes on signals injected by `interrupt`.
+
+**Determinism.** The market of one region depends only on `(seed, region, number of
+polls of that region)`: each region has its own `random.Random`, seeded from a stable
+hash (never Python's salted `hash()`), so the order in which regions are polled and the
+wall clock change nothing. `observed_at` comes from the injectable `clock`. The control
+methods (`withdraw`, `set_spot_price`, `interrupt`) and preemptions change what a poll
+reports, never the random walk underneath, so a market returns to its seeded course once
+an override ends.
+
+Region ids are `"<cloud>:<region>"` (`aws:us-east-1`) because one adapter serves several
+clouds; the offers' `PoolKey` carry the plain `cloud="aws", region="us-east-1"`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from types import MappingProxyType
+from typing import ClassVar, Final
+
+from adapters.base import CloudAdapter, LeasedPools
+from adapters.errors import InvalidConfig
+from adapters.gpus import canonical, memory_gb
+from broker.model import CapacitySignal, Market, Offer, PoolKey, SignalKind, utcnow
+
+__all__ = ["CATALOG", "CLOUDS", "REGION_NAMES", "SimAdapter", "SimInstanceType"]
+
+
+@dataclass(frozen=True, slots=True)
+class SimInstanceType:
+    """One GPU instance type of the simulated catalog.
+
+    `on_demand_per_hour` is the public on-demand list price (USD per instance and hour)
+    in the cloud's first region of `REGION_NAMES`; other regions apply a multiplier.
+    `spot_per_hour` is the snapshot's spot price in that region, used only to set how
+    deep the simulated spot discount runs (`None`: no usable snapshot value).
+    `spot_unpriced_share` is the share of zones whose spot pool is listed without a price
+    (as the snapshot shows for p4de). `gpu_memory_gb` is set only for GPU models that
+    `adapters.gpus` does not know; known models take their memory from there.
+    """
+
+    cloud: str
+    instance_type: str
+    gpu: str
+    gpus: int
+    vcpus: int
+    memory_gb: float
+    on_demand_per_hour: float
+    spot_per_hour: float | None
+    spot_unpriced_share: float = 0.0
+    gpu_memory_gb: float | None = None
+
+
+_T = SimInstanceType
+
+CATALOG: Final[tuple[SimInstanceType, ...]] = (
+    # --- AWS: gpu-prices-aws.csv, region us-east-1; spot from zone use1-az1. ---
+    _T("aws", "p3.2xlarge", "V100-16GB", 1, 8, 61, 3.06, 0.5197),
+    _T("aws", "p3.8xlarge", "V100-16GB", 4, 32, 244, 12.24, 1.8029),
+    _T("aws", "p4d.24xlarge", "A100-40GB", 8, 96, 1152, 32.7726, 6.7915),
+    # p4de: the snapshot has no spot price in use1-az1/2/3/5, one in use1-az4 (7.8074).
+    _T("aws", "p4de.24xlarge", "A100-80GB", 8, 96, 1152, 40.96575, 7.8074,
+       spot_unpriced_share=0.5),
+    _T("aws", "p5.48xlarge", "H100-80GB", 8, 192, 2048, 98.32, 30.326),
+    _T("aws", "g5.xlarge", "A10G", 1, 4, 16, 1.006, 0.4177),
+    _T("aws", "g5.12xlarge", "A10G", 4, 48, 192, 5.672, 1.9937),
+    _T("aws", "g5.48xlarge", "A10G", 8, 192, 768, 16.288, 3.9266),
+    _T("aws", "g6.xlarge", "L4", 1, 4, 16, 0.8048, 0.4155),
+    _T("aws", "g6.12xlarge", "L4", 4, 48, 192, 4.6016, 1.9438),
+    _T("aws", "g6e.xlarge", "L40S", 1, 4, 32, 1.861, 0.7945),
+    _T("aws", "g6e.12xlarge", "L40S", 4, 48, 384, 10.49264, 4.2359),
+    _T("aws", "g4dn.xlarge", "T4", 1, 4, 16, 0.526, 0.201),
+    _T("aws", "g4dn.12xlarge", "T4", 4, 48, 192, 3.912, 1.5152),
+    # --- GCP: gpu-prices-gcp.csv, zone us-central1-a. Full price = host row + accelerator
+    # row (same zone, gpu, gpus), written below as `host + accelerator`. ---
+    _T("gcp", "a2-highgpu-1g", "A100-40GB", 1, 12, 85,
+       0.73948 + 2.93391, 0.29576 + 1.1472),
+    _T("gcp", "a2-highgpu-2g", "A100-40GB", 2, 24, 170,
+       1.47895 + 5.86782, 0.59151 + 2.2944),
+    _T("gcp", "a2-highgpu-4g", "A100-40GB", 4, 48, 340,
+       2.95791 + 11.73563, 1.18302 + 4.5888),
+    _T("gcp", "a2-highgpu-8g", "A100-40GB", 8, 96, 680,
+       5.91582 + 23.47126, 2.36604 + 9.1776),
+    _T("gcp", "a2-ultragpu-1g", "A100-80GB", 1, 12, 170,
+       1.09962 + 1.8462, 0.43983 + 1.5712),
+    _T("gcp", "a2-ultragpu-8g", "A100-80GB", 8, 96, 1360,
+       8.79698 + 14.76958, 3.51864 + 12.5696),
+    _T("gcp", "a3-highgpu-8g", "H100-80GB", 8, 208, 1872,
+       9.46006 + 33.60609, 2.17547 + 18.024),
+    _T("gcp", "g2-standard-4", "L4", 1, 4, 16, 0.14679 + 0.56004, 0.05874 + 0.2231),
+    _T("gcp", "g2-standard-24", "L4", 2, 24, 96, 0.88075 + 1.12008, 0.35242 + 0.4462),
+    _T("gcp", "g2-standard-48", "L4", 4, 48, 192, 1.7615 + 2.24016, 0.70483 + 0.8924),
+    # --- Azure: gpu-prices-azure.csv, region eastus (Azure prices are per region). ---
+    _T("azure", "Standard_NC24ads_A100_v4", "A100-80GB", 1, 24, 220, 3.673, 0.444433),
+    _T("azure", "Standard_NC48ads_A100_v4", "A100-80GB", 2, 48, 440, 7.346, 0.888866),
+    _T("azure", "Standard_NC96ads_A100_v4", "A100-80GB", 4, 96, 880, 14.692, 1.777732),
+    _T("azure", "Standard_ND96asr_v4", "A100-40GB", 8, 96, 900, 27.197, 2.99167),
+    _T("azure", "Standard_ND96amsr_A100_v4", "A100-80GB", 8, 96, 1800, 32.77, 3.6047),
+    # The snapshot lists 12 GPUs (the real machine has 8) and a spot price equal to
+    # on-demand; we use 8 GPUs and the default spot discount.
+    _T("azure", "Standard_ND96isr_H100_v5", "H100-80GB", 8, 96, 1900, 98.32, None),
+    _T("azure", "Standard_NC4as_T4_v3", "T4", 1, 4, 28, 0.526, 0.062699),
+    _T("azure", "Standard_NC64as_T4_v3", "T4", 4, 64, 440, 4.352, 0.518758),
+    _T("azure", "Standard_NC6s_v3", "V100-16GB", 1, 6, 112, 3.06, 0.3978),
+    _T("azure", "Standard_NC12s_v3", "V100-16GB", 2, 12, 224, 6.12, 0.7956),
+    _T("azure", "Standard_NC24s_v3", "V100-16GB", 4, 24, 448, 12.24, 1.5912),
+    # --- Alibaba: not in the snapshot. APPROXIMATE public pay-as-you-go list prices in
+    # USD for cn-hangzhou (converted from CNY, rounded); good enough for a simulation,
+    # not for billing. No spot reference: the default spot discount applies. ---
+    _T("alibaba", "ecs.gn6i-c4g1.xlarge", "T4", 1, 4, 15, 0.95, None),
+    _T("alibaba", "ecs.gn6v-c8g1.2xlarge", "V100-16GB", 1, 8, 32, 2.75, None),
+    _T("alibaba", "ecs.gn6v-c8g1.16xlarge", "V100-16GB", 8, 64, 256, 22.0, None),
+    _T("alibaba", "ecs.gn7i-c8g1.2xlarge", "A10", 1, 8, 30, 1.55, None),
+    _T("alibaba", "ecs.gn7i-c16g1.4xlarge", "A10", 1, 16, 60, 1.85, None),
+    _T("alibaba", "ecs.gn7i-c32g1.32xlarge", "A10", 4, 128, 752, 7.9, None),
+    _T("alibaba", "ecs.gn7-c12g1.3xlarge", "A100-40GB", 1, 12, 94, 3.9, None),
+    _T("alibaba", "ecs.gn7-c13g1.26xlarge", "A100-40GB", 8, 104, 756, 30.0, None),
+    # H20 is deliberately a model `adapters.gpus` does not know: its offers carry
+    # gpu="H20", gpu_known=False (memory as the cloud would report it: 96 GB).
+    _T("alibaba", "ecs.gn8v.4xlarge", "H20", 1, 16, 96, 2.6, None, gpu_memory_gb=96),
+)
+"""The simulated catalog, every cloud together (see `SimInstanceType`)."""
+
+del _T
+
+CLOUDS: Final[tuple[str, ...]] = ("aws", "gcp", "azure", "alibaba")
+"""The clouds the sim can simulate, in their default order."""
+
+REGION_NAMES: Final[MappingProxyType[str, tuple[str, ...]]] = MappingProxyType({
+    # gpu-prices-aws.csv regions, the common ones first.
+    "aws": (
+        "us-east-1", "us-west-2", "eu-west-1", "us-east-2", "us-west-1", "eu-central-1",
+        "eu-west-2", "eu-west-3", "eu-north-1", "eu-south-1", "ca-central-1",
+        "ap-northeast-1", "ap-northeast-2", "ap-northeast-3", "ap-south-1",
+        "ap-southeast-1", "ap-southeast-2", "ap-southeast-3", "ap-east-1", "sa-east-1",
+        "me-central-1", "me-south-1", "af-south-1",
+    ),
+    # gpu-prices-gcp.csv regions, the common ones first.
+    "gcp": (
+        "us-central1", "europe-west4", "asia-east1", "us-east1", "us-east4", "us-west1",
+        "us-west4", "europe-west1", "europe-west2", "europe-west3", "asia-northeast1",
+        "asia-southeast1", "asia-south1", "australia-southeast1", "us-east5",
+        "us-south1", "us-west2", "us-west3", "europe-west6", "europe-west8",
+        "europe-west9", "europe-central2", "europe-north1", "asia-east2",
+        "asia-northeast3", "asia-south2", "asia-southeast2", "me-central2", "me-west1",
+        "northamerica-northeast1", "northamerica-northeast2", "southamerica-east1",
+    ),
+    "azure": (
+        "eastus", "westus2", "westeurope", "eastus2", "southcentralus", "westus3",
+        "centralus", "northcentralus", "westus", "northeurope", "uksouth",
+        "francecentral", "germanywestcentral", "swedencentral", "japaneast",
+        "koreacentral", "australiaeast", "southeastasia", "centralindia",
+        "canadacentral", "brazilsouth",
+    ),
+    "alibaba": (
+        "cn-hangzhou", "cn-beijing", "ap-southeast-1", "cn-shanghai", "cn-shenzhen",
+        "cn-zhangjiakou", "cn-wulanchabu", "cn-hongkong", "ap-northeast-1",
+        "ap-southeast-5", "eu-central-1", "us-west-1", "us-east-1",
+    ),
+})
+"""Real region names per cloud; regions beyond these are synthesized (`sim-aws-r042`)."""
+
+# First zone letter of Alibaba regions whose zones do not start at "a" (real layouts).
+_ALIBABA_FIRST_ZONE: Final[MappingProxyType[str, str]] = MappingProxyType({
+    "cn-hangzhou": "h", "cn-shanghai": "l", "cn-shenzhen": "d", "cn-beijing": "g",
+})
+
+# Share of (zone, instance type) pairs a zone offers.
+_OFFERED_SHARE: Final = 0.85
+# Spot discount: per-pool base within this range, random walk clipped to the wider one.
+_BASE_DISCOUNT: Final = (0.30, 0.70)
+_DISCOUNT_RANGE: Final = (0.10, 0.85)
+_DEFAULT_DISCOUNT: Final = 0.50
+# Spot interruption rate per hour, from availability 1 (low) to 0 (high).
+_RATE_RANGE: Final = (0.01, 0.30)
+# Chance per poll that a spot pool loses all capacity, and for how many polls.
+_OUTAGE_CHANCE: Final = 0.004
+_OUTAGE_POLLS: Final = (2, 5)
+# Polls a spot pool stays scarce after a preemption.
+_SCARCE_POLLS: Final = 4
+_MAX_ZONES: Final = 26
+
+
+def _stable_seed(*parts: object) -> int:
+    """A 64-bit seed from `parts`, the same in every process (unlike `hash()`)."""
+    text = "\x1f".join(str(p) for p in parts)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def _clip(x: float, lo: float, hi: float) -> float:
+    return lo if x < lo else hi if x > hi else x
+
+
+def _region_name(cloud: str, index: int) -> str:
+    """The `index`-th (0-based) region name of `cloud`: real ones, then synthesized."""
+    real = REGION_NAMES[cloud]
+    return real[index] if index < len(real) else f"sim-{cloud}-r{index + 1:03d}"
+
+
+def _zone_names(cloud: str, region: str, count: int) -> tuple[str, ...]:
+    """Zone names in each cloud's style: `us-east-1a`, `us-central1-a`, `eastus-1`,
+    `cn-hangzhou-h`."""
+    if cloud == "azure":
+        return tuple(f"{region}-{i + 1}" for i in range(count))
+    first = ord(_ALIBABA_FIRST_ZONE.get(region, "a")) - ord("a") if cloud == "alibaba" else 0
+    letters = [chr(ord("a") + (first + i) % 26) for i in range(count)]
+    sep = "" if cloud == "aws" else "-"
+    return tuple(f"{region}{sep}{letter}" for letter in letters)
+
+
+def _price_multiplier(cloud: str, region: str, index: int) -> float:
+    """A small, fixed price multiplier per region: 1.0 in the cloud's first region (where
+    the catalog's prices were read), 1.00-1.25 elsewhere. Independent of the seed."""
+    if index == 0:
+        return 1.0
+    return 1.0 + (_stable_seed("price", cloud, region) % 26) / 100
+
+
+class _Pool:
+    """The mutable state of one simulated pool, plus what never changes about it."""
+
+    __slots__ = (
+        "avail", "base_avail", "base_discount", "cap_scale", "capacity", "discount", "gpu",
+        "gpu_known", "gpu_memory_gb", "key", "list_price", "outage", "priced", "rate",
+        "spec", "spot",
+    )
+
+    def __init__(self, key: PoolKey, spec: SimInstanceType, list_price: float,
+                 rng: random.Random) -> None:
+        self.key = key
+        self.spec = spec
+        self.spot = key.market is Market.SPOT
+        self.gpu, self.gpu_known = canonical(spec.gpu)
+        self.gpu_memory_gb = memory_gb(self.gpu) if self.gpu_known else spec.gpu_memory_gb
+        self.list_price = list_price
+        # Typical free instances: many small ones, few 8-GPU machines.
+        self.cap_scale = rng.uniform(16.0, 160.0) / spec.gpus
+        self.outage = 0
+        if self.spot:
+            ref = (1.0 - spec.spot_per_hour / spec.on_demand_per_hour
+                   if spec.spot_per_hour is not None else _DEFAULT_DISCOUNT)
+            self.base_discount = _clip(ref + rng.uniform(-0.1, 0.1), *_BASE_DISCOUNT)
+            self.discount = self.base_discount
+            self.base_avail = rng.uniform(0.45, 0.95)
+            self.priced = rng.random() >= spec.spot_unpriced_share
+        else:
+            self.base_discount = self.discount = 0.0
+            self.base_avail = 0.96
+            self.priced = True
+        self.avail = self.base_avail
+        self.capacity = self.cap_scale * self.avail
+        self.rate = self._rate_for(self.avail) if self.spot else 0.0
+
+    @staticmethod
+    def _rate_for(avail: float) -> float:
+        lo, hi = _RATE_RANGE
+        return round(lo + (hi - lo) * (1.0 - avail) ** 2, 4)
+
+    def step(self, rng: random.Random) -> None:
+        """Advance one poll."""
+        if not self.spot:
+            self.avail = _clip(self.avail + 0.2 * (0.96 - self.avail) + rng.gauss(0.0, 0.01),
+                               0.9, 1.0)
+            scale = self.cap_scale
+            self.capacity = _clip(self.capacity + rng.gauss(0.0, 0.1 * scale),
+                                  0.3 * scale, 1.5 * scale)
+            return
+        if self.outage > 0:
+            self.outage -= 1
+        elif rng.random() < _OUTAGE_CHANCE:
+            self.outage = rng.randint(*_OUTAGE_POLLS)
+        self.discount = _clip(
+            self.discount + 0.15 * (self.base_discount - self.discount) + rng.gauss(0.0, 0.03),
+            *_DISCOUNT_RANGE)
+        self.avail = _clip(
+            self.avail + 0.2 * (self.base_avail - self.avail) + rng.gauss(0.0, 0.08), 0.0, 1.0)
+        # Capacity follows availability, noisily, and is gone when availability is low.
+        level = self.avail * self.cap_scale * (0.5 + rng.random())
+        self.capacity = level if self.avail >= 0.15 else 0.0
+        self.rate = self._rate_for(self.avail)
+
+
+class _RegionMarket:
+    """One region's simulated market: its pools, its random stream, its overrides.
+
+    The pools and the random stream depend only on (seed, cloud, region); each `step`
+    advances them by one poll. The overrides (`withdrawn`, `pinned`, `scarce`) come from
+    the control methods and preemptions; they change reports, not the random stream.
+    """
+
+    def __init__(self, *, seed: int, cloud: str, region: str, index: int,
+                 zones_per_region: int) -> None:
+        self.cloud = cloud
+        self.region = region
+        self.rng = random.Random(_stable_seed("region", seed, cloud, region))
+        rng = self.rng
+        multiplier = _price_multiplier(cloud, region, index)
+        self.pools: list[_Pool] = []
+        for zone in _zone_names(cloud, region, zones_per_region):
+            for spec in CATALOG:
+                if spec.cloud != cloud or rng.random() >= _OFFERED_SHARE:
+                    continue
+                price = spec.on_demand_per_hour * multiplier
+                for market in (Market.ON_DEMAND, Market.SPOT):
+                    key = PoolKey(cloud, region, zone, spec.instance_type, market)
+                    self.pools.append(_Pool(key, spec, price, rng))
+        self.by_key: dict[PoolKey, _Pool] = {p.key: p for p in self.pools}
+        # Quota headroom in GPUs, per market, for the whole region.
+        self.quota_max = {m: rng.choice((64, 128, 256, 512, 1024)) for m in Market}
+        self.quota = {m: float(q) * rng.uniform(0.5, 1.0) for m, q in self.quota_max.items()}
+        self.withdrawn: set[PoolKey] = set()
+        self.pinned: dict[PoolKey, float] = {}
+        self.scarce: dict[PoolKey, int] = {}
+
+    def step(self) -> None:
+        rng = self.rng
+        for market, top in self.quota_max.items():
+            self.quota[market] = _clip(self.quota[market] + rng.gauss(0.0, top * 0.03),
+                                       0.0, float(top))
+        for pool in self.pools:
+            pool.step(rng)
+
+    def offers(self, observed_at: datetime) -> list[Offer]:
+        """The current state as offers, overrides applied; ages the scarce overrides."""
+        quota = {m: int(q) for m, q in self.quota.items()}
+        withdrawn, pinned, scarce = self.withdrawn, self.pinned, self.scarce
+        out: list[Offer] = []
+        append = out.append
+        for p in self.pools:
+            key = p.key
+            if withdrawn and key in withdrawn:
+                continue
+            spec = p.spec
+            if not p.spot:
+                append(Offer(key, p.gpu, spec.gpus, p.gpu_memory_gb, spec.vcpus,
+                             spec.memory_gb, round(p.list_price, 6), observed_at,
+                             round(p.avail, 4), int(p.capacity), None,
+                             quota[Market.ON_DEMAND], p.gpu_known))
+                continue
+            price: float | None = None
+            if key in pinned:
+                price = pinned[key]
+            elif p.priced:
+                price = round(p.list_price * (1.0 - p.discount), 6)
+            avail, capacity, rate = round(p.avail, 4), int(p.capacity), p.rate
+            if p.outage > 0:
+                avail, capacity, rate = 0.0, 0, _RATE_RANGE[1]
+            elif key in scarce:
+                avail, capacity, rate = min(avail, 0.1), 0, max(rate, 0.25)
+            append(Offer(key, p.gpu, spec.gpus, p.gpu_memory_gb, spec.vcpus, spec.memory_gb,
+                         price, observed_at, avail, capacity, rate, quota[Market.SPOT],
+                         p.gpu_known))
+        for key in list(scarce):
+            scarce[key] -= 1
+            if scarce[key] <= 0:
+                del scarce[key]
+        return out
+
+    def interruption_rate(self, pool: _Pool) -> float:
+        """The interruption rate the pool's last report showed (or would show now)."""
+        if pool.outage > 0:
+            return _RATE_RANGE[1]
+        if pool.key in self.scarce:
+            return max(pool.rate, 0.25)
+        return pool.rate
+
+
+class SimAdapter(CloudAdapter):
+    """The simulated multi-cloud market (see the module docstring).
+
+    Arguments (all keyword-only):
+
+    * `seed` - the market's course; same seed and same polls give equal offers.
+    * `clouds` - which of `CLOUDS` to simulate.
+    * `regions_per_cloud` - regions per cloud: real names first, then synthesized
+      `sim-<cloud>-rNNN` ones (83 gives about 20,000 offers in all).
+    * `zones_per_region` - zones per region (1..26).
+    * `preempt_rate_multiplier` - scales the chance that `signals()` preempts a leased
+      spot pool (0 disables preemption; large values make it near-certain each tick).
+    * `signal_interval_seconds` - how often `signals()` considers preemptions.
+    * `clock` - the time stamped on offers and signals.
+
+    Control methods for tests and the demo: `interrupt`, `withdraw` / `restore`,
+    `set_spot_price` / `unpin`, and `offer_count`. Each takes a `PoolKey` of a pool the sim
+    offers and raises `ValueError` for any other.
+
+    Raises `ValueError` for bad arguments.
+    """
+
+    name: ClassVar[str] = "sim"
+
+    def __init__(
+        self,
+        *,
+        seed: int = 7,
+        clouds: Sequence[str] = CLOUDS,
+        regions_per_cloud: int = 3,
+        zones_per_region: int = 3,
+        preempt_rate_multiplier: float = 1.0,
+        signal_interval_seconds: float = 1.0,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        if isinstance(clouds, str):
+            raise ValueError(f"clouds must be a sequence of cloud names, not the string "
+                             f"{clouds!r}")
+        unknown = [c for c in clouds if c not in CLOUDS]
+        if unknown:
+            raise ValueError(f"unknown cloud(s) {', '.join(map(repr, unknown))}: the sim "
+                             f"simulates {', '.join(CLOUDS)}")
+        if not clouds:
+            raise ValueError("clouds must name at least one cloud")
+        if len(set(clouds)) != len(clouds):
+            raise ValueError(f"clouds lists a cloud twice: {list(clouds)}")
+        if not isinstance(regions_per_cloud, int) or regions_per_cloud < 1:
+            raise ValueError(f"regions_per_cloud must be a positive integer, "
+                             f"got {regions_per_cloud!r}")
+        if (not isinstance(zones_per_region, int)
+                or not 1 <= zones_per_region <= _MAX_ZONES):
+            raise ValueError(f"zones_per_region must be an integer from 1 to {_MAX_ZONES}, "
+                             f"got {zones_per_region!r}")
+        if not math.isfinite(preempt_rate_multiplier) or preempt_rate_multiplier < 0:
+            raise ValueError(f"preempt_rate_multiplier must be a finite number >= 0, "
+                             f"got {preempt_rate_multiplier!r}")
+        if not math.isfinite(signal_interval_seconds) or signal_interval_seconds <= 0:
+            raise ValueError(f"signal_interval_seconds must be a finite number > 0, "
+                             f"got {signal_interval_seconds!r}")
+        self._seed = seed
+        self._zones = zones_per_region
+        self._multiplier = preempt_rate_multiplier
+        self._interval = signal_interval_seconds
+        self._clock = clock
+        # region id -> (cloud, region, index within the cloud)
+        self._layout: dict[str, tuple[str, str, int]] = {}
+        for cloud in clouds:
+            for i in range(regions_per_cloud):
+                region = _region_name(cloud, i)
+                self._layout[f"{cloud}:{region}"] = (cloud, region, i)
+        self._markets: dict[str, _RegionMarket] = {}
+        self._injected: asyncio.Queue[CapacitySignal] = asyncio.Queue()
+
+    # --- the adapter contract ---------------------------------------------------------
+
+    def regions(self) -> Sequence[str]:
+        """Region ids `"<cloud>:<region>"`, cloud by cloud, in the configured order."""
+        return tuple(self._layout)
+
+    async def poll(self, region: str) -> list[Offer]:
+        """Advance `region`'s market by one step and return its offers: one per (zone,
+        instance type, market) the region offers, minus withdrawn pools, all stamped
+        `observed_at=clock()`. Raises `InvalidConfig` for a region id not in `regions()`.
+        """
+        market = self._market(region)
+        if market is None:
+            raise InvalidConfig(f"the sim has no region {region!r} (ids look like "
+                                f"'aws:us-east-1')", cloud="sim", region=region)
+        market.step()
+        return market.offers(self._clock())
+
+    async def signals(self, leased: LeasedPools) -> AsyncGenerator[CapacitySignal, None]:
+        """Yield signals injected by `interrupt` at once, and every
+        `signal_interval_seconds` preempt each leased spot pool of the sim with
+        probability `interruption_rate x interval in hours x preempt_rate_multiplier`
+        (the pool's latest rate). A preempted pool is reported scarce (no capacity, low
+        availability) for the next few polls of its region. Pools of other adapters in
+        `leased()` are ignored.
+        """
+        loop = asyncio.get_running_loop()
+        rng = random.Random(_stable_seed("signals", self._seed))
+        hours = self._interval / 3600.0
+        next_tick = loop.time() + self._interval
+        while True:
+            while (injected := await self._next_injected(next_tick - loop.time())) is not None:
+                yield injected
+            now = loop.time()
+            next_tick = max(next_tick + self._interval, now)
+            for key in sorted(set(leased())):
+                if key.market is not Market.SPOT:
+                    continue
+                found = self._find(key)
+                if found is None:
+                    continue
+                market, pool = found
+                chance = market.interruption_rate(pool) * hours * self._multiplier
+                if rng.random() < chance:
+                    market.scarce[key] = _SCARCE_POLLS
+                    yield CapacitySignal(key, SignalKind.INTERRUPTED, self._clock(),
+                                         "simulated spot preemption")
+
+    async def _next_injected(self, within: float) -> CapacitySignal | None:
+        """The next injected signal, waiting at most `within` seconds; None if none."""
+        if within <= 0:
+            try:
+                return self._injected.get_nowait()
+            except asyncio.QueueEmpty:
+                return None
+        try:
+            async with asyncio.timeout(within):
+                return await self._injected.get()
+        except TimeoutError:
+            return None
+
+    # --- control methods (tests and the demo) ------------------------------------------
+
+    def interrupt(self, pool: PoolKey, detail: str = "simulated interruption") -> None:
+        """Queue an INTERRUPTED signal for `pool`; `signals()` yields it at once. The pool
+        is then reported scarce for the next few polls, as after a random preemption."""
+        market, _ = self._require(pool)
+        market.scarce[pool] = _SCARCE_POLLS
+        self._injected.put_nowait(
+            CapacitySignal(pool, SignalKind.INTERRUPTED, self._clock(), detail))
+
+    def withdraw(self, pool: PoolKey) -> None:
+        """Make `pool` vanish from its region's polls (capacity lost) until `restore`."""
+        market, _ = self._require(pool)
+        market.withdrawn.add(pool)
+
+    def restore(self, pool: PoolKey) -> None:
+        """Undo `withdraw`: the pool is in its region's next poll again."""
+        market, _ = self._require(pool)
+        market.withdrawn.discard(pool)
+
+    def set_spot_price(self, pool: PoolKey, price_per_hour: float) -> None:
+        """Report `price_per_hour` (USD per instance) for spot `pool` in every poll until
+        `unpin`, whatever the market does (e.g. to push a leased pool over its cap)."""
+        market, _ = self._require(pool)
+        if pool.market is not Market.SPOT:
+            raise ValueError(f"set_spot_price needs a spot pool, got {pool}")
+        if not math.isfinite(price_per_hour) or price_per_hour <= 0:
+            raise ValueError(f"price_per_hour must be a finite number > 0, "
+                             f"got {price_per_hour!r}")
+        market.pinned[pool] = float(price_per_hour)
+
+    def unpin(self, pool: PoolKey) -> None:
+        """Undo `set_spot_price`: the pool reports its simulated price again."""
+        market, _ = self._require(pool)
+        market.pinned.pop(pool, None)
+
+    def offer_count(self) -> int:
+        """How many offers one poll of every region returns now (withdrawn pools left
+        out). Does not advance any market."""
+        total = 0
+        for region in self._layout:
+            market = self._market(region)
+            assert market is not None
+            total += len(market.pools) - len(market.withdrawn)
+        return total
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _market(self, region_id: str) -> _RegionMarket | None:
+        """The region's market, built on first use (building does not advance it)."""
+        market = self._markets.get(region_id)
+        if market is None:
+            where = self._layout.get(region_id)
+            if where is None:
+                return None
+            cloud, region, index = where
+            market = _RegionMarket(seed=self._seed, cloud=cloud, region=region, index=index,
+                                   zones_per_region=self._zones)
+            self._markets[region_id] = market
+        return market
+
+    def _find(self, pool: PoolKey) -> tuple[_RegionMarket, _Pool] | None:
+        market = self._market(f"{pool.cloud}:{pool.region}")
+        if market is None:
+            return None
+        state = market.by_key.get(pool)
+        return None if state is None else (market, state)
+
+    def _require(self, pool: PoolKey) -> tuple[_RegionMarket, _Pool]:
+        found = self._find(pool)
+        if found is None:
+            raise ValueError(f"the sim offers no pool {pool}")
+        return found

@@ -1,0 +1,281 @@
+"""MQTT in and out: the request topics, the durable outbox, status and capacity.
+
+One connection, kept up by a reconnect loop with jittered exponential backoff. The MQTT
+will publishes `offline` on `P/status` if the daemon dies; `online` is published,
+retained, on every connect.
+
+Outgoing events and lease states come from the outbox: rows are committed to SQLite
+before they reach the bus, published with QoS 1, and deleted only once the MQTT server
+acknowledged them. After a reconnect (or a restart) every row not yet acknowledged is
+sent again, in order, byte-for-byte the same; subscribers drop duplicates by `id`.
+
+Incoming messages on `P/requests/S/<verb>` become `Command`s for the broker; retained
+ones are ignored (never act on stale commands). Nothing a scheduler needs lives only in
+MQTT 5 properties: the 5-only extras are replies to ResponseTopic and message expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import ssl
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import aiomqtt
+import structlog
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from broker import __version__
+from broker.config import MqttConfig
+from broker.core import Command
+from broker.events import Topics, dumps
+from broker.model import SCHEDULER_ID, iso, utcnow
+from broker.store import OutboxRow, StateStore
+
+log = structlog.get_logger("gpubroker.bus")
+
+MAX_PAYLOAD = 64 * 1024
+ACK_BATCH = 512
+
+
+class Bus:
+    def __init__(self, cfg: MqttConfig, topics: Topics, store: StateStore, *, client_id: str,
+                 boot_id: str, on_command: Callable[[Command], Awaitable[None]],
+                 on_invalid: Callable[[str, str, str], Awaitable[None]] | None = None) -> None:
+        self.cfg = cfg
+        self.topics = topics
+        self.store = store
+        self.client_id = client_id
+        self.boot_id = boot_id
+        self._on_command = on_command
+        self._pending: dict[int, OutboxRow] = {}
+        self._queue: deque[int] = deque()
+        self._new = asyncio.Event()
+        self._acked: list[int] = []
+        self._acked_event = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._client: aiomqtt.Client | None = None
+        self._receiving = True
+        self.connected = asyncio.Event()
+        self.reconnects = 0
+        self.v5 = cfg.protocol == "5"
+
+    # --- the outbox ------------------------------------------------------------------
+
+    def enqueue(self, rows: Sequence[OutboxRow]) -> None:
+        """Hand committed outbox rows to the publisher."""
+        for row in rows:
+            assert row.id is not None, "only committed rows are published"
+            self._pending[row.id] = row
+            self._queue.append(row.id)
+        if rows:
+            self._drained.clear()
+            self._new.set()
+
+    @property
+    def outbox_depth(self) -> int:
+        return len(self._pending)
+
+    async def drained(self, timeout: float) -> bool:
+        """Wait until every outbox row was acknowledged; False on timeout."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._drained.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    # --- the connection --------------------------------------------------------------
+
+    def _status(self, state: str) -> bytes:
+        return dumps({"state": state, "ts": iso(utcnow()), "boot_id": self.boot_id,
+                      "version": __version__})
+
+    def _client_for(self) -> aiomqtt.Client:
+        cfg = self.cfg
+        password = None
+        if cfg.password_file is not None:
+            password = cfg.password_file.read_text(encoding="utf-8").strip()
+        tls = None
+        if cfg.tls:
+            tls = ssl.create_default_context(cafile=str(cfg.ca_file) if cfg.ca_file else None)
+        props = None
+        kwargs: dict[str, Any] = {}
+        if self.v5:
+            props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+            props.SessionExpiryInterval = cfg.session_expiry_seconds
+            kwargs["clean_start"] = False
+        else:
+            kwargs["clean_session"] = False
+        client = aiomqtt.Client(
+            cfg.host, cfg.port, identifier=self.client_id, username=cfg.username,
+            password=password, tls_context=tls,
+            protocol=aiomqtt.ProtocolVersion.V5 if self.v5 else aiomqtt.ProtocolVersion.V311,
+            will=aiomqtt.Will(self.topics.status, self._status("offline"), qos=1, retain=True),
+            keepalive=30, timeout=10, properties=props, max_inflight_messages=256,
+            max_queued_incoming_messages=20_000, **kwargs)
+        client.pending_calls_threshold = 100_000  # the outbox window bounds them, not this
+        return client
+
+    async def run(self) -> None:
+        """Stay connected until cancelled."""
+        failures = 0
+        ack_task = asyncio.create_task(self._ack_loop())
+        try:
+            while True:
+                try:
+                    async with self._client_for() as client:
+                        self._client = client
+                        await self._session(client)
+                except (aiomqtt.MqttError, OSError) as exc:
+                    self._client = None
+                    was = self.connected.is_set()
+                    self.connected.clear()
+                    failures = 1 if was else failures + 1
+                    if was:
+                        self.reconnects += 1
+                        log.warning("mqtt connection lost", error=str(exc))
+                    elif failures == 1:
+                        log.warning("mqtt not reachable, retrying", url=self.cfg.url,
+                                    error=str(exc))
+                    delay = min(30.0, 0.25 * 2 ** min(failures, 7)) * random.uniform(0.5, 1.0)
+                    await asyncio.sleep(delay)
+        finally:
+            ack_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ack_task
+            await self._flush_acks()
+
+    async def _session(self, client: aiomqtt.Client) -> None:
+        await client.subscribe(self.topics.requests, qos=1)
+        await client.publish(self.topics.status, self._status("online"), qos=1, retain=True)
+        self._queue = deque(self._pending)  # everything not acknowledged, in order
+        self._new.set()
+        self.connected.set()
+        log.info("mqtt connected", url=self.cfg.url, outbox=len(self._pending),
+                 protocol=self.cfg.protocol)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._send(client))
+                await self._receive(client)
+        except* aiomqtt.MqttError as eg:
+            raise eg.exceptions[0] from None
+
+    async def _send(self, client: aiomqtt.Client) -> None:
+        window = asyncio.Semaphore(200)
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                if not self._queue:
+                    self._new.clear()
+                    await self._new.wait()
+                    continue
+                row_id = self._queue.popleft()
+                row = self._pending.get(row_id)
+                if row is None:
+                    continue  # acknowledged meanwhile
+                await window.acquire()
+                tg.create_task(self._publish_one(client, row, window))
+
+    async def _publish_one(self, client: aiomqtt.Client, row: OutboxRow,
+                           window: asyncio.Semaphore) -> None:
+        try:
+            props = self._props(row.props) if row.props and self.v5 else None
+            await client.publish(row.topic, row.payload, qos=row.qos, retain=row.retain,
+                                 properties=props, timeout=30)
+        finally:
+            window.release()
+        assert row.id is not None
+        if self._pending.pop(row.id, None) is not None:
+            self._acked.append(row.id)
+            self._acked_event.set()
+            if not self._pending:
+                self._drained.set()
+
+    @staticmethod
+    def _props(p: dict[str, Any]) -> Properties:
+        props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+        if "correlation_data" in p:
+            props.CorrelationData = bytes.fromhex(p["correlation_data"])
+        if "message_expiry" in p:
+            props.MessageExpiryInterval = int(p["message_expiry"])
+        return props
+
+    async def _ack_loop(self) -> None:
+        while True:
+            await self._acked_event.wait()
+            self._acked_event.clear()
+            await self._flush_acks()
+
+    async def _flush_acks(self) -> None:
+        while self._acked:
+            batch, self._acked = self._acked[:ACK_BATCH], self._acked[ACK_BATCH:]
+            await self.store.ack(batch)
+
+    async def _receive(self, client: aiomqtt.Client) -> None:
+        async for message in client.messages:
+            if not self._receiving:
+                continue
+            topic = str(message.topic)
+            if message.retain:
+                log.info("ignored retained request", topic=topic)
+                continue
+            parsed = self.topics.parse_request(topic)
+            if parsed is None:
+                continue
+            scheduler, verb = parsed
+            if not SCHEDULER_ID.match(scheduler):
+                log.warning("request from an invalid scheduler id dropped", topic=topic)
+                continue
+            payload = message.payload
+            if not isinstance(payload, bytes | bytearray):
+                payload = str(payload or "").encode()
+            if len(payload) > MAX_PAYLOAD:
+                payload = b'{"__too_large__": true}'
+            reply = None
+            response_topic = getattr(message.properties, "ResponseTopic", None)
+            if response_topic:
+                correlation = getattr(message.properties, "CorrelationData", b"")
+                reply = {"response_topic": response_topic,
+                         "correlation_data": bytes(correlation).hex()}
+            await self._on_command(Command(scheduler, verb, bytes(payload), topic, reply))
+
+    # --- direct (non-durable) publishing ----------------------------------------------
+
+    def stop_receiving(self) -> None:
+        """Stop taking requests (shutdown); what is queued is still decided."""
+        self._receiving = False
+
+    async def publish_now(self, topic: str, payload: bytes, *, retain: bool = False,
+                          expiry_seconds: int | None = None) -> bool:
+        """Best-effort publish outside the outbox (capacity summaries). False if down."""
+        client = self._client
+        if client is None or not self.connected.is_set():
+            return False
+        props = None
+        if expiry_seconds is not None and self.v5:
+            props = self._props({"message_expiry": expiry_seconds})
+        try:
+            await client.publish(topic, payload, qos=1, retain=retain, properties=props,
+                                 timeout=10)
+        except aiomqtt.MqttError:
+            return False
+        return True
+
+    async def goodbye(self, timeout: float = 5.0) -> None:
+        """Publish `offline` (retained) before a clean disconnect, which sends no will."""
+        client = self._client
+        if client is None or not self.connected.is_set():
+            return
+        with contextlib.suppress(aiomqtt.MqttError, TimeoutError):
+            await client.publish(self.topics.status, self._status("offline"), qos=1,
+                                 retain=True, timeout=timeout)
+
+
+def monotonic_ms() -> float:
+    return time.monotonic() * 1000

@@ -1,0 +1,212 @@
+"""The daemon's configuration (SPEC §6): load, validate, explain errors.
+
+Every problem is reported at once, one line each, naming file, line and key; the CLI
+exits with code 2. Unknown keys are errors (a typo must not silently do nothing).
+Credentials are never read from this file: only paths to credential files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from policies import yamlsrc
+from policies.yamlsrc import SourceError
+
+__all__ = ["Config", "SourceError", "default_state_path", "load_config", "parse_config"]
+
+SimCloud = Literal["aws", "gcp", "azure", "alibaba"]
+SIM_CLOUDS: tuple[SimCloud, ...] = ("aws", "gcp", "azure", "alibaba")
+_Region = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+def default_state_path() -> Path:
+    """systemd's StateDirectory when set, else the XDG state directory."""
+    if state_dir := os.environ.get("STATE_DIRECTORY"):
+        return Path(state_dir.split(":")[0]) / "state.db"
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "gpubroker" / "state.db"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StateConfig(_Section):
+    path: Path = Field(default_factory=default_state_path)
+    synchronous: Literal["normal", "full"] = "normal"
+    keep_ended_hours: float = Field(default=24, gt=0)
+
+
+class MqttConfig(_Section):
+    url: str = "mqtt://127.0.0.1:1883"
+    topic_prefix: str = "gpubroker/v1"
+    client_id: str | None = None
+    username: str | None = None
+    password_file: Path | None = None
+    ca_file: Path | None = None
+    protocol: Literal["5", "3.1.1"] = "5"
+    session_expiry_seconds: int = Field(default=3600, ge=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        u = urlsplit(v)
+        if u.scheme not in ("mqtt", "mqtts") or not u.hostname:
+            raise ValueError("must look like mqtt://HOST[:PORT] or mqtts://HOST[:PORT]")
+        try:
+            u.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            raise ValueError("port must be a number from 1 to 65535") from None
+        if u.username or u.password:
+            raise ValueError("put no credentials in the URL: use username and password_file")
+        return v
+
+    @field_validator("topic_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not v or v.startswith("/") or v.endswith("/") or any(c in v for c in "+#\0"):
+            raise ValueError("must be a topic path without wildcards or leading/trailing '/'")
+        return v
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        u = urlsplit(self.url)
+        return u.port or (8883 if u.scheme == "mqtts" else 1883)
+
+    @property
+    def tls(self) -> bool:
+        return urlsplit(self.url).scheme == "mqtts"
+
+
+class HttpConfig(_Section):
+    listen: str = "127.0.0.1:9464"
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        if not re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}", v):
+            raise ValueError("must be HOST:PORT, e.g. 127.0.0.1:9464")
+        return v
+
+
+class PollConfig(_Section):
+    interval_seconds: float = Field(default=60, gt=0, le=86400)
+    stale_after_seconds: float = Field(default=300, gt=0)
+    timeout_seconds: float = Field(default=30, gt=0)
+
+    @model_validator(mode="after")
+    def _stale(self) -> PollConfig:
+        if self.stale_after_seconds < self.interval_seconds:
+            raise ValueError("stale_after_seconds must be at least interval_seconds")
+        return self
+
+
+class _CloudBase(_Section):
+    regions: list[_Region] = Field(default_factory=list)
+    endpoint: str | None = None
+    anonymous: bool = False
+
+    @model_validator(mode="after")
+    def _anon(self) -> _CloudBase:
+        if self.anonymous and not self.endpoint:
+            raise ValueError("anonymous: true is allowed only together with endpoint")
+        if self.endpoint and urlsplit(self.endpoint).scheme not in ("http", "https"):
+            raise ValueError("endpoint must be an http:// or https:// URL")
+        return self
+
+
+class AwsConfig(_CloudBase):
+    interruption_queue_url: str | None = None
+
+
+class GcpConfig(_CloudBase):
+    project: str | None = None
+
+
+class AzureConfig(_CloudBase):
+    subscription_id: str | None = None
+
+
+class AlibabaConfig(_CloudBase):
+    usd_per_cny: float = Field(default=0.14, gt=0)
+
+
+class SimConfig(_Section):
+    seed: int = 7
+    clouds: list[SimCloud] = Field(default_factory=lambda: list(SIM_CLOUDS))
+    regions_per_cloud: int = Field(default=3, ge=1, le=500)
+    zones_per_region: int = Field(default=3, ge=1, le=10)
+    preempt_rate_multiplier: float = Field(default=1.0, ge=0)
+    signal_interval_seconds: float = Field(default=1.0, gt=0)
+
+
+class CloudsConfig(_Section):
+    """Each cloud section is optional; an empty one (`sim:`) means its defaults."""
+
+    aws: AwsConfig | None = None
+    gcp: GcpConfig | None = None
+    azure: AzureConfig | None = None
+    alibaba: AlibabaConfig | None = None
+    sim: SimConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_means_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: ({} if v is None else v) for k, v in data.items()}
+        return data
+
+    @model_validator(mode="after")
+    def _overlap(self) -> CloudsConfig:
+        if self.sim:
+            clash = [c for c in self.sim.clouds if getattr(self, c) is not None]
+            if clash:
+                raise ValueError(
+                    f"sim.clouds simulates {', '.join(clash)}, which is also configured as a "
+                    "real cloud; remove one of them")
+        return self
+
+    def configured(self) -> list[str]:
+        return [n for n in ("aws", "gcp", "azure", "alibaba", "sim") if getattr(self, n)]
+
+
+class Config(_Section):
+    site: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "local"
+    state: StateConfig = StateConfig()
+    mqtt: MqttConfig = MqttConfig()
+    http: HttpConfig = HttpConfig()
+    policy_file: Path | None = None
+    poll: PollConfig = PollConfig()
+    clouds: CloudsConfig = CloudsConfig(sim=SimConfig())
+
+    @property
+    def client_id(self) -> str:
+        return self.mqtt.client_id or f"gpubroker-{self.site}"
+
+
+def parse_config(text: str, name: str = "<config>") -> Config:
+    return _validate(yamlsrc.parse(text, name))
+
+
+def load_config(path: Path) -> Config:
+    return _validate(yamlsrc.load(path))
+
+
+def _validate(doc: yamlsrc.Document) -> Config:
+    data: Any = doc.data if doc.data is not None else {}
+    if not isinstance(data, dict):
+        raise SourceError([doc.problem((), "the configuration is a YAML mapping")])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise yamlsrc.from_validation_error(doc, err) from None

@@ -1,0 +1,390 @@
+"""The broker's decisions: requests in, lease changes and events out.
+
+`Broker` owns the lease book and applies every change to it under one lock, in order:
+placement requests (in batches), renewals, releases, reports, expiries and failovers.
+Each change is committed to the state store together with the MQTT messages it causes
+(the outbox) before anything is published, so a crash never loses a decision and never
+publishes one that was not kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any
+
+import structlog
+
+from broker import failover, placement, requests
+from broker.events import Messages, lease_subject, request_subject
+from broker.leases import LeaseBook, LeaseError
+from broker.model import (
+    CapacitySignal,
+    Event,
+    FailoverReason,
+    Lease,
+    LeaseState,
+    PlaceRequest,
+    iso,
+    utcnow,
+)
+from broker.pool import PoolChange, ResourcePool
+from broker.store import OutboxRow, StateStore
+from policies.model import Policy
+
+log = structlog.get_logger("gpubroker.broker")
+
+VERBS = ("place", "renew", "release", "report")
+MAX_BATCH = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One message from a scheduler, as received (validated here, not by the bus)."""
+
+    scheduler: str
+    verb: str
+    payload: bytes
+    topic: str
+    reply: dict[str, Any] | None = None  # MQTT 5 response_topic + correlation_data
+
+
+@dataclass(slots=True)
+class _Batch:
+    """What one turn of the request loop changes, committed in one transaction."""
+
+    leases: dict[str, Lease] = field(default_factory=dict)
+    rows: list[OutboxRow] = field(default_factory=list)
+    answered: dict[tuple[str, str], Lease] = field(default_factory=dict)
+
+
+Publish = Callable[[Sequence[OutboxRow]], None]
+Observer = Callable[[str, dict[str, Any]], None]
+
+
+class Broker:
+    def __init__(self, *, pool: ResourcePool, book: LeaseBook, store: StateStore,
+                 messages: Messages, policy: Policy, publish: Publish,
+                 retry_after_seconds: float, clock: Callable[[], datetime] = utcnow) -> None:
+        self.pool = pool
+        self.book = book
+        self.store = store
+        self.messages = messages
+        self.policy = policy
+        self._publish = publish
+        self._retry_after = retry_after_seconds
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self._requests: asyncio.Queue[Command] = asyncio.Queue(maxsize=10_000)
+        self._triggers: asyncio.Queue[failover.Trigger] = asyncio.Queue()
+        self._expiry_changed = asyncio.Event()
+        self.observers: list[Observer] = []
+        pool.subscribe(self._on_pool_change)
+
+    # --- inputs ----------------------------------------------------------------------
+
+    async def submit(self, command: Command) -> None:
+        """Queue a scheduler's message; waits when the queue is full (back-pressure)."""
+        await self._requests.put(command)
+
+    def signal(self, sig: CapacitySignal) -> None:
+        """A cloud's push notice about a pool (spot interruption ...)."""
+        for trigger in failover.from_signal(sig, self.book):
+            self._triggers.put_nowait(trigger)
+
+    def _on_pool_change(self, change: PoolChange) -> None:
+        for trigger in failover.from_pool_change(change, self.book):
+            self._triggers.put_nowait(trigger)
+
+    def restore(self, leases: Sequence[Lease]) -> None:
+        """Load the lease book from the store at start-up."""
+        self.book.load(leases)
+        for lease in self.book.active():
+            self.pool.hold(lease.placement.pool, lease.placement.instances)
+
+    # --- loops -----------------------------------------------------------------------
+
+    async def run_requests(self, ready: asyncio.Event) -> None:
+        """Take requests in batches (whatever has queued up, at most MAX_BATCH)."""
+        await ready.wait()
+        while True:
+            batch = [await self._requests.get()]
+            while len(batch) < MAX_BATCH and not self._requests.empty():
+                batch.append(self._requests.get_nowait())
+            try:
+                await self.handle(batch)
+            finally:
+                for _ in batch:
+                    self._requests.task_done()
+
+    async def idle(self) -> None:
+        """Wait until every queued request is decided and committed."""
+        await self._requests.join()
+        async with self._lock:
+            pass
+
+    async def run_failovers(self) -> None:
+        while True:
+            trigger = await self._triggers.get()
+            async with self._lock:
+                await self._fail_over(trigger)
+
+    async def run_expiry(self) -> None:
+        while True:
+            nxt = self.book.next_expiry()
+            timeout = None if nxt is None else max(0.0, (nxt - self._clock()).total_seconds())
+            self._expiry_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._expiry_changed.wait()
+                    continue
+            await self.expire_due()
+
+    async def expire_due(self) -> list[Lease]:
+        async with self._lock:
+            now = self._clock()
+            b = _Batch()
+            for lease in self.book.due(now):
+                ended = self.book.end(lease.lease_id, LeaseState.EXPIRED, now)
+                self._ended(b, ended, "lease.expired", {"lease_id": ended.lease_id})
+            await self._commit(b)
+            return list(b.leases.values())
+
+    # --- requests --------------------------------------------------------------------
+
+    async def handle(self, batch: Sequence[Command]) -> None:
+        async with self._lock:
+            b = _Batch()
+            asks: list[tuple[Command, PlaceRequest]] = []
+            for cmd in batch:
+                if cmd.verb == "place":
+                    req = await self._check_place(b, cmd)
+                    if req is not None:
+                        asks.append((cmd, req))
+                elif cmd.verb in ("renew", "release"):
+                    self._lease_verb(b, cmd)
+                elif cmd.verb == "report":
+                    await self._report(b, cmd)
+                else:
+                    self._invalid(b, cmd, None, [{
+                        "field": "", "message": f"unknown verb {cmd.verb!r}; "
+                        f"expected one of {', '.join(VERBS)}"}])
+            if asks:
+                self._place(b, asks)
+            await self._commit(b)
+
+    async def _check_place(self, b: _Batch, cmd: Command) -> PlaceRequest | None:
+        parsed = requests.parse_place(cmd.scheduler, cmd.payload)
+        if isinstance(parsed, requests.Invalid):
+            self._invalid(b, cmd, parsed.request_id, parsed.errors)
+            return None
+        key = (cmd.scheduler, parsed.request_id)
+        lease = b.answered.get(key) or self.book.find(*key)
+        if lease is None:
+            lease = await self.store.find_lease(*key)
+            if lease is not None:
+                self.book.remember(lease)
+        if lease is not None:
+            self._decided(b, lease, cmd, reason="repeated request: the lease it already has",
+                          alternatives=())
+            return None
+        return parsed
+
+    def _place(self, b: _Batch, asks: list[tuple[Command, PlaceRequest]]) -> None:
+        now = self._clock()
+        # A request_id repeated within one batch is placed once and answered twice.
+        unique: dict[tuple[str, str], tuple[Command, PlaceRequest]] = {}
+        repeats: list[tuple[Command, PlaceRequest]] = []
+        for cmd, req in asks:
+            k = (req.scheduler, req.request_id)
+            if k in unique:
+                repeats.append((cmd, req))
+            else:
+                unique[k] = (cmd, req)
+        outcomes = placement.place(
+            [placement.Ask(req) for _, req in unique.values()], self.pool, self.policy,
+            now=now, retry_after_seconds=self._retry_after)
+        rejected: dict[tuple[str, str], placement.Rejection] = {}
+        for (cmd, req), outcome in zip(unique.values(), outcomes, strict=True):
+            if isinstance(outcome, placement.Rejection):
+                rejected[(req.scheduler, req.request_id)] = outcome
+                self._rejected(b, cmd, req, outcome)
+                continue
+            lease = self.book.create(
+                req, outcome.placement,
+                lease_seconds=req.lease_seconds or self.policy.defaults.lease_seconds,
+                cap=placement.effective_cap(req, self.policy), now=now)
+            self.pool.hold(lease.placement.pool, lease.placement.instances)
+            b.answered[(req.scheduler, req.request_id)] = lease
+            self._decided(b, lease, cmd, outcome.reason, outcome.alternatives)
+            self._expiry_changed.set()
+        for cmd, req in repeats:
+            k = (req.scheduler, req.request_id)
+            if k in b.answered:
+                self._decided(b, b.answered[k], cmd, "repeated request: the lease it already has",
+                              ())
+            else:
+                self._rejected(b, cmd, req, rejected[k])
+
+    def _rejected(self, b: _Batch, cmd: Command, req: PlaceRequest,
+                  outcome: placement.Rejection) -> None:
+        data: dict[str, Any] = {"request_id": req.request_id, "code": outcome.code.value,
+                                "detail": outcome.detail}
+        if outcome.retry_after_seconds is not None:
+            data["retry_after_seconds"] = outcome.retry_after_seconds
+        self._emit(b, Event("placement.rejected", req.scheduler, data,
+                            request_subject(req.request_id), req.request_id), cmd.reply)
+
+    def _decided(self, b: _Batch, lease: Lease, cmd: Command | None, reason: str,
+                 alternatives: Sequence[Any]) -> None:
+        data = {
+            "request_id": lease.request_id,
+            "lease_id": lease.lease_id,
+            "epoch": lease.epoch,
+            "placement": lease.placement.to_json(),
+            "expires_at": iso(lease.expires_at),
+            "reason": reason,
+            "alternatives": [a.to_json() for a in alternatives],
+        }
+        if lease.state is not LeaseState.ACTIVE:
+            data["state"] = lease.state.value
+        b.leases[lease.lease_id] = lease
+        self._emit(b, Event("placement.decided", lease.scheduler, data,
+                            lease_subject(lease.lease_id), lease.request_id),
+                   cmd.reply if cmd else None)
+        b.rows.append(self.messages.lease_state(lease))
+
+    def _lease_verb(self, b: _Batch, cmd: Command) -> None:
+        parsed = requests.parse_lease_ref(cmd.payload)
+        if isinstance(parsed, requests.Invalid):
+            self._invalid(b, cmd, None, parsed.errors)
+            return
+        now = self._clock()
+        try:
+            if cmd.verb == "renew":
+                lease = self.book.renew(parsed.lease_id, cmd.scheduler, now)
+                b.leases[lease.lease_id] = lease
+                self._emit(b, Event("lease.renewed", cmd.scheduler, {
+                    "lease_id": lease.lease_id, "epoch": lease.epoch,
+                    "expires_at": iso(lease.expires_at)}, lease_subject(lease.lease_id),
+                    lease.request_id), cmd.reply)
+                b.rows.append(self.messages.lease_state(lease))
+                self._expiry_changed.set()
+            else:
+                lease = self.book.end(parsed.lease_id, LeaseState.RELEASED, now, cmd.scheduler)
+                self._ended(b, lease, "lease.released", {"lease_id": lease.lease_id},
+                            cmd.reply)
+        except LeaseError as exc:
+            self._lease_error(b, cmd, parsed.lease_id, exc)
+
+    def _lease_error(self, b: _Batch, cmd: Command, lease_id: str, exc: LeaseError) -> None:
+        """A verb on a lease that has ended repeats how it ended; on one the scheduler
+        does not have, it is an invalid request."""
+        lease = self.book.get(lease_id)
+        if lease is not None and lease.scheduler == cmd.scheduler and \
+                lease.state is not LeaseState.ACTIVE:
+            kind = {LeaseState.RELEASED: "lease.released", LeaseState.EXPIRED: "lease.expired",
+                    LeaseState.FAILED: "lease.failed"}[lease.state]
+            data: dict[str, Any] = {"lease_id": lease_id}
+            if lease.state is LeaseState.FAILED:
+                data.update(reason="ended", detail="the lease had already failed")
+            self._emit(b, Event(kind, cmd.scheduler, data, lease_subject(lease_id),
+                                lease.request_id), cmd.reply)
+            return
+        self._invalid(b, cmd, None, [{"field": "lease_id", "message": str(exc)}])
+
+    async def _report(self, b: _Batch, cmd: Command) -> None:
+        parsed = requests.parse_report(cmd.payload)
+        if isinstance(parsed, requests.Invalid):
+            self._invalid(b, cmd, None, parsed.errors)
+            return
+        lease = self.book.get(parsed.lease_id)
+        if lease is None or lease.scheduler != cmd.scheduler or \
+                lease.state is not LeaseState.ACTIVE:
+            self._lease_error(b, cmd, parsed.lease_id,
+                              LeaseError(f"no active lease {parsed.lease_id!r}"))
+            return
+        detail = f"scheduler reported {parsed.kind}"
+        if parsed.detail:
+            detail += f": {parsed.detail}"
+        trigger = failover.Trigger(lease.lease_id, lease.epoch, FailoverReason.REPORTED,
+                                   detail, cool_down=True)
+        self._fail_over_into(b, trigger)
+
+    def _invalid(self, b: _Batch, cmd: Command, request_id: str | None,
+                 errors: list[dict[str, str]]) -> None:
+        data: dict[str, Any] = {"errors": errors, "topic": cmd.topic}
+        if request_id is not None:
+            data = {"request_id": request_id, **data}
+        log.info("request invalid", scheduler=cmd.scheduler, topic=cmd.topic, errors=errors)
+        self._emit(b, Event("request.invalid", cmd.scheduler, data,
+                            request_subject(request_id), request_id), cmd.reply)
+
+    # --- failover --------------------------------------------------------------------
+
+    async def _fail_over(self, trigger: failover.Trigger) -> None:
+        b = _Batch()
+        self._fail_over_into(b, trigger)
+        await self._commit(b)
+
+    def _fail_over_into(self, b: _Batch, trigger: failover.Trigger) -> None:
+        lease = self.book.get(trigger.lease_id)
+        if lease is None or lease.state is not LeaseState.ACTIVE or \
+                lease.epoch != trigger.epoch:
+            return  # already moved or ended since the trigger was raised
+        now = self._clock()
+        old = lease.placement
+        if trigger.cool_down:
+            self.pool.cool_down(old.pool, self.policy.failover.cooldown_seconds)
+        self.pool.unhold(old.pool, old.instances)
+        # The re-placement keeps the price cap the lease was decided under.
+        request = replace(lease.request, max_price_per_gpu_hour=lease.max_price_per_gpu_hour)
+        ask = placement.Ask(request, exclude=frozenset({old.pool}))
+        [outcome] = placement.place([ask], self.pool, self.policy, now=now)
+        if isinstance(outcome, placement.Decision):
+            moved = self.book.failover(lease.lease_id, outcome.placement, now)
+            self.pool.hold(moved.placement.pool, moved.placement.instances)
+            b.leases[moved.lease_id] = moved
+            self._emit(b, Event("lease.failover", moved.scheduler, {
+                "lease_id": moved.lease_id, "epoch": moved.epoch, "from": old.to_json(),
+                "to": moved.placement.to_json(), "reason": trigger.reason.value,
+                "detail": trigger.detail}, lease_subject(moved.lease_id), moved.request_id))
+            b.rows.append(self.messages.lease_state(moved))
+            log.info("lease failed over", lease_id=moved.lease_id, epoch=moved.epoch,
+                     reason=trigger.reason.value, to=str(moved.placement.pool),
+                     latency_ms=_ms(now, trigger.received_at))
+        else:
+            ended = self.book.end(lease.lease_id, LeaseState.FAILED, now)
+            self._ended(b, ended, "lease.failed", {
+                "lease_id": ended.lease_id, "reason": trigger.reason.value,
+                "detail": f"{trigger.detail}; no other placement: {outcome.detail}"})
+            log.warning("lease failed", lease_id=ended.lease_id, reason=trigger.reason.value,
+                        detail=outcome.detail)
+
+    # --- plumbing --------------------------------------------------------------------
+
+    def _ended(self, b: _Batch, lease: Lease, kind: str, data: dict[str, Any],
+               reply: dict[str, Any] | None = None) -> None:
+        self.pool.unhold(lease.placement.pool, lease.placement.instances)
+        b.leases[lease.lease_id] = lease
+        self._emit(b, Event(kind, lease.scheduler, data, lease_subject(lease.lease_id),
+                            lease.request_id), reply)
+        b.rows.append(self.messages.lease_state(lease))
+
+    def _emit(self, b: _Batch, event: Event, reply: dict[str, Any] | None = None) -> None:
+        b.rows.extend(self.messages.event(event, reply))
+        for observe in self.observers:
+            observe(event.kind, event.data)
+
+    async def _commit(self, b: _Batch) -> None:
+        if not b.leases and not b.rows:
+            return
+        rows = await self.store.commit(b.leases.values(), b.rows)
+        self._publish(rows)
+
+
+def _ms(now: datetime, then: datetime | None) -> float | None:
+    return None if then is None else round((now - then).total_seconds() * 1000, 1)

@@ -1,0 +1,173 @@
+"""The composition root: builds the parts, runs them in one task group, shuts down in order.
+
+Start-up: state store → lease book and outbox restored → MQTT → adapters → polling;
+requests are taken once the first round of polls is in. Shutdown (SIGTERM/SIGINT) runs
+in reverse: stop taking requests, finish the decisions in flight, flush the outbox,
+publish `offline`, disconnect, close the store and the adapters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import structlog
+
+from adapters.base import CloudAdapter
+from adapters.errors import AdapterError
+from broker import capacity
+from broker.bus import Bus
+from broker.clouds import build_adapters
+from broker.config import Config
+from broker.core import Broker
+from broker.events import Envelopes, Messages, Topics, dumps
+from broker.leases import LeaseBook
+from broker.model import utcnow
+from broker.poller import Poller, PollResult
+from broker.pool import ResourcePool, SliceId
+from broker.store import StateStore
+from policies.loader import load_policy
+from policies.model import Policy
+
+log = structlog.get_logger("gpubroker.daemon")
+
+SHUTDOWN_GRACE_SECONDS = 10.0
+
+
+class Daemon:
+    def __init__(self, cfg: Config, *, policy: Policy | None = None,
+                 adapters: list[CloudAdapter] | None = None) -> None:
+        self.cfg = cfg
+        self.boot_id = str(uuid.uuid4())
+        self.policy = policy if policy is not None else (
+            load_policy(cfg.policy_file) if cfg.policy_file else Policy())
+        if adapters is None:
+            adapters, problems = build_adapters(cfg)
+            for name, problem in problems:
+                log.error("cloud unavailable", cloud=name, error=problem)
+        self.adapters = adapters
+        self.topics = Topics(cfg.mqtt.topic_prefix)
+        self.store = StateStore(cfg.state.path, synchronous=cfg.state.synchronous)
+        self.pool = ResourcePool(stale_after_seconds=cfg.poll.stale_after_seconds)
+        self.book = LeaseBook(keep_ended=timedelta(hours=cfg.state.keep_ended_hours))
+        self.messages = Messages(self.topics, Envelopes(cfg.site, self.boot_id))
+        self.bus = Bus(cfg.mqtt, self.topics, self.store, client_id=cfg.client_id,
+                       boot_id=self.boot_id, on_command=self._on_command)
+        self.broker = Broker(pool=self.pool, book=self.book, store=self.store,
+                             messages=self.messages, policy=self.policy,
+                             publish=self.bus.enqueue,
+                             retry_after_seconds=cfg.poll.interval_seconds)
+        self._polled: asyncio.Queue[SliceId] = asyncio.Queue()
+        self.poller = Poller(self.pool, self.adapters,
+                             interval_seconds=cfg.poll.interval_seconds,
+                             timeout_seconds=cfg.poll.timeout_seconds,
+                             on_result=self._on_poll)
+        self.ready = asyncio.Event()
+        self.stopped = asyncio.Event()
+
+    def adapter(self, name: str) -> CloudAdapter:
+        return next(a for a in self.adapters if a.name == name)
+
+    async def _on_command(self, command: Any) -> None:
+        await self.broker.submit(command)
+
+    def _on_poll(self, result: PollResult) -> None:
+        if result.change is not None:
+            self._polled.put_nowait(result.slice)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until `stop` is set, then shut down in order."""
+        await self.store.open()
+        try:
+            now = utcnow()
+            self.broker.restore(await self.store.leases(
+                ended_since=now - self.book.keep_ended))
+            self.bus.enqueue(await self.store.pending())
+            log.info("starting", site=self.cfg.site, boot_id=self.boot_id,
+                     leases=len(self.book.active()), outbox=self.bus.outbox_depth,
+                     adapters=[a.name for a in self.adapters], state=str(self.store.path))
+            async with asyncio.TaskGroup() as tg:
+                bus = tg.create_task(self.bus.run())
+                workers = [
+                    tg.create_task(self.poller.run()),
+                    tg.create_task(self.broker.run_requests(self.poller.first_round)),
+                    tg.create_task(self.broker.run_failovers()),
+                    tg.create_task(self.broker.run_expiry()),
+                    tg.create_task(self._publish_capacity()),
+                    tg.create_task(self._prune()),
+                    tg.create_task(self._mark_ready()),
+                    *(tg.create_task(self._signals(a)) for a in self.adapters),
+                ]
+                await stop.wait()
+                log.info("shutting down")
+                self.bus.stop_receiving()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(SHUTDOWN_GRACE_SECONDS / 2):
+                        await self.broker.idle()
+                for task in workers:
+                    task.cancel()
+                if not await self.bus.drained(SHUTDOWN_GRACE_SECONDS / 2):
+                    log.warning("outbox not flushed; it is sent at next start",
+                                outbox=self.bus.outbox_depth)
+                await self.bus.goodbye()
+                bus.cancel()
+        finally:
+            for adapter in self.adapters:
+                await adapter.close()
+            await self.store.close()
+            self.stopped.set()
+            log.info("stopped")
+
+    async def _mark_ready(self) -> None:
+        await self.poller.first_round.wait()
+        await self.bus.connected.wait()
+        self.ready.set()
+        log.info("ready", offers=len(self.pool), leases=len(self.book.active()))
+
+    async def _signals(self, adapter: CloudAdapter) -> None:
+        failures = 0
+        while True:
+            try:
+                async with contextlib.aclosing(adapter.signals(self.book.leased_pools)) as it:
+                    async for sig in it:
+                        failures = 0
+                        self.broker.signal(sig)
+            except AdapterError as exc:
+                failures += 1
+                if failures == 1:
+                    log.warning("capacity signals failing", adapter=adapter.name,
+                                error=type(exc).__name__, detail=str(exc))
+                await asyncio.sleep(min(60.0, 2.0 ** failures))
+
+    async def _publish_capacity(self) -> None:
+        expiry = int(3 * self.cfg.poll.interval_seconds)
+        while True:
+            slice_id = await self._polled.get()
+            now = utcnow()
+            offers = self.pool.slice_offers(slice_id)
+            for (cloud, region, gpu), summary in capacity.summaries(offers, self.pool,
+                                                                     now).items():
+                await self.bus.publish_now(self.topics.capacity(cloud, region, gpu),
+                                           dumps(summary), retain=True, expiry_seconds=expiry)
+
+    async def _prune(self) -> None:
+        while True:
+            await asyncio.sleep(3600)
+            self.book.prune(utcnow())
+
+
+def install_signal_handlers(stop: asyncio.Event) -> Callable[[], None]:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def remove() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+    return remove

@@ -1,0 +1,160 @@
+"""The lease book: every lease's state machine, in memory, mirrored to SQLite.
+
+    active ──renew──▶ active
+    active ──failover──▶ active (epoch + 1: a fencing token)
+    active ──release──▶ released
+    active ──TTL passes without renew──▶ expired
+    active ──failover finds nowhere to go──▶ failed
+
+Ended leases are final. The book does no I/O: each transition returns the new `Lease`,
+which the caller commits to the `StateStore` together with the events it causes.
+Ended leases stay in memory for `keep_ended` so that a repeated request is answered
+with the same lease (idempotency on scheduler + request_id); the store keeps them all.
+"""
+
+from __future__ import annotations
+
+import heapq
+import uuid
+from collections.abc import Iterable
+from dataclasses import replace
+from datetime import datetime, timedelta
+
+from broker.model import Lease, LeaseState, Placement, PlaceRequest, PoolKey
+
+
+class LeaseError(Exception):
+    """A transition that the lease's state does not allow; the message says why."""
+
+
+class LeaseBook:
+    def __init__(self, *, keep_ended: timedelta = timedelta(hours=24)) -> None:
+        self.keep_ended = keep_ended
+        self._leases: dict[str, Lease] = {}
+        self._by_request: dict[tuple[str, str], str] = {}
+        self._by_pool: dict[PoolKey, set[str]] = {}
+        self._expiry: list[tuple[datetime, str]] = []  # lazy heap: stale entries skipped
+
+    def load(self, leases: Iterable[Lease]) -> None:
+        for lease in leases:
+            self._put(lease)
+
+    # --- reading -------------------------------------------------------------------
+
+    def get(self, lease_id: str) -> Lease | None:
+        return self._leases.get(lease_id)
+
+    def find(self, scheduler: str, request_id: str) -> Lease | None:
+        lease_id = self._by_request.get((scheduler, request_id))
+        return self._leases.get(lease_id) if lease_id else None
+
+    def active(self) -> list[Lease]:
+        return [le for le in self._leases.values() if le.state is LeaseState.ACTIVE]
+
+    def all(self) -> list[Lease]:
+        return list(self._leases.values())
+
+    def on_pool(self, key: PoolKey) -> list[Lease]:
+        return [self._leases[i] for i in self._by_pool.get(key, ())]
+
+    def leased_pools(self) -> set[PoolKey]:
+        return set(self._by_pool)
+
+    def next_expiry(self) -> datetime | None:
+        while self._expiry:
+            at, lease_id = self._expiry[0]
+            lease = self._leases.get(lease_id)
+            if lease and lease.state is LeaseState.ACTIVE and lease.expires_at == at:
+                return at
+            heapq.heappop(self._expiry)
+        return None
+
+    def due(self, now: datetime) -> list[Lease]:
+        """Active leases whose TTL has passed."""
+        out = []
+        while (at := self.next_expiry()) is not None and at <= now:
+            _, lease_id = heapq.heappop(self._expiry)
+            out.append(self._leases[lease_id])
+        return out
+
+    # --- transitions -----------------------------------------------------------------
+
+    def create(self, request: PlaceRequest, placement: Placement, *, lease_seconds: int,
+               cap: float | None, now: datetime) -> Lease:
+        key = (request.scheduler, request.request_id)
+        if key in self._by_request:
+            raise LeaseError(f"request {request.request_id!r} already has a lease")
+        lease = Lease(
+            lease_id=f"L-{uuid.uuid4().hex}",
+            scheduler=request.scheduler,
+            request_id=request.request_id,
+            request=request,
+            placement=placement,
+            epoch=1,
+            state=LeaseState.ACTIVE,
+            created_at=now,
+            expires_at=now + timedelta(seconds=lease_seconds),
+            lease_seconds=lease_seconds,
+            max_price_per_gpu_hour=cap,
+            updated_at=now,
+        )
+        self._put(lease)
+        return lease
+
+    def renew(self, lease_id: str, scheduler: str, now: datetime) -> Lease:
+        lease = self._active(lease_id, scheduler)
+        return self._put(replace(lease, expires_at=now + timedelta(seconds=lease.lease_seconds),
+                                 updated_at=now))
+
+    def failover(self, lease_id: str, placement: Placement, now: datetime) -> Lease:
+        lease = self._active(lease_id, None)
+        return self._put(replace(lease, placement=placement, epoch=lease.epoch + 1,
+                                 updated_at=now))
+
+    def end(self, lease_id: str, state: LeaseState, now: datetime,
+            scheduler: str | None = None) -> Lease:
+        if state is LeaseState.ACTIVE:
+            raise ValueError("end() takes a final state")
+        lease = self._active(lease_id, scheduler)
+        return self._put(replace(lease, state=state, updated_at=now))
+
+    def prune(self, now: datetime) -> int:
+        """Forget ended leases older than keep_ended (they stay in the store)."""
+        cutoff = now - self.keep_ended
+        old = [le for le in self._leases.values()
+               if le.state is not LeaseState.ACTIVE and le.updated_at < cutoff]
+        for lease in old:
+            del self._leases[lease.lease_id]
+            self._by_request.pop((lease.scheduler, lease.request_id), None)
+        return len(old)
+
+    def remember(self, lease: Lease) -> None:
+        """Bring an ended lease found in the store back into memory (idempotent answer)."""
+        if lease.lease_id not in self._leases:
+            self._put(lease)
+
+    # --- internals -------------------------------------------------------------------
+
+    def _active(self, lease_id: str, scheduler: str | None) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None or (scheduler is not None and lease.scheduler != scheduler):
+            raise LeaseError(f"no lease {lease_id!r}")
+        if lease.state is not LeaseState.ACTIVE:
+            raise LeaseError(f"lease {lease_id!r} is {lease.state.value}")
+        return lease
+
+    def _put(self, lease: Lease) -> Lease:
+        old = self._leases.get(lease.lease_id)
+        if old is not None and old.state is LeaseState.ACTIVE:
+            ids = self._by_pool.get(old.placement.pool)
+            if ids is not None:
+                ids.discard(lease.lease_id)
+                if not ids:
+                    del self._by_pool[old.placement.pool]
+        self._leases[lease.lease_id] = lease
+        self._by_request[(lease.scheduler, lease.request_id)] = lease.lease_id
+        if lease.state is LeaseState.ACTIVE:
+            self._by_pool.setdefault(lease.placement.pool, set()).add(lease.lease_id)
+            if old is None or old.expires_at != lease.expires_at:
+                heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
+        return lease

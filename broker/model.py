@@ -1,0 +1,334 @@
+"""The shared vocabulary of gpubroker.
+
+Everything here is a plain, frozen value. This module imports nothing of the project, so
+adapters and policies may depend on it without pulling in the daemon.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+SCHEDULER_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class Market(StrEnum):
+    SPOT = "spot"
+    ON_DEMAND = "on_demand"
+
+
+class LeaseState(StrEnum):
+    ACTIVE = "active"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    FAILED = "failed"
+
+
+class FailoverReason(StrEnum):
+    INTERRUPTED = "interrupted"
+    CAPACITY_LOST = "capacity_lost"
+    PRICE_ABOVE_CAP = "price_above_cap"
+    CLOUD_UNHEALTHY = "cloud_unhealthy"
+    REPORTED = "reported"
+    POLICY_CHANGED = "policy_changed"
+
+
+class RejectCode(StrEnum):
+    NO_CAPACITY = "no_capacity"
+    OVER_PRICE_CAP = "over_price_cap"
+    OVER_BUDGET = "over_budget"
+    POLICY_DENIED = "policy_denied"
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def iso(ts: datetime) -> str:
+    """RFC 3339 in UTC with millisecond precision and a `Z`, as every payload uses."""
+    return ts.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_iso(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class PoolKey:
+    """One place capacity comes from."""
+
+    cloud: str
+    region: str
+    zone: str
+    instance_type: str
+    market: Market
+
+    def __str__(self) -> str:
+        return f"{self.cloud}/{self.zone}/{self.instance_type}/{self.market.value}"
+
+    def to_json(self) -> dict[str, str]:
+        return {
+            "cloud": self.cloud,
+            "region": self.region,
+            "zone": self.zone,
+            "instance_type": self.instance_type,
+            "market": self.market.value,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PoolKey:
+        return cls(d["cloud"], d["region"], d["zone"], d["instance_type"], Market(d["market"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A pool's current state, as one poll of its cloud saw it.
+
+    `price_per_hour` is USD per instance; `None` when the cloud publishes no price for the
+    pool (such an offer is listed but never placed on). Signals the cloud does not give
+    are `None`, never a guess: `availability` 0..1, `capacity` free instances,
+    `interruption_rate` interruptions per hour (spot only), `quota_headroom` GPUs.
+    `gpu_known` is False when the adapter could not map the cloud's GPU name onto a
+    canonical one; `gpu` then holds the cloud's own name.
+    """
+
+    pool: PoolKey
+    gpu: str
+    gpus: int
+    gpu_memory_gb: float | None
+    vcpus: int | None
+    memory_gb: float | None
+    price_per_hour: float | None
+    observed_at: datetime
+    availability: float | None = None
+    capacity: int | None = None
+    interruption_rate: float | None = None
+    quota_headroom: int | None = None
+    gpu_known: bool = True
+
+    @property
+    def price_per_gpu_hour(self) -> float | None:
+        if self.price_per_hour is None or self.gpus <= 0:
+            return None
+        return self.price_per_hour / self.gpus
+
+    def to_json(self) -> dict[str, Any]:
+        """The exact shape of `gpubroker offers --format json` and `/v1/offers`."""
+        ppg = self.price_per_gpu_hour
+        return {
+            "cloud": self.pool.cloud,
+            "region": self.pool.region,
+            "zone": self.pool.zone,
+            "instance_type": self.pool.instance_type,
+            "market": self.pool.market.value,
+            "gpu": self.gpu,
+            "gpus": self.gpus,
+            "gpu_memory_gb": self.gpu_memory_gb,
+            "vcpus": self.vcpus,
+            "memory_gb": self.memory_gb,
+            "price_per_hour": _round(self.price_per_hour),
+            "price_per_gpu_hour": _round(ppg),
+            "observed_at": iso(self.observed_at),
+            "availability": self.availability,
+            "capacity": self.capacity,
+            "interruption_rate": self.interruption_rate,
+            "quota_headroom": self.quota_headroom,
+        }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a lease's GPUs are: one pool, `instances` instances of it."""
+
+    pool: PoolKey
+    instances: int
+    gpu: str
+    gpus: int  # per instance
+    price_per_hour: float  # the whole placement
+    price_observed_at: datetime
+
+    @property
+    def total_gpus(self) -> int:
+        return self.instances * self.gpus
+
+    @property
+    def price_per_gpu_hour(self) -> float:
+        return self.price_per_hour / self.total_gpus
+
+    @classmethod
+    def of(cls, offer: Offer, instances: int) -> Placement:
+        assert offer.price_per_hour is not None
+        return cls(
+            pool=offer.pool,
+            instances=instances,
+            gpu=offer.gpu,
+            gpus=offer.gpus,
+            price_per_hour=offer.price_per_hour * instances,
+            price_observed_at=offer.observed_at,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.pool.to_json(),
+            "instances": self.instances,
+            "gpu": self.gpu,
+            "gpus": self.gpus,
+            "total_gpus": self.total_gpus,
+            "price_per_hour": round(self.price_per_hour, 6),
+            "price_per_gpu_hour": round(self.price_per_gpu_hour, 6),
+            "price_observed_at": iso(self.price_observed_at),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Placement:
+        return cls(
+            pool=PoolKey.from_json(d),
+            instances=int(d["instances"]),
+            gpu=d["gpu"],
+            gpus=int(d["gpus"]),
+            price_per_hour=float(d["price_per_hour"]),
+            price_observed_at=parse_iso(d["price_observed_at"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceRequest:
+    """A validated placement request (SPEC §4). `market` None means "policy default"."""
+
+    scheduler: str
+    request_id: str
+    gpu: tuple[str, ...]
+    gpus: int
+    gang: bool = True
+    market: str | None = None  # spot | on_demand | any
+    max_price_per_gpu_hour: float | None = None
+    clouds: tuple[str, ...] | None = None
+    regions: tuple[str, ...] | None = None
+    team: str | None = None
+    duration_hours: float | None = None
+    lease_seconds: int | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "request_id": self.request_id,
+            "gpu": list(self.gpu),
+            "gpus": self.gpus,
+            "gang": self.gang,
+        }
+        for name in ("market", "max_price_per_gpu_hour", "team", "duration_hours",
+                     "lease_seconds"):
+            v = getattr(self, name)
+            if v is not None:
+                d[name] = v
+        if self.clouds is not None:
+            d["clouds"] = list(self.clouds)
+        if self.regions is not None:
+            d["regions"] = list(self.regions)
+        if self.labels:
+            d["labels"] = dict(self.labels)
+        return d
+
+    @classmethod
+    def from_json(cls, scheduler: str, r: dict[str, Any]) -> PlaceRequest:
+        """Rebuild a request `to_json` wrote (trusted input; see broker.requests for
+        validating what schedulers send)."""
+        return cls(
+            scheduler=scheduler,
+            request_id=r["request_id"],
+            gpu=tuple(r["gpu"]),
+            gpus=r["gpus"],
+            gang=r.get("gang", True),
+            market=r.get("market"),
+            max_price_per_gpu_hour=r.get("max_price_per_gpu_hour"),
+            clouds=tuple(r["clouds"]) if "clouds" in r else None,
+            regions=tuple(r["regions"]) if "regions" in r else None,
+            team=r.get("team"),
+            duration_hours=r.get("duration_hours"),
+            lease_seconds=r.get("lease_seconds"),
+            labels=dict(r.get("labels", {})),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: str
+    scheduler: str
+    request_id: str
+    request: PlaceRequest
+    placement: Placement
+    epoch: int
+    state: LeaseState
+    created_at: datetime
+    expires_at: datetime
+    lease_seconds: int
+    max_price_per_gpu_hour: float | None  # the cap the lease was decided under
+    updated_at: datetime
+
+    def to_json(self) -> dict[str, Any]:
+        """The retained `P/leases/S/<lease_id>` payload and the HTTP lease shape."""
+        return {
+            "lease_id": self.lease_id,
+            "scheduler": self.scheduler,
+            "request_id": self.request_id,
+            "state": self.state.value,
+            "epoch": self.epoch,
+            "placement": self.placement.to_json(),
+            "created_at": iso(self.created_at),
+            "expires_at": iso(self.expires_at),
+            "updated_at": iso(self.updated_at),
+            "lease_seconds": self.lease_seconds,
+            "max_price_per_gpu_hour": self.max_price_per_gpu_hour,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One event for a scheduler, before it gets its envelope (SPEC §5).
+
+    `kind` is the topic suffix (`placement.decided`); the CloudEvents `type` is
+    `gpubroker.<kind>.v1`.
+    """
+
+    kind: str
+    scheduler: str
+    data: dict[str, Any]
+    subject: str
+    correlationid: str | None = None
+
+    @property
+    def type(self) -> str:
+        return f"gpubroker.{self.kind}.v1"
+
+
+def gpu_hours_cost(price_per_gpu_hour: float | None) -> float:
+    """Sort key that puts unpriced offers last."""
+    return math.inf if price_per_gpu_hour is None else price_per_gpu_hour
+
+
+class SignalKind(StrEnum):
+    INTERRUPTED = "interrupted"  # the cloud reclaims (or will within minutes) the pool's instances
+    REBALANCE = "rebalance"  # the cloud says the pool is at elevated risk
+    CAPACITY_LOST = "capacity_lost"  # the pool can no longer be launched into
+
+
+@dataclass(frozen=True, slots=True)
+class CapacitySignal:
+    """A push notice from a cloud about one pool, outside the poll cycle.
+
+    `received_at` is when the notice reached gpubroker (for failover latency);
+    `detail` is human-readable and never holds credentials.
+    """
+
+    pool: PoolKey
+    kind: SignalKind
+    received_at: datetime
+    detail: str = ""

@@ -1,0 +1,210 @@
+"""The placement optimizer: a pure function from (requests, pool, policy) to decisions.
+
+For each request it picks the feasible offer with the lowest expected cost per hour:
+
+    instances × price × (1 + restart_hours × interruption_rate
+                           + availability_weight × (1 − availability))
+
+where interruption risk counts for spot only and unknown signals take the policy's
+`unknown_*` values. Paid-for GPUs left idle (an 8-GPU instance for 6 GPUs) are in the
+price, so they count too.
+
+Requests come in batches; capacity an earlier request of the batch takes is not
+offered to a later one. This version places the batch's requests one after another in
+order; the interface is the one a global optimizer will keep.
+
+No I/O here: the pool is read through the small `PoolView` protocol.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Protocol
+
+from broker.model import Market, Offer, Placement, PlaceRequest, PoolKey, RejectCode
+from policies.model import Policy
+
+ALTERNATIVES = 3
+
+
+class PoolView(Protocol):
+    def by_gpu(self, gpu: str) -> Sequence[Offer]:
+        """Priced offers of `gpu`, cheapest per GPU-hour first."""
+
+    def is_fresh(self, key: PoolKey, now: datetime) -> bool: ...
+
+    def free_capacity(self, key: PoolKey) -> int | None: ...
+
+    def in_cooldown(self, key: PoolKey, now: datetime) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """One request to place. `exclude` keeps pools out (a failover never goes back to the
+    pool that just failed); `gpu` is the list of acceptable models, in preference order."""
+
+    request: PlaceRequest
+    exclude: frozenset[PoolKey] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    ask: Ask
+    placement: Placement
+    expected_cost_per_hour: float
+    reason: str
+    alternatives: tuple[Placement, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    ask: Ask
+    code: RejectCode
+    detail: str
+    retry_after_seconds: float | None = None
+
+
+Outcome = Decision | Rejection
+
+
+@dataclass(slots=True)
+class _Scan:
+    """What a request's search saw, to name the binding constraint if nothing fits."""
+
+    matching: int = 0  # fresh offers of an acceptable model/market/cloud/region
+    under_cap: int = 0
+    cheapest_ppg: float = math.inf
+    best: list[tuple[float, int, Placement, Offer]] = field(default_factory=list)
+
+
+def effective_market(request: PlaceRequest, policy: Policy) -> str:
+    return request.market or policy.defaults.market
+
+
+def effective_cap(request: PlaceRequest, policy: Policy) -> float | None:
+    return (request.max_price_per_gpu_hour
+            if request.max_price_per_gpu_hour is not None
+            else policy.defaults.max_price_per_gpu_hour)
+
+
+def expected_cost(offer: Offer, instances: int, policy: Policy) -> float:
+    s = policy.scoring
+    assert offer.price_per_hour is not None
+    risk = 0.0
+    if offer.pool.market is Market.SPOT:
+        rate = (offer.interruption_rate if offer.interruption_rate is not None
+                else s.unknown_interruption_rate)
+        risk = s.restart_hours * rate
+    avail = offer.availability if offer.availability is not None else s.unknown_availability
+    return instances * offer.price_per_hour * (1.0 + risk + s.availability_weight * (1 - avail))
+
+
+def place(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
+          retry_after_seconds: float | None = None) -> list[Outcome]:
+    """Place each ask of a batch; capacity taken by one is not offered to the next."""
+    taken: Counter[PoolKey] = Counter()
+    out: list[Outcome] = []
+    for ask in asks:
+        outcome = _place_one(ask, view, policy, now, taken, retry_after_seconds)
+        if isinstance(outcome, Decision):
+            taken[outcome.placement.pool] += outcome.placement.instances
+        out.append(outcome)
+    return out
+
+
+def _place_one(ask: Ask, view: PoolView, policy: Policy, now: datetime,
+               taken: Counter[PoolKey], retry_after: float | None) -> Outcome:
+    req = ask.request
+    market = effective_market(req, policy)
+    markets = {Market.SPOT, Market.ON_DEMAND} if market == "any" else {Market(market)}
+    cap = effective_cap(req, policy)
+    clouds = set(req.clouds) if req.clouds else None
+    regions = set(req.regions) if req.regions else None
+    scan = _Scan()
+    keep = ALTERNATIVES + 1
+    tiebreak = 0
+    for gpu in dict.fromkeys(req.gpu):
+        for offer in view.by_gpu(gpu):
+            key = offer.pool
+            if key.market not in markets:
+                continue
+            if clouds is not None and key.cloud not in clouds:
+                continue
+            if regions is not None and key.region not in regions:
+                continue
+            if key in ask.exclude or not view.is_fresh(key, now) or view.in_cooldown(key, now):
+                continue
+            ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
+            scan.matching += 1
+            scan.cheapest_ppg = min(scan.cheapest_ppg, ppg)
+            if cap is not None and ppg > cap:
+                break  # sorted by price per GPU-hour: the rest are dearer still
+            scan.under_cap += 1
+            instances = -(-req.gpus // offer.gpus)
+            # Lower bound of any later offer's cost: it costs at least req.gpus × its ppg.
+            if len(scan.best) == keep and req.gpus * ppg > -scan.best[0][0]:
+                break
+            free = view.free_capacity(key)
+            if free is not None and free - taken[key] < instances:
+                continue
+            if offer.quota_headroom is not None and offer.quota_headroom < instances * offer.gpus:
+                continue
+            cost = expected_cost(offer, instances, policy)
+            tiebreak += 1
+            item = (-cost, -tiebreak, Placement.of(offer, instances), offer)
+            if len(scan.best) < keep:
+                heapq.heappush(scan.best, item)
+            elif cost < -scan.best[0][0]:
+                heapq.heapreplace(scan.best, item)
+    if not scan.best:
+        return _reject(ask, scan, cap, market, retry_after)
+    ranked = sorted(scan.best, key=lambda t: (-t[0], -t[1]))
+    cost, _, placement, offer = ranked[0]
+    return Decision(
+        ask=ask,
+        placement=placement,
+        expected_cost_per_hour=-cost,
+        reason=_reason(placement, offer, -cost, req.duration_hours),
+        alternatives=tuple(p for _, _, p, _ in ranked[1:]),
+    )
+
+
+def _reason(placement: Placement, offer: Offer, cost: float, duration: float | None) -> str:
+    bits = [
+        f"lowest expected cost: {placement.pool.market.value} {placement.gpu} "
+        f"{placement.pool.cloud}/{placement.pool.zone} {placement.pool.instance_type}",
+        f"${placement.price_per_gpu_hour:.4g}/GPU-h",
+        f"expected ${cost:.4g}/h",
+    ]
+    if offer.availability is not None:
+        bits.append(f"availability {offer.availability:.2f}")
+    if offer.interruption_rate is not None and placement.pool.market is Market.SPOT:
+        bits.append(f"interruptions {offer.interruption_rate:.3g}/h")
+    if duration:
+        bits.append(f"≈${cost * duration:.2f} over {duration:g}h")
+    return ", ".join(bits)
+
+
+def _reject(ask: Ask, scan: _Scan, cap: float | None, market: str,
+            retry_after: float | None) -> Rejection:
+    req = ask.request
+    what = f"{req.gpus}×{'|'.join(req.gpu)} ({market})"
+    if scan.matching and not scan.under_cap and cap is not None:
+        return Rejection(ask, RejectCode.OVER_PRICE_CAP,
+                         f"no {what} at or under ${cap:g}/GPU-h; cheapest fresh offer is "
+                         f"${scan.cheapest_ppg:.4g}/GPU-h", retry_after)
+    if not scan.matching:
+        detail = f"no fresh offer of {what}"
+        if req.clouds:
+            detail += f" in clouds {','.join(req.clouds)}"
+        if req.regions:
+            detail += f" in regions {','.join(req.regions)}"
+    else:
+        detail = (f"{scan.under_cap} pool(s) offer {what} within the price cap, but none has "
+                  f"free capacity or quota for {req.gpus} GPUs in one zone")
+    return Rejection(ask, RejectCode.NO_CAPACITY, detail, retry_after)

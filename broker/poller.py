@@ -1,0 +1,129 @@
+"""Polling: each adapter's regions, on an interval, into the resource pool.
+
+The poller owns the pool's data (Home Assistant's DataUpdateCoordinator pattern): one
+task per adapter region polls with a timeout and a few retries for transient errors,
+replaces that slice of the pool, and logs only on state changes ("failing" once,
+"recovered" once). A slow or failing cloud never holds up the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+from adapters.base import CloudAdapter
+from adapters.errors import AdapterError, CloudUnavailable, RateLimited
+from broker.pool import PoolChange, ResourcePool, SliceId
+
+log = structlog.get_logger("gpubroker.poller")
+
+
+@dataclass(frozen=True, slots=True)
+class PollResult:
+    slice: SliceId
+    change: PoolChange | None
+    error: AdapterError | None
+    seconds: float
+
+
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, AdapterError) and exc.retryable
+
+
+class Poller:
+    def __init__(self, pool: ResourcePool, adapters: Sequence[CloudAdapter], *,
+                 interval_seconds: float, timeout_seconds: float, attempts: int = 3,
+                 on_result: Callable[[PollResult], None] | None = None) -> None:
+        self.pool = pool
+        self.adapters = list(adapters)
+        self.interval = interval_seconds
+        self.timeout = timeout_seconds
+        self.attempts = attempts
+        self.on_result = on_result
+        self.first_round = asyncio.Event()
+        self._first_pending = {(a.name, r) for a in self.adapters for r in a.regions()}
+        if not self._first_pending:
+            self.first_round.set()
+
+    async def poll_once(self, adapter: CloudAdapter, region: str) -> PollResult:
+        """One poll of one region, with retries for throttling and 5xx; never raises
+        an AdapterError (it is returned and recorded in the pool's health)."""
+        slice_id = (adapter.name, region)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(self.attempts),
+                wait=_wait, retry=retry_if_exception(_retryable), reraise=True,
+            ):
+                with attempt:
+                    try:
+                        async with asyncio.timeout(self.timeout):
+                            offers = await adapter.poll(region)
+                    except TimeoutError:
+                        raise CloudUnavailable(
+                            f"poll timed out after {self.timeout:g}s", cloud=adapter.name,
+                            region=region) from None
+        except AdapterError as exc:
+            result = PollResult(slice_id, None, exc, loop.time() - started)
+            if self.pool.mark_failed(slice_id, f"{type(exc).__name__}: {exc}"):
+                log.warning("poll failing", adapter=adapter.name, region=region,
+                            error=type(exc).__name__, detail=str(exc))
+        else:
+            was_failing = self.pool.failing(slice_id)
+            change = self.pool.replace(slice_id, offers)
+            result = PollResult(slice_id, change, None, loop.time() - started)
+            if was_failing:
+                log.info("poll recovered", adapter=adapter.name, region=region)
+        self._first_pending.discard(slice_id)
+        if not self._first_pending:
+            self.first_round.set()
+        if self.on_result is not None:
+            self.on_result(result)
+        return result
+
+    async def poll_all(self) -> list[PollResult]:
+        """Poll every region of every adapter once, concurrently."""
+        return await asyncio.gather(*(self.poll_once(a, r)
+                                      for a in self.adapters for r in a.regions()))
+
+    async def run(self) -> None:
+        """Poll forever; each region on its own schedule, started with a little jitter so
+        a large configuration does not hit every API in the same second."""
+        async with asyncio.TaskGroup() as tg:
+            for adapter in self.adapters:
+                for region in adapter.regions():
+                    tg.create_task(self._loop(adapter, region))
+
+    async def _loop(self, adapter: CloudAdapter, region: str) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            result = await self.poll_once(adapter, region)
+            delay = self.interval - (loop.time() - started)
+            if isinstance(result.error, RateLimited) and result.error.retry_after:
+                delay = max(delay, result.error.retry_after)
+            await asyncio.sleep(max(0.0, delay) * random.uniform(0.95, 1.05))
+
+
+def _wait(retry_state: object) -> float:
+    """Exponential backoff with jitter, but never shorter than a RateLimited hint."""
+    base: float = _backoff(retry_state)  # type: ignore[arg-type]
+    outcome = getattr(retry_state, "outcome", None)
+    exc = outcome.exception() if outcome is not None and outcome.failed else None
+    if isinstance(exc, RateLimited) and exc.retry_after:
+        return max(base, exc.retry_after)
+    return base
+
+
+_backoff = wait_exponential_jitter(initial=0.5, max=10, jitter=0.5)

@@ -1,0 +1,204 @@
+"""The unified resource pool: every adapter's offers in one place.
+
+The poller owns the data: it replaces one *slice* (adapter, region) at a time with what
+that poll returned. Everyone else reads the pool or subscribes to its changes.
+
+The pool also tracks what the broker itself has taken — instances held by active
+leases — so that placement never hands out more of a pool than its estimated free
+capacity, and pools in a cool-down after a failure.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from broker.model import Offer, PoolKey, utcnow
+
+SliceId = tuple[str, str]
+"""(adapter name, region) — the unit one poll replaces."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolChange:
+    """What one poll changed. `updated` maps new and changed offers' keys to the old offer
+    (None when new); `removed` holds offers no longer offered."""
+
+    slice: SliceId
+    updated: dict[PoolKey, Offer | None]
+    removed: dict[PoolKey, Offer]
+    offers: dict[PoolKey, Offer]
+
+
+@dataclass(slots=True)
+class SliceHealth:
+    slice: SliceId
+    ok: bool = False
+    last_ok_at: datetime | None = None
+    last_error: str | None = None
+    failures: int = 0
+    offers: int = 0
+
+
+Listener = Callable[[PoolChange], None]
+
+
+class ResourcePool:
+    def __init__(self, *, stale_after_seconds: float,
+                 clock: Callable[[], datetime] = utcnow) -> None:
+        self.stale_after = timedelta(seconds=stale_after_seconds)
+        self._clock = clock
+        self._offers: dict[PoolKey, Offer] = {}
+        self._slice_of: dict[PoolKey, SliceId] = {}
+        self._slices: dict[SliceId, set[PoolKey]] = {}
+        self._health: dict[SliceId, SliceHealth] = {}
+        self._keys_by_gpu: dict[str, set[PoolKey]] = {}
+        self._by_gpu: dict[str, list[Offer]] = {}
+        self._dirty_gpus: set[str] = set()
+        self._held: Counter[PoolKey] = Counter()
+        self._cooldown: dict[PoolKey, datetime] = {}
+        self._listeners: list[Listener] = []
+
+    # --- writing (the poller) -------------------------------------------------------
+
+    def replace(self, slice_id: SliceId, offers: Iterable[Offer]) -> PoolChange:
+        """Replace a slice with a fresh poll's offers and tell the listeners."""
+        new = {o.pool: o for o in offers}
+        old_keys = self._slices.get(slice_id, set())
+        updated: dict[PoolKey, Offer | None] = {}
+        removed: dict[PoolKey, Offer] = {}
+        for key in old_keys - new.keys():
+            gone = self._offers.pop(key)
+            del self._slice_of[key]
+            removed[key] = gone
+            self._keys_by_gpu[gone.gpu].discard(key)
+            self._dirty_gpus.add(gone.gpu)
+        for key, offer in new.items():
+            prev = self._offers.get(key)
+            if prev != offer:
+                updated[key] = prev
+                if prev is not None:
+                    self._keys_by_gpu[prev.gpu].discard(key)
+                    self._dirty_gpus.add(prev.gpu)
+                self._keys_by_gpu.setdefault(offer.gpu, set()).add(key)
+                self._dirty_gpus.add(offer.gpu)
+            self._offers[key] = offer
+            self._slice_of[key] = slice_id
+        self._slices[slice_id] = set(new)
+        health = self._health.setdefault(slice_id, SliceHealth(slice_id))
+        health.ok, health.last_ok_at, health.last_error = True, self._clock(), None
+        health.failures, health.offers = 0, len(new)
+        change = PoolChange(slice_id, updated, removed, new)
+        for listener in list(self._listeners):
+            listener(change)
+        return change
+
+    def mark_failed(self, slice_id: SliceId, error: str) -> bool:
+        """Record a failed poll; the slice's offers stay until they go stale. Returns True
+        when this changes the slice from healthy (or unknown) to failing."""
+        health = self._health.setdefault(slice_id, SliceHealth(slice_id))
+        was_ok = health.ok or health.failures == 0
+        health.ok, health.last_error = False, error
+        health.failures += 1
+        return was_ok
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    # --- the broker's own holdings -----------------------------------------------------
+
+    def hold(self, key: PoolKey, instances: int) -> None:
+        self._held[key] += instances
+
+    def unhold(self, key: PoolKey, instances: int) -> None:
+        self._held[key] -= instances
+        if self._held[key] <= 0:
+            del self._held[key]
+
+    def held(self, key: PoolKey) -> int:
+        return self._held.get(key, 0)
+
+    def held_pools(self) -> set[PoolKey]:
+        return set(self._held)
+
+    def free_capacity(self, key: PoolKey) -> int | None:
+        """Estimated free instances less what the broker's leases hold; None if unknown."""
+        offer = self._offers.get(key)
+        if offer is None:
+            return 0
+        if offer.capacity is None:
+            return None
+        return max(0, offer.capacity - self._held.get(key, 0))
+
+    def cool_down(self, key: PoolKey, seconds: float) -> None:
+        """Keep new placements off `key` for a while (after a preemption or failure)."""
+        self._cooldown[key] = self._clock() + timedelta(seconds=seconds)
+
+    def in_cooldown(self, key: PoolKey, now: datetime) -> bool:
+        until = self._cooldown.get(key)
+        if until is None:
+            return False
+        if until <= now:
+            del self._cooldown[key]
+            return False
+        return True
+
+    # --- reading -------------------------------------------------------------------
+
+    def get(self, key: PoolKey) -> Offer | None:
+        return self._offers.get(key)
+
+    def __len__(self) -> int:
+        return len(self._offers)
+
+    def __iter__(self) -> Iterator[Offer]:
+        return iter(list(self._offers.values()))
+
+    def slice_offers(self, slice_id: SliceId) -> list[Offer]:
+        return [self._offers[k] for k in self._slices.get(slice_id, ())]
+
+    def slice_of(self, key: PoolKey) -> SliceId | None:
+        return self._slice_of.get(key)
+
+    def failing(self, slice_id: SliceId) -> bool:
+        h = self._health.get(slice_id)
+        return h is not None and not h.ok and h.failures > 0
+
+    def health(self) -> list[SliceHealth]:
+        return list(self._health.values())
+
+    def is_fresh(self, key: PoolKey, now: datetime) -> bool:
+        """An offer is fresh while its slice's last good poll is younger than stale_after."""
+        slice_id = self._slice_of.get(key)
+        if slice_id is None:
+            return False
+        last = self._health[slice_id].last_ok_at
+        return last is not None and now - last <= self.stale_after
+
+    def fresh_slices(self, now: datetime) -> set[SliceId]:
+        return {
+            s for s, h in self._health.items()
+            if h.last_ok_at is not None and now - h.last_ok_at <= self.stale_after
+        }
+
+    def age_seconds(self, key: PoolKey, now: datetime) -> float | None:
+        slice_id = self._slice_of.get(key)
+        last = self._health[slice_id].last_ok_at if slice_id else None
+        return None if last is None else (now - last).total_seconds()
+
+    def by_gpu(self, gpu: str) -> Sequence[Offer]:
+        """Priced offers of `gpu`, cheapest per GPU-hour first (fresh or not)."""
+        if gpu in self._dirty_gpus or gpu not in self._by_gpu:
+            offers = (self._offers[k] for k in self._keys_by_gpu.get(gpu, ()))
+            self._by_gpu[gpu] = sorted(
+                (o for o in offers if o.price_per_hour is not None and o.gpus > 0),
+                key=lambda o: (o.price_per_hour / o.gpus, o.pool),  # type: ignore[operator]
+            )
+            self._dirty_gpus.discard(gpu)
+        return self._by_gpu[gpu]
+
+    def gpus(self) -> set[str]:
+        return {g for g, keys in self._keys_by_gpu.items() if keys}

@@ -1,0 +1,1 @@
+"""The ops teams' policy file: model, loader and evaluation."""
