@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 import ssl
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -153,8 +153,10 @@ class Bus:
             await self._flush_acks()
 
     async def _session(self, client: aiomqtt.Client) -> None:
-        await client.subscribe(self.topics.requests, qos=1)
-        await client.publish(self.topics.status, self._status("online"), qos=1, retain=True)
+        async with asyncio.timeout(10):
+            await client.subscribe(self.topics.requests, qos=1, timeout=math.inf)
+        await self._publish(client, self.topics.status, self._status("online"), retain=True,
+                            timeout=10)
         self._queue = deque(self._pending)  # everything not acknowledged, in order
         self._new.set()
         self.connected.set()
@@ -186,8 +188,8 @@ class Bus:
                            window: asyncio.Semaphore) -> None:
         try:
             props = self._props(row.props) if row.props and self.v5 else None
-            await client.publish(row.topic, row.payload, qos=row.qos, retain=row.retain,
-                                 properties=props, timeout=30)
+            await self._publish(client, row.topic, row.payload, qos=row.qos,
+                                retain=row.retain, properties=props)
         finally:
             window.release()
         assert row.id is not None
@@ -196,6 +198,23 @@ class Bus:
             self._acked_event.set()
             if not self._pending:
                 self._drained.set()
+
+    @staticmethod
+    async def _publish(client: aiomqtt.Client, topic: str, payload: bytes, *, qos: int = 1,
+                       retain: bool = False, properties: Properties | None = None,
+                       timeout: float = 30.0) -> None:
+        """Publish and wait for the acknowledgement, within `timeout`.
+
+        aiomqtt applies its timeouts with `asyncio.wait_for`, which on Python 3.11 can
+        swallow a cancellation that races with completion (CPython gh-86296) and leave
+        a task that never stops; `asyncio.timeout` has no such race.
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                await client.publish(topic, payload, qos=qos, retain=retain,
+                                     properties=properties, timeout=math.inf)
+        except TimeoutError:
+            raise aiomqtt.MqttError(f"no acknowledgement within {timeout:g}s") from None
 
     @staticmethod
     def _props(p: dict[str, Any]) -> Properties:
@@ -261,8 +280,8 @@ class Bus:
         if expiry_seconds is not None and self.v5:
             props = self._props({"message_expiry": expiry_seconds})
         try:
-            await client.publish(topic, payload, qos=1, retain=retain, properties=props,
-                                 timeout=10)
+            await self._publish(client, topic, payload, retain=retain, properties=props,
+                                timeout=10)
         except aiomqtt.MqttError:
             return False
         return True
@@ -272,10 +291,6 @@ class Bus:
         client = self._client
         if client is None or not self.connected.is_set():
             return
-        with contextlib.suppress(aiomqtt.MqttError, TimeoutError):
-            await client.publish(self.topics.status, self._status("offline"), qos=1,
-                                 retain=True, timeout=timeout)
-
-
-def monotonic_ms() -> float:
-    return time.monotonic() * 1000
+        with contextlib.suppress(aiomqtt.MqttError):
+            await self._publish(client, self.topics.status, self._status("offline"),
+                                retain=True, timeout=timeout)

@@ -148,6 +148,7 @@ class Daemon:
         expiry = int(3 * self.cfg.poll.interval_seconds)
         while True:
             slice_id = await self._polled.get()
+            await self.bus.connected.wait()
             now = utcnow()
             offers = self.pool.slice_offers(slice_id)
             for (cloud, region, gpu), summary in capacity.summaries(offers, self.pool,

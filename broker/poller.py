@@ -126,4 +126,4 @@ def _wait(retry_state: object) -> float:
     return base
 
 
-_backoff = wait_exponential_jitter(initial=0.5, max=10, jitter=0.5)
+_backoff = wait_exponential_jitter(multiplier=0.5, max=10, jitter=0.5)

@@ -38,7 +38,7 @@ class _Place(_Lenient):
     team: _Name | None = None
     duration_hours: Annotated[float, Field(gt=0, le=24 * 366, allow_inf_nan=False,
                                            strict=False)] | None = None
-    lease_seconds: Annotated[int, Field(ge=10, le=7 * 86400)] | None = None
+    lease_seconds: Annotated[int, Field(ge=1, le=7 * 86400)] | None = None
     labels: Annotated[dict[_Name, Annotated[StrictStr, Field(max_length=256)]],
                       Field(max_length=64)] | None = None
 

@@ -1,0 +1,52 @@
+"""Running a real daemon in-process for tests: config, handle, start helper."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from mqtt_helpers import Mosquitto
+
+from adapters.sim import SimAdapter
+from broker.config import CloudsConfig, Config, MqttConfig, PollConfig, SimConfig, StateConfig
+from broker.daemon import Daemon
+
+PREFIX = "gpubroker/v1"
+
+
+def daemon_config(mosquitto: Mosquitto, state: Path, **mqtt: Any) -> Config:
+    return Config(
+        site="test",
+        state=StateConfig(path=state),
+        mqtt=MqttConfig(url=mosquitto.url, client_id="gpubroker-test", **mqtt),
+        # Polls only at start: tests poll explicitly when they need a new market state.
+        poll=PollConfig(interval_seconds=3600, stale_after_seconds=7200),
+        clouds=CloudsConfig(sim=SimConfig(seed=11, regions_per_cloud=2, zones_per_region=2,
+                                          preempt_rate_multiplier=0,
+                                          signal_interval_seconds=0.05)),
+    )
+
+
+class RunningDaemon:
+    def __init__(self, daemon: Daemon, task: asyncio.Task[None], stop: asyncio.Event) -> None:
+        self.daemon = daemon
+        self.task = task
+        self.stop_event = stop
+
+    @property
+    def sim(self) -> SimAdapter:
+        adapter = self.daemon.adapter("sim")
+        assert isinstance(adapter, SimAdapter)
+        return adapter
+
+    async def stop(self) -> None:
+        self.stop_event.set()
+        async with asyncio.timeout(15):
+            await self.task
+
+
+StartDaemon = Callable[..., Awaitable[RunningDaemon]]
+
+
