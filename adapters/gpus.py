@@ -49,6 +49,9 @@ _BY_MEMORY: MappingProxyType[str, tuple[tuple[float, str], ...]] = MappingProxyT
 _SUFFIX = re.compile(r"\s(\d+)\s?GI?B$")
 
 
+_VARIANTS = frozenset({"MEGA", "SXM", "SXM4", "SXM5", "PCIE", "NVL", "HGX"})
+
+
 def _split(name: str) -> tuple[str, float | None]:
     """`nvidia-a100-80gb` -> (`A100`, 80.0); `NVIDIA Tesla T4` -> (`T4`, None)."""
     n = " ".join(name.strip().upper().replace("_", " ").replace("-", " ").split())
@@ -60,7 +63,10 @@ def _split(name: str) -> tuple[str, float | None]:
     if m:
         size = float(m.group(1))
         n = n[: m.start()]
-    return n.replace(" ", ""), size
+    # Form-factor and platform variants are the same GPU (GCP's a3-megagpu is
+    # `nvidia-h100-mega-80gb`).
+    words = [w for w in n.split() if w not in _VARIANTS]
+    return "".join(words), size
 
 
 def canonical(name: str, memory_gb: float | None = None) -> tuple[str, bool]:

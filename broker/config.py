@@ -53,6 +53,11 @@ class MqttConfig(_Section):
     protocol: Literal["5", "3.1.1"] = "5"
     session_expiry_seconds: int = Field(default=3600, ge=0)
 
+    @field_validator("protocol", mode="before")
+    @classmethod
+    def _protocol(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v
+
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
@@ -60,9 +65,11 @@ class MqttConfig(_Section):
         if u.scheme not in ("mqtt", "mqtts") or not u.hostname:
             raise ValueError("must look like mqtt://HOST[:PORT] or mqtts://HOST[:PORT]")
         try:
-            u.port  # noqa: B018 - raises on a bad port
+            port = u.port
         except ValueError:
-            raise ValueError("port must be a number from 1 to 65535") from None
+            port = 0
+        if port == 0:
+            raise ValueError("port must be a number from 1 to 65535")
         if u.username or u.password:
             raise ValueError("put no credentials in the URL: use username and password_file")
         return v
@@ -94,8 +101,11 @@ class HttpConfig(_Section):
     @field_validator("listen")
     @classmethod
     def _listen(cls, v: str) -> str:
-        if not re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}", v):
+        m = re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", v)
+        if not m:
             raise ValueError("must be HOST:PORT, e.g. 127.0.0.1:9464")
+        if not 1 <= int(m.group(2)) <= 65535:
+            raise ValueError("port must be a number from 1 to 65535")
         return v
 
 
@@ -182,12 +192,17 @@ class CloudsConfig(_Section):
 
 class Config(_Section):
     site: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "local"
-    state: StateConfig = StateConfig()
-    mqtt: MqttConfig = MqttConfig()
-    http: HttpConfig = HttpConfig()
+    state: StateConfig = Field(default_factory=StateConfig)
+    mqtt: MqttConfig = Field(default_factory=MqttConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
     policy_file: Path | None = None
-    poll: PollConfig = PollConfig()
-    clouds: CloudsConfig = CloudsConfig(sim=SimConfig())
+    poll: PollConfig = Field(default_factory=PollConfig)
+    clouds: CloudsConfig = Field(default_factory=lambda: CloudsConfig(sim=SimConfig()))
+
+    @field_validator("clouds", mode="before")
+    @classmethod
+    def _no_clouds(cls, v: Any) -> Any:
+        return {} if v is None else v
 
     @property
     def client_id(self) -> str:

@@ -23,6 +23,12 @@ from datetime import datetime, timedelta
 from broker.model import Lease, LeaseState, Placement, PlaceRequest, PoolKey
 
 
+def _ms(ts: datetime) -> datetime:
+    """Lease times are kept at the millisecond precision they are published with, so a
+    lease read back from the store equals the one written."""
+    return ts.replace(microsecond=ts.microsecond // 1000 * 1000)
+
+
 class LeaseError(Exception):
     """A transition that the lease's state does not allow; the message says why."""
 
@@ -81,6 +87,7 @@ class LeaseBook:
 
     def create(self, request: PlaceRequest, placement: Placement, *, lease_seconds: int,
                cap: float | None, now: datetime) -> Lease:
+        now = _ms(now)
         key = (request.scheduler, request.request_id)
         if key in self._by_request:
             raise LeaseError(f"request {request.request_id!r} already has a lease")
@@ -103,20 +110,21 @@ class LeaseBook:
 
     def renew(self, lease_id: str, scheduler: str, now: datetime) -> Lease:
         lease = self._active(lease_id, scheduler)
+        now = _ms(now)
         return self._put(replace(lease, expires_at=now + timedelta(seconds=lease.lease_seconds),
                                  updated_at=now))
 
     def failover(self, lease_id: str, placement: Placement, now: datetime) -> Lease:
         lease = self._active(lease_id, None)
         return self._put(replace(lease, placement=placement, epoch=lease.epoch + 1,
-                                 updated_at=now))
+                                 updated_at=_ms(now)))
 
     def end(self, lease_id: str, state: LeaseState, now: datetime,
             scheduler: str | None = None) -> Lease:
         if state is LeaseState.ACTIVE:
             raise ValueError("end() takes a final state")
         lease = self._active(lease_id, scheduler)
-        return self._put(replace(lease, state=state, updated_at=now))
+        return self._put(replace(lease, state=state, updated_at=_ms(now)))
 
     def prune(self, now: datetime) -> int:
         """Forget ended leases older than keep_ended (they stay in the store)."""

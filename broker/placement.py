@@ -9,9 +9,11 @@ where interruption risk counts for spot only and unknown signals take the policy
 `unknown_*` values. Paid-for GPUs left idle (an 8-GPU instance for 6 GPUs) are in the
 price, so they count too.
 
-Requests come in batches; capacity an earlier request of the batch takes is not
-offered to a later one. This version places the batch's requests one after another in
-order; the interface is the one a global optimizer will keep.
+Requests come in batches; capacity (and quota) an earlier request of the batch takes in
+a pool is not offered to a later one. Quota shared by several pools of a family is
+checked per pool here; the global optimizer accounts for it across pools. This version
+places the batch's requests one after another in order; the interface is the one a
+global optimizer will keep.
 
 No I/O here: the pool is read through the small `PoolView` protocol.
 """
@@ -107,18 +109,21 @@ def expected_cost(offer: Offer, instances: int, policy: Policy) -> float:
 def place(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
           retry_after_seconds: float | None = None) -> list[Outcome]:
     """Place each ask of a batch; capacity taken by one is not offered to the next."""
-    taken: Counter[PoolKey] = Counter()
+    taken: Counter[PoolKey] = Counter()  # instances
+    taken_gpus: Counter[PoolKey] = Counter()
     out: list[Outcome] = []
     for ask in asks:
-        outcome = _place_one(ask, view, policy, now, taken, retry_after_seconds)
+        outcome = _place_one(ask, view, policy, now, taken, taken_gpus, retry_after_seconds)
         if isinstance(outcome, Decision):
             taken[outcome.placement.pool] += outcome.placement.instances
+            taken_gpus[outcome.placement.pool] += outcome.placement.total_gpus
         out.append(outcome)
     return out
 
 
 def _place_one(ask: Ask, view: PoolView, policy: Policy, now: datetime,
-               taken: Counter[PoolKey], retry_after: float | None) -> Outcome:
+               taken: Counter[PoolKey], taken_gpus: Counter[PoolKey],
+               retry_after: float | None) -> Outcome:
     req = ask.request
     market = effective_market(req, policy)
     markets = {Market.SPOT, Market.ON_DEMAND} if market == "any" else {Market(market)}
@@ -152,7 +157,8 @@ def _place_one(ask: Ask, view: PoolView, policy: Policy, now: datetime,
             free = view.free_capacity(key)
             if free is not None and free - taken[key] < instances:
                 continue
-            if offer.quota_headroom is not None and offer.quota_headroom < instances * offer.gpus:
+            quota = offer.quota_headroom
+            if quota is not None and quota - taken_gpus[key] < instances * offer.gpus:
                 continue
             cost = expected_cost(offer, instances, policy)
             tiebreak += 1

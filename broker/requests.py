@@ -18,7 +18,6 @@ from broker.model import PlaceRequest
 FieldError = dict[str, str]
 
 _Name = Annotated[StrictStr, Field(min_length=1, max_length=64)]
-_Number = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class _Lenient(BaseModel):
@@ -31,13 +30,12 @@ class _Place(_Lenient):
     gpus: Annotated[int, Field(ge=1, le=4096)]
     gang: StrictBool = True
     market: Literal["spot", "on_demand", "any"] | None = None
-    max_price_per_gpu_hour: Annotated[float, Field(gt=0, allow_inf_nan=False,
-                                                   strict=False)] | None = None
+    max_price_per_gpu_hour: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     clouds: Annotated[list[_Name], Field(min_length=1, max_length=16)] | None = None
     regions: Annotated[list[_Name], Field(min_length=1, max_length=256)] | None = None
     team: _Name | None = None
-    duration_hours: Annotated[float, Field(gt=0, le=24 * 366, allow_inf_nan=False,
-                                           strict=False)] | None = None
+    duration_hours: Annotated[float, Field(gt=0, le=24 * 366,
+                                           allow_inf_nan=False)] | None = None
     lease_seconds: Annotated[int, Field(ge=1, le=7 * 86400)] | None = None
     labels: Annotated[dict[_Name, Annotated[StrictStr, Field(max_length=256)]],
                       Field(max_length=64)] | None = None

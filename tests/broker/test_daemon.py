@@ -311,8 +311,10 @@ async def test_works_over_mqtt_311(start_daemon: StartDaemon,
 async def test_capacity_summaries_are_retained(start_daemon: StartDaemon,
                                                probe_factory: ProbeFactory) -> None:
     await start_daemon()
-    probe = await probe_factory([f"{PREFIX}/capacity/#"])
-    msg = await probe.wait_for(f"{PREFIX}/capacity/aws/+/H100-80GB")
+    live = await probe_factory([f"{PREFIX}/capacity/#"])
+    await live.wait_for(f"{PREFIX}/capacity/aws/+/H100-80GB")
+    late = await probe_factory([f"{PREFIX}/capacity/#"])
+    msg = await late.wait_for(f"{PREFIX}/capacity/aws/+/H100-80GB")
     s = payload_json(msg)
     assert msg.retain
     assert s["cloud"] == "aws" and s["gpu"] == "H100-80GB"

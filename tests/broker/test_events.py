@@ -1,0 +1,180 @@
+"""Tests of topics and the CloudEvents envelope (`broker/events.py`)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from factories import T0, Clock, offer, placement, request
+
+from broker.events import Envelopes, Messages, Topics, lease_subject, request_subject
+from broker.leases import LeaseBook
+from broker.model import Event, Lease, LeaseState, parse_iso
+
+P = "gpubroker/v1"
+BOOT = "5f0c6a52-8f3e-4c43-9a3d-4d1e1b7f9a10"
+
+
+def decided_event(correlationid: str | None = "job-1") -> Event:
+    return Event(kind="placement.decided", scheduler="sched-a",
+                 data={"request_id": "job-1", "lease_id": "L-1", "epoch": 1},
+                 subject=lease_subject("L-1"), correlationid=correlationid)
+
+
+def messages(clock: Clock | None = None) -> Messages:
+    return Messages(Topics(P), Envelopes("lab-1", BOOT, clock=clock or Clock()))
+
+
+def a_lease() -> Lease:
+    return LeaseBook().create(request("job-1", scheduler="sched-a"), placement(offer(), 1),
+                              lease_seconds=900, cap=None, now=T0)
+
+
+# --- topics ------------------------------------------------------------------------------
+
+
+def test_topics() -> None:
+    t = Topics(P)
+    assert t.status == "gpubroker/v1/status"
+    assert t.requests == "gpubroker/v1/requests/+/+"
+    assert t.event("sched-a", "placement.decided") == (
+        "gpubroker/v1/events/sched-a/placement.decided")
+    assert t.lease("sched-a", "L-1") == "gpubroker/v1/leases/sched-a/L-1"
+    assert t.capacity("aws", "us-east-1", "H100-80GB") == (
+        "gpubroker/v1/capacity/aws/us-east-1/H100-80GB")
+
+
+def test_a_trailing_slash_on_the_prefix_is_dropped() -> None:
+    assert Topics("site/gpubroker/").status == "site/gpubroker/status"
+
+
+@pytest.mark.parametrize(("name", "level"), [
+    ("a/b", "a_b"), ("a+b", "a_b"), ("a#b", "a_b"), ("+/#", "___"), ("", "_"),
+    ("H100-80GB", "H100-80GB"),
+])
+def test_capacity_topic_levels_are_sanitised(name: str, level: str) -> None:
+    t = Topics(P)
+    assert t.capacity(name, name, name) == f"{P}/capacity/{level}/{level}/{level}"
+
+
+@pytest.mark.parametrize(("topic", "want"), [
+    (f"{P}/requests/sched-a/place", ("sched-a", "place")),
+    (f"{P}/requests/sched-a/renew", ("sched-a", "renew")),
+    (f"{P}/requests/sched-a", None),
+    (f"{P}/requests/sched-a/place/extra", None),
+    (f"{P}/requests", None),
+    (f"{P}/events/sched-a/place", None),
+    ("other/requests/sched-a/place", None),
+    (f"{P}x/requests/sched-a/place", None),
+    (f"x/{P}/requests/sched-a/place", None),
+])
+def test_parse_request(topic: str, want: tuple[str, str] | None) -> None:
+    assert Topics(P).parse_request(topic) == want
+
+
+# --- the envelope ------------------------------------------------------------------------
+
+
+def test_envelope_has_every_cloudevents_field() -> None:
+    clock = Clock(T0.replace(microsecond=123456))
+    env = Envelopes("lab-1", BOOT, clock=clock).build(decided_event())
+    assert list(env) == ["specversion", "id", "source", "type", "time", "subject",
+                         "datacontenttype", "seq", "bootid", "correlationid", "data"]
+    assert env["specversion"] == "1.0"
+    uuid.UUID(env["id"])
+    assert env["source"] == "gpubroker://lab-1"
+    assert env["type"] == "gpubroker.placement.decided.v1"
+    assert env["time"] == "2026-11-30T12:00:00.123Z"
+    assert env["subject"] == "lease/L-1"
+    assert env["datacontenttype"] == "application/json"
+    assert env["seq"] == 1
+    assert env["bootid"] == BOOT
+    assert env["correlationid"] == "job-1"
+    assert env["data"] == {"request_id": "job-1", "lease_id": "L-1", "epoch": 1}
+
+
+def test_correlationid_is_left_out_when_there_is_none() -> None:
+    env = Envelopes("lab-1", BOOT).build(decided_event(correlationid=None))
+    assert "correlationid" not in env
+
+
+def test_seq_counts_up_by_one_ids_are_unique_bootid_is_constant() -> None:
+    envelopes = Envelopes("lab-1", BOOT)
+    built = [envelopes.build(decided_event()) for _ in range(100)]
+    assert [e["seq"] for e in built] == list(range(1, 101))
+    assert envelopes.last_seq == 100
+    assert len({e["id"] for e in built}) == 100
+    assert {e["bootid"] for e in built} == {BOOT}
+
+
+def test_a_new_boot_starts_seq_again() -> None:
+    first = Envelopes("lab-1", BOOT)
+    first.build(decided_event())
+    again = Envelopes("lab-1", str(uuid.uuid4()))
+    assert again.last_seq == 0
+    assert again.build(decided_event())["seq"] == 1
+
+
+# --- messages ----------------------------------------------------------------------------
+
+
+def test_event_message_is_the_envelope_on_the_schedulers_topic() -> None:
+    [row] = messages().event(decided_event())
+    assert row.topic == f"{P}/events/sched-a/placement.decided"
+    assert (row.qos, row.retain, row.props) == (1, False, None)
+    env = json.loads(row.payload)
+    assert env["type"] == "gpubroker.placement.decided.v1"
+    assert env["seq"] == 1
+
+
+def test_event_with_a_reply_copies_it_to_the_response_topic() -> None:
+    reply = {"response_topic": "replies/sched-a/42", "correlation_data": "00ff"}
+    event_row, reply_row = messages().event(decided_event(), reply)
+    assert reply_row.topic == "replies/sched-a/42"
+    assert reply_row.payload == event_row.payload  # the same event: same id and seq
+    assert reply_row.props == reply
+    assert (reply_row.qos, reply_row.retain) == (1, False)
+    assert event_row.props is None
+
+
+def test_each_event_message_gets_the_next_seq() -> None:
+    m = messages()
+    seqs = [json.loads(m.event(decided_event())[0].payload)["seq"] for _ in range(3)]
+    assert seqs == [1, 2, 3]
+
+
+def test_payload_is_compact_utf8_json() -> None:
+    event = replace(decided_event(), data={"detail": "zone ü"})
+    [row] = messages().event(event)
+    assert "zone ü".encode() in row.payload
+    assert b": " not in row.payload and b", " not in row.payload
+
+
+def test_lease_state_is_retained_with_the_lease() -> None:
+    lease = a_lease()
+    row = messages().lease_state(lease)
+    assert row.topic == f"{P}/leases/sched-a/{lease.lease_id}"
+    assert row.retain is True
+    assert row.qos == 1
+    body: dict[str, Any] = json.loads(row.payload)
+    assert body == lease.to_json()
+    assert body["state"] == "active"
+    assert body["epoch"] == 1
+    assert parse_iso(body["expires_at"]) == lease.expires_at
+
+
+@pytest.mark.parametrize("final", [LeaseState.RELEASED, LeaseState.EXPIRED, LeaseState.FAILED])
+def test_ended_lease_clears_its_retained_state(final: LeaseState) -> None:
+    lease = replace(a_lease(), state=final)
+    row = messages().lease_state(lease)
+    assert row.topic == f"{P}/leases/sched-a/{lease.lease_id}"
+    assert (row.payload, row.retain) == (b"", True)
+
+
+def test_subjects() -> None:
+    assert lease_subject("L-1") == "lease/L-1"
+    assert request_subject("job-1") == "request/job-1"
+    assert request_subject(None) == "request"

@@ -1,0 +1,430 @@
+"""Tests of the placement optimizer (`broker/placement.py`), on a real ResourcePool."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Sequence
+
+import pytest
+from factories import SLICE, T0, Clock, offer, pool_of, request
+
+from adapters.sim import SimAdapter
+from broker.model import Market, Offer, PlaceRequest, PoolKey, RejectCode
+from broker.placement import Ask, Decision, Outcome, Rejection, place
+from broker.pool import ResourcePool
+from policies.model import Defaults, Policy, Scoring
+
+POLICY = Policy()
+
+
+def place_one(req: PlaceRequest, pool: ResourcePool, policy: Policy = POLICY,
+              exclude: frozenset[PoolKey] = frozenset(),
+              retry_after_seconds: float | None = None) -> Outcome:
+    [out] = place([Ask(req, exclude)], pool, policy, now=T0,
+                  retry_after_seconds=retry_after_seconds)
+    return out
+
+
+def decided(out: Outcome) -> Decision:
+    assert isinstance(out, Decision), out
+    return out
+
+
+def rejected(out: Outcome) -> Rejection:
+    assert isinstance(out, Rejection), out
+    return out
+
+
+# --- choosing ----------------------------------------------------------------------------
+
+
+def test_cheapest_expected_cost_wins() -> None:
+    offers = [offer("us-east-1a", price=30.0), offer("us-east-1b", price=20.0),
+              offer("us-east-1c", price=25.0)]
+    d = decided(place_one(request(), pool_of(offers)))
+    assert d.placement.pool.zone == "us-east-1b"
+    assert d.expected_cost_per_hour == pytest.approx(20.0)
+    assert d.placement.price_per_hour == 20.0
+    assert d.placement.price_observed_at == T0
+    assert d.reason
+
+
+def test_spot_interruption_risk_can_make_on_demand_win() -> None:
+    spot = offer("us-east-1a", market="spot", price=20.0, interruption_rate=0.5)
+    od = offer("us-east-1a", market="on_demand", price=24.0, interruption_rate=None)
+    # spot: 20 × (1 + 1 h × 0.5) = 30 > on-demand 24
+    d = decided(place_one(request(), pool_of([spot, od])))
+    assert d.placement.pool.market is Market.ON_DEMAND
+    assert d.expected_cost_per_hour == pytest.approx(24.0)
+    # the same spot pool at a low interruption rate wins
+    d = decided(place_one(request(), pool_of([
+        offer("us-east-1a", market="spot", price=20.0, interruption_rate=0.1), od])))
+    assert d.placement.pool.market is Market.SPOT
+    assert d.expected_cost_per_hour == pytest.approx(22.0)
+
+
+def test_unknown_signals_take_the_policy_values() -> None:
+    policy = Policy(scoring=Scoring(restart_hours=2, availability_weight=0.5,
+                                    unknown_interruption_rate=0.1, unknown_availability=0.4))
+    o = offer(price=10.0, availability=None, interruption_rate=None)
+    d = decided(place_one(request(), pool_of([o]), policy))
+    # 10 × (1 + 2 × 0.1 + 0.5 × (1 − 0.4))
+    assert d.expected_cost_per_hour == pytest.approx(10.0 * 1.5)
+
+
+def test_low_availability_costs_more() -> None:
+    scarce = offer("us-east-1a", price=20.0, availability=0.0)  # 20 × 1.25 = 25
+    plenty = offer("us-east-1b", price=22.0, availability=1.0)
+    d = decided(place_one(request(), pool_of([scarce, plenty])))
+    assert d.placement.pool.zone == "us-east-1b"
+
+
+def test_idle_paid_gpus_count_in_the_cost() -> None:
+    # 6 GPUs: one 8-GPU instance at 2.0/GPU-h costs 16/h; six 1-GPU ones at 2.5 cost 15/h.
+    eight = offer("us-east-1a", instance_type="p5.48xlarge", gpus=8, price=16.0)
+    one = offer("us-east-1a", instance_type="p5.4xlarge", gpus=1, price=2.5)
+    d = decided(place_one(request(gpus=6), pool_of([eight, one])))
+    assert d.placement.pool.instance_type == "p5.4xlarge"
+    assert d.placement.instances == 6
+
+
+def test_instances_round_up_and_price_is_for_the_whole_placement() -> None:
+    o = offer(gpus=8, price=24.0)
+    d = decided(place_one(request(gpus=10), pool_of([o])))
+    p = d.placement
+    assert (p.instances, p.gpus, p.total_gpus) == (2, 8, 16)
+    assert p.price_per_hour == pytest.approx(48.0)
+    assert p.price_per_gpu_hour == pytest.approx(3.0)
+    assert p.gpu == "H100-80GB"
+    assert d.expected_cost_per_hour == pytest.approx(48.0)
+
+
+# --- filters -----------------------------------------------------------------------------
+
+
+def test_any_acceptable_gpu_model_is_considered() -> None:
+    h100 = offer("us-east-1a", gpu="H100-80GB", price=40.0)
+    a100 = offer("us-east-1b", gpu="A100-80GB", instance_type="p4de.24xlarge", price=30.0)
+    t4 = offer("us-east-1c", gpu="T4", instance_type="g4dn.12xlarge", price=1.0)
+    pool = pool_of([h100, a100, t4])
+    d = decided(place_one(request(gpu=["H100-80GB", "A100-80GB"]), pool))
+    assert d.placement.gpu == "A100-80GB"
+    d = decided(place_one(request(gpu="H100-80GB"), pool))
+    assert d.placement.gpu == "H100-80GB"
+
+
+@pytest.mark.parametrize(("market", "policy_market", "want"), [
+    ("spot", "any", Market.SPOT),
+    ("on_demand", "any", Market.ON_DEMAND),
+    (None, "on_demand", Market.ON_DEMAND),  # the policy's default market
+    ("spot", "on_demand", Market.SPOT),  # the request's market beats the policy's
+])
+def test_market_filter(market: str | None, policy_market: str, want: Market) -> None:
+    # on-demand is the cheaper one here, so "any" would pick it
+    spot = offer(market="spot", price=30.0)
+    od = offer(market="on_demand", price=20.0)
+    policy = Policy(defaults=Defaults(market=policy_market))  # type: ignore[arg-type]
+    d = decided(place_one(request(market=market), pool_of([spot, od]), policy))
+    assert d.placement.pool.market is want
+    assert all(a.pool.market is want for a in d.alternatives)
+
+
+def test_cloud_and_region_filters() -> None:
+    cheap_gcp = offer("us-central1-a", cloud="gcp", region="us-central1", price=10.0)
+    west = offer("us-west-2a", region="us-west-2", price=15.0)
+    east = offer("us-east-1a", region="us-east-1", price=20.0)
+    pool = pool_of([cheap_gcp, west, east])
+    assert decided(place_one(request(clouds=("aws",)), pool)).placement.pool == west.pool
+    assert decided(place_one(request(regions=("us-east-1",)), pool)).placement.pool == east.pool
+    d = decided(place_one(request(clouds=("gcp", "aws"), regions=("us-east-1", "us-west-2")),
+                          pool))
+    assert d.placement.pool == west.pool
+    r = rejected(place_one(request(clouds=("azure",)), pool))
+    assert r.code is RejectCode.NO_CAPACITY
+    assert "azure" in r.detail
+
+
+def test_price_cap_rejects_with_cap_and_cheapest_in_the_detail() -> None:
+    pool = pool_of([offer("us-east-1a", price=40.0), offer("us-east-1b", price=32.0)])
+    r = rejected(place_one(request(max_price_per_gpu_hour=3.5), pool, retry_after_seconds=30))
+    assert r.code is RejectCode.OVER_PRICE_CAP
+    assert "$3.5/GPU-h" in r.detail
+    assert "$4/GPU-h" in r.detail  # the cheapest fresh offer: 32 / 8
+    assert r.retry_after_seconds == 30
+
+
+def test_price_cap_admits_offers_at_or_under_it() -> None:
+    pool = pool_of([offer("us-east-1a", price=32.0), offer("us-east-1b", price=40.0)])
+    d = decided(place_one(request(max_price_per_gpu_hour=4.0), pool))
+    assert d.placement.pool.zone == "us-east-1a"
+    assert d.alternatives == ()  # 5.0/GPU-h is over the cap
+
+
+def test_policy_default_cap_applies_when_the_request_has_none() -> None:
+    pool = pool_of([offer(price=40.0)])
+    policy = Policy(defaults=Defaults(max_price_per_gpu_hour=4.0))
+    assert rejected(place_one(request(), pool, policy)).code is RejectCode.OVER_PRICE_CAP
+    assert isinstance(place_one(request(max_price_per_gpu_hour=6.0), pool, policy), Decision)
+
+
+def test_nothing_matching_is_no_capacity() -> None:
+    pool = pool_of([offer(gpu="T4", instance_type="g4dn.xlarge", gpus=1, price=0.5)])
+    r = rejected(place_one(request(gpu="H100-80GB"), pool))
+    assert r.code is RejectCode.NO_CAPACITY
+    assert "H100-80GB" in r.detail
+    assert r.retry_after_seconds is None
+
+
+def test_unpriced_offers_are_never_placed() -> None:
+    r = rejected(place_one(request(), pool_of([offer(price=None)])))
+    assert r.code is RejectCode.NO_CAPACITY
+
+
+# --- capacity, quota, exclusions, cool-down, freshness -------------------------------------
+
+
+def test_pool_without_enough_free_capacity_is_skipped() -> None:
+    small = offer("us-east-1a", price=20.0, capacity=1)
+    big = offer("us-east-1b", price=30.0, capacity=2)
+    pool = pool_of([small, big])
+    d = decided(place_one(request(gpus=16), pool))  # 2 instances
+    assert d.placement.pool == big.pool
+    pool.hold(big.pool, 1)  # a lease holds one: 1 left
+    r = rejected(place_one(request(gpus=16), pool))
+    assert r.code is RejectCode.NO_CAPACITY
+    assert "free capacity" in r.detail
+
+
+def test_unknown_capacity_does_not_block() -> None:
+    d = decided(place_one(request(gpus=64), pool_of([offer(capacity=None)])))
+    assert d.placement.instances == 8
+
+
+def test_one_batch_never_oversubscribes_a_pool() -> None:
+    only_one = offer("us-east-1a", price=20.0, capacity=1)
+    dearer = offer("us-east-1b", price=30.0, capacity=5)
+    pool = pool_of([only_one, dearer])
+    first, second = place([Ask(request("r1")), Ask(request("r2"))], pool, POLICY, now=T0)
+    assert decided(first).placement.pool == only_one.pool
+    assert decided(second).placement.pool == dearer.pool
+
+
+def test_one_batch_rejects_what_no_longer_fits() -> None:
+    pool = pool_of([offer(capacity=1)])
+    first, second = place([Ask(request("r1")), Ask(request("r2"))], pool, POLICY, now=T0)
+    assert isinstance(first, Decision)
+    assert rejected(second).code is RejectCode.NO_CAPACITY
+
+
+def test_separate_batches_do_not_remember_each_other() -> None:
+    # the batch's bookkeeping is per call; holds are the pool's job
+    pool = pool_of([offer(capacity=1)])
+    assert isinstance(place_one(request("r1"), pool), Decision)
+    assert isinstance(place_one(request("r2"), pool), Decision)
+
+
+def test_quota_headroom_is_respected() -> None:
+    tight = offer("us-east-1a", price=20.0, quota_headroom=8)
+    roomy = offer("us-east-1b", price=30.0, quota_headroom=16)
+    pool = pool_of([tight, roomy])
+    assert decided(place_one(request(gpus=8), pool)).placement.pool == tight.pool
+    assert decided(place_one(request(gpus=9), pool)).placement.pool == roomy.pool
+    assert rejected(place_one(request(gpus=17), pool)).code is RejectCode.NO_CAPACITY
+
+
+def test_one_batch_never_oversubscribes_quota_headroom() -> None:
+    tight = offer("us-east-1a", price=20.0, quota_headroom=8)
+    roomy = offer("us-east-1b", price=30.0, quota_headroom=64)
+    pool = pool_of([tight, roomy])
+    first, second = place([Ask(request("r1")), Ask(request("r2"))], pool, POLICY, now=T0)
+    assert decided(first).placement.pool == tight.pool
+    assert decided(second).placement.pool == roomy.pool
+
+
+def test_excluded_pools_are_not_placed_on() -> None:
+    cheap, dear = offer("us-east-1a", price=20.0), offer("us-east-1b", price=30.0)
+    pool = pool_of([cheap, dear])
+    d = decided(place_one(request(), pool, exclude=frozenset({cheap.pool})))
+    assert d.placement.pool == dear.pool
+    assert cheap.pool not in {a.pool for a in d.alternatives}
+    r = rejected(place_one(request(), pool, exclude=frozenset({cheap.pool, dear.pool})))
+    assert r.code is RejectCode.NO_CAPACITY
+
+
+def test_pools_in_cooldown_are_not_placed_on() -> None:
+    clock = Clock()
+    cheap, dear = offer("us-east-1a", price=20.0), offer("us-east-1b", price=30.0)
+    pool = pool_of([cheap, dear], clock=clock)
+    pool.cool_down(cheap.pool, 60)
+    assert decided(place_one(request(), pool)).placement.pool == dear.pool
+    [after] = place([Ask(request())], pool, POLICY, now=clock.advance(60))
+    assert decided(after).placement.pool == cheap.pool
+
+
+def test_stale_offers_are_never_placed() -> None:
+    clock = Clock()
+    stale = offer("us-east-1a", price=10.0)
+    fresh = offer("us-central1-a", cloud="gcp", region="us-central1", price=30.0)
+    pool = ResourcePool(stale_after_seconds=300, clock=clock)
+    pool.replace(SLICE, [stale])
+    clock.advance(301)
+    pool.replace(("sim", "gcp:us-central1"), [fresh])
+    [out] = place([Ask(request())], pool, POLICY, now=clock.now)
+    assert decided(out).placement.pool == fresh.pool
+    assert decided(out).alternatives == ()
+    pool.replace(("sim", "gcp:us-central1"), [])
+    [out] = place([Ask(request())], pool, POLICY, now=clock.now)
+    r = rejected(out)
+    assert r.code is RejectCode.NO_CAPACITY
+    assert "no fresh offer" in r.detail
+
+
+# --- alternatives ------------------------------------------------------------------------
+
+
+def test_up_to_three_alternatives_distinct_and_ordered_by_cost() -> None:
+    prices = [27.0, 21.0, 25.0, 22.0, 30.0, 23.0]
+    offers = [offer(f"us-east-1{z}", price=p) for z, p in zip("abcdef", prices, strict=True)]
+    d = decided(place_one(request(), pool_of(offers)))
+    assert d.placement.price_per_hour == 21.0
+    assert [a.price_per_hour for a in d.alternatives] == [22.0, 23.0, 25.0]
+    pools = [d.placement.pool, *(a.pool for a in d.alternatives)]
+    assert len(set(pools)) == 4
+
+
+def test_fewer_alternatives_when_fewer_pools_fit() -> None:
+    d = decided(place_one(request(), pool_of([offer("us-east-1a"), offer("us-east-1b")])))
+    assert len(d.alternatives) == 1
+
+
+# --- the early stop never loses the optimum ----------------------------------------------
+
+
+def brute_force_costs(req: PlaceRequest, offers: Sequence[Offer], pool: ResourcePool,
+                      policy: Policy, exclude: frozenset[PoolKey]) -> list[float]:
+    """Expected cost of every feasible offer, cheapest first, from the formula in SPEC
+    terms, written out here independently of the optimizer."""
+    s = policy.scoring
+    market = req.market or policy.defaults.market
+    cap = (req.max_price_per_gpu_hour if req.max_price_per_gpu_hour is not None
+           else policy.defaults.max_price_per_gpu_hour)
+    costs = []
+    for o in offers:
+        k = o.pool
+        if o.gpu not in req.gpu or o.price_per_hour is None:
+            continue
+        if market != "any" and k.market.value != market:
+            continue
+        if (req.clouds and k.cloud not in req.clouds) or (
+                req.regions and k.region not in req.regions):
+            continue
+        if k in exclude or not pool.is_fresh(k, T0) or pool.in_cooldown(k, T0):
+            continue
+        if cap is not None and o.price_per_hour / o.gpus > cap:
+            continue
+        instances = math.ceil(req.gpus / o.gpus)
+        free = pool.free_capacity(k)
+        if free is not None and free < instances:
+            continue
+        if o.quota_headroom is not None and o.quota_headroom < instances * o.gpus:
+            continue
+        rate = 0.0
+        if k.market is Market.SPOT:
+            rate = (o.interruption_rate if o.interruption_rate is not None
+                    else s.unknown_interruption_rate)
+        avail = o.availability if o.availability is not None else s.unknown_availability
+        costs.append(instances * o.price_per_hour
+                     * (1 + s.restart_hours * rate + s.availability_weight * (1 - avail)))
+    return sorted(costs)
+
+
+def check_against_brute_force(rng: random.Random, offers: list[Offer], pool: ResourcePool,
+                              models: list[str], policy: Policy, n: int = 200) -> int:
+    """Place n random requests one at a time; return how many were decided."""
+    clouds = sorted({o.pool.cloud for o in offers})
+    regions = sorted({o.pool.region for o in offers})
+    ppgs = sorted(o.price_per_gpu_hour for o in offers if o.price_per_gpu_hour is not None)
+    n_decided = 0
+    for i in range(n):
+        req = request(
+            f"r{i}",
+            gpu=rng.sample(models, rng.randint(1, min(3, len(models)))),
+            gpus=rng.choice([1, 2, 3, 4, 6, 8, 12, 16, 24, 64]),
+            market=rng.choice([None, "spot", "on_demand", "any"]),
+            max_price_per_gpu_hour=rng.choice([None, None, rng.choice(ppgs) * 1.01]),
+            clouds=rng.choice([None, None, tuple(rng.sample(clouds, 1))]),
+            regions=rng.choice([None, None, None, tuple(rng.sample(regions, 2))]),
+        )
+        exclude = frozenset(rng.sample([o.pool for o in offers], rng.choice([0, 0, 3])))
+        want = brute_force_costs(req, offers, pool, policy, exclude)
+        [out] = place([Ask(req, exclude)], pool, policy, now=T0)
+        if not want:
+            assert isinstance(out, Rejection), (req, out)
+            continue
+        d = decided(out)
+        n_decided += 1
+        got = [d.expected_cost_per_hour,
+               *(brute_force_costs(req, [pool.get(a.pool)], pool, policy, exclude)[0]  # type: ignore[list-item]
+                 for a in d.alternatives)]
+        assert got == pytest.approx(want[:4], rel=1e-9), req
+        assert d.placement.pool not in exclude
+    return n_decided
+
+
+def random_offers(rng: random.Random) -> list[Offer]:
+    models = ["H100-80GB", "A100-80GB", "A100-40GB", "L4", "T4"]
+    offers = []
+    for cloud, region, zone, itype in itertools.product(
+            ["aws", "gcp"], ["r1", "r2"], ["z1", "z2", "z3"], ["i1", "i2", "i3", "i4"]):
+        gpus = rng.choice([1, 2, 4, 8])
+        for market in Market:
+            offers.append(offer(
+                f"{region}-{zone}", cloud=cloud, region=region,
+                instance_type=f"{itype}.{gpus}x", market=market,
+                gpu=rng.choice(models), gpus=gpus,
+                price=rng.choice([None, *[round(rng.uniform(0.3, 5.0) * gpus, 4)] * 9]),
+                availability=rng.choice([None, round(rng.random(), 3)]),
+                capacity=rng.choice([None, 0, 1, 2, 5, 40]),
+                interruption_rate=rng.choice([None, round(rng.uniform(0, 0.5), 3)]),
+                quota_headroom=rng.choice([None, None, 8, 32, 256])))
+    return offers
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_early_stop_matches_brute_force_on_random_offers(seed: int) -> None:
+    rng = random.Random(seed)
+    offers = random_offers(rng)
+    clock = Clock()
+    pool = ResourcePool(stale_after_seconds=300, clock=clock)
+    by_slice: dict[str, list[Offer]] = {}
+    for o in offers:
+        by_slice.setdefault(o.pool.region, []).append(o)
+    pool.replace(("x", "r2"), by_slice["r2"])
+    clock.advance(-1000)  # r1's slice was polled long ago: stale
+    pool.replace(("x", "r1"), by_slice["r1"][:10])
+    clock.advance(1000)
+    pool.replace(("x", "r1b"), by_slice["r1"][10:])
+    for o in rng.sample(offers, 8):
+        pool.cool_down(o.pool, 60)
+    for o in rng.sample(offers, 8):
+        pool.hold(o.pool, 1)
+    policy = Policy(scoring=Scoring(restart_hours=rng.uniform(0, 3),
+                                    availability_weight=rng.uniform(0, 1)))
+    n = check_against_brute_force(rng, offers, pool, sorted({o.gpu for o in offers}), policy)
+    assert n > 50  # the test exercised decisions, not only rejections
+
+
+async def test_early_stop_matches_brute_force_on_the_simulated_market() -> None:
+    adapter = SimAdapter(seed=3, regions_per_cloud=2, zones_per_region=2, clock=lambda: T0)
+    pool = ResourcePool(stale_after_seconds=300, clock=lambda: T0)
+    offers = []
+    for region in adapter.regions():
+        polled = await adapter.poll(region)
+        pool.replace(("sim", region), polled)
+        offers.extend(polled)
+    rng = random.Random(5)
+    models = sorted({o.gpu for o in offers})
+    n = check_against_brute_force(rng, offers, pool, models, POLICY)
+    assert n > 50

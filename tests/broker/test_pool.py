@@ -1,0 +1,249 @@
+"""Tests of the unified resource pool (`broker/pool.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from factories import SLICE, Clock, key, offer, pool_of
+
+from broker.model import Market, Offer
+from broker.pool import PoolChange, ResourcePool
+
+OTHER: tuple[str, str] = ("sim", "gcp:us-central1")
+
+
+def gcp_offer(zone: str = "us-central1-a") -> Offer:
+    return offer(zone, cloud="gcp", region="us-central1", instance_type="a3-highgpu-8g")
+
+
+# --- replace -----------------------------------------------------------------------------
+
+
+def test_first_replace_reports_every_offer_as_new() -> None:
+    a, b = offer("us-east-1a"), offer("us-east-1b")
+    pool = ResourcePool(stale_after_seconds=300, clock=Clock())
+    change = pool.replace(SLICE, [a, b])
+    assert change.slice == SLICE
+    assert change.updated == {a.pool: None, b.pool: None}
+    assert change.removed == {}
+    assert change.offers == {a.pool: a, b.pool: b}
+    assert len(pool) == 2
+    assert pool.get(a.pool) == a
+
+
+def test_replace_reports_changed_and_removed_offers_with_the_old_ones() -> None:
+    a, b, c = offer("us-east-1a"), offer("us-east-1b"), offer("us-east-1c")
+    pool = pool_of([a, b, c])
+    b2 = replace(b, price_per_hour=30.0)
+    d = offer("us-east-1d")
+    change = pool.replace(SLICE, [a, b2, d])
+    assert change.updated == {b.pool: b, d.pool: None}  # `a` unchanged: not reported
+    assert change.removed == {c.pool: c}
+    assert pool.get(c.pool) is None
+    assert pool.get(b.pool) == b2
+    assert pool.slice_of(c.pool) is None
+    assert sorted(o.pool.zone for o in pool) == ["us-east-1a", "us-east-1b", "us-east-1d"]
+
+
+def test_replacing_one_slice_leaves_another_untouched() -> None:
+    a = offer("us-east-1a")
+    g = gcp_offer()
+    pool = pool_of([a])
+    pool.replace(OTHER, [g])
+    change = pool.replace(SLICE, [])
+    assert change.removed == {a.pool: a}
+    assert pool.get(g.pool) == g
+    assert pool.slice_offers(OTHER) == [g]
+    assert pool.slice_offers(SLICE) == []
+    assert pool.slice_of(g.pool) == OTHER
+
+
+def test_listeners_get_each_change_until_unsubscribed() -> None:
+    pool = ResourcePool(stale_after_seconds=300, clock=Clock())
+    seen: list[PoolChange] = []
+    unsubscribe = pool.subscribe(seen.append)
+    first = pool.replace(SLICE, [offer()])
+    unsubscribe()
+    pool.replace(SLICE, [])
+    assert seen == [first]
+
+
+def test_slice_offers_lists_only_that_slice() -> None:
+    a, b = offer("us-east-1a"), offer("us-east-1b")
+    pool = pool_of([a, b])
+    pool.replace(OTHER, [gcp_offer()])
+    assert sorted(o.pool.zone for o in pool.slice_offers(SLICE)) == ["us-east-1a", "us-east-1b"]
+    assert pool.slice_offers(("sim", "nowhere")) == []
+
+
+# --- by_gpu ------------------------------------------------------------------------------
+
+
+def test_by_gpu_sorts_by_price_per_gpu_hour_not_per_instance() -> None:
+    big = offer("us-east-1a", instance_type="p5.48xlarge", gpus=8, price=24.0)  # 3.0/GPU-h
+    small = offer("us-east-1a", instance_type="p5.4xlarge", gpus=1, price=3.5)  # 3.5/GPU-h
+    mid = offer("us-east-1b", instance_type="p5.24xlarge", gpus=4, price=10.0)  # 2.5/GPU-h
+    pool = pool_of([small, big, mid])
+    assert [o.price_per_gpu_hour for o in pool.by_gpu("H100-80GB")] == [2.5, 3.0, 3.5]
+
+
+def test_by_gpu_leaves_out_unpriced_offers_and_other_models() -> None:
+    priced = offer("us-east-1a")
+    unpriced = offer("us-east-1b", price=None)
+    other = offer("us-east-1c", gpu="A100-80GB")
+    pool = pool_of([priced, unpriced, other])
+    assert list(pool.by_gpu("H100-80GB")) == [priced]
+    assert list(pool.by_gpu("A100-80GB")) == [other]
+    assert list(pool.by_gpu("T4")) == []
+    assert len(pool) == 3  # the unpriced offer is listed, just never sorted in
+    assert pool.gpus() == {"H100-80GB", "A100-80GB"}
+
+
+def test_by_gpu_resorts_after_a_price_change() -> None:
+    a = offer("us-east-1a", price=16.0)
+    b = offer("us-east-1b", price=24.0)
+    pool = pool_of([a, b])
+    assert [o.pool.zone for o in pool.by_gpu("H100-80GB")] == ["us-east-1a", "us-east-1b"]
+    pool.replace(SLICE, [replace(a, price_per_hour=40.0), b])
+    ranked = pool.by_gpu("H100-80GB")
+    assert [o.pool.zone for o in ranked] == ["us-east-1b", "us-east-1a"]
+    assert ranked[1].price_per_hour == 40.0
+
+
+def test_by_gpu_follows_a_model_change_and_a_removal() -> None:
+    a = offer("us-east-1a")
+    b = offer("us-east-1b")
+    pool = pool_of([a, b])
+    assert len(pool.by_gpu("H100-80GB")) == 2
+    pool.replace(SLICE, [replace(a, gpu="A100-80GB")])
+    assert list(pool.by_gpu("H100-80GB")) == []
+    assert list(pool.by_gpu("A100-80GB")) == [replace(a, gpu="A100-80GB")]
+    assert pool.gpus() == {"A100-80GB"}
+
+
+# --- freshness and health ----------------------------------------------------------------
+
+
+def test_offers_go_stale_after_stale_after_seconds() -> None:
+    clock = Clock()
+    a = offer()
+    pool = pool_of([a], clock=clock, stale_after_seconds=300)
+    assert pool.is_fresh(a.pool, clock.advance(300))
+    assert pool.age_seconds(a.pool, clock.now) == 300
+    assert not pool.is_fresh(a.pool, clock.advance(1))
+    assert pool.fresh_slices(clock.now) == set()
+
+
+def test_a_new_poll_makes_the_slice_fresh_again() -> None:
+    clock = Clock()
+    a = offer()
+    pool = pool_of([a], clock=clock, stale_after_seconds=300)
+    clock.advance(301)
+    assert not pool.is_fresh(a.pool, clock.now)
+    pool.replace(SLICE, [a])
+    assert pool.is_fresh(a.pool, clock.now)
+    assert pool.fresh_slices(clock.now) == {SLICE}
+
+
+def test_unknown_key_is_never_fresh() -> None:
+    pool = pool_of([offer()])
+    assert not pool.is_fresh(key("us-east-1z"), Clock().now)
+    assert pool.age_seconds(key("us-east-1z"), Clock().now) is None
+
+
+def test_mark_failed_keeps_offers_until_they_go_stale() -> None:
+    clock = Clock()
+    a = offer()
+    pool = pool_of([a], clock=clock, stale_after_seconds=300)
+    clock.advance(100)
+    assert pool.mark_failed(SLICE, "timeout") is True  # healthy -> failing
+    assert pool.failing(SLICE)
+    assert pool.get(a.pool) == a
+    assert pool.is_fresh(a.pool, clock.now)  # last good poll 100 s ago
+    assert not pool.is_fresh(a.pool, clock.advance(201))
+    assert pool.get(a.pool) == a  # stale, still listed
+
+
+def test_mark_failed_reports_only_the_transition() -> None:
+    pool = pool_of([offer()])
+    assert pool.mark_failed(SLICE, "e1") is True
+    assert pool.mark_failed(SLICE, "e2") is False
+    health = {h.slice: h for h in pool.health()}[SLICE]
+    assert (health.ok, health.failures, health.last_error) == (False, 2, "e2")
+    pool.replace(SLICE, [offer()])
+    assert not pool.failing(SLICE)
+    assert pool.mark_failed(SLICE, "e3") is True
+
+
+def test_failing_for_a_slice_that_never_polled() -> None:
+    pool = ResourcePool(stale_after_seconds=300, clock=Clock())
+    assert not pool.failing(SLICE)
+    assert pool.mark_failed(SLICE, "no credentials") is True
+    assert pool.failing(SLICE)
+    assert pool.fresh_slices(Clock().now) == set()
+
+
+# --- holdings and cool-down --------------------------------------------------------------
+
+
+def test_hold_and_unhold_change_free_capacity() -> None:
+    a = offer(capacity=5)
+    pool = pool_of([a])
+    assert pool.free_capacity(a.pool) == 5
+    pool.hold(a.pool, 2)
+    pool.hold(a.pool, 1)
+    assert pool.held(a.pool) == 3
+    assert pool.free_capacity(a.pool) == 2
+    assert pool.held_pools() == {a.pool}
+    pool.hold(a.pool, 4)
+    assert pool.free_capacity(a.pool) == 0  # never negative
+    pool.unhold(a.pool, 7)
+    assert pool.held(a.pool) == 0
+    assert pool.held_pools() == set()
+    assert pool.free_capacity(a.pool) == 5
+
+
+def test_free_capacity_unknown_and_absent() -> None:
+    a = offer(capacity=None)
+    pool = pool_of([a])
+    pool.hold(a.pool, 3)
+    assert pool.free_capacity(a.pool) is None
+    assert pool.free_capacity(key("us-east-1z")) == 0
+
+
+def test_holdings_survive_a_new_poll() -> None:
+    a = offer(capacity=5)
+    pool = pool_of([a])
+    pool.hold(a.pool, 2)
+    pool.replace(SLICE, [replace(a, capacity=3)])
+    assert pool.free_capacity(a.pool) == 1
+
+
+def test_cool_down_expires() -> None:
+    clock = Clock()
+    a, b = offer("us-east-1a"), offer("us-east-1b")
+    pool = pool_of([a, b], clock=clock)
+    pool.cool_down(a.pool, 60)
+    assert pool.in_cooldown(a.pool, clock.now)
+    assert not pool.in_cooldown(b.pool, clock.now)
+    assert pool.in_cooldown(a.pool, clock.advance(59))
+    assert not pool.in_cooldown(a.pool, clock.advance(1))
+    assert not pool.in_cooldown(a.pool, clock.now)
+
+
+def test_a_later_cool_down_extends_it() -> None:
+    clock = Clock()
+    a = offer()
+    pool = pool_of([a], clock=clock)
+    pool.cool_down(a.pool, 60)
+    clock.advance(50)
+    pool.cool_down(a.pool, 60)
+    assert pool.in_cooldown(a.pool, clock.advance(20))
+
+
+def test_pool_keys_of_each_market_are_distinct() -> None:
+    spot = offer(market=Market.SPOT, price=10.0)
+    od = offer(market=Market.ON_DEMAND, price=20.0)
+    pool = pool_of([spot, od])
+    assert len(pool) == 2
+    assert [o.pool.market for o in pool.by_gpu("H100-80GB")] == [Market.SPOT, Market.ON_DEMAND]

@@ -1,0 +1,70 @@
+"""Small builders for the unit tests: pool keys, offers, requests, placements, a clock.
+
+Imported as `from factories import ...` (tests/ is on sys.path through tests/conftest.py).
+Defaults make the expected cost of an offer simply `instances × price`: availability 1
+and no interruption risk, unless a test says otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from broker.model import Market, Offer, Placement, PlaceRequest, PoolKey
+from broker.pool import ResourcePool, SliceId
+
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+SLICE: SliceId = ("sim", "aws:us-east-1")
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, now: datetime = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> datetime:
+        self.now += timedelta(seconds=seconds)
+        return self.now
+
+
+def key(zone: str = "us-east-1a", *, cloud: str = "aws", region: str = "us-east-1",
+        instance_type: str = "p5.48xlarge", market: Market | str = Market.SPOT) -> PoolKey:
+    return PoolKey(cloud, region, zone, instance_type, Market(market))
+
+
+def offer(zone: str = "us-east-1a", *, cloud: str = "aws", region: str = "us-east-1",
+          instance_type: str = "p5.48xlarge", market: Market | str = Market.SPOT,
+          gpu: str = "H100-80GB", gpus: int = 8, price: float | None = 24.0,
+          observed_at: datetime = T0, availability: float | None = 1.0,
+          capacity: int | None = None, interruption_rate: float | None = 0.0,
+          quota_headroom: int | None = None) -> Offer:
+    """An offer; `price` is USD per instance and hour."""
+    return Offer(
+        pool=key(zone, cloud=cloud, region=region, instance_type=instance_type, market=market),
+        gpu=gpu, gpus=gpus, gpu_memory_gb=80.0, vcpus=192, memory_gb=2048.0,
+        price_per_hour=price, observed_at=observed_at, availability=availability,
+        capacity=capacity, interruption_rate=interruption_rate,
+        quota_headroom=quota_headroom)
+
+
+def request(request_id: str = "r1", gpu: str | Iterable[str] = "H100-80GB", gpus: int = 8, *,
+            scheduler: str = "sched-a", **kw: Any) -> PlaceRequest:
+    models = (gpu,) if isinstance(gpu, str) else tuple(gpu)
+    return PlaceRequest(scheduler=scheduler, request_id=request_id, gpu=models, gpus=gpus, **kw)
+
+
+def placement(o: Offer | None = None, instances: int = 1) -> Placement:
+    return Placement.of(o if o is not None else offer(), instances)
+
+
+def pool_of(offers: Iterable[Offer], *, clock: Clock | None = None,
+            stale_after_seconds: float = 300, slice_id: SliceId = SLICE) -> ResourcePool:
+    """A real ResourcePool holding `offers` as one freshly polled slice."""
+    pool = ResourcePool(stale_after_seconds=stale_after_seconds, clock=clock or Clock())
+    pool.replace(slice_id, offers)
+    return pool

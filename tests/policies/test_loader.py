@@ -1,0 +1,146 @@
+"""Tests of the policy loader (`policies/loader.py`): errors name file, line, column, key."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from policies.loader import SourceError, load_policy, parse_policy
+from policies.model import Defaults, Failover, Policy, Scoring
+
+FULL = """\
+version: 1
+defaults:
+  market: spot
+  max_price_per_gpu_hour: 3.5
+  lease_seconds: 600
+scoring:
+  restart_hours: 0.5
+  availability_weight: 0.3
+  unknown_interruption_rate: 0.1
+  unknown_availability: 0.6
+failover:
+  cooldown_seconds: 120
+"""
+
+
+def problems(text: str) -> list[tuple[str, int | None, int | None, str, str]]:
+    with pytest.raises(SourceError) as info:
+        parse_policy(textwrap.dedent(text), "policy.yaml")
+    return [(p.file, p.line, p.column, p.key, p.message) for p in info.value.problems]
+
+
+def test_a_full_policy() -> None:
+    assert parse_policy(FULL) == Policy(
+        version=1,
+        defaults=Defaults(market="spot", max_price_per_gpu_hour=3.5, lease_seconds=600),
+        scoring=Scoring(restart_hours=0.5, availability_weight=0.3,
+                        unknown_interruption_rate=0.1, unknown_availability=0.6),
+        failover=Failover(cooldown_seconds=120),
+    )
+
+
+@pytest.mark.parametrize("text", ["", "version: 1\n", "version: 1\ndefaults: {}\n"])
+def test_left_out_means_the_defaults(text: str) -> None:
+    assert parse_policy(text) == Policy()
+
+
+def test_partial_sections_keep_their_other_defaults() -> None:
+    p = parse_policy("defaults:\n  market: on_demand\n")
+    assert p.defaults.market == "on_demand"
+    assert p.defaults.lease_seconds == 900
+    assert p.scoring == Scoring()
+
+
+def test_load_policy_from_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(FULL)
+    assert load_policy(path) == parse_policy(FULL)
+
+
+def test_file_errors_name_the_file_line_column_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text("version: 1\ndefaults:\n  market: cheap\n")
+    with pytest.raises(SourceError) as info:
+        load_policy(path)
+    assert str(info.value) == (
+        f"{path}:3:3: defaults.market: Input should be 'spot', 'on_demand' or 'any'")
+
+
+def test_a_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="cannot read"):
+        load_policy(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize(("text", "line", "col", "key", "words"), [
+    ("version: 2\n", 1, 1, "version", "1"),
+    ("version: 1\ndefaults:\n  market: cheap\n", 3, 3, "defaults.market", "spot"),
+    ("defaults:\n  max_price_per_gpu_hour: 0\n", 2, 3, "defaults.max_price_per_gpu_hour",
+     "greater than 0"),
+    ("defaults:\n  lease_seconds: 5\n", 2, 3, "defaults.lease_seconds", "10"),
+    ("defaults:\n  lease_seconds: 1.5\n", 2, 3, "defaults.lease_seconds", "integer"),
+    ("scoring:\n  restart_hours: fast\n", 2, 3, "scoring.restart_hours", "number"),
+    ("scoring:\n  unknown_availability: 2\n", 2, 3, "scoring.unknown_availability", "1"),
+    ("scoring:\n  availability_weight: -0.1\n", 2, 3, "scoring.availability_weight", "0"),
+    ("failover:\n  cooldown_seconds: [1]\n", 2, 3, "failover.cooldown_seconds", "number"),
+    ("version: 1\ndefaults: [spot]\n", 2, 1, "defaults", "dictionary"),
+    ("scoring: 3\n", 1, 1, "scoring", "dictionary"),
+])
+def test_wrong_values_name_line_column_and_key(text: str, line: int, col: int, key: str,
+                                               words: str) -> None:
+    [(file, got_line, got_col, got_key, message)] = problems(text)
+    assert (file, got_line, got_col, got_key) == ("policy.yaml", line, col, key)
+    assert words in message
+
+
+def test_unknown_keys_are_errors() -> None:
+    got = problems("""\
+        version: 1
+        defaults:
+          markte: spot
+        failover:
+          cooldown: 5
+        teams: {}
+    """)
+    assert sorted(got) == [
+        ("policy.yaml", 3, 3, "defaults.markte", "unknown key"),
+        ("policy.yaml", 5, 3, "failover.cooldown", "unknown key"),
+        ("policy.yaml", 6, 1, "teams", "unknown key"),
+    ]
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    got = problems("version: 3\ndefaults:\n  market: x\nscoring:\n  restart_hours: -1\n")
+    assert sorted(key for _, _, _, key, _ in got) == [
+        "defaults.market", "scoring.restart_hours", "version"]
+
+
+@pytest.mark.parametrize("text", ["- version: 1\n", "spot\n", "42\n", "null\n"])
+def test_not_a_mapping(text: str) -> None:
+    [(_, line, _, key, message)] = problems(text)
+    assert key == ""
+    assert "mapping" in message
+    if text != "null\n":
+        assert line == 1
+
+
+def test_duplicate_keys_are_errors() -> None:
+    got = problems("""\
+        version: 1
+        defaults:
+          market: spot
+          market: any
+        version: 1
+    """)
+    assert sorted(got) == [
+        ("policy.yaml", 4, 3, "defaults.market", "duplicate key"),
+        ("policy.yaml", 5, 1, "version", "duplicate key"),
+    ]
+
+
+def test_invalid_yaml_names_line_and_column() -> None:
+    [(_, line, col, key, message)] = problems("version: 1\n  bad: indent\n")
+    assert (line, col, key) == (2, 6, "")
+    assert message.startswith("invalid YAML:")
