@@ -39,6 +39,8 @@ log = structlog.get_logger("gpubroker.broker")
 
 VERBS = ("place", "renew", "release", "report")
 MAX_BATCH = 256
+PLACE_CHUNK = 32  # placements between two yields to the event loop
+REPEATED = "repeated request: the lease it already has"
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,12 +160,25 @@ class Broker:
     async def handle(self, batch: Sequence[Command]) -> None:
         async with self._lock:
             b = _Batch()
-            asks: list[tuple[Command, PlaceRequest]] = []
-            for cmd in batch:
+            parsed = {i: requests.parse_place(cmd.scheduler, cmd.payload)
+                      for i, cmd in enumerate(batch) if cmd.verb == "place"}
+            await self._recall([p for p in parsed.values() if isinstance(p, PlaceRequest)])
+            asks: dict[tuple[str, str], tuple[Command, PlaceRequest]] = {}
+            repeats: list[tuple[Command, PlaceRequest]] = []
+            for i, cmd in enumerate(batch):
                 if cmd.verb == "place":
-                    req = await self._check_place(b, cmd)
-                    if req is not None:
-                        asks.append((cmd, req))
+                    req = parsed[i]
+                    if isinstance(req, requests.Invalid):
+                        self._invalid(b, cmd, req.request_id, req.errors)
+                        continue
+                    key = (req.scheduler, req.request_id)
+                    lease = self.book.find(*key)
+                    if lease is not None:
+                        self._decided(b, lease, cmd, REPEATED, ())
+                    elif key in asks:  # repeated within this batch: placed once
+                        repeats.append((cmd, req))
+                    else:
+                        asks[key] = (cmd, req)
                 elif cmd.verb in ("renew", "release"):
                     self._lease_verb(b, cmd)
                 elif cmd.verb == "report":
@@ -172,43 +187,36 @@ class Broker:
                     self._invalid(b, cmd, None, [{
                         "field": "", "message": f"unknown verb {cmd.verb!r}; "
                         f"expected one of {', '.join(VERBS)}"}])
-            if asks:
-                self._place(b, asks)
+            pending = list(asks.values())
+            rejected: dict[tuple[str, str], placement.Rejection] = {}
+            for start in range(0, len(pending), PLACE_CHUNK):
+                if start:
+                    # Let the bus read and acknowledge while a large batch is placed.
+                    await asyncio.sleep(0)
+                self._place(b, pending[start:start + PLACE_CHUNK], rejected)
+            for cmd, req in repeats:
+                key = (req.scheduler, req.request_id)
+                if key in rejected:
+                    self._rejected(b, cmd, req, rejected[key])
+                else:
+                    self._decided(b, b.answered[key], cmd, REPEATED, ())
             await self._commit(b)
 
-    async def _check_place(self, b: _Batch, cmd: Command) -> PlaceRequest | None:
-        parsed = requests.parse_place(cmd.scheduler, cmd.payload)
-        if isinstance(parsed, requests.Invalid):
-            self._invalid(b, cmd, parsed.request_id, parsed.errors)
-            return None
-        key = (cmd.scheduler, parsed.request_id)
-        lease = b.answered.get(key) or self.book.find(*key)
-        if lease is None:
-            lease = await self.store.find_lease(*key)
-            if lease is not None:
-                self.book.remember(lease)
-        if lease is not None:
-            self._decided(b, lease, cmd, reason="repeated request: the lease it already has",
-                          alternatives=())
-            return None
-        return parsed
+    async def _recall(self, reqs: Sequence[PlaceRequest]) -> None:
+        """Bring leases of these requests that ended long ago back from the store, in one
+        query, so that a repeated request gets its lease whatever its age."""
+        unknown = list(dict.fromkeys((r.scheduler, r.request_id) for r in reqs
+                                     if self.book.find(r.scheduler, r.request_id) is None))
+        for lease in (await self.store.find_leases(unknown)).values():
+            self.book.remember(lease)
 
-    def _place(self, b: _Batch, asks: list[tuple[Command, PlaceRequest]]) -> None:
+    def _place(self, b: _Batch, asks: Sequence[tuple[Command, PlaceRequest]],
+               rejected: dict[tuple[str, str], placement.Rejection]) -> None:
         now = self._clock()
-        # A request_id repeated within one batch is placed once and answered twice.
-        unique: dict[tuple[str, str], tuple[Command, PlaceRequest]] = {}
-        repeats: list[tuple[Command, PlaceRequest]] = []
-        for cmd, req in asks:
-            k = (req.scheduler, req.request_id)
-            if k in unique:
-                repeats.append((cmd, req))
-            else:
-                unique[k] = (cmd, req)
         outcomes = placement.place(
-            [placement.Ask(req) for _, req in unique.values()], self.pool, self.policy,
+            [placement.Ask(req) for _, req in asks], self.pool, self.policy,
             now=now, retry_after_seconds=self._retry_after)
-        rejected: dict[tuple[str, str], placement.Rejection] = {}
-        for (cmd, req), outcome in zip(unique.values(), outcomes, strict=True):
+        for (cmd, req), outcome in zip(asks, outcomes, strict=True):
             if isinstance(outcome, placement.Rejection):
                 rejected[(req.scheduler, req.request_id)] = outcome
                 self._rejected(b, cmd, req, outcome)
@@ -221,13 +229,6 @@ class Broker:
             b.answered[(req.scheduler, req.request_id)] = lease
             self._decided(b, lease, cmd, outcome.reason, outcome.alternatives)
             self._expiry_changed.set()
-        for cmd, req in repeats:
-            k = (req.scheduler, req.request_id)
-            if k in b.answered:
-                self._decided(b, b.answered[k], cmd, "repeated request: the lease it already has",
-                              ())
-            else:
-                self._rejected(b, cmd, req, rejected[k])
 
     def _rejected(self, b: _Batch, cmd: Command, req: PlaceRequest,
                   outcome: placement.Rejection) -> None:

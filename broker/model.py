@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 SCHEDULER_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -57,9 +57,11 @@ def parse_iso(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class PoolKey:
-    """One place capacity comes from."""
+class PoolKey(NamedTuple):
+    """One place capacity comes from.
+
+    A named tuple rather than a dataclass: pool keys are hashed on every lookup of the
+    placement hot path, and a tuple's hash is computed in C."""
 
     cloud: str
     region: str

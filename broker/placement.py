@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
@@ -35,14 +35,19 @@ ALTERNATIVES = 3
 
 
 class PoolView(Protocol):
-    def by_gpu(self, gpu: str) -> Sequence[Offer]:
-        """Priced offers of `gpu`, cheapest per GPU-hour first."""
+    def by_gpu(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
+        """Priced offers of `gpu` in `market`, cheapest per GPU-hour first."""
 
-    def is_fresh(self, key: PoolKey, now: datetime) -> bool: ...
+    def stale_slices(self, now: datetime) -> Collection[Hashable]:
+        """Slices (as `slice_of` names them) whose offers must not be placed on."""
 
-    def free_capacity(self, key: PoolKey) -> int | None: ...
+    def slice_of(self, key: PoolKey) -> Hashable | None: ...
 
-    def in_cooldown(self, key: PoolKey, now: datetime) -> bool: ...
+    def cooling(self, now: datetime) -> Collection[PoolKey]:
+        """Pools that take no new placements now."""
+
+    def held(self, key: PoolKey) -> int:
+        """Instances of `key` the broker's leases already hold."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +86,7 @@ class _Scan:
     matching: int = 0  # fresh offers of an acceptable model/market/cloud/region
     under_cap: int = 0
     cheapest_ppg: float = math.inf
-    best: list[tuple[float, int, Placement, Offer]] = field(default_factory=list)
+    best: list[tuple[float, int, Offer, int]] = field(default_factory=list)
 
 
 def effective_market(request: PlaceRequest, policy: Policy) -> str:
@@ -106,77 +111,94 @@ def expected_cost(offer: Offer, instances: int, policy: Policy) -> float:
     return instances * offer.price_per_hour * (1.0 + risk + s.availability_weight * (1 - avail))
 
 
+@dataclass(slots=True)
+class _Batch:
+    """What one batch shares: the pool's state now, and what its decisions took."""
+
+    view: PoolView
+    policy: Policy
+    stale: Collection[Hashable]
+    cooling: Collection[PoolKey]
+    retry_after: float | None
+    taken: Counter[PoolKey] = field(default_factory=Counter)  # instances
+    taken_gpus: Counter[PoolKey] = field(default_factory=Counter)
+
+
 def place(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
           retry_after_seconds: float | None = None) -> list[Outcome]:
     """Place each ask of a batch; capacity taken by one is not offered to the next."""
-    taken: Counter[PoolKey] = Counter()  # instances
-    taken_gpus: Counter[PoolKey] = Counter()
+    batch = _Batch(view, policy, view.stale_slices(now), view.cooling(now),
+                   retry_after_seconds)
     out: list[Outcome] = []
     for ask in asks:
-        outcome = _place_one(ask, view, policy, now, taken, taken_gpus, retry_after_seconds)
+        outcome = _place_one(ask, batch)
         if isinstance(outcome, Decision):
-            taken[outcome.placement.pool] += outcome.placement.instances
-            taken_gpus[outcome.placement.pool] += outcome.placement.total_gpus
+            batch.taken[outcome.placement.pool] += outcome.placement.instances
+            batch.taken_gpus[outcome.placement.pool] += outcome.placement.total_gpus
         out.append(outcome)
     return out
 
 
-def _place_one(ask: Ask, view: PoolView, policy: Policy, now: datetime,
-               taken: Counter[PoolKey], taken_gpus: Counter[PoolKey],
-               retry_after: float | None) -> Outcome:
+def _place_one(ask: Ask, b: _Batch) -> Outcome:
     req = ask.request
+    view, policy = b.view, b.policy
     market = effective_market(req, policy)
-    markets = {Market.SPOT, Market.ON_DEMAND} if market == "any" else {Market(market)}
+    markets = (Market.SPOT, Market.ON_DEMAND) if market == "any" else (Market(market),)
     cap = effective_cap(req, policy)
     clouds = set(req.clouds) if req.clouds else None
     regions = set(req.regions) if req.regions else None
+    exclude, stale, cooling = ask.exclude, b.stale, b.cooling
+    taken, taken_gpus = b.taken, b.taken_gpus
+    need = req.gpus
     scan = _Scan()
     keep = ALTERNATIVES + 1
+    best = scan.best
     tiebreak = 0
     for gpu in dict.fromkeys(req.gpu):
-        for offer in view.by_gpu(gpu):
-            key = offer.pool
-            if key.market not in markets:
-                continue
-            if clouds is not None and key.cloud not in clouds:
-                continue
-            if regions is not None and key.region not in regions:
-                continue
-            if key in ask.exclude or not view.is_fresh(key, now) or view.in_cooldown(key, now):
-                continue
-            ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
-            scan.matching += 1
-            scan.cheapest_ppg = min(scan.cheapest_ppg, ppg)
-            if cap is not None and ppg > cap:
-                break  # sorted by price per GPU-hour: the rest are dearer still
-            scan.under_cap += 1
-            instances = -(-req.gpus // offer.gpus)
-            # Lower bound of any later offer's cost: it costs at least req.gpus × its ppg.
-            if len(scan.best) == keep and req.gpus * ppg > -scan.best[0][0]:
-                break
-            free = view.free_capacity(key)
-            if free is not None and free - taken[key] < instances:
-                continue
-            quota = offer.quota_headroom
-            if quota is not None and quota - taken_gpus[key] < instances * offer.gpus:
-                continue
-            cost = expected_cost(offer, instances, policy)
-            tiebreak += 1
-            item = (-cost, -tiebreak, Placement.of(offer, instances), offer)
-            if len(scan.best) < keep:
-                heapq.heappush(scan.best, item)
-            elif cost < -scan.best[0][0]:
-                heapq.heapreplace(scan.best, item)
-    if not scan.best:
-        return _reject(ask, scan, cap, market, retry_after)
-    ranked = sorted(scan.best, key=lambda t: (-t[0], -t[1]))
-    cost, _, placement, offer = ranked[0]
+        for m in markets:
+            for offer in view.by_gpu(gpu, m):
+                key = offer.pool
+                if clouds is not None and key.cloud not in clouds:
+                    continue
+                if regions is not None and key.region not in regions:
+                    continue
+                if (exclude and key in exclude) or (cooling and key in cooling) or \
+                        (stale and view.slice_of(key) in stale):
+                    continue
+                ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
+                scan.matching += 1
+                if ppg < scan.cheapest_ppg:
+                    scan.cheapest_ppg = ppg
+                if cap is not None and ppg > cap:
+                    break  # sorted by price per GPU-hour: the rest are dearer still
+                scan.under_cap += 1
+                # Any later offer costs at least need × its ppg: stop when that cannot win.
+                if len(best) == keep and need * ppg > -best[0][0]:
+                    break
+                instances = -(-need // offer.gpus)
+                capacity = offer.capacity
+                if capacity is not None and \
+                        capacity - view.held(key) - taken[key] < instances:
+                    continue
+                quota = offer.quota_headroom
+                if quota is not None and quota - taken_gpus[key] < instances * offer.gpus:
+                    continue
+                cost = expected_cost(offer, instances, policy)
+                tiebreak += 1
+                if len(best) < keep:
+                    heapq.heappush(best, (-cost, -tiebreak, offer, instances))
+                elif cost < -best[0][0]:
+                    heapq.heapreplace(best, (-cost, -tiebreak, offer, instances))
+    if not best:
+        return _reject(ask, scan, cap, market, b.retry_after)
+    ranked = [(-c, Placement.of(o, n), o) for c, _, o, n in sorted(best, reverse=True)]
+    cost, chosen, offer = ranked[0]
     return Decision(
         ask=ask,
-        placement=placement,
-        expected_cost_per_hour=-cost,
-        reason=_reason(placement, offer, -cost, req.duration_hours),
-        alternatives=tuple(p for _, _, p, _ in ranked[1:]),
+        placement=chosen,
+        expected_cost_per_hour=cost,
+        reason=_reason(chosen, offer, cost, req.duration_hours),
+        alternatives=tuple(p for _, p, _ in ranked[1:]),
     )
 
 

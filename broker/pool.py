@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from broker.model import Offer, PoolKey, utcnow
+from broker.model import Market, Offer, PoolKey, utcnow
 
 SliceId = tuple[str, str]
 """(adapter name, region) — the unit one poll replaces."""
@@ -55,7 +55,7 @@ class ResourcePool:
         self._slices: dict[SliceId, set[PoolKey]] = {}
         self._health: dict[SliceId, SliceHealth] = {}
         self._keys_by_gpu: dict[str, set[PoolKey]] = {}
-        self._by_gpu: dict[str, list[Offer]] = {}
+        self._by_gpu: dict[tuple[str, Market | None], list[Offer]] = {}
         self._dirty_gpus: set[str] = set()
         self._held: Counter[PoolKey] = Counter()
         self._cooldown: dict[PoolKey, datetime] = {}
@@ -189,16 +189,33 @@ class ResourcePool:
         last = self._health[slice_id].last_ok_at if slice_id else None
         return None if last is None else (now - last).total_seconds()
 
-    def by_gpu(self, gpu: str) -> Sequence[Offer]:
-        """Priced offers of `gpu`, cheapest per GPU-hour first (fresh or not)."""
-        if gpu in self._dirty_gpus or gpu not in self._by_gpu:
+    def by_gpu(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
+        """Priced offers of `gpu` (in `market`, or both), cheapest per GPU-hour first,
+        fresh or not."""
+        if gpu in self._dirty_gpus:
+            for m in (None, Market.SPOT, Market.ON_DEMAND):
+                self._by_gpu.pop((gpu, m), None)
+            self._dirty_gpus.discard(gpu)
+        index = self._by_gpu.get((gpu, market))
+        if index is None:
             offers = (self._offers[k] for k in self._keys_by_gpu.get(gpu, ()))
-            self._by_gpu[gpu] = sorted(
-                (o for o in offers if o.price_per_hour is not None and o.gpus > 0),
+            index = self._by_gpu[(gpu, market)] = sorted(
+                (o for o in offers if o.price_per_hour is not None and o.gpus > 0
+                 and (market is None or o.pool.market is market)),
                 key=lambda o: (o.price_per_hour / o.gpus, o.pool),  # type: ignore[operator]
             )
-            self._dirty_gpus.discard(gpu)
-        return self._by_gpu[gpu]
+        return index
+
+    def stale_slices(self, now: datetime) -> set[SliceId]:
+        """Slices whose offers are too old to place on (usually none)."""
+        return {s for s, h in self._health.items()
+                if h.last_ok_at is None or now - h.last_ok_at > self.stale_after}
+
+    def cooling(self, now: datetime) -> set[PoolKey]:
+        """Pools in a cool-down now."""
+        for key in [k for k, until in self._cooldown.items() if until <= now]:
+            del self._cooldown[key]
+        return set(self._cooldown)
 
     def gpus(self) -> set[str]:
         return {g for g, keys in self._keys_by_gpu.items() if keys}

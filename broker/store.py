@@ -139,8 +139,14 @@ class StateStore:
         """Forget outbox rows the MQTT server has acknowledged."""
         if not ids:
             return
-        params = [(i,) for i in ids]
-        await self._run(lambda db: db.executemany("DELETE FROM outbox WHERE id=?", params))
+
+        def delete(db: sqlite3.Connection) -> None:
+            for i in range(0, len(ids), 500):
+                chunk = ids[i:i + 500]
+                db.execute(f"DELETE FROM outbox WHERE id IN ({','.join('?' * len(chunk))})",
+                           chunk)
+
+        await self._run(delete)
 
     async def pending(self) -> list[OutboxRow]:
         def q(db: sqlite3.Connection) -> list[OutboxRow]:
@@ -161,6 +167,25 @@ class StateStore:
                 sql += " OR updated_at >= ?"
                 args = (iso(ended_since),)
             return [_lease_from(json.loads(b)) for (b,) in db.execute(sql, args)]
+
+        return await self._run(q)
+
+    async def find_leases(self, keys: Sequence[tuple[str, str]]
+                          ) -> dict[tuple[str, str], Lease]:
+        """The leases of these (scheduler, request_id) keys that exist, in one query."""
+        if not keys:
+            return {}
+
+        def q(db: sqlite3.Connection) -> dict[tuple[str, str], Lease]:
+            out: dict[tuple[str, str], Lease] = {}
+            for i in range(0, len(keys), 250):
+                chunk = keys[i:i + 250]
+                where = " OR ".join("(scheduler=? AND request_id=?)" for _ in chunk)
+                args = [x for k in chunk for x in k]
+                for (b,) in db.execute(f"SELECT body FROM leases WHERE {where}", args):
+                    lease = _lease_from(json.loads(b))
+                    out[(lease.scheduler, lease.request_id)] = lease
+            return out
 
         return await self._run(q)
 

@@ -1,0 +1,736 @@
+"""Request latency of the gpubroker daemon against a bare MQTT echo, side by side.
+
+One run, one private mosquitto, three phases (each `--warmup` + `--duration` seconds of
+open-loop load at `--rate` messages per second, QoS 1, one aiomqtt client):
+
+1. **baseline** — an echo responder (its own process, one aiomqtt client) republishes
+   every request payload to a reply topic; latency = reply received − request sent.
+2. **gpubroker** — the real daemon (`python -m broker.cli run --config …`, a subprocess)
+   on the simulated market (about 20,000 offers), state in a fresh SQLite file, its
+   poll interval long enough that no poll lands in the load; the load client publishes
+   `P/requests/<S>/place` and times each request to its `placement.decided` /
+   `placement.rejected` event (matched on `data.request_id`).
+3. **gpubroker + polls** — the same with a short poll interval, so every region is
+   re-polled (and its capacity summaries re-published) while the load runs
+   (`--poll-phase-interval 0` skips it).
+
+Prints the figures (`--json`: as JSON); pass/fail is not its business.
+
+    cd /work/main && python bench/latency.py [--rate 500] [--duration 20] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+
+SCRIPT = Path(__file__).resolve()
+ROOT = SCRIPT.parent.parent
+PREFIX = "gpubroker/v1"
+SCHEDULERS = ("sched-a", "sched-b", "sched-c", "sched-d")
+LEASE_SECONDS = 6 * 3600  # nothing may expire during the run
+WINDOW_S = 2.0  # latency over time: p50 per this many seconds of sends
+INFLIGHT_WINDOW = 5000  # un-acknowledged publishes the load client allows itself
+ECHO_REQ, ECHO_REP = "bench/echo/req", "bench/echo/rep"
+
+# The request mix, cycled in order (index = request number mod len).
+MIX: tuple[dict[str, Any], ...] = (
+    {"gpu": ["H100-80GB", "A100-80GB"], "gpus": 8},
+    {"gpu": ["H100-80GB", "A100-80GB"], "gpus": 8, "market": "spot", "team": "research"},
+    {"gpu": "L4", "gpus": 1},
+    {"gpu": "A10G", "gpus": 4, "market": "spot"},
+    {"gpu": "T4", "gpus": 1, "max_price_per_gpu_hour": 0.35},
+    {"gpu": "A100-40GB", "gpus": 2, "market": "on_demand", "duration_hours": 6},
+    {"gpu": "L40S", "gpus": 1, "clouds": ["aws"]},
+    {"gpu": ["H100-80GB"], "gpus": 16, "gang": True, "market": "spot"},
+    {"gpu": "V100-16GB", "gpus": 4, "regions": ["us-east-1", "us-west-2", "eastus",
+                                                "us-central1"]},
+    {"gpu": "T4", "gpus": 1, "max_price_per_gpu_hour": 0.05},  # rejected: over the cap
+)
+
+
+# --------------------------------------------------------------------------------------
+# processes: mosquitto, the daemon, the echo responder
+# --------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Mosquitto:
+    """A private mosquitto on a free loopback port. Unlike tests/mqtt_helpers.py it logs
+    errors only (`log_type all` writes every PUBLISH/PUBACK, which would be measured
+    too) and keeps no persistence file. `max_queued_messages` is raised from 1000 so a
+    subscriber that falls behind shows up as latency, not as silently dropped events."""
+
+    def __init__(self, workdir: Path, max_inflight: int | None = None) -> None:
+        self.max_inflight = max_inflight
+        binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+        if not os.access(binary, os.X_OK):
+            raise SystemExit("bench: mosquitto not found (apt-get install -y mosquitto)")
+        self.binary = binary
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        conf = self.workdir / "mosquitto.conf"
+        conf.write_text("\n".join([
+            f"listener {self.port} 127.0.0.1",
+            "allow_anonymous true",
+            f"user {pwd.getpwuid(os.geteuid()).pw_name}",
+            "persistence false",
+            f"log_dest file {self.workdir / 'mosquitto.log'}",
+            "log_type error", "log_type warning",
+            "set_tcp_nodelay true",
+            "max_queued_messages 1000000",
+            *([] if self.max_inflight is None
+              else [f"max_inflight_messages {self.max_inflight}"]),
+            "",
+        ]))
+        with (self.workdir / "mosquitto.out").open("ab") as out:
+            self.proc = subprocess.Popen([self.binary, "-c", str(conf)],
+                                         stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(
+                    ("127.0.0.1", self.port), timeout=0.5):
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mosquitto did not start:\n{self.log_tail()}")
+            time.sleep(0.02)
+
+    def log_tail(self) -> str:
+        text = ""
+        for name in ("mosquitto.out", "mosquitto.log"):
+            p = self.workdir / name
+            if p.exists():
+                text += p.read_text(errors="replace")
+        return "\n".join(text.splitlines()[-20:])
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS / VmHWM / ... from /proc/<pid>/status, in kB."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key.startswith("Vm") and rest.strip().endswith("kB"):
+                out[key] = int(rest.split()[0])
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Daemon:
+    """`python -m broker.cli run --config FILE` as a subprocess; stderr (JSON log lines)
+    is read all along so the pipe never fills."""
+
+    def __init__(self, workdir: Path, mqtt_url: str, *, seed: int, regions: int,
+                 poll_interval: float) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.config = workdir / "config.yaml"
+        self.config.write_text(
+            "site: bench\n"
+            f"state: {{path: '{workdir / 'state.db'}'}}\n"
+            f"mqtt: {{url: '{mqtt_url}', topic_prefix: '{PREFIX}', client_id: gpubroker-bench}}\n"
+            f"poll: {{interval_seconds: {poll_interval}, "
+            f"stale_after_seconds: {max(300.0, 3 * poll_interval)}}}\n"
+            "clouds:\n"
+            f"  sim: {{seed: {seed}, regions_per_cloud: {regions}, zones_per_region: 3,\n"
+            "         preempt_rate_multiplier: 1.0, signal_interval_seconds: 1.0}\n")
+        self.proc: asyncio.subprocess.Process | None = None
+        self.ready = asyncio.Event()
+        self.offers: int | None = None
+        self.levels: Counter[str] = Counter()
+        self.events: Counter[str] = Counter()
+        self.tail: list[str] = []
+        self._reader: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        cmd = [sys.executable, "-m", "broker.cli", "run", "--config", str(self.config)]
+        self.proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        async for raw in self.proc.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            self.tail = [*self.tail[-29:], line]
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                self.levels["non-json"] += 1
+                continue
+            self.levels[rec.get("level", "?")] += 1
+            self.events[rec.get("event", "?")] += 1
+            if rec.get("event") == "ready":
+                self.offers = rec.get("offers")
+                self.ready.set()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    async def wait_ready(self, timeout: float = 120.0) -> None:
+        assert self.proc is not None
+        waiter = asyncio.create_task(self.ready.wait())
+        died = asyncio.create_task(self.proc.wait())
+        done, _ = await asyncio.wait({waiter, died}, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        died.cancel()
+        if not self.ready.is_set():
+            why = "exited" if died in done else f"not ready within {timeout:g}s"
+            raise RuntimeError(f"gpubroker {why}:\n" + "\n".join(self.tail))
+
+    async def settle(self, quiet_cpu: float = 0.10, window: float = 0.5,
+                     limit: float = 30.0) -> float:
+        """Wait until the daemon is idle (CPU below `quiet_cpu` over `window`): the
+        first round's capacity summaries are published. Returns the seconds waited."""
+        start = time.monotonic()
+        while time.monotonic() - start < limit:
+            c0 = cpu_seconds(self.pid)
+            await asyncio.sleep(window)
+            if (cpu_seconds(self.pid) - c0) / window < quiet_cpu:
+                break
+        return time.monotonic() - start
+
+    async def stop(self) -> int | None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 20)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        if self._reader is not None:
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(self._reader, 2)
+        return proc.returncode
+
+
+def run_echo(url: str, nodelay: bool) -> None:
+    """The echo responder (`--echo URL`, run as its own process): every message on
+    ECHO_REQ goes back, QoS 1, to ECHO_REP; publishes are not awaited one by one."""
+
+    async def main() -> None:
+        host, port = url.removeprefix("mqtt://").rsplit(":", 1)
+        async with mqtt_client(host, int(port), "bench-echo", nodelay=nodelay) as client:
+            await client.subscribe(ECHO_REQ, qos=1)
+            print("ready", flush=True)
+            pending: set[asyncio.Task[None]] = set()
+            async for msg in client.messages:
+                t = asyncio.create_task(client.publish(ECHO_REP, msg.payload, qos=1))
+                pending.add(t)
+                t.add_done_callback(pending.discard)
+
+    with contextlib.suppress(KeyboardInterrupt, aiomqtt.MqttError):
+        asyncio.run(main())
+
+
+def mqtt_client(host: str, port: int, name: str, *, nodelay: bool) -> aiomqtt.Client:
+    """The bench's clients. `nodelay` sets TCP_NODELAY: paho-mqtt leaves Nagle's
+    algorithm on, which holds a small write back while an earlier one is unacknowledged
+    (with the peer's delayed ACK, up to ~40 ms per message on loopback)."""
+    client = aiomqtt.Client(
+        host, port, identifier=f"{name}-{uuid.uuid4().hex[:8]}",
+        socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)] if nodelay else (),
+        protocol=aiomqtt.ProtocolVersion.V5, keepalive=60, timeout=30,
+        max_inflight_messages=65535, max_queued_incoming_messages=0)
+    client.pending_calls_threshold = 10**9  # the INFLIGHT_WINDOW bounds them
+    return client
+
+
+# --------------------------------------------------------------------------------------
+# the load: open loop, fixed schedule, answers matched by id
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class PhaseResult:
+    name: str
+    sent: int = 0  # in the measured window (after warm-up)
+    answered: int = 0
+    missing: int = 0
+    duplicates: int = 0
+    sent_total: int = 0  # warm-up included
+    answered_total: int = 0
+    missing_total: int = 0
+    duplicates_total: int = 0
+    p50_ms: float = math.nan
+    p90_ms: float = math.nan
+    p99_ms: float = math.nan
+    max_ms: float = math.nan
+    mean_ms: float = math.nan
+    send_rate: float = math.nan  # achieved, measured window
+    send_lag_p99_ms: float = math.nan  # how late sends were against the schedule
+    send_lag_max_ms: float = math.nan
+    p50_by_window_ms: list[float] = field(default_factory=list)  # per WINDOW_S of sends
+    kinds: dict[str, int] = field(default_factory=dict)  # answer type -> count
+    codes: dict[str, int] = field(default_factory=dict)  # rejection code -> count
+    other_events: dict[str, int] = field(default_factory=dict)
+    cpu: dict[str, float] = field(default_factory=dict)  # process -> % of one core
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def percentile(sorted_xs: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    if not sorted_xs:
+        return math.nan
+    k = max(0, math.ceil(q / 100 * len(sorted_xs)) - 1)
+    return sorted_xs[k]
+
+
+Answer = tuple[str, str, str | None]  # (key, kind, rejection code)
+
+
+async def run_load(name: str, host: str, port: int, *, rate: float, duration: float,
+                   warmup: float, subscribe: str,
+                   make: Callable[[int], tuple[str, bytes, str]],
+                   parse: Callable[[aiomqtt.Message], Answer | None],
+                   pids: dict[str, int], nodelay: bool, drain: float = 15.0
+                   ) -> PhaseResult:
+    """Send `rate`/s for `warmup + duration` s on a fixed schedule (open loop: never
+    waits for answers; QoS 1 PUBACKs are awaited by per-message tasks inside a window
+    of INFLIGHT_WINDOW), then wait up to `drain` s for the outstanding answers."""
+    res = PhaseResult(name)
+    total = round(rate * (warmup + duration))
+    measured_from = round(rate * warmup)
+    sent_at: dict[str, float] = {}
+    lag: list[float] = []
+    index_of: dict[str, int] = {}
+    answers: dict[str, tuple[float, str, str | None]] = {}
+    dups: Counter[str] = Counter()
+    other: Counter[str] = Counter()
+    window = asyncio.Semaphore(INFLIGHT_WINDOW)
+    publish_errors: list[BaseException] = []
+
+    async with mqtt_client(host, port, f"bench-load-{name}", nodelay=nodelay) as client:
+        await client.subscribe(subscribe, qos=1)
+
+        async def receive() -> None:
+            async for msg in client.messages:
+                now = time.monotonic()
+                got = parse(msg)
+                if got is None:
+                    continue
+                key, kind, code = got
+                if key not in sent_at:
+                    other[kind] += 1
+                elif key in answers:
+                    dups[key] += 1
+                else:
+                    answers[key] = (now, kind, code)
+
+        async def publish(topic: str, payload: bytes, key: str, due: float) -> None:
+            try:
+                now = time.monotonic()
+                sent_at[key] = now
+                lag.append(now - due)
+                await client.publish(topic, payload, qos=1)
+            except aiomqtt.MqttError as exc:
+                publish_errors.append(exc)
+            finally:
+                window.release()
+
+        tasks: set[asyncio.Task[None]] = set()
+        receiver = asyncio.create_task(receive())
+        try:
+            cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+            t_cpu0 = time.monotonic()
+            t0 = time.monotonic() + 0.05
+            i = 0
+            while i < total:
+                now = time.monotonic()
+                due = t0 + i / rate
+                if due > now:
+                    await asyncio.sleep(due - now)
+                    continue
+                while i < total and t0 + i / rate <= now:  # everything due by now
+                    topic, payload, key = make(i)
+                    index_of[key] = i
+                    await window.acquire()
+                    t = asyncio.create_task(publish(topic, payload, key, t0 + i / rate))
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
+                    i += 1
+                await asyncio.sleep(0)  # let the publish tasks write
+            if tasks:
+                await asyncio.wait(tasks, timeout=30)
+            t_sent = time.monotonic()
+            cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
+            res.cpu = {k: round(100 * (cpu1[k] - cpu0[k]) / (t_sent - t_cpu0), 1) for k in pids}
+            # Drain: until everything is answered, or no progress for `drain` seconds.
+            last, last_change = len(answers), time.monotonic()
+            while len(answers) < len(sent_at) and time.monotonic() - last_change < drain:
+                await asyncio.sleep(0.1)
+                if len(answers) != last:
+                    last, last_change = len(answers), time.monotonic()
+            await asyncio.sleep(0.5)  # late duplicates
+            if receiver.done():  # the connection broke: the figures would lie
+                receiver.result()
+        finally:
+            receiver.cancel()
+            for t in list(tasks):
+                t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, aiomqtt.MqttError):
+                await receiver
+
+    if publish_errors:
+        res.extra["publish_errors"] = len(publish_errors)
+        res.extra["publish_error"] = str(publish_errors[0])
+    measured = [k for k, n in index_of.items() if n >= measured_from and k in sent_at]
+    lat = sorted((answers[k][0] - sent_at[k]) * 1000 for k in measured if k in answers)
+    res.sent_total = len(sent_at)
+    res.answered_total = sum(1 for k in sent_at if k in answers)
+    res.missing_total = res.sent_total - res.answered_total
+    res.duplicates_total = sum(dups.values())
+    res.sent = len(measured)
+    res.answered = len(lat)
+    res.missing = res.sent - res.answered
+    res.duplicates = sum(dups[k] for k in measured)
+    if lat:
+        res.p50_ms, res.p90_ms = percentile(lat, 50), percentile(lat, 90)
+        res.p99_ms, res.max_ms = percentile(lat, 99), lat[-1]
+        res.mean_ms = sum(lat) / len(lat)
+    buckets: dict[int, list[float]] = {}
+    for k in sent_at:
+        if k in answers:
+            n = int(index_of[k] / rate / WINDOW_S)
+            buckets.setdefault(n, []).append((answers[k][0] - sent_at[k]) * 1000)
+    res.p50_by_window_ms = [round(percentile(sorted(buckets[n]), 50), 1)
+                            for n in sorted(buckets)]
+    times = sorted(sent_at[k] for k in measured)
+    if len(times) > 1:
+        res.send_rate = (len(times) - 1) / (times[-1] - times[0])
+    lags = sorted(x * 1000 for x in lag)
+    res.send_lag_p99_ms, res.send_lag_max_ms = percentile(lags, 99), lags[-1] if lags else 0
+    res.kinds = dict(Counter(answers[k][1] for k in sent_at if k in answers))
+    res.codes = dict(Counter(c for k in sent_at if k in answers
+                             if (c := answers[k][2]) is not None))
+    res.other_events = dict(other)
+    return res
+
+
+# --------------------------------------------------------------------------------------
+# the phases
+# --------------------------------------------------------------------------------------
+
+def host_port(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("mqtt://").rsplit(":", 1)
+    return host, int(port)
+
+
+async def baseline(mosq: Mosquitto, args: argparse.Namespace) -> PhaseResult:
+    host, port = host_port(mosq.url)
+    echo = await asyncio.create_subprocess_exec(
+        sys.executable, str(SCRIPT), "--echo", mosq.url,
+        *([] if args.nodelay else ["--no-nodelay"]),
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        start_new_session=True)
+    try:
+        assert echo.stdout is not None
+        line = await asyncio.wait_for(echo.stdout.readline(), 30)
+        if line.strip() != b"ready":
+            raise RuntimeError("echo responder did not start")
+        pad = "x" * 120  # about the size of a placement request
+
+        def make(i: int) -> tuple[str, bytes, str]:
+            key = str(i)
+            return ECHO_REQ, json.dumps({"id": key, "pad": pad}).encode(), key
+
+        def parse(msg: aiomqtt.Message) -> Answer | None:
+            payload = msg.payload
+            assert isinstance(payload, bytes | bytearray)
+            return json.loads(payload)["id"], "echo", None
+
+        assert mosq.proc is not None
+        return await run_load("baseline", host, port, rate=args.rate,
+                              duration=args.duration, warmup=args.warmup,
+                              subscribe=ECHO_REP, make=make, parse=parse,
+                              pids={"echo": echo.pid, "mosquitto": mosq.proc.pid,
+                                    "bench": os.getpid()},
+                              nodelay=args.nodelay)
+    finally:
+        if echo.returncode is None:
+            echo.terminate()
+            try:
+                await asyncio.wait_for(echo.wait(), 5)
+            except TimeoutError:
+                echo.kill()
+                await echo.wait()
+
+
+def place_requests(tag: str) -> Callable[[int], tuple[str, bytes, str]]:
+    def make(i: int) -> tuple[str, bytes, str]:
+        request_id = f"bench-{tag}-{i:07d}"
+        body = {"request_id": request_id, **MIX[i % len(MIX)],
+                "lease_seconds": LEASE_SECONDS, "labels": {"bench": tag}}
+        scheduler = SCHEDULERS[(i // len(MIX)) % len(SCHEDULERS)]
+        return (f"{PREFIX}/requests/{scheduler}/place",
+                json.dumps(body, separators=(",", ":")).encode(), request_id)
+
+    return make
+
+
+def parse_event(msg: aiomqtt.Message) -> Answer | None:
+    kind = str(msg.topic).rsplit("/", 1)[-1]
+    payload = msg.payload
+    if not isinstance(payload, bytes | bytearray):
+        return None
+    data = json.loads(payload).get("data", {})
+    request_id = data.get("request_id")
+    if kind not in ("placement.decided", "placement.rejected", "request.invalid") or \
+            request_id is None:
+        return "", kind, None  # counted under other_events (failovers ...)
+    return request_id, kind, data.get("code")
+
+
+async def gpubroker(mosq: Mosquitto, args: argparse.Namespace, workdir: Path, *,
+                    name: str, poll_interval: float) -> PhaseResult:
+    host, port = host_port(mosq.url)
+    daemon = Daemon(workdir / name, mosq.url, seed=args.seed,
+                    regions=args.regions_per_cloud, poll_interval=poll_interval)
+    t_start = time.monotonic()
+    await daemon.start()
+    try:
+        await daemon.wait_ready()
+        t_ready = time.monotonic() - t_start
+        settle = await daemon.settle()
+        rss_ready = proc_status(daemon.pid)
+        assert mosq.proc is not None
+        res = await run_load(name, host, port, rate=args.rate, duration=args.duration,
+                             warmup=args.warmup, subscribe=f"{PREFIX}/events/+/+",
+                             make=place_requests(f"{name}-{uuid.uuid4().hex[:6]}"),
+                             parse=parse_event,
+                             pids={"daemon": daemon.pid, "mosquitto": mosq.proc.pid,
+                                   "bench": os.getpid()},
+                             nodelay=args.nodelay)
+        end = proc_status(daemon.pid)
+        res.extra.update(
+            offers=daemon.offers, poll_interval_s=poll_interval,
+            start_to_ready_s=round(t_ready, 2), settle_s=round(settle, 2),
+            rss_after_first_poll_mib=round(rss_ready.get("VmRSS", 0) / 1024, 1),
+            rss_end_mib=round(end.get("VmRSS", 0) / 1024, 1),
+            peak_rss_mib=round(end.get("VmHWM", 0) / 1024, 1),
+            log_levels=dict(daemon.levels))
+        return res
+    finally:
+        rc = await daemon.stop()
+        if rc not in (0, None):
+            print(f"bench: gpubroker ({name}) exited with code {rc}:\n"
+                  + "\n".join(daemon.tail[-10:]), file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
+
+
+def report(results: list[PhaseResult], args: argparse.Namespace) -> dict[str, Any]:
+    base = results[0]
+    out: dict[str, Any] = {
+        "rate": args.rate, "duration_s": args.duration, "warmup_s": args.warmup,
+        "seed": args.seed, "regions_per_cloud": args.regions_per_cloud,
+        "bench_clients_nodelay": args.nodelay,
+        "mosquitto_max_inflight": args.mosquitto_max_inflight,
+        "phases": [asdict(r) for r in results],
+        "ratios": {r.name: {"p50": round(ratio(r.p50_ms, base.p50_ms), 2),
+                            "p99": round(ratio(r.p99_ms, base.p99_ms), 2)}
+                   for r in results[1:]},
+    }
+    return out
+
+
+def print_table(results: list[PhaseResult], args: argparse.Namespace) -> None:
+    def f(x: float, nd: int = 1) -> str:
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+    head = ("phase", "sent", "answered", "missing", "dup", "p50 ms", "p90 ms", "p99 ms",
+            "max ms", "sent/s", "cpu% (server,mosq,bench)")
+    rows = [head]
+    for r in results:
+        cpu = ",".join(f"{v:.0f}" for v in r.cpu.values())
+        rows.append((r.name, str(r.sent), str(r.answered), str(r.missing), str(r.duplicates),
+                     f(r.p50_ms, 2), f(r.p90_ms, 2), f(r.p99_ms, 2), f(r.max_ms, 1),
+                     f(r.send_rate), cpu))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    print(f"latency bench: {args.rate:g} msg/s open loop, QoS 1, {args.duration:g} s measured "
+          f"after {args.warmup:g} s warm-up; sim seed {args.seed}, "
+          f"{args.regions_per_cloud} regions/cloud"
+          + ("; bench clients with TCP_NODELAY" if args.nodelay else "; Nagle on everywhere")
+          + (f"; EXPERIMENT: mosquitto max_inflight_messages {args.mosquitto_max_inflight}"
+             if args.mosquitto_max_inflight is not None else ""))
+    for row in rows:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+    base = results[0]
+    for r in results[1:]:
+        e = r.extra
+        print(f"{r.name}: p50 {ratio(r.p50_ms, base.p50_ms):.1f}x baseline, "
+              f"p99 {ratio(r.p99_ms, base.p99_ms):.1f}x baseline; offers {e.get('offers')}; "
+              f"poll interval {e.get('poll_interval_s'):g} s; "
+              f"RSS after first poll {e.get('rss_after_first_poll_mib')} MiB, "
+              f"peak (VmHWM) {e.get('peak_rss_mib')} MiB")
+        codes = ", ".join(f"{k} {v}" for k, v in sorted(r.codes.items()))
+        kinds = r.kinds
+        print(f"  answers (warm-up included, {r.sent_total} sent): "
+              f"decided {kinds.get('placement.decided', 0)}, "
+              f"rejected {kinds.get('placement.rejected', 0)} ({codes or 'none'}), "
+              f"invalid {kinds.get('request.invalid', 0)}, missing {r.missing_total}, "
+              f"duplicates {r.duplicates_total}; other events {r.other_events or 'none'}; "
+              f"send lag p99 {f(r.send_lag_p99_ms, 2)} ms")
+    for r in results:
+        print(f"{r.name} p50 ms per {WINDOW_S:g} s of sends (warm-up first): "
+              + " ".join(f"{x:g}" for x in r.p50_by_window_ms))
+    print(f"baseline send lag p99 {f(base.send_lag_p99_ms, 2)} ms; "
+          f"answers {base.answered_total}/{base.sent_total}")
+    for r in results:
+        if "publish_errors" in r.extra:
+            print(f"{r.name}: {r.extra['publish_errors']} publish errors, e.g. "
+                  f"{r.extra['publish_error']}")
+
+
+# --------------------------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate", type=float, default=500.0, help="messages per second (500)")
+    p.add_argument("--duration", type=float, default=20.0, help="measured seconds (20)")
+    p.add_argument("--warmup", type=float, default=2.0,
+                   help="seconds of load before the measured window (2)")
+    p.add_argument("--regions-per-cloud", type=int, default=88,
+                   help="sim regions per cloud (88: about 20,000 offers)")
+    p.add_argument("--seed", type=int, default=7, help="sim seed (7)")
+    p.add_argument("--poll-interval", type=float, default=None,
+                   help="poll interval of the main gpubroker phase (default: long enough "
+                        "that no poll lands in the load)")
+    p.add_argument("--poll-phase-interval", type=float, default=5.0,
+                   help="poll interval of the extra phase with polls during the load "
+                        "(5; 0 skips that phase)")
+    p.add_argument("--no-nodelay", dest="nodelay", action="store_false",
+                   help="leave Nagle's algorithm on in the bench's own MQTT clients (the "
+                        "load client and the echo), as paho-mqtt does by default")
+    p.add_argument("--mosquitto-max-inflight", type=int, default=None, metavar="N",
+                   help="experiment: mosquitto's max_inflight_messages (QoS 1 messages "
+                        "it sends a client before waiting for PUBACKs; default 20)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    p.add_argument("--echo", metavar="URL", help=argparse.SUPPRESS)  # internal
+    args = p.parse_args(argv)
+    if args.rate <= 0 or args.duration <= 0 or args.warmup < 0:
+        p.error("--rate and --duration must be > 0, --warmup >= 0")
+    if args.poll_interval is None:
+        args.poll_interval = max(60.0, 3 * (args.warmup + args.duration) + 30)
+    return args
+
+
+async def amain(args: argparse.Namespace, workdir: Path) -> list[PhaseResult]:
+    mosq = Mosquitto(workdir, args.mosquitto_max_inflight)
+    mosq.start()
+    try:
+        results = [await baseline(mosq, args)]
+        results.append(await gpubroker(mosq, args, workdir, name="gpubroker",
+                                       poll_interval=args.poll_interval))
+        if args.poll_phase_interval > 0:
+            results.append(await gpubroker(mosq, args, workdir, name="gpubroker+polls",
+                                           poll_interval=args.poll_phase_interval))
+        return results
+    finally:
+        mosq.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.echo:
+        run_echo(args.echo, args.nodelay)
+        return 0
+    # Ctrl-C (even where a shell started us with SIGINT ignored) and SIGTERM both cancel
+    # the run; the phases' `finally` blocks stop the daemon, the echo and mosquitto.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    workdir = Path(tempfile.mkdtemp(prefix="gpubroker-bench-"))
+    try:
+        results = asyncio.run(amain(args, workdir))
+    except KeyboardInterrupt:
+        print("bench: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if args.keep:
+            print(f"bench: files kept in {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(report(results, args), indent=2))
+    else:
+        print_table(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
