@@ -1,0 +1,1 @@
+"""Amazon Web Services: EC2 GPU instances, spot and on-demand."""
