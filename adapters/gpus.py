@@ -8,35 +8,15 @@ spells them and flagged (`Offer.gpu_known = False`), never dropped.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from types import MappingProxyType
 
+from broker.model import GPU_MODELS, GpuModel
 
-@dataclass(frozen=True, slots=True)
-class GpuModel:
-    name: str
-    memory_gb: float
-    vendor: str = "nvidia"
+__all__ = ["MODELS", "GpuModel", "canonical", "memory_gb"]
 
 
-_MODELS = (
-    GpuModel("T4", 16),
-    GpuModel("L4", 24),
-    GpuModel("A10", 24),
-    GpuModel("A10G", 24),
-    GpuModel("L40S", 48),
-    GpuModel("V100-16GB", 16),
-    GpuModel("V100-32GB", 32),
-    GpuModel("A100-40GB", 40),
-    GpuModel("A100-80GB", 80),
-    GpuModel("H100-80GB", 80),
-    GpuModel("H200-141GB", 141),
-    GpuModel("B200", 180),
-    GpuModel("MI300X", 192, vendor="amd"),
-)
-
-MODELS: MappingProxyType[str, GpuModel] = MappingProxyType({m.name: m for m in _MODELS})
-"""Every canonical model, by name."""
+MODELS = GPU_MODELS
+"""Every canonical model, by name (defined with the vocabulary in `broker.model`)."""
 
 # Model families whose canonical name depends on memory: (family, [(max GB, name)...]).
 _BY_MEMORY: MappingProxyType[str, tuple[tuple[float, str], ...]] = MappingProxyType({
@@ -84,7 +64,7 @@ def canonical(name: str, memory_gb: float | None = None) -> tuple[str, bool]:
         for limit, canon in _BY_MEMORY[fam]:
             if (mem or 0.0) <= limit:
                 return canon, True
-    for model in _MODELS:
+    for model in MODELS.values():
         if _split(model.name)[0] == fam:
             return model.name, True
     return name, False

@@ -33,7 +33,7 @@ from paho.mqtt.properties import Properties
 
 from broker import __version__
 from broker.config import MqttConfig
-from broker.core import Command
+from broker.core import OPS, Command
 from broker.events import Topics, dumps
 from broker.model import SCHEDULER_ID, iso, utcnow
 from broker.store import OutboxRow, StateStore
@@ -252,8 +252,9 @@ class Bus:
             if parsed is None:
                 continue
             scheduler, verb = parsed
-            if not SCHEDULER_ID.match(scheduler):
-                log.warning("request from an invalid scheduler id dropped", topic=topic)
+            if not SCHEDULER_ID.match(scheduler) or scheduler == OPS:
+                log.warning("request from an invalid or reserved scheduler id dropped",
+                            topic=topic)
                 continue
             payload = message.payload
             if not isinstance(payload, bytes | bytearray):

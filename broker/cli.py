@@ -10,9 +10,14 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 from broker import __version__
 from broker.config import Config, SourceError, load_config
+
+if TYPE_CHECKING:
+    from broker.model import Lease, Offer
+    from broker.pool import ResourcePool
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
@@ -47,6 +52,18 @@ def _parser() -> argparse.ArgumentParser:
     psub = policy.add_subparsers(dest="policy_command", required=True, metavar="SUBCOMMAND")
     check = psub.add_parser("check", help="validate a policy file")
     check.add_argument("file", type=Path)
+    explain = psub.add_parser("explain", help="how a policy places one request, and why")
+    explain.add_argument("file", type=Path)
+    explain.add_argument("--request", required=True,
+                         help="the placement request as JSON (as on P/requests/S/place)")
+    explain.add_argument("--scheduler", default="explain", help="the scheduler id S")
+    explain.add_argument("--config", type=Path)
+    explain.add_argument("--format", choices=["text", "json"], default="text")
+    diff = psub.add_parser("diff", help="which current leases a new policy would move or fail")
+    diff.add_argument("old", type=Path)
+    diff.add_argument("new", type=Path)
+    diff.add_argument("--config", type=Path)
+    diff.add_argument("--format", choices=["text", "json"], default="text")
     return p
 
 
@@ -67,6 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "offers":
             return _offers(args)
         if args.command == "policy":
+            if args.policy_command == "explain":
+                return _policy_explain(args)
+            if args.policy_command == "diff":
+                return _policy_diff(args)
             return _policy_check(args.file)
     except SourceError as err:
         for problem in err.problems:
@@ -87,7 +108,7 @@ def _run(args: argparse.Namespace) -> int:
 
     async def go() -> None:
         stop = asyncio.Event()
-        install_signal_handlers(stop)
+        install_signal_handlers(stop, daemon.request_reload)
         await daemon.run(stop)
 
     try:
@@ -99,19 +120,17 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _offers(args: argparse.Namespace) -> int:
-    from broker import logs
+def _poll(cfg: Config) -> tuple[ResourcePool, list[str]]:
+    """One poll of every configured cloud, as `offers`, `policy explain` and `policy diff`
+    see the market. Returns the pool and one line per problem."""
     from broker.clouds import build_adapters
     from broker.poller import Poller
     from broker.pool import ResourcePool
 
-    cfg = _config(args.config)
-    logs.configure(json=False, level=logging.WARNING)
     adapters, problems = build_adapters(cfg)
-    for name, problem in problems:
-        print(f"gpubroker: {name}: {problem}", file=sys.stderr)
+    errors = [f"{name}: {problem}" for name, problem in problems]
 
-    async def poll() -> tuple[ResourcePool, list[str]]:
+    async def poll() -> ResourcePool:
         pool = ResourcePool(stale_after_seconds=cfg.poll.stale_after_seconds)
         poller = Poller(pool, adapters, interval_seconds=cfg.poll.interval_seconds,
                         timeout_seconds=cfg.poll.timeout_seconds)
@@ -120,13 +139,21 @@ def _offers(args: argparse.Namespace) -> int:
         finally:
             for adapter in adapters:
                 await adapter.close()
-        errors = [f"{r.slice[0]} {r.slice[1]}: {type(r.error).__name__}: {r.error}"
-                  for r in results if r.error]
-        return pool, errors
+        errors.extend(f"poll failed: {r.slice[0]} {r.slice[1]}: {type(r.error).__name__}: "
+                      f"{r.error}" for r in results if r.error)
+        return pool
 
-    pool, errors = asyncio.run(poll())
+    return asyncio.run(poll()), errors
+
+
+def _offers(args: argparse.Namespace) -> int:
+    from broker import logs
+
+    cfg = _config(args.config)
+    logs.configure(json=False, level=logging.WARNING)
+    pool, errors = _poll(cfg)
     for e in errors:
-        print(f"gpubroker: poll failed: {e}", file=sys.stderr)
+        print(f"gpubroker: {e}", file=sys.stderr)
     offers = [o for o in pool
               if (not args.gpu or o.gpu in args.gpu)
               and (not args.cloud or o.pool.cloud in args.cloud)
@@ -139,14 +166,12 @@ def _offers(args: argparse.Namespace) -> int:
             out.write(json.dumps(o.to_json(), separators=(",", ":")) + "\n")
     else:
         _table(offers, out)
-    if (problems or errors) and not offers:
+    if errors and not offers:
         return EXIT_RUNTIME
     return EXIT_OK
 
 
-def _table(offers: Sequence[object], out: object) -> None:
-    from broker.model import Offer
-
+def _table(offers: Sequence[Offer], out: TextIO) -> None:
     rows = [("CLOUD", "REGION", "ZONE", "INSTANCE TYPE", "MARKET", "GPU", "GPUS", "$/H",
              "$/GPU-H", "AVAIL", "FREE", "INTR/H", "QUOTA")]
 
@@ -154,7 +179,6 @@ def _table(offers: Sequence[object], out: object) -> None:
         return "-" if x is None else format(x, fmt)
 
     for o in offers:
-        assert isinstance(o, Offer)
         rows.append((o.pool.cloud, o.pool.region, o.pool.zone, o.pool.instance_type,
                      o.pool.market.value, o.gpu + ("" if o.gpu_known else "?"), str(o.gpus),
                      f(o.price_per_hour, ".4f"), f(o.price_per_gpu_hour, ".4f"),
@@ -165,8 +189,121 @@ def _table(offers: Sequence[object], out: object) -> None:
     for r in rows:
         line = "  ".join(c.rjust(w) if i in right else c.ljust(w)
                          for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-        print(line.rstrip(), file=out)  # type: ignore[call-overload]
-    print(f"{len(offers)} offers", file=out)  # type: ignore[call-overload]
+        print(line.rstrip(), file=out)
+    print(f"{len(offers)} offers", file=out)
+
+
+def _policy_explain(args: argparse.Namespace) -> int:
+    from broker import logs, requests
+    from broker.model import utcnow
+    from broker.placement import Ask, explain
+    from policies.loader import load_policy
+
+    policy = load_policy(args.file)
+    req = requests.parse_place(args.scheduler, args.request.encode())
+    if isinstance(req, requests.Invalid):
+        for fe in req.errors:
+            print(f"gpubroker: --request: {fe['field'] or '(body)'}: {fe['message']}",
+                  file=sys.stderr)
+        return EXIT_USAGE
+    cfg = _config(args.config)
+    logs.configure(json=False, level=logging.WARNING)
+    pool, errors = _poll(cfg)
+    for e in errors:
+        print(f"gpubroker: {e}", file=sys.stderr)
+    report = explain(Ask(req), pool, policy, now=utcnow(), all_gpus=sorted(pool.gpus()))
+    if args.format == "json":
+        print(json.dumps(report, indent=2))
+        return EXIT_OK
+    verdict = report["verdict"]
+    print(f"request {req.request_id}: {req.gpus}×{'|'.join(req.gpu)}")
+    if "denied" in verdict:
+        print(f"  denied ({verdict['denied']}): {verdict['detail']}")
+        return EXIT_OK
+    print(f"  rule: {verdict['rule'] or '(no rule matched)'}")
+    for k in ("gpus", "markets", "max_price_per_gpu_hour", "clouds", "regions", "residency",
+              "budget_left_per_hour"):
+        if verdict.get(k) is not None:
+            print(f"  {k}: {verdict[k]}")
+    print(f"  offers excluded ({sum(report['excluded'].values())}):")
+    for why, n in report["excluded"].items():
+        print(f"    {n:6d}  {why}")
+    print(f"  feasible offers: {report['feasible']}; best {len(report['candidates'])}:")
+    for c in report["candidates"]:
+        p, t = c["placement"], c["terms"]
+        print(f"    ${c['expected_cost_per_hour']:.4f}/h expected = ${c['price_per_hour']:.4f}/h"
+              f" × (1 + {t['interruption']:.3f} interruption + {t['availability']:.3f} "
+              f"availability + {t['spread']:.3f} spread)  {p['instances']}× "
+              f"{p['cloud']}/{p['zone']} {p['instance_type']} {p['market']}")
+    return EXIT_OK
+
+
+def _policy_diff(args: argparse.Namespace) -> int:
+    from broker import failover, logs
+    from broker.model import LeaseState, utcnow
+    from broker.placement import Decision
+    from broker.store import StateStore
+    from policies.evaluate import forbids
+    from policies.loader import load_policy
+    from policies.residency import Residency
+
+    old, new = load_policy(args.old), load_policy(args.new)
+    cfg = _config(args.config)
+    logs.configure(json=False, level=logging.WARNING)
+
+    async def active() -> list[Lease]:
+        store = StateStore(cfg.state.path)
+        await store.open()
+        try:
+            return [le for le in await store.leases() if le.state is LeaseState.ACTIVE]
+        finally:
+            await store.close()
+
+    if not cfg.state.path.exists():
+        print(f"gpubroker: no state file at {cfg.state.path}", file=sys.stderr)
+        return EXIT_USAGE
+    leases = asyncio.run(active())
+    pool, errors = _poll(cfg)
+    for e in errors:
+        print(f"gpubroker: {e}", file=sys.stderr)
+    for lease in leases:
+        pool.hold(lease.placement.pool, lease.placement.instances)
+    resident_old, resident_new = Residency(old.residency.tags), Residency(new.residency.tags)
+    now = utcnow()
+    rows = []
+    for lease in leases:
+        p = lease.placement
+        why_new = forbids(new, lease.request, p.pool, p.gpu, p.price_per_gpu_hour, resident_new)
+        if not why_new:
+            continue
+        why_old = forbids(old, lease.request, p.pool, p.gpu, p.price_per_gpu_hour, resident_old)
+        pool.unhold(p.pool, p.instances)
+        outcome = failover.replacement(lease, pool, new, resident_new, now)
+        pool.hold(p.pool, p.instances)
+        row: dict[str, Any] = {"lease_id": lease.lease_id, "scheduler": lease.scheduler,
+               "team": lease.request.team, "from": p.to_json(), "why": why_new,
+               "forbidden_already": bool(why_old)}
+        if isinstance(outcome, Decision):
+            row.update(outcome="moves", to=outcome.placement.to_json())
+        else:
+            row.update(outcome="fails", detail=outcome.detail)
+        rows.append(row)
+    if args.format == "json":
+        print(json.dumps({"active_leases": len(leases), "affected": rows}, indent=2))
+        return EXIT_OK
+    print(f"{len(leases)} active leases; {len(rows)} forbidden under {args.new}:")
+    for r in rows:
+        f = r["from"]
+        where = f"{f['cloud']}/{f['zone']} {f['instance_type']} {f['market']}"
+        if r["outcome"] == "moves":
+            t = r["to"]
+            to = f"moves to {t['cloud']}/{t['zone']} {t['instance_type']} {t['market']}"
+        else:
+            to = f"FAILS: {r['detail']}"
+        note = " (already forbidden under the old policy)" if r["forbidden_already"] else ""
+        print(f"  {r['lease_id']} {r['scheduler']}/{r['team'] or '-'} on {where}: {r['why']};"
+              f" {to}{note}")
+    return EXIT_OK
 
 
 def _policy_check(path: Path) -> int:

@@ -224,4 +224,4 @@ def _validate(doc: yamlsrc.Document) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise yamlsrc.from_validation_error(doc, err) from None
+        raise yamlsrc.from_validation_error(doc, err, Config) from None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -33,11 +33,14 @@ from broker.model import (
 )
 from broker.pool import PoolChange, ResourcePool
 from broker.store import OutboxRow, StateStore
+from policies.evaluate import Constraints, Denied, evaluate, forbids
 from policies.model import Policy
+from policies.residency import Residency
 
 log = structlog.get_logger("gpubroker.broker")
 
 VERBS = ("place", "renew", "release", "report")
+OPS = "_ops"  # the reserved scheduler id of operations events (P/events/_ops/...)
 MAX_BATCH = 256
 PLACE_CHUNK = 32  # placements between two yields to the event loop
 REPEATED = "repeated request: the lease it already has"
@@ -84,6 +87,8 @@ class Broker:
         self._triggers: asyncio.Queue[failover.Trigger] = asyncio.Queue()
         self._expiry_changed = asyncio.Event()
         self.observers: list[Observer] = []
+        self._resident = Residency(policy.residency.tags)
+        self._moves: dict[str, list[datetime]] = {}  # lease_id -> failover times (anti-flap)
         pool.subscribe(self._on_pool_change)
 
     # --- inputs ----------------------------------------------------------------------
@@ -94,11 +99,11 @@ class Broker:
 
     def signal(self, sig: CapacitySignal) -> None:
         """A cloud's push notice about a pool (spot interruption ...)."""
-        for trigger in failover.from_signal(sig, self.book):
+        for trigger in failover.from_signal(sig, self.book, self.policy.failover):
             self._triggers.put_nowait(trigger)
 
     def _on_pool_change(self, change: PoolChange) -> None:
-        for trigger in failover.from_pool_change(change, self.book):
+        for trigger in failover.from_pool_change(change, self.book, self.policy.failover):
             self._triggers.put_nowait(trigger)
 
     def restore(self, leases: Sequence[Lease]) -> None:
@@ -144,6 +149,66 @@ class Broker:
                     await self._expiry_changed.wait()
                     continue
             await self.expire_due()
+
+    async def run_health(self, every_seconds: float) -> None:
+        """Fail over leases whose cloud region went stale (its API kept failing)."""
+        while True:
+            await asyncio.sleep(every_seconds)
+            self.check_health()
+
+    def check_health(self) -> list[failover.Trigger]:
+        stale = self.pool.stale_slices(self._clock())
+        triggers = []
+        for key in self.book.leased_pools():
+            slice_id = self.pool.slice_of(key)
+            if slice_id is not None and slice_id not in stale:
+                continue
+            for le in self.book.on_pool(key):
+                triggers.append(failover.Trigger(
+                    le.lease_id, le.epoch, FailoverReason.CLOUD_UNHEALTHY,
+                    f"{key.cloud} {key.region} has had no good poll for over "
+                    f"{self.pool.stale_after.total_seconds():g}s"))
+        for t in triggers:
+            self._triggers.put_nowait(t)
+        return triggers
+
+    # --- policy --------------------------------------------------------------------
+
+    async def apply_policy(self, policy: Policy, digest: str, source: str) -> int:
+        """Swap in a validated policy, publish `policy.applied`, and fail over the leases
+        it forbids (subject to the anti-flap limits). Returns how many were triggered."""
+        async with self._lock:
+            self.policy = policy
+            self._resident = Residency(policy.residency.tags)
+            triggers = []
+            for lease in self.book.active():
+                p = lease.placement
+                why = forbids(policy, lease.request, p.pool, p.gpu, p.price_per_gpu_hour,
+                              self._resident)
+                if why:
+                    triggers.append(failover.Trigger(lease.lease_id, lease.epoch,
+                                                     FailoverReason.POLICY_CHANGED, why))
+            b = _Batch()
+            self._emit(b, Event("policy.applied", OPS, {
+                "hash": digest, "file": source, "rules": len(policy.rules),
+                "teams": len(policy.teams), "leases_to_move": len(triggers)}, "policy"))
+            await self._commit(b)
+        for t in triggers:
+            self._triggers.put_nowait(t)
+        log.info("policy applied", hash=digest, file=source, leases_to_move=len(triggers))
+        return len(triggers)
+
+    async def reject_policy(self, source: str, problems: Sequence[Any]) -> None:
+        """Publish `policy.rejected`: the running policy stays."""
+        errors = [{"line": p.line, "column": p.column, "key": p.key, "message": p.message}
+                  for p in problems]
+        for p in problems:
+            log.error("policy rejected; the running policy stays", problem=str(p))
+        async with self._lock:
+            b = _Batch()
+            self._emit(b, Event("policy.rejected", OPS, {"file": source, "errors": errors},
+                                "policy"))
+            await self._commit(b)
 
     async def expire_due(self) -> list[Lease]:
         async with self._lock:
@@ -212,19 +277,28 @@ class Broker:
 
     def _place(self, b: _Batch, asks: Sequence[tuple[Command, PlaceRequest]],
                rejected: dict[tuple[str, str], placement.Rejection]) -> None:
+        """Place asks one by one: each is judged by the policy against its team's usage
+        including what the asks before it just took."""
         now = self._clock()
-        outcomes = placement.place(
-            [placement.Ask(req) for _, req in asks], self.pool, self.policy,
-            now=now, retry_after_seconds=self._retry_after)
-        for (cmd, req), outcome in zip(asks, outcomes, strict=True):
+        for cmd, req in asks:
+            verdict = evaluate(self.policy, req, self.book.team_usage(req.team),
+                               self._resident)
+            ask = placement.Ask(req, constraints=verdict if isinstance(verdict, Constraints)
+                                else None)
+            if isinstance(verdict, Denied):
+                outcome: placement.Outcome = placement.Rejection(ask, verdict.code,
+                                                                 verdict.detail)
+            else:
+                [outcome] = placement.place([ask], self.pool, self.policy, now=now,
+                                            retry_after_seconds=self._retry_after)
             if isinstance(outcome, placement.Rejection):
                 rejected[(req.scheduler, req.request_id)] = outcome
                 self._rejected(b, cmd, req, outcome)
                 continue
-            lease = self.book.create(
-                req, outcome.placement,
-                lease_seconds=req.lease_seconds or self.policy.defaults.lease_seconds,
-                cap=placement.effective_cap(req, self.policy), now=now)
+            assert isinstance(verdict, Constraints)
+            lease = self.book.create(req, outcome.placement,
+                                     lease_seconds=verdict.lease_seconds, cap=verdict.cap,
+                                     now=now)
             self.pool.hold(lease.placement.pool, lease.placement.instances)
             b.answered[(req.scheduler, req.request_id)] = lease
             self._decided(b, lease, cmd, outcome.reason, outcome.alternatives)
@@ -337,17 +411,21 @@ class Broker:
                 lease.epoch != trigger.epoch:
             return  # already moved or ended since the trigger was raised
         now = self._clock()
+        held_back = failover.held_back(trigger, lease, self.policy.failover,
+                                       self._moves.get(lease.lease_id, ()), now)
+        if held_back:
+            log.info("failover held back", lease_id=lease.lease_id,
+                     reason=trigger.reason.value, why=held_back)
+            return
         old = lease.placement
         if trigger.cool_down:
             self.pool.cool_down(old.pool, self.policy.failover.cooldown_seconds)
         self.pool.unhold(old.pool, old.instances)
-        # The re-placement keeps the price cap the lease was decided under.
-        request = replace(lease.request, max_price_per_gpu_hour=lease.max_price_per_gpu_hour)
-        ask = placement.Ask(request, exclude=frozenset({old.pool}))
-        [outcome] = placement.place([ask], self.pool, self.policy, now=now)
+        outcome = failover.replacement(lease, self.pool, self.policy, self._resident, now)
         if isinstance(outcome, placement.Decision):
             moved = self.book.failover(lease.lease_id, outcome.placement, now)
             self.pool.hold(moved.placement.pool, moved.placement.instances)
+            self._moves.setdefault(moved.lease_id, []).append(now)
             b.leases[moved.lease_id] = moved
             self._emit(b, Event("lease.failover", moved.scheduler, {
                 "lease_id": moved.lease_id, "epoch": moved.epoch, "from": old.to_json(),
@@ -357,8 +435,14 @@ class Broker:
             log.info("lease failed over", lease_id=moved.lease_id, epoch=moved.epoch,
                      reason=trigger.reason.value, to=str(moved.placement.pool),
                      latency_ms=_ms(now, trigger.received_at))
+        elif trigger.reason in failover.DISCRETIONARY:
+            # A move by choice that finds nowhere better leaves the lease where it is.
+            self.pool.hold(old.pool, old.instances)
+            log.info("failover found nowhere to go; lease stays", lease_id=lease.lease_id,
+                     reason=trigger.reason.value, detail=outcome.detail)
         else:
             ended = self.book.end(lease.lease_id, LeaseState.FAILED, now)
+            self._moves.pop(ended.lease_id, None)
             self._ended(b, ended, "lease.failed", {
                 "lease_id": ended.lease_id, "reason": trigger.reason.value,
                 "detail": f"{trigger.detail}; no other placement: {outcome.detail}"})

@@ -31,8 +31,9 @@ from broker.model import utcnow
 from broker.poller import Poller, PollResult
 from broker.pool import ResourcePool, SliceId
 from broker.store import StateStore
-from policies.loader import load_policy
+from policies.loader import SourceError, load_policy, parse_policy, policy_hash
 from policies.model import Policy
+from policies.yamlsrc import Problem
 
 log = structlog.get_logger("gpubroker.daemon")
 
@@ -44,8 +45,13 @@ class Daemon:
                  adapters: list[CloudAdapter] | None = None) -> None:
         self.cfg = cfg
         self.boot_id = str(uuid.uuid4())
-        self.policy = policy if policy is not None else (
-            load_policy(cfg.policy_file) if cfg.policy_file else Policy())
+        self.policy_digest: str | None = None
+        self._rejected_digest: str | None = None
+        if policy is None and cfg.policy_file is not None:
+            text = cfg.policy_file.read_bytes() if cfg.policy_file.is_file() else None
+            policy = load_policy(cfg.policy_file)  # raises SourceError, naming the file
+            self.policy_digest = policy_hash(text or b"")
+        self.policy = policy if policy is not None else Policy()
         if adapters is None:
             adapters, problems = build_adapters(cfg)
             for name, problem in problems:
@@ -69,6 +75,57 @@ class Daemon:
                              on_result=self._on_poll)
         self.ready = asyncio.Event()
         self.stopped = asyncio.Event()
+        self._reload = asyncio.Event()
+        self._reloading = asyncio.Lock()
+
+    def request_reload(self) -> None:
+        """SIGHUP: read the policy file again now."""
+        self._reload.set()
+
+    async def reload_policy(self, *, forced: bool = False) -> str:
+        """Read, validate and apply the policy file if it changed (or `forced`).
+        Returns "applied", "rejected" or "unchanged"."""
+        async with self._reloading:
+            return await self._reload_policy(forced)
+
+    async def _reload_policy(self, forced: bool) -> str:
+        path = self.cfg.policy_file
+        if path is None:
+            return "unchanged"
+        try:
+            raw = await asyncio.to_thread(path.read_bytes)
+        except OSError as exc:
+            problem = Problem(str(path), None, None, "", f"cannot read: {exc.strerror}")
+            if forced or self._rejected_digest != "unreadable":
+                self._rejected_digest = "unreadable"
+                await self.broker.reject_policy(str(path), [problem])
+            return "rejected"
+        digest = policy_hash(raw)
+        if digest == self.policy_digest and not forced:
+            return "unchanged"
+        if digest == self._rejected_digest and not forced:
+            return "rejected"
+        try:
+            policy = parse_policy(raw.decode("utf-8", errors="replace"), str(path))
+        except SourceError as err:
+            self._rejected_digest = digest
+            await self.broker.reject_policy(str(path), err.problems)
+            return "rejected"
+        self._rejected_digest = None
+        self.policy = policy
+        self.policy_digest = digest
+        await self.broker.apply_policy(policy, digest, str(path))
+        return "applied"
+
+    async def _watch_policy(self, every_seconds: float = 2.0) -> None:
+        """Reload on SIGHUP, and when the file's content changes."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(every_seconds):
+                    await self._reload.wait()
+            forced = self._reload.is_set()
+            self._reload.clear()
+            await self.reload_policy(forced=forced)
 
     def adapter(self, name: str) -> CloudAdapter:
         return next(a for a in self.adapters if a.name == name)
@@ -98,6 +155,9 @@ class Daemon:
                     tg.create_task(self.broker.run_requests(self.poller.first_round)),
                     tg.create_task(self.broker.run_failovers()),
                     tg.create_task(self.broker.run_expiry()),
+                    tg.create_task(self.broker.run_health(
+                        min(30.0, self.cfg.poll.stale_after_seconds / 4))),
+                    tg.create_task(self._watch_policy()),
                     tg.create_task(self._publish_capacity()),
                     tg.create_task(self._prune()),
                     tg.create_task(self._mark_ready()),
@@ -162,13 +222,19 @@ class Daemon:
             self.book.prune(utcnow())
 
 
-def install_signal_handlers(stop: asyncio.Event) -> Callable[[], None]:
+def install_signal_handlers(stop: asyncio.Event, reload: Callable[[], None] | None = None
+                            ) -> Callable[[], None]:
+    """SIGTERM/SIGINT stop; SIGHUP reloads the policy."""
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    handled = [signal.SIGTERM, signal.SIGINT]
+    for sig in handled:
         loop.add_signal_handler(sig, stop.set)
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload)
+        handled.append(signal.SIGHUP)
 
     def remove() -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in handled:
             loop.remove_signal_handler(sig)
 
     return remove

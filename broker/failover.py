@@ -4,23 +4,46 @@ These functions only decide *which* leases must move and why; `broker.core.Broke
 re-places them (never back onto the pool that failed, which also goes into a cool-down)
 and publishes `lease.failover`, or `lease.failed` when nothing fits.
 
-Triggers (v1):
+Triggers, each switched by the policy's `failover.triggers`:
 * a cloud signal that a leased pool is interrupted or lost its capacity;
 * a poll in which a leased pool is gone from its cloud's offerings, or its availability
   is 0 (the cloud says no capacity at all) → `capacity_lost`;
-* a poll in which a leased pool's price per GPU-hour rose above the lease's cap
-  → `price_above_cap`;
-* a scheduler's report (handled in the broker) → `reported`.
+* a poll in which a leased pool's price per GPU-hour rose above the lease's cap, or
+  above `price_spike_ratio` × the price it was decided at → `price_above_cap`;
+* a leased pool's cloud region whose offers went stale (its API kept failing)
+  → `cloud_unhealthy`;
+* a new policy that forbids where or what a lease runs on → `policy_changed`;
+* a scheduler's report (handled in the broker, always on) → `reported`.
+
+Moves for price, cloud health and policy are discretionary: the anti-flap limits
+(`min_lease_age_seconds`, `max_failovers_per_hour`) hold them back. A lease whose
+capacity is gone (interrupted, capacity lost, reported) always moves.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
 
+from broker import placement
 from broker.leases import LeaseBook
-from broker.model import CapacitySignal, FailoverReason, SignalKind
+from broker.model import (
+    CapacitySignal,
+    FailoverReason,
+    Lease,
+    Market,
+    PoolKey,
+    RejectCode,
+    SignalKind,
+)
 from broker.pool import PoolChange
+from policies.evaluate import Constraints, Denied, evaluate
+from policies.model import Failover, Policy
+from policies.residency import Residency
+
+DISCRETIONARY = frozenset({FailoverReason.PRICE_ABOVE_CAP, FailoverReason.CLOUD_UNHEALTHY,
+                           FailoverReason.POLICY_CHANGED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,20 +58,39 @@ class Trigger:
     received_at: datetime | None = None
 
 
-def from_signal(sig: CapacitySignal, book: LeaseBook) -> list[Trigger]:
+def enabled(reason: FailoverReason, policy: Failover) -> bool:
+    t = policy.triggers
+    return {
+        FailoverReason.INTERRUPTED: t.interrupted,
+        FailoverReason.CAPACITY_LOST: t.capacity_lost,
+        FailoverReason.PRICE_ABOVE_CAP: t.price_above_cap or t.price_spike_ratio is not None,
+        FailoverReason.CLOUD_UNHEALTHY: t.cloud_unhealthy,
+        FailoverReason.POLICY_CHANGED: t.policy_changed,
+        FailoverReason.REPORTED: True,
+    }[reason]
+
+
+def from_signal(sig: CapacitySignal, book: LeaseBook, policy: Failover | None = None
+                ) -> list[Trigger]:
     if sig.kind is SignalKind.REBALANCE:
         return []  # a risk notice, not a loss; used for scoring in a later version
     reason = (FailoverReason.INTERRUPTED if sig.kind is SignalKind.INTERRUPTED
               else FailoverReason.CAPACITY_LOST)
+    if policy is not None and not enabled(reason, policy):
+        return []
     detail = sig.detail or f"{sig.kind.value} notice from the cloud"
     return [Trigger(le.lease_id, le.epoch, reason, detail, cool_down=True,
                     received_at=sig.received_at)
             for le in book.on_pool(sig.pool)]
 
 
-def from_pool_change(change: PoolChange, book: LeaseBook) -> list[Trigger]:
+def from_pool_change(change: PoolChange, book: LeaseBook, policy: Failover | None = None
+                     ) -> list[Trigger]:
+    policy = policy or Failover()
+    lost = policy.triggers.capacity_lost
+    spike = policy.triggers.price_spike_ratio
     out: list[Trigger] = []
-    for key in change.removed:
+    for key in change.removed if lost else ():
         for le in book.on_pool(key):
             out.append(Trigger(le.lease_id, le.epoch, FailoverReason.CAPACITY_LOST,
                                f"{key} is no longer offered by its cloud", cool_down=True))
@@ -57,17 +99,104 @@ def from_pool_change(change: PoolChange, book: LeaseBook) -> list[Trigger]:
         if not leases:
             continue
         offer = change.offers[key]
-        if offer.availability == 0:
+        if offer.availability == 0 and lost:
             for le in leases:
                 out.append(Trigger(le.lease_id, le.epoch, FailoverReason.CAPACITY_LOST,
                                    f"{key} reports no capacity (availability 0)",
                                    cool_down=True))
             continue
         ppg = offer.price_per_gpu_hour
+        if ppg is None:
+            continue
         for le in leases:
             cap = le.max_price_per_gpu_hour
-            if cap is not None and ppg is not None and ppg > cap:
+            decided = le.placement.price_per_hour / le.placement.total_gpus
+            if policy.triggers.price_above_cap and cap is not None and ppg > cap:
                 out.append(Trigger(le.lease_id, le.epoch, FailoverReason.PRICE_ABOVE_CAP,
                                    f"{key} now costs ${ppg:.4g}/GPU-h, above the lease's cap "
                                    f"${cap:g}/GPU-h"))
+            elif spike is not None and ppg > spike * decided:
+                out.append(Trigger(le.lease_id, le.epoch, FailoverReason.PRICE_ABOVE_CAP,
+                                   f"{key} now costs ${ppg:.4g}/GPU-h, over {spike:g}× the "
+                                   f"${decided:.4g}/GPU-h it was decided at"))
     return out
+
+
+def held_back(trigger: Trigger, lease: Lease, policy: Failover, moves: Sequence[datetime],
+              now: datetime) -> str | None:
+    """Why the anti-flap limits hold a discretionary move back, or None."""
+    if not enabled(trigger.reason, policy):
+        return f"trigger {trigger.reason.value} is switched off"
+    if trigger.reason not in DISCRETIONARY:
+        return None
+    age = (now - lease.created_at).total_seconds()
+    if age < policy.min_lease_age_seconds:
+        return f"lease is {age:.0f}s old, under min_lease_age_seconds"
+    if policy.max_failovers_per_hour is not None:
+        recent = [t for t in moves if now - t < timedelta(hours=1)]
+        if len(recent) >= policy.max_failovers_per_hour:
+            return f"{len(recent)} failovers in the last hour (max_failovers_per_hour)"
+    return None
+
+
+def ladder(c: Constraints, leaving: PoolKey, policy: Failover) -> Iterator[Constraints]:
+    """The constraints of each fallback step, in the policy's order; with no ladder, the
+    request's own constraints once (the best placement anywhere it allows)."""
+    if not policy.ladder:
+        yield c
+        return
+    here = frozenset({leaving.cloud})
+    for step in policy.ladder:
+        if step in ("same_region_spot", "other_region_spot"):
+            if Market.SPOT not in c.markets:
+                continue
+            markets: tuple[Market, ...] = (Market.SPOT,)
+        elif step == "on_demand":
+            if Market.ON_DEMAND not in c.markets:
+                continue
+            markets = (Market.ON_DEMAND,)
+        else:
+            markets = c.markets
+        if step == "other_cloud":
+            clouds = (c.clouds if c.clouds is not None else None)
+            others = None if clouds is None else clouds - here
+            if others is not None and not others:
+                continue
+            yield replace(c, markets=markets, clouds=others,
+                          deny_clouds=c.deny_clouds | here, _region_ok={})
+            continue
+        clouds_here = here if c.clouds is None else c.clouds & here
+        if not clouds_here:
+            continue
+        regions = c.regions
+        if step == "same_region_spot":
+            regions = frozenset({leaving.region, f"{leaving.cloud}:{leaving.region}"}) & \
+                (c.regions if c.regions is not None else
+                 frozenset({leaving.region, f"{leaving.cloud}:{leaving.region}"}))
+            if not regions:
+                continue
+        yield replace(c, markets=markets, clouds=clouds_here, regions=regions,
+                      _region_ok={})
+
+
+def replacement(lease: Lease, view: placement.PoolView, policy: Policy,
+                resident: Residency | None, now: datetime) -> placement.Outcome:
+    """Where a failing lease goes: down the policy's fallback ladder, never back to the
+    pool it leaves; a move is not held back by the team's budget or GPU limit."""
+    verdict = evaluate(policy, lease.request, None, resident)
+    exclude = frozenset({lease.placement.pool})
+    if isinstance(verdict, Denied):
+        return placement.Rejection(placement.Ask(lease.request, exclude), verdict.code,
+                                   verdict.detail)
+    verdict = replace(verdict, budget_left=None)
+    outcome: placement.Outcome | None = None
+    for step in ladder(verdict, lease.placement.pool, policy.failover):
+        [outcome] = placement.place([placement.Ask(lease.request, exclude, step)], view,
+                                    policy, now=now)
+        if isinstance(outcome, placement.Decision):
+            return outcome
+    if outcome is None:  # every ladder step was impossible for this request
+        return placement.Rejection(placement.Ask(lease.request, exclude),
+                                   RejectCode.POLICY_DENIED,
+                                   "no step of the failover ladder applies to this lease")
+    return outcome

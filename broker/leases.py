@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import heapq
 import uuid
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from broker.model import Lease, LeaseState, Placement, PlaceRequest, PoolKey
+from policies.evaluate import TeamUsage
 
 
 def _ms(ts: datetime) -> datetime:
@@ -40,6 +42,7 @@ class LeaseBook:
         self._by_request: dict[tuple[str, str], str] = {}
         self._by_pool: dict[PoolKey, set[str]] = {}
         self._expiry: list[tuple[datetime, str]] = []  # lazy heap: stale entries skipped
+        self._teams: dict[str, _TeamTally] = {}
 
     def load(self, leases: Iterable[Lease]) -> None:
         for lease in leases:
@@ -62,6 +65,13 @@ class LeaseBook:
 
     def on_pool(self, key: PoolKey) -> list[Lease]:
         return [self._leases[i] for i in self._by_pool.get(key, ())]
+
+    def team_usage(self, team: str | None) -> TeamUsage:
+        """GPUs and decided price per hour that `team`'s active leases hold now."""
+        tally = self._teams.get(team) if team else None
+        if tally is None:
+            return TeamUsage()
+        return TeamUsage(tally.gpus, tally.price, dict(tally.by_zone))
 
     def leased_pools(self) -> set[PoolKey]:
         return set(self._by_pool)
@@ -154,6 +164,7 @@ class LeaseBook:
     def _put(self, lease: Lease) -> Lease:
         old = self._leases.get(lease.lease_id)
         if old is not None and old.state is LeaseState.ACTIVE:
+            self._tally(old, -1)
             ids = self._by_pool.get(old.placement.pool)
             if ids is not None:
                 ids.discard(lease.lease_id)
@@ -162,7 +173,27 @@ class LeaseBook:
         self._leases[lease.lease_id] = lease
         self._by_request[(lease.scheduler, lease.request_id)] = lease.lease_id
         if lease.state is LeaseState.ACTIVE:
+            self._tally(lease, +1)
             self._by_pool.setdefault(lease.placement.pool, set()).add(lease.lease_id)
             if old is None or old.expires_at != lease.expires_at:
                 heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
         return lease
+
+    def _tally(self, lease: Lease, sign: int) -> None:
+        team = lease.request.team
+        if not team:
+            return
+        t = self._teams.setdefault(team, _TeamTally())
+        p = lease.placement
+        t.gpus += sign * p.total_gpus
+        t.price += sign * p.price_per_hour
+        t.by_zone[(p.pool.cloud, p.pool.zone)] += sign * p.total_gpus
+        if t.by_zone[(p.pool.cloud, p.pool.zone)] <= 0:
+            del t.by_zone[(p.pool.cloud, p.pool.zone)]
+
+
+@dataclass(slots=True)
+class _TeamTally:
+    gpus: int = 0
+    price: float = 0.0
+    by_zone: Counter[tuple[str, str]] = field(default_factory=Counter)

@@ -11,9 +11,38 @@ import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 SCHEDULER_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class GpuModel:
+    """A canonical GPU model: the name every adapter maps its cloud's names onto."""
+
+    name: str
+    memory_gb: float
+    vendor: str = "nvidia"
+
+
+GPU_MODELS: MappingProxyType[str, GpuModel] = MappingProxyType({m.name: m for m in (
+    GpuModel("T4", 16),
+    GpuModel("L4", 24),
+    GpuModel("A10", 24),
+    GpuModel("A10G", 24),
+    GpuModel("L40S", 48),
+    GpuModel("V100-16GB", 16),
+    GpuModel("V100-32GB", 32),
+    GpuModel("A100-40GB", 40),
+    GpuModel("A100-80GB", 80),
+    GpuModel("H100-80GB", 80),
+    GpuModel("H200-141GB", 141),
+    GpuModel("B200", 180),
+    GpuModel("MI300X", 192, vendor="amd"),
+)})
+
+CLOUDS = ("aws", "gcp", "azure", "alibaba")
 
 
 class Market(StrEnum):

@@ -1,12 +1,24 @@
-"""The policy language the ops teams write (`version: 1`)."""
+"""The policy language the ops teams write (`version: 1`).
+
+A full, commented example is `deploy/policy.example.yaml`; README's "Policies" section
+explains each part. This module holds the shapes (types, ranges, unknown keys);
+`policies.checks` checks the names a person types — GPU models, clouds, residency tags —
+and the rules' coherence, with a suggestion for every near miss.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from policies.residency import BUILT_IN_TAGS
 
 MarketChoice = Literal["spot", "on_demand", "any"]
+MarketName = Literal["spot", "on_demand"]
+LadderStep = Literal["same_region_spot", "other_region_spot", "on_demand", "other_cloud"]
+Name = Annotated[str, Field(min_length=1, max_length=128)]
+Price = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -17,28 +29,137 @@ class Defaults(_Strict):
     """What a request gets for the fields it leaves out."""
 
     market: MarketChoice = "any"
-    max_price_per_gpu_hour: float | None = Field(default=None, gt=0)
+    max_price_per_gpu_hour: Price | None = None
     lease_seconds: int = Field(default=900, ge=10, le=7 * 86400)
+
+
+class AllowDeny(_Strict):
+    """`allow` (only these; empty or absent = all) and `deny` (never these)."""
+
+    allow: list[Name] = Field(default_factory=list)
+    deny: list[Name] = Field(default_factory=list)
+
+    def permits(self, name: str) -> bool:
+        return name not in self.deny and (not self.allow or name in self.allow)
+
+
+class Clouds(AllowDeny):
+    """`aws`, `gcp`, `azure`, `alibaba`."""
+
+
+class Regions(AllowDeny):
+    """Region names (`us-east-1`), or `cloud:region` for one cloud's region."""
+
+
+class Gpus(AllowDeny):
+    equivalent: dict[Name, list[Name]] = Field(default_factory=dict)
+    """A request for the key may also take each listed model (`A100-80GB: [H100-80GB]`)."""
+
+
+class ResidencySpec(_Strict):
+    tags: dict[Name, list[Name]] = Field(default_factory=dict)
+    """Extra regions for a tag, new or built-in: `{eu-sovereign: [aws:eu-central-1]}`."""
+
+
+class Team(_Strict):
+    max_gpus: int | None = Field(default=None, ge=0)
+    budget_per_hour: Price | None = None
+    markets: list[MarketName] | None = None
+    clouds: list[Name] | None = None
+    residency: list[Name] | None = None
+    gpus: list[Name] | None = None
 
 
 class Scoring(_Strict):
     """Expected cost per hour of a placement =
-    price × (1 + restart_hours × interruption_rate + availability_weight × (1 − availability)).
+    price × (1 + restart_hours × interruption_rate
+                + availability_weight × (1 − availability)
+                + spread_weight × share of the team's GPUs already in that zone).
     Unknown signals are taken at the `unknown_*` values."""
 
     restart_hours: float = Field(default=1.0, ge=0)
     availability_weight: float = Field(default=0.25, ge=0)
+    spread_weight: float = Field(default=0.0, ge=0)
     unknown_interruption_rate: float = Field(default=0.05, ge=0)
     unknown_availability: float = Field(default=0.5, ge=0, le=1)
+    spot_min_discount: float = Field(default=0.0, ge=0, lt=1)
+    """Take a spot pool only when it is at least this much cheaper than on-demand for the
+    same instance type in the same zone (0.3 = 30 % cheaper)."""
+
+
+class Triggers(_Strict):
+    interrupted: bool = True
+    capacity_lost: bool = True
+    price_above_cap: bool = True
+    price_spike_ratio: float | None = Field(default=None, gt=1)
+    """Fail over when a pool's price rises above this multiple of the lease's decided
+    price (e.g. 1.5), even under the cap."""
+    cloud_unhealthy: bool = True
+    """Fail over leases whose cloud region's offers went stale (its API kept failing)."""
+    policy_changed: bool = True
 
 
 class Failover(_Strict):
+    triggers: Triggers = Field(default_factory=Triggers)
+    ladder: list[LadderStep] = Field(default_factory=list)
+    """Where a failover looks, in order; the first step with a placement wins. Empty: the
+    best placement anywhere the request allows."""
+    min_lease_age_seconds: float = Field(default=0, ge=0)
+    max_failovers_per_hour: int | None = Field(default=None, ge=1)
+    """Anti-flap limits. They hold back discretionary moves (price, policy change,
+    cloud unhealthy); a lease whose capacity is gone always moves."""
     cooldown_seconds: float = Field(default=600, ge=0)
     """How long a pool that failed a lease is kept out of new placements."""
 
 
+
+class Match(_Strict):
+    team: list[Name] | None = None
+    scheduler: list[Name] | None = None
+    gpu: list[Name] | None = None
+    labels: dict[Name, str] | None = None
+
+    @field_validator("team", "scheduler", "gpu", mode="before")
+    @classmethod
+    def _one_or_list(cls, v: object) -> object:
+        return [v] if isinstance(v, str) else v
+
+
+class Require(_Strict):
+    residency: list[Name] | None = None
+    clouds: list[Name] | None = None
+    market: MarketName | None = None
+    max_price_per_gpu_hour: Price | None = None
+
+
+class Rule(_Strict):
+    name: Name
+    match: Match = Field(default_factory=Match)
+    require: Require | None = None
+    deny: Name | None = None
+    """Reject matching requests with this message."""
+
+    @model_validator(mode="after")
+    def _one_effect(self) -> Rule:
+        if (self.require is None) == (self.deny is None):
+            raise ValueError(f"rule {self.name!r} needs exactly one of `require` or `deny`")
+        return self
+
+
 class Policy(_Strict):
     version: Literal[1] = 1
-    defaults: Defaults = Defaults()
-    scoring: Scoring = Scoring()
-    failover: Failover = Failover()
+    extra_gpus: list[Name] = Field(default_factory=list)
+    """GPU models outside the canonical list that some cloud offers under its own name."""
+    defaults: Defaults = Field(default_factory=Defaults)
+    clouds: Clouds = Field(default_factory=Clouds)
+    regions: Regions = Field(default_factory=Regions)
+    gpus: Gpus = Field(default_factory=Gpus)
+    residency: ResidencySpec = Field(default_factory=ResidencySpec)
+    teams: dict[Name, Team] = Field(default_factory=dict)
+    scoring: Scoring = Field(default_factory=Scoring)
+    failover: Failover = Field(default_factory=Failover)
+    rules: list[Rule] = Field(default_factory=list)
+
+    @property
+    def residency_tags(self) -> frozenset[str]:
+        return BUILT_IN_TAGS | frozenset(self.residency.tags)

@@ -6,13 +6,15 @@ reported as `FILE:LINE:COL: key.path: message`.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 Loc = tuple[str | int, ...]
 
@@ -66,8 +68,17 @@ def dotted(loc: Loc) -> str:
     return out
 
 
+MAX_BYTES = 1 << 20
+MAX_DEPTH = 32
+
+
 def parse(text: str, name: str) -> Document:
-    """Parse YAML `text`; raise SourceError (with line) on syntax errors or duplicate keys."""
+    """Parse YAML `text`; raise SourceError (with line) on syntax errors, duplicate keys,
+    anchors/aliases (a "billion laughs" bomb expands through them), nesting deeper than
+    MAX_DEPTH or a text larger than MAX_BYTES."""
+    if len(text.encode()) > MAX_BYTES:
+        raise SourceError([Problem(name, None, None, "",
+                                   f"larger than {MAX_BYTES // 1024} KiB; not read")])
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
@@ -87,44 +98,108 @@ def parse(text: str, name: str) -> Document:
 
 
 def _walk(node: yaml.Node, loc: Loc, marks: dict[Loc, tuple[int, int]],
-          problems: list[Problem], name: str) -> None:
-    marks.setdefault(loc, (node.start_mark.line + 1, node.start_mark.column + 1))
+          problems: list[Problem], name: str, seen: set[int] | None = None) -> None:
+    seen = set() if seen is None else seen
+    mark = (node.start_mark.line + 1, node.start_mark.column + 1)
+    if isinstance(node, yaml.MappingNode | yaml.SequenceNode):
+        if id(node) in seen:
+            # One line is enough, and walking on could take exponential time.
+            raise SourceError([Problem(name, *mark, dotted(loc),
+                                       "YAML anchors and aliases are not allowed "
+                                       "(this one refers to the anchor on this line)")])
+        seen.add(id(node))
+        if len(loc) > MAX_DEPTH:
+            problems.append(Problem(name, *mark, dotted(loc), "nested too deeply"))
+            return
+    marks.setdefault(loc, mark)
     if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
+        keys: set[str] = set()
         for key_node, value_node in node.value:
             key = str(key_node.value)
             child = (*loc, key)
-            if key in seen:
+            if key in keys:
                 problems.append(Problem(name, key_node.start_mark.line + 1,
                                         key_node.start_mark.column + 1, dotted(child),
                                         "duplicate key"))
-            seen.add(key)
+            keys.add(key)
             marks[child] = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
-            _walk(value_node, child, marks, problems, name)
+            _walk(value_node, child, marks, problems, name, seen)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _walk(item, (*loc, i), marks, problems, name)
+            _walk(item, (*loc, i), marks, problems, name, seen)
 
 
 def load(path: Path) -> Document:
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+        text = raw.decode("utf-8")
     except OSError as exc:
         raise SourceError([Problem(str(path), None, None, "", f"cannot read: {exc.strerror}")]
+                          ) from None
+    except UnicodeDecodeError as exc:
+        raise SourceError([Problem(str(path), None, None, "", f"not UTF-8 text: {exc.reason}")]
                           ) from None
     return parse(text, str(path))
 
 
-def from_validation_error(doc: Document, err: ValidationError) -> SourceError:
-    """Turn pydantic's errors into line-numbered problems naming the key."""
+def from_validation_error(doc: Document, err: ValidationError,
+                          model: type[BaseModel] | None = None) -> SourceError:
+    """Turn pydantic's errors into line-numbered problems naming the key; with `model`,
+    an unknown key gets the nearest valid key as a suggestion."""
     problems = []
     for e in err.errors(include_url=False):
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
+            parent = _model_at(model, loc[:-1]) if model else None
+            if parent is not None and loc:
+                match = difflib.get_close_matches(str(loc[-1]), list(parent.model_fields),
+                                                  n=1, cutoff=0.6)
+                if match:
+                    msg += f"; did you mean {match[0]!r}?"
         elif e["type"] == "missing":
             msg = "required key is missing"
         msg = msg.removeprefix("Value error, ")
-        problems.append(doc.problem(loc, msg))
+        if e["type"] == "string_type" and isinstance(e.get("input"), bool):
+            msg += " (YAML reads yes/no/on/off/true/false as booleans: quote the text)"
+        problem = doc.problem(loc, msg)
+        if problem not in problems:  # a union reports one failure per member
+            problems.append(problem)
     return SourceError(problems)
+
+
+def _model_at(model: Any, loc: Loc) -> type[BaseModel] | None:
+    """The pydantic model class that validates the mapping at `loc` under `model`."""
+    current: Any = model
+    for part in loc:
+        current = _unwrap(current, part)
+        if current is None:
+            return None
+    current = _unwrap(current, None)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _unwrap(tp: Any, part: str | int | None) -> Any:
+    """Step from type `tp` into `part` (a field, a list index, a dict key), or with
+    `part=None` only strip Optional/Annotated."""
+    while True:
+        origin = get_origin(tp)
+        if origin is Annotated:
+            tp = get_args(tp)[0]
+        elif origin in (Union, UnionType):
+            models = [a for a in get_args(tp) if a is not type(None)]
+            tp = models[0] if models else None
+        else:
+            break
+    if part is None:
+        return tp
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        field = tp.model_fields.get(str(part))
+        return None if field is None else field.annotation
+    if origin in (list, tuple) and isinstance(part, int):
+        return get_args(tp)[0]
+    if origin is dict:
+        return get_args(tp)[1]
+    return None

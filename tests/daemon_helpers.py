@@ -16,9 +16,11 @@ from broker.daemon import Daemon
 PREFIX = "gpubroker/v1"
 
 
-def daemon_config(mosquitto: Mosquitto, state: Path, **mqtt: Any) -> Config:
+def daemon_config(mosquitto: Mosquitto, state: Path, policy_file: Path | None = None,
+                  **mqtt: Any) -> Config:
     return Config(
         site="test",
+        policy_file=policy_file,
         state=StateConfig(path=state),
         mqtt=MqttConfig(url=mosquitto.url, client_id="gpubroker-test", **mqtt),
         # Polls only at start: tests poll explicitly when they need a new market state.

@@ -21,8 +21,9 @@ async def start_daemon(mosquitto: Mosquitto, tmp_path: Path) -> AsyncIterator[St
     """`await start_daemon(**mqtt_options)` → a ready daemon; stopped at teardown."""
     running: list[RunningDaemon] = []
 
-    async def start(state: Path | None = None, **mqtt: Any) -> RunningDaemon:
-        cfg = daemon_config(mosquitto, state or tmp_path / "state.db", **mqtt)
+    async def start(state: Path | None = None, policy_file: Path | None = None,
+                    **mqtt: Any) -> RunningDaemon:
+        cfg = daemon_config(mosquitto, state or tmp_path / "state.db", policy_file, **mqtt)
         daemon = Daemon(cfg)
         stop = asyncio.Event()
         task = asyncio.create_task(daemon.run(stop))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -210,3 +211,65 @@ def test_example_config_and_policy_are_valid() -> None:
 
     cfg = load_config(root / "deploy/config.example.yaml")
     assert cfg.clouds.sim is not None and cfg.site == "lab-1"
+
+
+def test_policy_explain_breaks_down_the_choice(tmp_path: Path) -> None:
+    config = write_config(tmp_path, clouds={"sim": {"seed": 3, "regions_per_cloud": 2,
+                                                    "zones_per_region": 2}})
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\nteams:\n  eu: {residency: [eu]}\n")
+    r = gpubroker("policy", "explain", str(policy), "--config", str(config), "--format",
+                  "json", "--request", json.dumps({"request_id": "x", "gpu": "L4", "gpus": 1,
+                                                   "team": "eu"}))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["verdict"]["residency"] == [["eu"]]
+    assert report["excluded"]["cloud/region/residency not allowed by the policy"] > 0
+    assert report["candidates"]
+    for c in report["candidates"]:
+        assert c["placement"]["region"] in ("europe-west4", "westeurope", "eu-west-1")
+        t = c["terms"]
+        assert abs(c["expected_cost_per_hour"] - c["price_per_hour"] * (1 + sum(t.values()))
+                   ) < 1e-5
+    costs = [c["expected_cost_per_hour"] for c in report["candidates"]]
+    assert costs == sorted(costs)
+    text = gpubroker("policy", "explain", str(policy), "--config", str(config), "--request",
+                     '{"request_id": "x", "gpu": "L4", "gpus": 1}')
+    assert "feasible offers" in text.stdout and "expected =" in text.stdout
+    bad = gpubroker("policy", "explain", str(policy), "--request", '{"gpu": 1}')
+    assert bad.returncode == 2 and "request_id" in bad.stderr
+
+
+async def test_policy_diff_shows_what_a_new_policy_would_move(tmp_path: Path) -> None:
+    from adapters.sim import SimAdapter
+    from broker.leases import LeaseBook
+    from broker.model import Market, Placement, PlaceRequest, utcnow
+    from broker.store import StateStore
+
+    config = write_config(tmp_path)
+    sim = SimAdapter(seed=3, regions_per_cloud=1, zones_per_region=2)
+    offers = [o for r in sim.regions() for o in await sim.poll(r)]
+    l4 = next(o for o in offers if o.gpu == "L4" and o.pool.cloud == "gcp"
+              and o.pool.market is Market.ON_DEMAND and o.price_per_hour)
+    book = LeaseBook()
+    lease = book.create(PlaceRequest("s1", "job", ("L4", "T4"), 1, team="ml"),
+                        Placement.of(l4, 1), lease_seconds=3600, cap=None, now=utcnow())
+    store = StateStore(tmp_path / "state.db")
+    await store.open()
+    await store.commit([lease], [])
+    await store.close()
+    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old.write_text("version: 1\n")
+    new.write_text("version: 1\nclouds: {deny: [gcp]}\n")
+    r = await asyncio.to_thread(gpubroker, "policy", "diff", str(old), str(new), "--config",
+                                str(config), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["active_leases"] == 1
+    [row] = report["affected"]
+    assert row["lease_id"] == lease.lease_id and row["outcome"] == "moves"
+    assert row["to"]["cloud"] != "gcp" and "gcp" in row["why"]
+    assert not row["forbidden_already"]
+    same = await asyncio.to_thread(gpubroker, "policy", "diff", str(old), str(old),
+                                   "--config", str(config))
+    assert "0 forbidden" in same.stdout

@@ -211,8 +211,10 @@ def test_unknown_keys_are_errors_each_one_reported() -> None:
         pol:
           interval_seconds: 5
     """)
-    assert sorted(got) == [(2, "sitee", "unknown key"), (5, "mqtt.passwrd", "unknown key"),
-                           (6, "pol", "unknown key")]
+    assert sorted(got) == [
+        (2, "sitee", "unknown key; did you mean 'site'?"),
+        (5, "mqtt.passwrd", "unknown key; did you mean 'password_file'?"),
+        (6, "pol", "unknown key; did you mean 'poll'?")]
 
 
 def test_every_problem_is_reported_at_once() -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
-from factories import SLICE, T0, Clock, offer, placement, pool_of, request
+from factories import SLICE, T0, Clock, key, offer, placement, pool_of, request
 
+from broker import failover
 from broker.failover import Trigger, from_pool_change, from_signal
 from broker.leases import LeaseBook
 from broker.model import (
@@ -168,3 +170,89 @@ def test_lease_that_failed_over_is_watched_on_its_new_pool() -> None:
     book2, _ = book_with(None)
     book2.end(book2.active()[0].lease_id, LeaseState.RELEASED, T0)
     assert from_pool_change(pool.replace(SLICE, []), book2) == []
+
+
+# --- the policy's ladder and anti-flap limits ------------------------------------------
+
+def _ladder_policy(body: str) -> Any:
+    from policies.loader import parse_policy
+
+    return parse_policy("version: 1\n" + body)
+
+
+def test_ladder_goes_step_by_step_and_skips_impossible_steps() -> None:
+    from broker.model import Market
+    from policies.evaluate import Constraints, evaluate
+
+    p = _ladder_policy("failover:\n  ladder: [same_region_spot, other_region_spot, on_demand,"
+                       " other_cloud]\n")
+    c = evaluate(p, request())
+    assert isinstance(c, Constraints)
+    here = key("us-east-1a")
+    steps = list(failover.ladder(c, here, p.failover))
+    assert [(s.markets, s.clouds) for s in steps] == [
+        ((Market.SPOT,), frozenset({"aws"})), ((Market.SPOT,), frozenset({"aws"})),
+        ((Market.ON_DEMAND,), frozenset({"aws"})), ((Market.SPOT, Market.ON_DEMAND), None)]
+    assert steps[0].region_ok("aws", "us-east-1") and not steps[0].region_ok("aws", "us-west-2")
+    assert steps[1].region_ok("aws", "us-west-2")
+    assert not steps[3].region_ok("aws", "us-west-2") and steps[3].region_ok("gcp", "us-east1")
+    # An on-demand-only request skips the spot steps.
+    od = evaluate(p, request(market="on_demand"))
+    assert isinstance(od, Constraints)
+    assert [s.markets for s in failover.ladder(od, here, p.failover)] == [
+        (Market.ON_DEMAND,), (Market.ON_DEMAND,)]
+
+
+def test_replacement_takes_the_first_ladder_step_that_places() -> None:
+    from broker.placement import Decision
+
+    p = _ladder_policy("failover:\n  ladder: [same_region_spot, on_demand, other_cloud]\n")
+    leaving = offer("us-east-1a", price=10.0)
+    same_region = offer("us-east-1b", price=40.0)  # dearer, but first on the ladder
+    other_cloud = offer("europe-west4-a", cloud="gcp", region="europe-west4", price=5.0)
+    pool = pool_of([leaving, same_region, other_cloud])
+    lease = LeaseBook().create(request(), placement(leaving), lease_seconds=60, cap=None,
+                               now=T0)
+    out = failover.replacement(lease, pool, p, None, T0)
+    assert isinstance(out, Decision) and out.placement.pool == same_region.pool
+    flat = _ladder_policy("failover: {}\n")
+    out = failover.replacement(lease, pool, flat, None, T0)
+    assert isinstance(out, Decision) and out.placement.pool == other_cloud.pool
+
+
+def test_anti_flap_holds_back_discretionary_moves_only() -> None:
+    from datetime import timedelta
+
+    from broker.model import FailoverReason
+
+    p = _ladder_policy("failover:\n  min_lease_age_seconds: 600\n  max_failovers_per_hour: 2\n"
+                       "  triggers: {cloud_unhealthy: false}\n")
+    lease = LeaseBook().create(request(), placement(), lease_seconds=60, cap=None, now=T0)
+    young = T0 + timedelta(seconds=60)
+    price = failover.Trigger(lease.lease_id, 1, FailoverReason.PRICE_ABOVE_CAP, "x")
+    lost = failover.Trigger(lease.lease_id, 1, FailoverReason.INTERRUPTED, "x")
+    sick = failover.Trigger(lease.lease_id, 1, FailoverReason.CLOUD_UNHEALTHY, "x")
+    assert "min_lease_age" in (failover.held_back(price, lease, p.failover, [], young) or "")
+    assert failover.held_back(lost, lease, p.failover, [], young) is None
+    assert "switched off" in (failover.held_back(sick, lease, p.failover, [], young) or "")
+    old = T0 + timedelta(hours=2)
+    recent = [old - timedelta(minutes=10), old - timedelta(minutes=20)]
+    assert "max_failovers_per_hour" in (
+        failover.held_back(price, lease, p.failover, recent, old) or "")
+    assert failover.held_back(price, lease, p.failover, recent[:1], old) is None
+    assert failover.held_back(lost, lease, p.failover, recent * 3, old) is None
+
+
+def test_price_spike_ratio_triggers_under_the_cap() -> None:
+    from broker.model import FailoverReason
+
+    p = _ladder_policy("failover:\n  triggers: {price_spike_ratio: 1.5}\n")
+    book = LeaseBook()
+    o = offer(price=8.0)  # $1/GPU-h
+    book.create(request(), placement(o), lease_seconds=60, cap=10.0, now=T0)
+    pool = pool_of([o])
+    change = pool.replace(SLICE, [offer(price=16.0)])  # $2/GPU-h: 2× but under the cap
+    [t] = failover.from_pool_change(change, book, p.failover)
+    assert t.reason is FailoverReason.PRICE_ABOVE_CAP and "1.5×" in t.detail
+    change = pool.replace(SLICE, [offer(price=11.0)])
+    assert failover.from_pool_change(change, book, p.failover) == []

@@ -1,0 +1,233 @@
+"""What a policy says about one request: denied, or the constraints its placement must
+meet. Pure functions; the broker gives them the team's current usage.
+
+Order of evaluation, each step able to deny with a detail that names the rule or limit:
+
+1. `rules`, first match wins: `deny` → `policy_denied`; `require` adds constraints.
+2. the team's limits: `max_gpus` (held + asked) → `over_budget`; its markets, clouds,
+   residency and GPUs narrow the request.
+3. the top-level `clouds` / `regions` / `gpus` allow and deny lists, and `gpus.equivalent`.
+4. what is left must still allow something (a GPU model, a market), else `policy_denied`.
+
+The team's `budget_per_hour` is a constraint on the placement's price (what remains of
+the budget), checked by the optimizer, which answers `over_budget` when only the budget
+stands in the way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.model import Market, PlaceRequest, PoolKey, RejectCode
+from policies.model import Policy, Rule
+from policies.residency import Residency
+
+
+@dataclass(frozen=True, slots=True)
+class TeamUsage:
+    """What a team's active leases hold now."""
+
+    gpus: int = 0
+    price_per_hour: float = 0.0
+    gpus_by_zone: Mapping[tuple[str, str], int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Denied:
+    code: RejectCode
+    detail: str
+
+
+@dataclass(slots=True)
+class Constraints:
+    """Everything a placement of one request must satisfy, policy and request together."""
+
+    gpus: tuple[str, ...]
+    markets: tuple[Market, ...]
+    cap: float | None
+    clouds: frozenset[str] | None = None  # allowed; None = any
+    deny_clouds: frozenset[str] = frozenset()
+    regions: frozenset[str] | None = None  # `region` or `cloud:region`; None = any
+    deny_regions: frozenset[str] = frozenset()
+    residency: tuple[frozenset[str], ...] = ()  # the region needs a tag of each set
+    budget_left: float | None = None  # USD per hour the team may still spend
+    zone_share: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    lease_seconds: int = 900
+    rule: str | None = None  # the rule that matched, for explanations
+    resident: Residency | None = None
+    _region_ok: dict[tuple[str, str], bool] = field(default_factory=dict)
+
+    def region_ok(self, cloud: str, region: str) -> bool:
+        key = (cloud, region)
+        ok = self._region_ok.get(key)
+        if ok is None:
+            ok = self._check_region(cloud, region)
+            self._region_ok[key] = ok
+        return ok
+
+    def _check_region(self, cloud: str, region: str) -> bool:
+        if self.clouds is not None and cloud not in self.clouds:
+            return False
+        if cloud in self.deny_clouds:
+            return False
+        names = {region, f"{cloud}:{region}"}
+        if self.regions is not None and not names & self.regions:
+            return False
+        if names & self.deny_regions:
+            return False
+        if self.residency:
+            tags = self.resident.of(cloud, region) if self.resident else frozenset()
+            if not all(tags & wanted for wanted in self.residency):
+                return False
+        return True
+
+    def permits(self, key: PoolKey, gpu: str) -> bool:
+        """Whether a placement on `key` with GPU model `gpu` meets every constraint except
+        price and budget (those depend on the price at the time)."""
+        return (gpu in self.gpus and key.market in self.markets
+                and self.region_ok(key.cloud, key.region))
+
+
+def matching_rule(policy: Policy, request: PlaceRequest) -> Rule | None:
+    for rule in policy.rules:
+        m = rule.match
+        if m.team is not None and request.team not in m.team:
+            continue
+        if m.scheduler is not None and request.scheduler not in m.scheduler:
+            continue
+        if m.gpu is not None and not set(m.gpu) & set(request.gpu):
+            continue
+        if m.labels is not None and any(request.labels.get(k) != v
+                                        for k, v in m.labels.items()):
+            continue
+        return rule
+    return None
+
+
+def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = None,
+             resident: Residency | None = None) -> Constraints | Denied:
+    usage = usage or TeamUsage()
+    resident = resident or Residency(policy.residency.tags)
+    rule = matching_rule(policy, request)
+    why = f"rule {rule.name!r}" if rule else "policy"
+    if rule is not None and rule.deny is not None:
+        return Denied(RejectCode.POLICY_DENIED, f"rule {rule.name!r}: {rule.deny}")
+    req = rule.require if rule else None
+
+    # Markets: the request's (or the default), narrowed by the rule and the team.
+    market = request.market or policy.defaults.market
+    markets = {Market.SPOT, Market.ON_DEMAND} if market == "any" else {Market(market)}
+    team = policy.teams.get(request.team) if request.team else None
+    if req and req.market:
+        markets &= {Market(req.market)}
+    if team and team.markets is not None:
+        markets &= {Market(m) for m in team.markets}
+    if not markets:
+        return Denied(RejectCode.POLICY_DENIED,
+                      f"market {market!r} is not allowed for this request ({why}"
+                      + (f", team {request.team!r} markets {team.markets}" if team else "")
+                      + ")")
+
+    # GPU models: asked for, plus equivalents, minus what is not allowed.
+    wanted: list[str] = []
+    for g in request.gpu:
+        for candidate in (g, *policy.gpus.equivalent.get(g, ())):
+            if candidate not in wanted:
+                wanted.append(candidate)
+    gpus = [g for g in wanted if policy.gpus.permits(g)
+            and (team is None or team.gpus is None or g in team.gpus)]
+    if not gpus:
+        return Denied(RejectCode.POLICY_DENIED,
+                      f"GPU {'/'.join(request.gpu)} is not allowed"
+                      + (f" for team {request.team!r}" if team and team.gpus is not None
+                         else " by the policy's gpus lists"))
+
+    # Team limits.
+    if team and team.max_gpus is not None and usage.gpus + request.gpus > team.max_gpus:
+        return Denied(RejectCode.OVER_BUDGET,
+                      f"team {request.team!r} holds {usage.gpus} GPUs; {request.gpus} more "
+                      f"would pass its max_gpus {team.max_gpus}")
+    budget_left = None
+    if team and team.budget_per_hour is not None:
+        budget_left = team.budget_per_hour - usage.price_per_hour
+        if budget_left <= 0:
+            return Denied(RejectCode.OVER_BUDGET,
+                          f"team {request.team!r} spends ${usage.price_per_hour:.2f}/h of its "
+                          f"${team.budget_per_hour:g}/h budget_per_hour")
+
+    # Where: request ∩ top-level lists ∩ team ∩ rule.
+    clouds: set[str] | None = set(request.clouds) if request.clouds else None
+    for extra in ((policy.clouds.allow or None), (team.clouds if team else None),
+                  (req.clouds if req else None)):
+        if extra:
+            clouds = set(extra) if clouds is None else clouds & set(extra)
+    if clouds is not None and not clouds - set(policy.clouds.deny):
+        return Denied(RejectCode.POLICY_DENIED, f"no cloud is left for this request ({why}, "
+                      "the team's clouds and the policy's clouds lists)")
+    regions: set[str] | None = set(request.regions) if request.regions else None
+    if policy.regions.allow:
+        allowed = set(policy.regions.allow)
+        regions = allowed if regions is None else {
+            r for r in regions if r in allowed or any(a.endswith(f":{r}") for a in allowed)}
+        if not regions:
+            return Denied(RejectCode.POLICY_DENIED,
+                          "none of the requested regions is in the policy's regions.allow")
+    # Each residency requirement (the team's, the rule's) must hold: a region needs one
+    # tag of each list.
+    residency = tuple(frozenset(tags) for tags in ((team.residency if team else None),
+                                                   (req.residency if req else None)) if tags)
+
+    # The request's own cap replaces the policy's default; a rule's cap always holds.
+    own_cap = (request.max_price_per_gpu_hour if request.max_price_per_gpu_hour is not None
+               else policy.defaults.max_price_per_gpu_hour)
+    caps = [c for c in (own_cap, req.max_price_per_gpu_hour if req else None) if c is not None]
+    total = sum(usage.gpus_by_zone.values())
+    return Constraints(
+        gpus=tuple(gpus),
+        markets=tuple(m for m in (Market.SPOT, Market.ON_DEMAND) if m in markets),
+        cap=min(caps) if caps else None,
+        clouds=frozenset(clouds) if clouds is not None else None,
+        deny_clouds=frozenset(policy.clouds.deny),
+        regions=frozenset(regions) if regions is not None else None,
+        deny_regions=frozenset(policy.regions.deny),
+        residency=residency,
+        budget_left=budget_left,
+        zone_share={z: n / total for z, n in usage.gpus_by_zone.items()} if total else {},
+        lease_seconds=request.lease_seconds or policy.defaults.lease_seconds,
+        rule=rule.name if rule else None,
+        resident=resident,
+    )
+
+
+def forbids(policy: Policy, request: PlaceRequest, key: PoolKey, gpu: str,
+            price_per_gpu_hour: float, resident: Residency | None = None) -> str | None:
+    """Why `policy` no longer allows a lease of `request` placed on `key`, or None.
+    Budgets and GPU counts are not re-checked: a lease is not moved because its team's
+    limits shrank, only because where or what it runs on is now forbidden."""
+    verdict = evaluate(policy, request, None, resident)
+    if isinstance(verdict, Denied):
+        return verdict.detail
+    if gpu not in verdict.gpus:
+        return f"GPU {gpu} is no longer allowed"
+    if key.market not in verdict.markets:
+        return f"market {key.market.value} is no longer allowed"
+    if not verdict.region_ok(key.cloud, key.region):
+        where = f"rule {verdict.rule!r}" if verdict.rule else "the policy"
+        return f"{key.cloud}/{key.region} is no longer allowed by {where}"
+    if verdict.cap is not None and price_per_gpu_hour > verdict.cap:
+        return f"${price_per_gpu_hour:.4g}/GPU-h is above the new cap ${verdict.cap:g}"
+    return None
+
+
+def describe(c: Constraints) -> dict[str, Any]:
+    """The constraints as plain data (for `policy explain`)."""
+    return {
+        "rule": c.rule, "gpus": list(c.gpus), "markets": [m.value for m in c.markets],
+        "max_price_per_gpu_hour": c.cap,
+        "clouds": sorted(c.clouds) if c.clouds is not None else None,
+        "regions": sorted(c.regions) if c.regions is not None else None,
+        "residency": [sorted(tags) for tags in c.residency] or None,
+        "budget_left_per_hour": c.budget_left, "lease_seconds": c.lease_seconds,
+    }
