@@ -175,7 +175,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Daemon:
-    """`python -m broker.cli run --config FILE` as a subprocess; stderr (JSON log lines)
+    """`python -m broker.cli run --config FILE` as a subprocess; stdout (JSON log lines)
     is read all along so the pipe never fills."""
 
     def __init__(self, workdir: Path, mqtt_url: str, *, seed: int, regions: int,
@@ -204,13 +204,13 @@ class Daemon:
         cmd = [sys.executable, "-m", "broker.cli", "run", "--config", str(self.config)]
         self.proc = await asyncio.create_subprocess_exec(
             *cmd,
-            cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True)
+            cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         self._reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
-        assert self.proc is not None and self.proc.stderr is not None
-        async for raw in self.proc.stderr:
+        assert self.proc is not None and self.proc.stdout is not None
+        async for raw in self.proc.stdout:
             line = raw.decode(errors="replace").rstrip()
             self.tail = [*self.tail[-29:], line]
             try:

@@ -22,6 +22,7 @@ import math
 import random
 import socket
 import ssl
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -65,6 +66,7 @@ class Bus:
         self._receiving = True
         self.connected = asyncio.Event()
         self.reconnects = 0
+        self.last_ack = time.monotonic()
         self.v5 = cfg.protocol == "5"
 
     # --- the outbox ------------------------------------------------------------------
@@ -197,6 +199,7 @@ class Bus:
         finally:
             window.release()
         assert row.id is not None
+        self.last_ack = time.monotonic()
         if self._pending.pop(row.id, None) is not None:
             self._acked.append(row.id)
             self._acked_event.set()

@@ -103,7 +103,7 @@ def _run(args: argparse.Namespace) -> int:
     from broker.daemon import Daemon, install_signal_handlers
 
     cfg = _config(args.config)
-    logs.configure(json=True)
+    logs.configure(json=True, level=logging.getLevelNamesMapping()[cfg.log_level.upper()])
     daemon = Daemon(cfg)
 
     async def go() -> None:

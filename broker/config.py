@@ -96,11 +96,24 @@ class MqttConfig(_Section):
 
 
 class HttpConfig(_Section):
-    listen: str = "127.0.0.1:9464"
+    listen: str | None = "127.0.0.1:9464"
+    """HOST:PORT, loopback by default; null turns HTTP off."""
+    token_file: Path | None = None
+    """A file holding the bearer token for POST /v1/requests/{S}/place (systemd:
+    LoadCredential). Without it, placing over HTTP is refused."""
+
+    @property
+    def host_port(self) -> tuple[str, int] | None:
+        if self.listen is None:
+            return None
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
 
     @field_validator("listen")
     @classmethod
-    def _listen(cls, v: str) -> str:
+    def _listen(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
         m = re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", v)
         if not m:
             raise ValueError("must be HOST:PORT, e.g. 127.0.0.1:9464")
@@ -192,6 +205,7 @@ class CloudsConfig(_Section):
 
 class Config(_Section):
     site: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "local"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
     state: StateConfig = Field(default_factory=StateConfig)
     mqtt: MqttConfig = Field(default_factory=MqttConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)

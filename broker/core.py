@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -55,6 +56,8 @@ class Command:
     payload: bytes
     topic: str
     reply: dict[str, Any] | None = None  # MQTT 5 response_topic + correlation_data
+    answer: asyncio.Future[bytes] | None = None  # an HTTP caller waiting for the answer
+    received: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -64,6 +67,8 @@ class _Batch:
     leases: dict[str, Lease] = field(default_factory=dict)
     rows: list[OutboxRow] = field(default_factory=list)
     answered: dict[tuple[str, str], Lease] = field(default_factory=dict)
+    answers: list[tuple[Command, bytes]] = field(default_factory=list)
+    decided: list[tuple[Command, str]] = field(default_factory=list)  # place verbs answered
 
 
 Publish = Callable[[Sequence[OutboxRow]], None]
@@ -87,6 +92,7 @@ class Broker:
         self._triggers: asyncio.Queue[failover.Trigger] = asyncio.Queue()
         self._expiry_changed = asyncio.Event()
         self.observers: list[Observer] = []
+        self.decision_latency: Callable[[float], None] | None = None
         self._resident = Residency(policy.residency.tags)
         self._moves: dict[str, list[datetime]] = {}  # lease_id -> failover times (anti-flap)
         pool.subscribe(self._on_pool_change)
@@ -311,7 +317,7 @@ class Broker:
         if outcome.retry_after_seconds is not None:
             data["retry_after_seconds"] = outcome.retry_after_seconds
         self._emit(b, Event("placement.rejected", req.scheduler, data,
-                            request_subject(req.request_id), req.request_id), cmd.reply)
+                            request_subject(req.request_id), req.request_id), cmd)
 
     def _decided(self, b: _Batch, lease: Lease, cmd: Command | None, reason: str,
                  alternatives: Sequence[Any]) -> None:
@@ -329,7 +335,7 @@ class Broker:
         b.leases[lease.lease_id] = lease
         self._emit(b, Event("placement.decided", lease.scheduler, data,
                             lease_subject(lease.lease_id), lease.request_id),
-                   cmd.reply if cmd else None)
+                   cmd)
         b.rows.append(self.messages.lease_state(lease))
 
     def _lease_verb(self, b: _Batch, cmd: Command) -> None:
@@ -345,13 +351,13 @@ class Broker:
                 self._emit(b, Event("lease.renewed", cmd.scheduler, {
                     "lease_id": lease.lease_id, "epoch": lease.epoch,
                     "expires_at": iso(lease.expires_at)}, lease_subject(lease.lease_id),
-                    lease.request_id), cmd.reply)
+                    lease.request_id), cmd)
                 b.rows.append(self.messages.lease_state(lease))
                 self._expiry_changed.set()
             else:
                 lease = self.book.end(parsed.lease_id, LeaseState.RELEASED, now, cmd.scheduler)
                 self._ended(b, lease, "lease.released", {"lease_id": lease.lease_id},
-                            cmd.reply)
+                            cmd)
         except LeaseError as exc:
             self._lease_error(b, cmd, parsed.lease_id, exc)
 
@@ -367,7 +373,7 @@ class Broker:
             if lease.state is LeaseState.FAILED:
                 data.update(reason="ended", detail="the lease had already failed")
             self._emit(b, Event(kind, cmd.scheduler, data, lease_subject(lease_id),
-                                lease.request_id), cmd.reply)
+                                lease.request_id), cmd)
             return
         self._invalid(b, cmd, None, [{"field": "lease_id", "message": str(exc)}])
 
@@ -396,7 +402,7 @@ class Broker:
             data = {"request_id": request_id, **data}
         log.info("request invalid", scheduler=cmd.scheduler, topic=cmd.topic, errors=errors)
         self._emit(b, Event("request.invalid", cmd.scheduler, data,
-                            request_subject(request_id), request_id), cmd.reply)
+                            request_subject(request_id), request_id), cmd)
 
     # --- failover --------------------------------------------------------------------
 
@@ -452,15 +458,22 @@ class Broker:
     # --- plumbing --------------------------------------------------------------------
 
     def _ended(self, b: _Batch, lease: Lease, kind: str, data: dict[str, Any],
-               reply: dict[str, Any] | None = None) -> None:
+               cmd: Command | None = None) -> None:
         self.pool.unhold(lease.placement.pool, lease.placement.instances)
         b.leases[lease.lease_id] = lease
         self._emit(b, Event(kind, lease.scheduler, data, lease_subject(lease.lease_id),
-                            lease.request_id), reply)
+                            lease.request_id), cmd)
         b.rows.append(self.messages.lease_state(lease))
 
-    def _emit(self, b: _Batch, event: Event, reply: dict[str, Any] | None = None) -> None:
-        b.rows.extend(self.messages.event(event, reply))
+    def _emit(self, b: _Batch, event: Event, cmd: Command | None = None) -> None:
+        """Queue the event's messages; the answer to `cmd` also goes to its MQTT 5
+        ResponseTopic and to an HTTP caller waiting for it."""
+        rows = self.messages.event(event, cmd.reply if cmd else None)
+        b.rows.extend(rows)
+        if cmd is not None and cmd.answer is not None:
+            b.answers.append((cmd, rows[0].payload))
+        if cmd is not None and cmd.verb == "place":
+            b.decided.append((cmd, event.kind))
         for observe in self.observers:
             observe(event.kind, event.data)
 
@@ -469,6 +482,13 @@ class Broker:
             return
         rows = await self.store.commit(b.leases.values(), b.rows)
         self._publish(rows)
+        done = time.monotonic()
+        for cmd, payload in b.answers:
+            if cmd.answer is not None and not cmd.answer.done():
+                cmd.answer.set_result(payload)
+        if self.decision_latency is not None:
+            for cmd, _ in b.decided:
+                self.decision_latency(done - cmd.received)
 
 
 def _ms(now: datetime, then: datetime | None) -> float | None:

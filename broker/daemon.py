@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -26,10 +28,13 @@ from broker.clouds import build_adapters
 from broker.config import Config
 from broker.core import Broker
 from broker.events import Envelopes, Messages, Topics, dumps
+from broker.http import serve
 from broker.leases import LeaseBook
+from broker.metrics import Metrics, state_gauges
 from broker.model import utcnow
 from broker.poller import Poller, PollResult
 from broker.pool import ResourcePool, SliceId
+from broker.sdnotify import Notifier, watchdog_seconds
 from broker.store import StateStore
 from policies.loader import SourceError, load_policy, parse_policy, policy_hash
 from policies.model import Policy
@@ -77,6 +82,45 @@ class Daemon:
         self.stopped = asyncio.Event()
         self._reload = asyncio.Event()
         self._reloading = asyncio.Lock()
+        self.metrics = Metrics()
+        self.metrics.watch(lambda: state_gauges(self))
+        self.broker.observers.append(self.metrics.observe_event)
+        self.broker.decision_latency = self.metrics.decision_seconds.observe
+        self.notifier = Notifier()
+        self.http_token: bytes | None = None
+        if cfg.http.token_file is not None:
+            try:
+                self.http_token = cfg.http.token_file.read_bytes().strip() or None
+            except OSError as exc:
+                raise SourceError([Problem(str(cfg.http.token_file), None, None,
+                                           "http.token_file", f"cannot read: {exc.strerror}")]
+                                  ) from None
+        self._last_poll = time.monotonic()
+
+    def not_ready(self) -> list[str]:
+        """Why the daemon is not ready to serve (empty: ready)."""
+        reasons = []
+        if not self.bus.connected.is_set():
+            reasons.append("MQTT not connected")
+        if not self.poller.first_round.is_set():
+            reasons.append("first poll not done")
+        elif self.adapters and not self.pool.fresh_slices(utcnow()):
+            reasons.append("no fresh offers")
+        return reasons
+
+    def status_line(self) -> str:
+        """What `systemctl status` shows."""
+        health = self.pool.health()
+        healthy = {h.slice[0] for h in health if h.ok}
+        sick = sorted({h.slice[0] for h in health if not h.ok} - healthy)
+        clouds = f"{len(healthy)}/{len(self.adapters)} adapters healthy"
+        if sick:
+            clouds += f" ({', '.join(sick)} failing)"
+        failing = sum(1 for h in health if not h.ok)
+        return (f"{len(self.book.active())} active leases; {len(self.pool)} offers from "
+                f"{len(health)} regions ({failing} failing); {clouds}; MQTT "
+                f"{'connected' if self.bus.connected.is_set() else 'DISCONNECTED'}, outbox "
+                f"{self.bus.outbox_depth}")
 
     def request_reload(self) -> None:
         """SIGHUP: read the policy file again now."""
@@ -92,6 +136,16 @@ class Daemon:
         path = self.cfg.policy_file
         if path is None:
             return "unchanged"
+        if not forced:
+            return await self._reload_policy_file(path, forced)
+        # A SIGHUP (systemctl reload) is a reload systemd waits for: tell it.
+        self.notifier.reloading()
+        try:
+            return await self._reload_policy_file(path, forced)
+        finally:
+            self.notifier.ready(self.status_line())
+
+    async def _reload_policy_file(self, path: Path, forced: bool) -> str:
         try:
             raw = await asyncio.to_thread(path.read_bytes)
         except OSError as exc:
@@ -134,13 +188,23 @@ class Daemon:
         await self.broker.submit(command)
 
     def _on_poll(self, result: PollResult) -> None:
+        self._last_poll = time.monotonic()
+        adapter, region = result.slice
+        outcome = "ok" if result.error is None else type(result.error).__name__
+        self.metrics.polls.labels(adapter=adapter, region=region, result=outcome).inc()
+        self.metrics.poll_seconds.labels(adapter=adapter, result=outcome).observe(
+            result.seconds)
         if result.change is not None:
             self._polled.put_nowait(result.slice)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set, then shut down in order."""
         await self.store.open()
+        http = None
         try:
+            if (where := self.cfg.http.host_port) is not None:
+                http = await serve(self, *where)
+                log.info("http listening", listen=self.cfg.http.listen)
             now = utcnow()
             self.broker.restore(await self.store.leases(
                 ended_since=now - self.book.keep_ended))
@@ -163,8 +227,10 @@ class Daemon:
                     tg.create_task(self._mark_ready()),
                     *(tg.create_task(self._signals(a)) for a in self.adapters),
                 ]
+                workers.append(tg.create_task(self._systemd()))
                 await stop.wait()
                 log.info("shutting down")
+                self.notifier.stopping()
                 self.bus.stop_receiving()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(SHUTDOWN_GRACE_SECONDS / 2):
@@ -177,9 +243,12 @@ class Daemon:
                 await self.bus.goodbye()
                 bus.cancel()
         finally:
+            if http is not None:
+                await http.cleanup()
             for adapter in self.adapters:
                 await adapter.close()
             await self.store.close()
+            self.notifier.close()
             self.stopped.set()
             log.info("stopped")
 
@@ -187,7 +256,30 @@ class Daemon:
         await self.poller.first_round.wait()
         await self.bus.connected.wait()
         self.ready.set()
+        self.notifier.ready(self.status_line())
         log.info("ready", offers=len(self.pool), leases=len(self.book.active()))
+
+    def progressing(self, within: float) -> bool:
+        """Whether polling and publishing make progress: a poll finished within `within`
+        seconds (the poll loop is alive) and the outbox is empty or the MQTT server
+        acknowledged something within `within` seconds."""
+        now = time.monotonic()
+        polling = not self.adapters or now - self._last_poll <= max(
+            within, self.cfg.poll.interval_seconds + self.cfg.poll.timeout_seconds)
+        publishing = self.bus.outbox_depth == 0 or now - self.bus.last_ack <= within
+        return polling and publishing
+
+    async def _systemd(self) -> None:
+        """READY comes from _mark_ready; here: STATUS every few seconds, and WATCHDOG=1 at
+        half the watchdog period, only while polling and publishing make progress."""
+        period = watchdog_seconds()
+        every = min(5.0, period / 2) if period else 5.0
+        await self.ready.wait()
+        while True:
+            self.notifier.status(self.status_line())
+            if period and self.progressing(period):
+                self.notifier.watchdog()
+            await asyncio.sleep(every)
 
     async def _signals(self, adapter: CloudAdapter) -> None:
         failures = 0

@@ -23,7 +23,15 @@ from typing import Any
 import aiomqtt
 
 from broker import logs
-from broker.config import CloudsConfig, Config, MqttConfig, PollConfig, SimConfig, StateConfig
+from broker.config import (
+    CloudsConfig,
+    Config,
+    HttpConfig,
+    MqttConfig,
+    PollConfig,
+    SimConfig,
+    StateConfig,
+)
 from broker.daemon import Daemon, install_signal_handlers
 from broker.events import Topics
 
@@ -88,6 +96,7 @@ def _config(url: str, protocol: str, state: Path, seed: int) -> Config:
         mqtt=MqttConfig(url=url, protocol=protocol,  # type: ignore[arg-type]
                         client_id=f"gpubroker-demo-{random.randrange(1 << 32):08x}"),
         poll=PollConfig(interval_seconds=2, stale_after_seconds=10, timeout_seconds=5),
+        http=HttpConfig(listen=f"127.0.0.1:{_free_port()}"),
         clouds=CloudsConfig(sim=SimConfig(seed=seed, preempt_rate_multiplier=400,
                                           signal_interval_seconds=1.0)),
     )
@@ -108,7 +117,8 @@ async def _main(duration: float | None, mqtt_url: str | None, state: Path, seed:
     async with _mqtt_server(mqtt_url) as (url, protocol):
         cfg = _config(url, protocol, state, seed)
         daemon = Daemon(cfg)
-        print(f"gpubroker demo: state {state}, MQTT {url}, topics {cfg.mqtt.topic_prefix}/…")
+        print(f"gpubroker demo: state {state}, MQTT {url}, topics {cfg.mqtt.topic_prefix}/…, "
+              f"HTTP http://{cfg.http.listen}/v1/offers")
         print("Ctrl-C to stop." if duration is None else f"Running for {duration:g}s.")
         async with asyncio.TaskGroup() as tg:
             tg.create_task(daemon.run(stop))
@@ -123,6 +133,17 @@ async def _main(duration: float | None, mqtt_url: str | None, state: Path, seed:
             else:
                 await stop.wait()
             schedulers.cancel()
+            await asyncio.gather(schedulers, return_exceptions=True)
+            # Let the releases the schedulers sent on their way out be decided, so the
+            # demo leaves no retained lease behind on a shared MQTT server.
+            released = asyncio.Event()
+            daemon.broker.observers.append(
+                lambda *_: None if daemon.book.active() else released.set())
+            if not daemon.book.active():
+                released.set()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(3):
+                    await released.wait()
             stop.set()
 
 
@@ -179,11 +200,12 @@ async def _schedulers(cfg: Config, seed: int) -> None:
         try:
             await sender()
         finally:
-            for lease_id, (owner, _) in leases.items():
+            for lease_id, (owner, _) in list(leases.items()):
                 with contextlib.suppress(aiomqtt.MqttError):
                     await client.publish(f"{topics.prefix}/requests/{owner}/release",
                                          json.dumps({"lease_id": lease_id}), qos=1)
             printing.cancel()
+            await asyncio.gather(printing, return_exceptions=True)
 
 
 def _where(p: dict[str, Any]) -> str:

@@ -10,7 +10,15 @@ from typing import Any
 from mqtt_helpers import Mosquitto
 
 from adapters.sim import SimAdapter
-from broker.config import CloudsConfig, Config, MqttConfig, PollConfig, SimConfig, StateConfig
+from broker.config import (
+    CloudsConfig,
+    Config,
+    HttpConfig,
+    MqttConfig,
+    PollConfig,
+    SimConfig,
+    StateConfig,
+)
 from broker.daemon import Daemon
 
 PREFIX = "gpubroker/v1"
@@ -21,6 +29,7 @@ def daemon_config(mosquitto: Mosquitto, state: Path, policy_file: Path | None = 
     return Config(
         site="test",
         policy_file=policy_file,
+        http=HttpConfig(listen=None),
         state=StateConfig(path=state),
         mqtt=MqttConfig(url=mosquitto.url, client_id="gpubroker-test", **mqtt),
         # Polls only at start: tests poll explicitly when they need a new market state.

@@ -29,6 +29,7 @@ def gpubroker(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
 def write_config(tmp_path: Path, mosquitto: Mosquitto | None = None, **extra: Any) -> Path:
     cfg: dict[str, Any] = {
         "site": "cli-test",
+        "http": {"listen": None},
         "state": {"path": str(tmp_path / "state.db")},
         "poll": {"interval_seconds": 3600, "stale_after_seconds": 7200},
         "clouds": {"sim": {"seed": 3, "regions_per_cloud": 1, "zones_per_region": 2,

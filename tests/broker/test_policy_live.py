@@ -109,7 +109,7 @@ async def test_sighup_reloads_the_policy_of_a_running_daemon(
     cfg = tmp_path / "config.yaml"
     cfg.write_text(yaml.safe_dump({
         "state": {"path": str(tmp_path / "state.db")}, "policy_file": str(policy),
-        "mqtt": {"url": mosquitto.url},
+        "mqtt": {"url": mosquitto.url}, "http": {"listen": None},
         "poll": {"interval_seconds": 3600, "stale_after_seconds": 7200},
         "clouds": {"sim": {"regions_per_cloud": 1, "zones_per_region": 1}}}))
     probe = await probe_factory([f"{PREFIX}/#"])

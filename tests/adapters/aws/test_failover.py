@@ -15,6 +15,7 @@ from broker.config import (
     AwsConfig,
     CloudsConfig,
     Config,
+    HttpConfig,
     MqttConfig,
     PollConfig,
     SimConfig,
@@ -33,7 +34,7 @@ async def test_interruption_notice_fails_the_lease_over(
     queue = fake_aws.create_queue(REGION, "interruptions")
     cfg = Config(
         site="aws-test", state=StateConfig(path=tmp_path / "state.db"),
-        mqtt=MqttConfig(url=mosquitto.url),
+        mqtt=MqttConfig(url=mosquitto.url), http=HttpConfig(listen=None),
         poll=PollConfig(interval_seconds=3600, stale_after_seconds=7200),
         clouds=CloudsConfig(aws=AwsConfig(regions=[REGION], endpoint=fake_aws.url,
                                           interruption_queue_url=queue)))
@@ -78,7 +79,7 @@ def aws_config(tmp_path: Path, mosquitto: Mosquitto, fake_aws: FakeAWS, **clouds
                ) -> Config:
     return Config(
         site="aws-test", state=StateConfig(path=tmp_path / "state.db"),
-        mqtt=MqttConfig(url=mosquitto.url),
+        mqtt=MqttConfig(url=mosquitto.url), http=HttpConfig(listen=None),
         poll=PollConfig(interval_seconds=3600, stale_after_seconds=7200),
         clouds=CloudsConfig(aws=AwsConfig(regions=[REGION], endpoint=fake_aws.url),
                             **clouds))  # type: ignore[arg-type]
