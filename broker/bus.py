@@ -267,9 +267,17 @@ class Bus:
             reply = None
             response_topic = getattr(message.properties, "ResponseTopic", None)
             if response_topic:
-                correlation = getattr(message.properties, "CorrelationData", b"")
-                reply = {"response_topic": response_topic,
-                         "correlation_data": bytes(correlation).hex()}
+                # The reply is published with the daemon's rights, so it may only go where
+                # the scheduler itself could read: P/replies/S/... Anything else would let
+                # one scheduler write into another's events or leases.
+                if self.topics.may_reply(scheduler, str(response_topic)):
+                    correlation = getattr(message.properties, "CorrelationData", b"")
+                    reply = {"response_topic": str(response_topic),
+                             "correlation_data": bytes(correlation).hex()}
+                else:
+                    log.warning("ResponseTopic outside the scheduler's replies tree ignored",
+                                scheduler=scheduler, response_topic=str(response_topic),
+                                allowed=self.topics.replies(scheduler) + "/#")
             await self._on_command(Command(scheduler, verb, bytes(payload), topic, reply))
 
     # --- direct (non-durable) publishing ----------------------------------------------

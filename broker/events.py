@@ -34,6 +34,15 @@ class Topics:
     def lease(self, scheduler: str, lease_id: str) -> str:
         return f"{self.prefix}/leases/{scheduler}/{lease_id}"
 
+    def replies(self, scheduler: str) -> str:
+        """Where a scheduler's MQTT 5 ResponseTopic may point: P/replies/S/..."""
+        return f"{self.prefix}/replies/{scheduler}"
+
+    def may_reply(self, scheduler: str, topic: str) -> bool:
+        head = self.replies(scheduler) + "/"
+        return topic.startswith(head) and len(topic) > len(head) and \
+            not any(c in topic for c in "+#\0")
+
     def capacity(self, cloud: str, region: str, gpu: str) -> str:
         return f"{self.prefix}/capacity/{_level(cloud)}/{_level(region)}/{_level(gpu)}"
 

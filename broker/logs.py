@@ -35,9 +35,22 @@ def configure(*, json: bool = True, level: int = logging.INFO) -> None:
     renderer: structlog.types.Processor = (
         structlog.processors.JSONRenderer() if json
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
+    stream = sys.stdout if json else sys.stderr
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout if json else sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=True,
     )
+    # Libraries log through the standard library (SDK credential chains, botocore,
+    # aiomqtt): render those the same way, on the same stream, and keep their chatter
+    # (a multi-line warning per failed credential probe) to warnings and up.
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, *processors],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer]))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(level, logging.WARNING))
+    for noisy in ("azure", "azure.identity", "msal", "urllib3", "botocore", "google"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)

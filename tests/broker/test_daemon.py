@@ -286,8 +286,8 @@ async def test_retained_requests_are_ignored(start_daemon: StartDaemon,
 async def test_mqtt5_response_topic_gets_the_reply(start_daemon: StartDaemon,
                                                    probe_factory: ProbeFactory) -> None:
     await start_daemon()
-    reply_topic = f"replies/{uuid.uuid4().hex}"
-    probe = await probe_factory([reply_topic])
+    reply_topic = f"{PREFIX}/replies/{S}/{uuid.uuid4().hex}"
+    probe = await probe_factory([reply_topic, f"{PREFIX}/events/#", "elsewhere/#"])
     props = publish_properties(ResponseTopic=reply_topic, CorrelationData=b"\x01corr")
     await probe.publish(f"{PREFIX}/requests/{S}/place", place_body("job-14"),
                         properties=props)
@@ -295,6 +295,16 @@ async def test_mqtt5_response_topic_gets_the_reply(start_daemon: StartDaemon,
     assert payload_json(msg)["data"]["request_id"] == "job-14"
     assert msg.properties is not None
     assert msg.properties.CorrelationData == b"\x01corr"
+    # A ResponseTopic outside the scheduler's own replies tree is not honoured: the
+    # answer still comes on the event topic, and nothing is written elsewhere.
+    for i, target in enumerate(("elsewhere/x", f"{PREFIX}/events/other/placement.decided",
+                                f"{PREFIX}/replies/other/x")):
+        props = publish_properties(ResponseTopic=target, CorrelationData=b"x")
+        await probe.publish(f"{PREFIX}/requests/{S}/place", place_body(f"job-14{i}"),
+                            properties=props)
+        await probe.wait_for(event_of(probe, "placement.decided", request_id=f"job-14{i}"))
+    assert not probe.matching("elsewhere/#")
+    assert not probe.matching(f"{PREFIX}/events/other/#")
 
 
 async def test_works_over_mqtt_311(start_daemon: StartDaemon,

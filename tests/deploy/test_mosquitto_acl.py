@@ -1,0 +1,446 @@
+"""deploy/mosquitto/ on a real mosquitto: TLS, passwords, the per-scheduler ACL (SPEC §3).
+
+The server runs deploy/mosquitto/mosquitto.conf as shipped, with only its paths moved into
+tmp_path (certificates from tests/tls_helpers.py, a password file made by the real
+``mosquitto_passwd``, persistence) and its listener on a free loopback port; the ACL is
+deploy/mosquitto/acl itself. So every client here connects as production clients do: over
+TLS, trusting the CA, with a username and password.
+
+Covered: schedulers place only as themselves and read only their own events, leases and
+replies (MQTT 5 and 3.1.1), cannot forge anything the daemon publishes; ops reads the
+`_ops` events and cannot place; anonymous and wrong logins are refused; a client that
+does not trust the CA cannot connect; adding or removing a scheduler is
+``mosquitto_passwd`` + reload; and the real daemon, configured as deploy/ says (mqtts://,
+user ``gpubroker``, password file, CA file), serves a scheduler behind this ACL.
+
+"Never arrives" is proved without sleeping: after the message that must not arrive, a
+sentinel that must arrive is sent to the same subscriber; mosquitto queues a QoS 1 message
+to its subscribers before it acknowledges the publish, and delivers each subscriber's
+queue in order, so once the sentinel is in, the forbidden message would be in too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import pwd
+import re
+import secrets
+import shutil
+import signal
+import ssl
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import pytest
+from daemon_helpers import daemon_config
+from mqtt_helpers import Mosquitto, MqttProbe, Payload, find_mosquitto, payload_json
+from mqtt_helpers import publish_properties as props
+from tls_helpers import Pki, make_pki
+
+from broker.daemon import Daemon
+from broker.events import Topics
+
+P = "gpubroker/v1"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto"
+USERS = ("gpubroker", "ops", "sched-a", "sched-b")
+PASSWD_HINT = "mosquitto_passwd ships with Debian's mosquitto package (apt-get install mosquitto)"
+
+pytestmark = pytest.mark.timeout(30)
+
+
+# --- the server ------------------------------------------------------------------------
+
+
+def find_mosquitto_passwd() -> str | None:
+    for candidate in ("/usr/bin/mosquitto_passwd",):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    return shutil.which("mosquitto_passwd")
+
+
+class DeployMosquitto(Mosquitto):
+    """mosquitto running deploy/mosquitto/mosquitto.conf, its paths moved into workdir."""
+
+    def __init__(self, workdir: Path, pki: Pki, passwd: Path) -> None:
+        super().__init__(workdir)
+        self.paths = {
+            "/etc/mosquitto/certs/ca.crt": pki.ca_cert,
+            "/etc/mosquitto/certs/server.crt": pki.server_cert,
+            "/etc/mosquitto/certs/server.key": pki.server_key,
+            "/etc/mosquitto/passwd": passwd,
+            "/etc/mosquitto/acl": DEPLOY / "acl",
+            "/var/lib/mosquitto/": self.data_dir,
+        }
+
+    @property
+    def url(self) -> str:  # what gpubroker's config says for this server
+        return f"mqtts://{self.host}:{self.port}"
+
+    def _write_config(self) -> None:
+        text = (DEPLOY / "mosquitto.conf").read_text()
+        text, listeners = re.subn(r"(?m)^listener 8883$", f"listener {self.port} {self.host}",
+                                  text)
+        assert listeners == 1, "deploy/mosquitto/mosquitto.conf: expected one `listener 8883`"
+        for deployed, here in self.paths.items():
+            value = f"{here}/" if deployed.endswith("/") else str(here)
+            assert deployed in text, f"deploy/mosquitto/mosquitto.conf no longer names {deployed}"
+            text = text.replace(deployed, value)
+        settings = [line for line in text.splitlines() if line and not line.startswith("#")]
+        left = [line for line in settings if "/etc/" in line or "/var/" in line]
+        assert not left, f"paths the test does not know how to move: {left}"
+        # As root, mosquitto would switch to the `mosquitto` user, who cannot read tmp_path.
+        user = pwd.getpwuid(os.geteuid()).pw_name
+        self.config_path.write_text(f"{text}\nuser {user}\n")
+
+
+@pytest.fixture(scope="module")
+def mqtt_secrets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pki, Path, dict[str, str]]:
+    """One CA, server certificate and password file for the whole module."""
+    tool = find_mosquitto_passwd()
+    if tool is None:
+        pytest.fail(f"mosquitto_passwd is not installed: {PASSWD_HINT}", pytrace=False)
+    base = tmp_path_factory.mktemp("mqtt-secrets")
+    pki = make_pki(base / "certs")
+    passwd = base / "passwd"
+    passwords = {user: secrets.token_urlsafe(12) for user in USERS}
+    for i, (user, password) in enumerate(passwords.items()):
+        create = ["-c"] if i == 0 else []
+        subprocess.run([tool, "-b", *create, str(passwd), user, password], check=True,
+                       capture_output=True, timeout=10)
+    passwd.chmod(0o600)
+    return pki, passwd, passwords
+
+
+@pytest.fixture
+def server(tmp_path: Path, mqtt_secrets: tuple[Pki, Path, dict[str, str]]) -> Iterator[
+        DeployMosquitto]:
+    if find_mosquitto() is None:
+        pytest.fail("mosquitto is not installed (apt-get install mosquitto)", pytrace=False)
+    pki, passwd, _ = mqtt_secrets
+    mosquitto = DeployMosquitto(tmp_path / "mosquitto", pki, passwd)
+    mosquitto.start()
+    try:
+        yield mosquitto
+    finally:
+        mosquitto.stop()
+
+
+# --- clients -----------------------------------------------------------------------------
+
+
+class Client(MqttProbe):
+    """An MqttProbe that logs in with a username and password over TLS."""
+
+    def __init__(self, server: Mosquitto, username: str | None, password: str | None,
+                 topics: tuple[str, ...] = (), *, tls: ssl.SSLContext | None,
+                 **kwargs: Any) -> None:
+        super().__init__(f"mqtt://{server.host}:{server.port}", topics,
+                         client_id=f"{username}-{uuid.uuid4().hex[:8]}", **kwargs)
+        self.username, self.password, self.tls = username, password, tls
+
+    def _new_client(self) -> aiomqtt.Client:
+        v5 = self.protocol == aiomqtt.ProtocolVersion.V5
+        session = {"clean_start": True} if v5 else {"clean_session": True}
+        return aiomqtt.Client(self.host, self.port, identifier=self.client_id,
+                              protocol=self.protocol, timeout=self.timeout,
+                              username=self.username, password=self.password,
+                              tls_context=self.tls, **session)
+
+    async def subscribe(self, topic: str) -> None:
+        """Subscribe one more filter (mosquitto may grant it: delivery is what it checks)."""
+        await self.client.subscribe(topic, qos=1)
+
+
+@pytest.fixture
+async def login(server: DeployMosquitto, mqtt_secrets: tuple[Pki, Path, dict[str, str]]
+                ) -> AsyncIterator[Any]:
+    """``await login("sched-a", topics..., protocol=5)`` → a connected ``Client``."""
+    pki, _, passwords = mqtt_secrets
+    async with AsyncExitStack() as stack:
+
+        async def make(user: str, *topics: str, **kwargs: Any) -> Client:
+            client = Client(server, user, passwords[user], topics, tls=pki.client_context(),
+                            **kwargs)
+            return await stack.enter_async_context(client)
+
+        yield make
+
+
+def sched_b_or_ops(client: MqttProbe) -> list[str]:
+    return [t for t in client.topics_seen() if "/sched-b/" in t or "/_ops/" in t]
+
+
+PROTOCOLS = [pytest.param(5, id="mqtt5"), pytest.param("3.1.1", id="mqtt311")]
+
+
+# --- the ACL -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_scheduler_places_only_as_itself(login: Any, protocol: int | str) -> None:
+    # The daemon's own subscription, as bus.py makes it.
+    daemon = await login("gpubroker", Topics(P).requests, protocol=protocol)
+    a = await login("sched-a", protocol=protocol)
+
+    await a.publish(f"{P}/requests/sched-a/place", {"request_id": "r1"})
+    got = await daemon.wait_for(f"{P}/requests/sched-a/place")
+    assert payload_json(got) == {"request_id": "r1"}
+
+    mark = daemon.mark()
+    for verb in ("place", "renew", "release", "report"):
+        await a.publish(f"{P}/requests/sched-b/{verb}", {"request_id": "forged"})
+    await a.publish(f"{P}/requests/sched-a/place", {"request_id": "sentinel"})
+    await daemon.wait_for(lambda m: payload_json(m) == {"request_id": "sentinel"}, since=mark)
+    assert [t for t in daemon.topics_seen() if "sched-b" in t] == []
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_scheduler_reads_only_its_own_events_leases_and_replies(
+        login: Any, protocol: int | str) -> None:
+    daemon = await login("gpubroker")
+    # Retained before A subscribes: status, capacity and both schedulers' leases.
+    await daemon.publish(f"{P}/status", {"state": "online"}, retain=True)
+    await daemon.publish(f"{P}/capacity/aws/us-east-1/H100-80GB", {"n": 1}, retain=True)
+    await daemon.publish(f"{P}/leases/sched-a/L-a", {"lease_id": "L-a"}, retain=True)
+    await daemon.publish(f"{P}/leases/sched-b/L-b", {"lease_id": "L-b"}, retain=True)
+
+    b = await login("sched-b", f"{P}/events/sched-b/#", f"{P}/replies/sched-b/#",
+                    protocol=protocol)
+    a = await login("sched-a", f"{P}/events/sched-a/#", f"{P}/leases/sched-a/#",
+                    f"{P}/replies/sched-a/#", f"{P}/capacity/#", f"{P}/status",
+                    protocol=protocol)
+    # A's share of the retained state is there...
+    for topic in (f"{P}/status", f"{P}/capacity/aws/us-east-1/H100-80GB",
+                  f"{P}/leases/sched-a/L-a"):
+        await a.wait_for(topic)
+    # ...and asking for more gets nothing more: mosquitto 2.0 grants these subscriptions
+    # but checks every message against the read ACL before delivering it.
+    for topic in (f"{P}/events/sched-b/#", f"{P}/leases/sched-b/#", f"{P}/events/_ops/#",
+                  f"{P}/#"):
+        await a.subscribe(topic)
+
+    await daemon.publish(f"{P}/events/sched-b/placement.decided", {"for": "b"})
+    await daemon.publish(f"{P}/replies/sched-b/r1", {"for": "b"})
+    await daemon.publish(f"{P}/leases/sched-b/L-b2", {"for": "b"}, retain=True)
+    await daemon.publish(f"{P}/events/_ops/policy.applied", {"for": "ops"})
+    await daemon.publish(f"{P}/events/sched-a/placement.decided", {"for": "a"})
+    await daemon.publish(f"{P}/replies/sched-a/r1", {"for": "a"})
+
+    await b.wait_for(f"{P}/events/sched-b/placement.decided")  # it was published
+    await b.wait_for(f"{P}/replies/sched-b/r1")
+    await a.wait_for(f"{P}/events/sched-a/placement.decided")
+    await a.wait_for(f"{P}/replies/sched-a/r1")  # the sentinel: published last
+    assert sched_b_or_ops(a) == []
+
+
+async def test_schedulers_cannot_write_the_daemons_topics(login: Any) -> None:
+    b = await login("sched-b", f"{P}/events/sched-b/#", f"{P}/leases/sched-b/#",
+                    f"{P}/replies/sched-b/#", f"{P}/capacity/#", f"{P}/status")
+    a = await login("sched-a")
+    daemon = await login("gpubroker")
+    # Forged events, lease states, replies, capacity and an `offline` status: each one
+    # acknowledged (QoS 1) and dropped.
+    for topic in (f"{P}/events/sched-b/lease.failover", f"{P}/leases/sched-b/L-b",
+                  f"{P}/replies/sched-b/r1", f"{P}/capacity/aws/us-east-1/H100-80GB",
+                  f"{P}/status"):
+        await a.publish(topic, {"forged": True})
+        await a.publish(topic, {"forged": True}, retain=True)
+    await daemon.publish(f"{P}/events/sched-b/sentinel", {"sentinel": True})
+    await b.wait_for(f"{P}/events/sched-b/sentinel")
+    assert [t for t in b.topics_seen() if not t.endswith("/sentinel")] == []
+
+
+async def test_a_denied_publish_is_still_acknowledged(login: Any) -> None:
+    # The daemon's outbox deletes a row once its publish is acknowledged: a topic the ACL
+    # denies it (say a ResponseTopic outside gpubroker/v1/replies/S/) must not stall it.
+    daemon = await login("gpubroker", protocol=5)
+    async with asyncio.timeout(5):
+        await daemon.publish("elsewhere/reply", {"x": 1})
+        await daemon.publish(f"{P}/requests/sched-a/place", {"x": 1})
+
+
+async def test_ops_reads_ops_events_and_all_leases_but_cannot_place(login: Any) -> None:
+    daemon = await login("gpubroker", f"{P}/requests/#")
+    ops = await login("ops", f"{P}/events/_ops/#", f"{P}/leases/#", f"{P}/status")
+    a = await login("sched-a")
+
+    await daemon.publish(f"{P}/events/sched-a/placement.decided", {"private": "a"})
+    await daemon.publish(f"{P}/status", {"state": "online"}, retain=True)
+    await daemon.publish(f"{P}/leases/sched-a/L-a", {"lease_id": "L-a"}, retain=True)
+    await daemon.publish(f"{P}/events/_ops/policy.applied", {"hash": "sha256:x"})
+    await ops.wait_for(f"{P}/leases/sched-a/L-a")
+    await ops.wait_for(f"{P}/status")
+    await ops.wait_for(f"{P}/events/_ops/policy.applied")  # published last
+    assert not ops.matching(f"{P}/events/sched-a/#")
+
+    mark = daemon.mark()
+    await ops.publish(f"{P}/requests/ops/place", {"request_id": "by-ops"})
+    await a.publish(f"{P}/requests/sched-a/place", {"request_id": "sentinel"})
+    await daemon.wait_for(f"{P}/requests/sched-a/place", since=mark)
+    assert not daemon.matching(f"{P}/requests/ops/#", since=mark)
+
+
+# --- authentication and TLS ------------------------------------------------------------
+
+
+async def _connect(server: Mosquitto, user: str | None, password: str | None,
+                   tls: ssl.SSLContext | None) -> None:
+    async with Client(server, user, password, tls=tls):
+        pass
+
+
+async def test_anonymous_and_wrong_passwords_are_refused(
+        server: DeployMosquitto, mqtt_secrets: tuple[Pki, Path, dict[str, str]]) -> None:
+    pki, _, passwords = mqtt_secrets
+    await _connect(server, "sched-a", passwords["sched-a"], pki.client_context())  # control
+    for user, password in ((None, None), ("sched-a", "wrong"), ("sched-a", None),
+                           ("sched-c", passwords["sched-a"])):
+        with pytest.raises(aiomqtt.MqttError, match=r"(?i)not authori[sz]ed|bad user name"):
+            await _connect(server, user, password, pki.client_context())
+
+
+async def test_adding_and_removing_a_scheduler_is_passwd_plus_reload(
+        tmp_path: Path, mqtt_secrets: tuple[Pki, Path, dict[str, str]]) -> None:
+    # deploy/INSTALL.md: the ACL patterns already cover a new scheduler; only
+    # mosquitto_passwd and a reload (SIGHUP) are needed, and removal disconnects it.
+    pki, shared, passwords = mqtt_secrets
+    passwd = tmp_path / "passwd"
+    shutil.copy(shared, passwd)
+    server = DeployMosquitto(tmp_path / "mosquitto", pki, passwd)
+    server.start()
+    tool = find_mosquitto_passwd()
+    assert tool is not None
+    try:
+        new = ("sched-new", secrets.token_urlsafe(12))
+        with pytest.raises(aiomqtt.MqttError, match=r"(?i)not authori[sz]ed"):
+            await _connect(server, *new, pki.client_context())
+        await asyncio.to_thread(subprocess.run, [tool, "-b", str(passwd), *new], check=True,
+                                timeout=10)
+        await asyncio.to_thread(reload, server)
+
+        async with Client(server, "gpubroker", passwords["gpubroker"],
+                          (Topics(P).requests,), tls=pki.client_context()) as daemon, \
+                Client(server, *new, tls=pki.client_context()) as scheduler:
+            await scheduler.publish(f"{P}/requests/sched-new/place", {"request_id": "r1"})
+            await daemon.wait_for(f"{P}/requests/sched-new/place")
+
+            await asyncio.to_thread(subprocess.run, [tool, "-D", str(passwd), new[0]],
+                                    check=True, timeout=10)
+            await asyncio.to_thread(reload, server)
+            assert await scheduler.wait_disconnected() is not None
+    finally:
+        server.stop()
+
+
+def reload(server: Mosquitto, timeout: float = 5.0) -> None:
+    """``systemctl reload mosquitto``: SIGHUP, then wait for the log line that says the
+    password and ACL files were read again (mosquitto announces it nowhere else)."""
+    before = server.log_text().count("Reloading config")
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGHUP)
+    deadline = time.monotonic() + timeout
+    while server.log_text().count("Reloading config") == before:
+        assert time.monotonic() < deadline, f"no reload within {timeout}s\n{server.log_tail()}"
+        time.sleep(0.01)
+
+
+# paho leaves the socket of a failed TLS handshake to the garbage collector.
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+async def test_tls_needs_a_client_that_trusts_the_ca(
+        server: DeployMosquitto, mqtt_secrets: tuple[Pki, Path, dict[str, str]]) -> None:
+    pki, _, passwords = mqtt_secrets
+    await _connect(server, "sched-a", passwords["sched-a"], pki.client_context())  # control
+    # TLS 1.2 is the floor, not the ceiling: a client that stops at 1.2 still gets in.
+    tls12 = pki.client_context()
+    tls12.maximum_version = ssl.TLSVersion.TLSv1_2
+    await _connect(server, "sched-a", passwords["sched-a"], tls12)
+    # The system's CAs do not know our CA: the handshake fails on the client's side.
+    with pytest.raises((aiomqtt.MqttError, ssl.SSLError)) as failed:
+        await _connect(server, "sched-a", passwords["sched-a"], ssl.create_default_context())
+    assert "CERTIFICATE_VERIFY_FAILED" in str(failed.value)
+    del failed
+    gc.collect()  # finalise that socket now, while ResourceWarning is ignored
+
+
+# --- the daemon itself behind this server --------------------------------------------------
+
+
+@pytest.fixture
+async def daemon(server: DeployMosquitto, tmp_path: Path,
+                 mqtt_secrets: tuple[Pki, Path, dict[str, str]]) -> AsyncIterator[Daemon]:
+    """The real daemon, as deploy/ configures it: mqtts://, user gpubroker, a password
+    file (as LoadCredential= provides it) and the CA file."""
+    pki, _, passwords = mqtt_secrets
+    password_file = tmp_path / "credentials" / "mqtt"
+    password_file.parent.mkdir()
+    password_file.write_text(passwords["gpubroker"] + "\n")
+    cfg = daemon_config(server, tmp_path / "state.db", username="gpubroker",
+                        password_file=password_file, ca_file=pki.ca_cert)
+    assert cfg.mqtt.tls
+    d = Daemon(cfg)
+    stop = asyncio.Event()
+    task = asyncio.create_task(d.run(stop))
+    ready = asyncio.create_task(d.ready.wait())
+    done, _ = await asyncio.wait({ready, task}, timeout=15, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        ready.cancel()
+        task.result()
+    assert ready in done, "daemon did not become ready within 15 s"
+    try:
+        yield d
+    finally:
+        stop.set()
+        async with asyncio.timeout(15):
+            await task
+
+
+def place(request_id: str) -> Payload:
+    return {"request_id": request_id, "gpu": ["A100-80GB", "H100-80GB"], "gpus": 8}
+
+
+def request_id(message: aiomqtt.Message) -> str | None:
+    """The request id of an event (None for anything else)."""
+    body = payload_json(message)
+    data = body.get("data") if isinstance(body, dict) else None
+    return data.get("request_id") if isinstance(data, dict) else None
+
+
+async def test_the_daemon_works_behind_the_deploy_config(daemon: Daemon, login: Any) -> None:
+    a = await login("sched-a", f"{P}/events/sched-a/#", f"{P}/leases/sched-a/#",
+                    f"{P}/replies/sched-a/#", f"{P}/capacity/#", f"{P}/status")
+    status = await a.wait_for(f"{P}/status")
+    assert payload_json(status)["state"] == "online"
+    await a.wait_for(f"{P}/capacity/#")
+
+    await a.publish(f"{P}/requests/sched-a/place", place("job-1"),
+                    properties=props(ResponseTopic=f"{P}/replies/sched-a/job-1",
+                                     CorrelationData=b"c1"))
+    event = payload_json(await a.wait_for(f"{P}/events/sched-a/placement.decided"))
+    assert event["data"]["request_id"] == "job-1"
+    lease = payload_json(await a.wait_for(f"{P}/leases/sched-a/{event['data']['lease_id']}"))
+    assert lease["lease_id"] == event["data"]["lease_id"]
+    reply = await a.wait_for(f"{P}/replies/sched-a/job-1")
+    assert payload_json(reply)["id"] == event["id"]
+
+
+async def test_a_scheduler_cannot_aim_replies_at_another(daemon: Daemon, login: Any) -> None:
+    b = await login("sched-b", f"{P}/events/sched-b/#", f"{P}/leases/sched-b/#")
+    a = await login("sched-a", f"{P}/events/sched-a/#")
+    for i, target in enumerate((f"{P}/events/sched-b/placement.decided",
+                                f"{P}/leases/sched-b/L-forged")):
+        await a.publish(f"{P}/requests/sched-a/place", place(f"aimed-{i}"),
+                        properties=props(ResponseTopic=target, CorrelationData=b"x"))
+        await a.wait_for(lambda m, i=i: request_id(m) == f"aimed-{i}")
+    # Sentinel: a lease of B's own, decided after the aimed replies.
+    await b.publish(f"{P}/requests/sched-b/place", place("b-own"))
+    await b.wait_for(lambda m: request_id(m) == "b-own")
+    assert [request_id(m) for m in b.matching(f"{P}/events/sched-b/#")] == ["b-own"]
+    assert [t for t in b.topics_seen() if t.endswith("/L-forged")] == []
