@@ -139,9 +139,9 @@ CATALOG: Final[tuple[SimInstanceType, ...]] = (
     _T("alibaba", "ecs.gn7i-c32g1.32xlarge", "A10", 4, 128, 752, 7.9, None),
     _T("alibaba", "ecs.gn7-c12g1.3xlarge", "A100-40GB", 1, 12, 94, 3.9, None),
     _T("alibaba", "ecs.gn7-c13g1.26xlarge", "A100-40GB", 8, 104, 756, 30.0, None),
-    # H20 is deliberately a model `adapters.gpus` does not know: its offers carry
-    # gpu="H20", gpu_known=False (memory as the cloud would report it: 96 GB).
-    _T("alibaba", "ecs.gn8v.4xlarge", "H20", 1, 16, 96, 2.6, None, gpu_memory_gb=96),
+    # Alibaba's own PPU accelerator is deliberately a model `adapters.gpus` does not
+    # know: its offers carry gpu="PPU", gpu_known=False (memory as the cloud reports it).
+    _T("alibaba", "ecs.ebmppu.4xlarge", "PPU", 1, 16, 96, 2.6, None, gpu_memory_gb=96),
 )
 """The simulated catalog, every cloud together (see `SimInstanceType`)."""
 

@@ -157,7 +157,8 @@ class GcpConfig(_CloudBase):
 
 
 class AzureConfig(_CloudBase):
-    subscription_id: str | None = None
+    subscription_id: Annotated[str, Field(min_length=1)]
+    """Required: the subscription whose quotas and offers are read."""
 
 
 class AlibabaConfig(_CloudBase):

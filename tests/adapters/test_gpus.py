@@ -66,7 +66,7 @@ def test_canonical_names_map_onto_themselves(name: str) -> None:
     assert name in MODELS
 
 
-@pytest.mark.parametrize("name", ["H20", "nvidia-h20", "Radeon Pro V520", "K80",
+@pytest.mark.parametrize("name", ["PPU", "nvidia-b300", "Radeon Pro V520", "K80",
                                   "nvidia-tesla-p100", "Gaudi2", ""])
 def test_unknown_models_are_kept_as_given_and_flagged(name: str) -> None:
     assert canonical(name) == (name, False)
@@ -77,7 +77,7 @@ def test_memory_of_canonical_models() -> None:
     assert memory_gb("A100-80GB") == 80
     assert memory_gb("V100-16GB") == 16
     assert memory_gb("MI300X") == 192
-    assert memory_gb("H20") is None
+    assert memory_gb("PPU") is None
     assert memory_gb("nvidia-tesla-t4") is None  # only canonical names
 
 

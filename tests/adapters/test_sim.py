@@ -220,7 +220,7 @@ async def test_regions_differ_in_price() -> None:
 async def test_gpus_are_canonical_except_the_deliberate_unknown_one() -> None:
     offers = await poll_all(sim(regions_per_cloud=5))
     unknown = {o.gpu for o in offers if not o.gpu_known}
-    assert unknown == {"H20"}
+    assert unknown == {"PPU"}
     assert all(o.gpu in MODELS for o in offers if o.gpu_known)
     h20 = next(o for o in offers if not o.gpu_known)
     assert h20.pool.cloud == "alibaba" and h20.gpu_memory_gb == 96

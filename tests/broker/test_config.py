@@ -139,9 +139,15 @@ def test_anonymous_without_endpoint_is_an_error() -> None:
 
 
 def test_endpoint_must_be_http() -> None:
-    line, key, message = one_problem("clouds:\n  azure:\n    endpoint: ftp://x\n")
-    assert (line, key) == (2, "clouds.azure")
+    line, key, message = one_problem("clouds:\n  aws:\n    endpoint: ftp://x\n")
+    assert (line, key) == (2, "clouds.aws")
     assert "http" in message
+
+
+def test_azure_needs_its_subscription() -> None:
+    line, key, message = one_problem("clouds:\n  azure:\n    regions: [eastus]\n")
+    assert (line, key, message) == (2, "clouds.azure.subscription_id",
+                                    "required key is missing")
 
 
 def test_sim_may_not_simulate_a_configured_real_cloud() -> None:

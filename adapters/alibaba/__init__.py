@@ -1,0 +1,1 @@
+"""Alibaba Cloud: ECS GPU instances, preemptible (spot) and pay-as-you-go."""

@@ -1,0 +1,421 @@
+"""The narrow seam between the Alibaba Cloud adapter and the ECS "Tea" SDK
+(`alibabacloud-ecs20140526`).
+
+Everything the adapter asks of Alibaba Cloud goes through `AlibabaSdk`: one method per
+question, each blocking (the adapter runs them on its own executor), each returning
+plain Python data (the API's PascalCase maps, via the SDK models' `to_map()`), each
+raising only the typed errors of `adapters.errors`. The SDK's exceptions and Alibaba's
+error codes are translated here, once (`translate`), and throttling and 5xx are
+retried here with jittered exponential backoff (the SDK's own retries are off).
+
+The SDK is imported lazily: gpubroker starts without it, and a missing one reads
+``Alibaba Cloud support needs alibabacloud-ecs20140526: pip install 'gpubroker[alibaba]'``.
+
+Wire protocol: the installed SDK (alibabacloud-tea-openapi ≥ 0.4) speaks the OpenAPI v3
+style for RPC APIs: ``POST /`` with the parameters in the query string (lists and
+objects flattened, ``InstanceTypes.1=...``, ``SystemDisk.Category=...``), the operation
+in the ``x-acs-action`` header and the version in ``x-acs-version``, signed
+``ACS3-HMAC-SHA256``; errors come back as JSON ``{"RequestId", "HostId", "Code",
+"Message", "Recommend"}`` with a 4xx/5xx status.
+
+Endpoints: by default the SDK's own rule for ECS (``ecs.<region>.aliyuncs.com``, or the
+SDK's per-region table, e.g. ``ecs-cn-hangzhou.aliyuncs.com``). A configured `endpoint`
+(SPEC §6: a URL such as ``http://127.0.0.1:8080`` or ``https://ecs.example.internal``)
+replaces it for every region: its host[:port] becomes the Tea `Config.endpoint` and its
+scheme the `Config.protocol`; a path is refused (RPC calls always go to ``/``).
+
+Credentials come from the SDK's default chain only (`alibabacloud_credentials`:
+``ALIBABA_CLOUD_ACCESS_KEY_ID`` / ``ALIBABA_CLOUD_ACCESS_KEY_SECRET`` (+
+``ALIBABA_CLOUD_SECURITY_TOKEN``), the ``~/.aliyun/config.json`` CLI profile, the
+``~/.alibabacloud/credentials.ini`` profile, the ECS instance RAM role, a credentials
+URI). The chain reads its environment variables once, when it is first imported. With
+`anonymous=True` (tests and emulators, allowed only with an `endpoint`) the SDK signs
+with the fixed dummy key `ANONYMOUS_KEY_ID` / `ANONYMOUS_KEY_SECRET`, which is not a
+credential of any account: the Tea SDK has no unsigned mode for ECS, so a fixed,
+public, worthless key is the closest thing to "no credentials".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+from adapters.errors import (
+    AdapterError,
+    AuthFailed,
+    CapacityUnavailable,
+    CloudUnavailable,
+    InvalidConfig,
+    QuotaExceeded,
+    RateLimited,
+    SdkMissing,
+)
+
+T = TypeVar("T")
+
+API_VERSION = "2014-05-26"
+ANONYMOUS_KEY_ID = "gpubroker-anonymous"
+ANONYMOUS_KEY_SECRET = "gpubroker-anonymous-not-a-secret"  # public, worthless
+NO_CREDENTIALS = ("no usable Alibaba Cloud credentials in the SDK's default chain "
+                  "(ALIBABA_CLOUD_ACCESS_KEY_ID/ALIBABA_CLOUD_ACCESS_KEY_SECRET, "
+                  "~/.aliyun/config.json, ~/.alibabacloud/credentials.ini, ECS RAM role)")
+
+INSTANCE_TYPES_PAGE = 1600  # DescribeInstanceTypes MaxResults: the documented maximum
+SPOT_ADVICE_TYPES = 10  # DescribeSpotAdvice takes up to 10 InstanceTypes.N
+MAX_PAGES = 1000  # a guard against a paging loop that never ends
+
+_CAPACITY = {"OperationDenied.NoStock", "Zone.NotOnSale", "InvalidResourceType.NotSupported"}
+_QUOTA = {"InvalidInstanceType.ValueUnauthorized", "OperationDenied.QuotaExceed",
+          "InstanceLimitExceeded"}
+_AUTH = {"InvalidAccessKeyId.NotFound", "InvalidAccessKeyId", "InvalidAccessKeyId.Inactive",
+         "SignatureDoesNotMatch", "IncompleteSignature", "InvalidSecurityToken.Expired",
+         "InvalidSecurityToken.Malformed", "InvalidSecurityToken.MismatchWithAccessKey",
+         "MissingSecurityToken", "NoPermission", "Account.Arrearage", "InvalidCredentials"}
+_UNAVAILABLE = {"ServiceUnavailable", "InternalError", "UnknownError", "InternalError.Dispatch",
+                "ServiceTimeout", "RequestTimeout"}
+_CONFIG = {"InvalidRegionId.NotFound", "InvalidRegionId.MalFormed", "InvalidRegionId",
+           "InvalidRegion.NotExist"}
+
+
+def _tea() -> tuple[Any, Any, Any]:
+    """(ECS `Client` class, ECS `models` module, Tea `Config` class)."""
+    try:
+        from alibabacloud_ecs20140526 import models
+        from alibabacloud_ecs20140526.client import Client
+        from alibabacloud_tea_openapi.models import Config
+    except ModuleNotFoundError:
+        raise SdkMissing("Alibaba Cloud support needs alibabacloud-ecs20140526: "
+                         "pip install 'gpubroker[alibaba]'", cloud="alibaba") from None
+    return Client, models, Config
+
+
+def parse_endpoint(url: str) -> tuple[str, str]:
+    """A configured endpoint URL as the Tea `Config`'s (endpoint, protocol):
+    ``http://127.0.0.1:8080`` → (``127.0.0.1:8080``, ``http``). Raises `InvalidConfig`
+    for anything but an http(s) URL with a host and no path."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidConfig(f"clouds.alibaba.endpoint {url!r}: must be http(s)://HOST[:PORT]",
+                            cloud="alibaba")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise InvalidConfig(f"clouds.alibaba.endpoint {url!r}: Alibaba RPC APIs are served "
+                            "at '/'; give only scheme, host and port", cloud="alibaba")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidConfig(f"clouds.alibaba.endpoint {url!r}: {exc}",
+                            cloud="alibaba") from None
+    host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+    return (f"{host}:{port}" if port else host), parts.scheme
+
+
+def _status_of(exc: Any) -> int:
+    status = getattr(exc, "status_code", None) or getattr(exc, "statusCode", None)
+    if status is None and isinstance(getattr(exc, "data", None), dict):
+        status = exc.data.get("statusCode")
+    try:
+        return int(status or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def translate(exc: BaseException, region: str = "", op: str = "") -> AdapterError:
+    """Map a Tea SDK exception onto the typed errors of the adapter contract."""
+    _tea()
+    from alibabacloud_credentials.exceptions import CredentialException
+    from alibabacloud_tea_openapi.exceptions import ThrottlingException
+    from darabonba.exceptions import RetryError
+    from Tea.exceptions import TeaException, UnretryableException
+
+    where = f"{op}: " if op else ""
+
+    def typed(cls: type[AdapterError], msg: str) -> AdapterError:
+        return cls(where + msg, cloud="alibaba", region=region)
+
+    if isinstance(exc, AdapterError):
+        return exc
+    if isinstance(exc, CredentialException):
+        return typed(AuthFailed, NO_CREDENTIALS)
+    if isinstance(exc, UnretryableException):
+        # The SDK wraps what failed before an answer was read: credentials, the
+        # connection (RetryError around requests' IOError), an unreadable body.
+        inner = exc.inner_exception
+        if isinstance(inner, CredentialException):
+            return typed(AuthFailed, NO_CREDENTIALS)
+        if isinstance(inner, TeaException) and inner is not exc:
+            return translate(inner, region, op)
+        if isinstance(inner, RetryError | OSError | TimeoutError):
+            return typed(CloudUnavailable, f"connection failed: {getattr(inner, 'message', inner)}")
+        if isinstance(inner, ValueError):
+            return typed(CloudUnavailable, f"unreadable answer: {inner}")
+        return typed(AdapterError, f"{type(inner).__name__}: {inner}")
+    if isinstance(exc, TeaException):
+        code = str(exc.code or "")
+        status = _status_of(exc)
+        data = exc.data if isinstance(exc.data, dict) else {}
+        detail = data.get("Message") or data.get("message") or exc.message or ""
+        request_id = data.get("RequestId") or getattr(exc, "request_id", None)
+        msg = f"{code or 'error'}: {detail}".strip()
+        if status:
+            msg += f" (HTTP {status}" + (f", request {request_id})" if request_id else ")")
+        if code in _CAPACITY:
+            return typed(CapacityUnavailable, msg)
+        if code in _QUOTA or code.startswith("QuotaExceed"):  # QuotaExceed(ed).*
+            return typed(QuotaExceeded, msg)
+        if (code.startswith("Throttling") or status == 429
+                or isinstance(exc, ThrottlingException)):
+            retry_ms = getattr(exc, "retry_after", None)
+            return RateLimited(where + msg, cloud="alibaba", region=region,
+                               retry_after=retry_ms / 1000 if retry_ms else None)
+        if code in _CONFIG:
+            return typed(InvalidConfig, msg)
+        if (code in _AUTH or code.startswith(("Forbidden", "InvalidAccessKeyId",
+                                              "InvalidSecurityToken"))
+                or status in (401, 403)):
+            return typed(AuthFailed, msg)
+        if code in _UNAVAILABLE or status >= 500:
+            return typed(CloudUnavailable, msg)
+        return typed(AdapterError, msg)
+    raise exc
+
+
+class AlibabaSdk:
+    """Blocking ECS calls, translated and retried. Thread-safe."""
+
+    def __init__(self, *, endpoint: str | None = None, anonymous: bool = False,
+                 attempts: int = 4, max_backoff: float = 8.0,
+                 connect_timeout: float = 5.0, read_timeout: float = 30.0,
+                 on_call: Callable[[str, str], None] | None = None) -> None:
+        _tea()
+        if anonymous and not endpoint:
+            raise InvalidConfig("clouds.alibaba.anonymous: true is allowed only together "
+                                "with endpoint", cloud="alibaba")
+        self.endpoint = endpoint
+        self._host: str | None = None
+        self._protocol: str | None = None
+        if endpoint:
+            self._host, self._protocol = parse_endpoint(endpoint)
+        self._anonymous = anonymous
+        self._credential: Any = None  # the default chain, built on first use
+        self._clients: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._warm: set[str] = set()
+        self._warm_lock = threading.Lock()
+        self._attempts = attempts
+        self._max_backoff = max_backoff
+        self._timeouts = (int(connect_timeout * 1000), int(read_timeout * 1000))
+        self._on_call = on_call
+
+    # --- clients -----------------------------------------------------------------------
+
+    def client(self, region: str) -> Any:
+        """The ECS client for `region` (one per region: the endpoint is regional)."""
+        with self._lock:
+            if region not in self._clients:
+                self._clients[region] = self._new_client(region)
+            return self._clients[region]
+
+    def _new_client(self, region: str) -> Any:
+        client_cls, _, config_cls = _tea()
+        config = config_cls(region_id=region, connect_timeout=self._timeouts[0],
+                            read_timeout=self._timeouts[1], max_idle_conns=64)
+        if self._host:
+            config.endpoint, config.protocol = self._host, self._protocol
+        if self._anonymous:
+            config.access_key_id = ANONYMOUS_KEY_ID
+            config.access_key_secret = ANONYMOUS_KEY_SECRET
+        else:
+            if self._credential is None:
+                from alibabacloud_credentials.client import Client as CredentialClient
+
+                self._credential = CredentialClient()  # the SDK's default chain
+            config.credential = self._credential
+        return client_cls(config)
+
+    @staticmethod
+    def _host_of(client: Any) -> str:
+        return str(getattr(client, "_endpoint", "") or "")
+
+    # --- calls -------------------------------------------------------------------------
+
+    def _wait(self, state: RetryCallState) -> float:
+        """Jittered exponential backoff, or the cloud's `x-acs-retry-after` hint when it
+        gave one (capped at `max_backoff`)."""
+        base = wait_exponential_jitter(multiplier=0.25, max=self._max_backoff,
+                                       jitter=0.25)(state)
+        exc = state.outcome.exception() if state.outcome else None
+        hint = getattr(exc, "retry_after", None)
+        return min(self._max_backoff, max(base, hint)) if hint else base
+
+    def _call(self, region: str, op: str, request: Any) -> dict[str, Any]:
+        """Call `op` (the SDK method name, e.g. `describe_price`) with `request`, with
+        translation and retries of RateLimited / CloudUnavailable. Returns the body as
+        the API's PascalCase map."""
+        client = self.client(region)
+        method = getattr(client, op)
+        retrying = Retrying(
+            stop=stop_after_attempt(self._attempts), wait=self._wait,
+            retry=retry_if_exception(lambda e: isinstance(e, AdapterError) and e.retryable),
+            reraise=True,
+        )
+        for attempt in retrying:
+            with attempt:
+                if self._on_call is not None:
+                    self._on_call(op, region)
+                try:
+                    response = self._first_use(client, lambda: method(request))
+                except Exception as exc:  # translated here; anything unknown re-raised
+                    raise translate(exc, region, op) from exc
+                body: dict[str, Any] = (response.body.to_map()
+                                        if response.body is not None else {})
+                return body
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _first_use(self, client: Any, fn: Callable[[], T]) -> T:
+        """Run `fn`, serialising the first call per endpoint: the SDK keeps one
+        `requests` session per endpoint in a process-wide dict that it fills without a
+        lock, and two threads racing to create it would leak the loser's sockets."""
+        host = self._host_of(client)
+        if host not in self._warm:
+            with self._warm_lock:
+                if host not in self._warm:  # the others waited here, then go at once
+                    try:
+                        return fn()
+                    finally:
+                        self._warm.add(host)
+        return fn()
+
+    def _request(self, name: str, **fields: Any) -> Any:
+        _, models, _ = _tea()
+        return getattr(models, name)(**fields)
+
+    # --- ECS ---------------------------------------------------------------------------
+
+    def gpu_instance_types(self, region: str) -> list[dict[str, Any]]:
+        """Every instance type with GPUs (`GPUAmount` ≥ 1), all pages (`NextToken`)."""
+        out: list[dict[str, Any]] = []
+        token: str | None = None
+        for _ in range(MAX_PAGES):
+            page = self._call(region, "describe_instance_types", self._request(
+                "DescribeInstanceTypesRequest", minimum_gpuamount=1,
+                max_results=INSTANCE_TYPES_PAGE, next_token=token))
+            out.extend(t for t in (page.get("InstanceTypes") or {}).get("InstanceType") or []
+                       if int(t.get("GPUAmount") or 0) > 0)
+            token = page.get("NextToken") or None
+            if not token:
+                break
+        return out
+
+    def available_resources(self, region: str, spot: bool
+                            ) -> list[tuple[str, str, str | None, str | None]]:
+        """(zone, instance type, Status, StatusCategory) of every instance type the
+        region sells pay-as-you-go (`spot=False`, `SpotStrategy=NoSpot`) or as spot
+        (`SpotAsPriceGo`), in stock or not. One call: the API has no paging."""
+        body = self._call(region, "describe_available_resource", self._request(
+            "DescribeAvailableResourceRequest", region_id=region,
+            destination_resource="InstanceType", resource_type="instance",
+            instance_charge_type="PostPaid", io_optimized="optimized",
+            spot_strategy="SpotAsPriceGo" if spot else "NoSpot"))
+        out: list[tuple[str, str, str | None, str | None]] = []
+        for zone in (body.get("AvailableZones") or {}).get("AvailableZone") or []:
+            zone_id = zone.get("ZoneId")
+            resources = (zone.get("AvailableResources") or {}).get("AvailableResource") or []
+            for res in resources:
+                if res.get("Type") != "InstanceType":
+                    continue
+                supported = (res.get("SupportedResources") or {}).get("SupportedResource") or []
+                out.extend((zone_id, s["Value"], s.get("Status"), s.get("StatusCategory"))
+                           for s in supported if zone_id and s.get("Value"))
+        return out
+
+    def spot_price_history(self, region: str, instance_type: str, since: datetime
+                           ) -> tuple[list[dict[str, Any]], str | None]:
+        """(`SpotPriceType` entries, currency) of Linux VPC spot prices of one instance
+        type in every zone of the region since `since` (the API allows 30 days back),
+        all pages (`Offset` / `NextOffset`)."""
+        points: list[dict[str, Any]] = []
+        currency: str | None = None
+        offset = 0
+        start = since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        for _ in range(MAX_PAGES):
+            body = self._call(region, "describe_spot_price_history", self._request(
+                "DescribeSpotPriceHistoryRequest", region_id=region,
+                instance_type=instance_type, network_type="vpc", ostype="linux",
+                io_optimized="optimized", start_time=start, offset=offset or None))
+            page = (body.get("SpotPrices") or {}).get("SpotPriceType") or []
+            points.extend(page)
+            currency = body.get("Currency") or currency
+            nxt = int(body.get("NextOffset") or 0)
+            if not page or nxt <= offset:
+                break
+            offset = nxt
+        return points, currency
+
+    def price(self, region: str, instance_type: str) -> dict[str, Any]:
+        """`PriceInfo.Price` of one pay-as-you-go Linux instance of `instance_type` for
+        one hour (`ResourceType=instance`, `PriceUnit=Hour`, `Period=1`, VPC,
+        `SpotStrategy=NoSpot`); system disk and bandwidth are itemised in it."""
+        body = self._call(region, "describe_price", self._request(
+            "DescribePriceRequest", region_id=region, resource_type="instance",
+            instance_type=instance_type, price_unit="Hour", period=1, amount=1,
+            platform="linux", instance_network_type="vpc", io_optimized="optimized",
+            spot_strategy="NoSpot"))
+        return dict((body.get("PriceInfo") or {}).get("Price") or {})
+
+    def spot_advice(self, region: str, instance_types: Sequence[str]
+                    ) -> list[tuple[str, str, Any, str | None]]:
+        """(zone, instance type, InterruptionRate %, InterruptRateDesc) from
+        `DescribeSpotAdvice` (the last 30 days), 10 instance types per call."""
+        out: list[tuple[str, str, Any, str | None]] = []
+        for chunk in _chunks(instance_types, SPOT_ADVICE_TYPES):
+            body = self._call(region, "describe_spot_advice", self._request(
+                "DescribeSpotAdviceRequest", region_id=region, instance_types=list(chunk)))
+            for zone in (body.get("AvailableSpotZones") or {}).get("AvailableSpotZone") or []:
+                resources = ((zone.get("AvailableSpotResources") or {})
+                             .get("AvailableSpotResource") or [])
+                out.extend((zone["ZoneId"], r["InstanceType"], r.get("InterruptionRate"),
+                            r.get("InterruptRateDesc"))
+                           for r in resources if zone.get("ZoneId") and r.get("InstanceType"))
+        return out
+
+    def account_attributes(self, region: str, names: Sequence[str]) -> list[dict[str, Any]]:
+        """`AccountAttributeItems.AccountAttributeItem[]` for `names` (≤ 8) in `region`."""
+        body = self._call(region, "describe_account_attributes", self._request(
+            "DescribeAccountAttributesRequest", region_id=region, attribute_name=list(names)))
+        return list((body.get("AccountAttributeItems") or {}).get("AccountAttributeItem") or [])
+
+    # --- teardown ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Forget the clients and close the SDK's pooled HTTP sessions to their
+        endpoints (the SDK keeps them process-wide and never closes them itself)."""
+        with self._lock:
+            hosts = {self._host_of(c) for c in self._clients.values()} - {""}
+            self._clients.clear()
+        try:
+            from darabonba.core import DaraCore
+        except ModuleNotFoundError:  # pragma: no cover - the SDK was never importable
+            return
+        sessions: dict[str, Any] = getattr(DaraCore, "_sessions", {})
+        for key in list(sessions):
+            # keys look like "http://127.0.0.1:8080:80:pool=40"
+            if any(key.split("://", 1)[-1].startswith(f"{h}:") for h in hosts):
+                session = sessions.pop(key, None)
+                if session is not None:
+                    session.close()
+
+
+def _chunks(items: Sequence[str], n: int) -> Iterator[Sequence[str]]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]

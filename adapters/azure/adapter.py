@@ -1,0 +1,239 @@
+"""The Azure adapter: GPU VM sizes, where they are offered and allowed, Spot and
+pay-as-you-go prices, vCPU quota headroom and Spot eviction rates.
+
+What one poll of a region asks, and how often (ARM calls through `AzureSdk` on the
+adapter's own thread pool; the price API through aiohttp on the loop; all four at once,
+so a poll takes as long as the slowest of them):
+
+* GPU VM sizes, their zones and this subscription's restrictions — Resource SKUs
+  (`resource_skus.list(filter="location eq '<region>'")`, paged by `nextLink`); every
+  hour; required. A region for which ARM lists no SKU at all is not an Azure region
+  (`InvalidConfig`).
+* prices — the Retail Prices API, `Consumption` meters of `Standard_N*` sizes in the
+  region (paged by `NextPageLink`); every hour; on failure the last good copy is kept
+  (without any copy the offers are listed unpriced).
+* quota headroom — `usage.list(<region>)`: per-family vCPUs and `cores` for on-demand,
+  `lowPriorityCores` for spot; every 10 min; last good copy kept.
+* Spot eviction rates — Resource Graph, `SpotResources`
+  (`microsoft.compute/skuspotevictionrate/location`) for the region; every hour; last
+  good copy kept (`interruption_rate` None until one arrives).
+
+Between refreshes a poll asks Azure nothing: Azure's answers change more slowly than the
+poll interval, and the cached ones are returned.
+
+A poll that fails raises a typed error: the poller marks the region unhealthy and its
+offers age until stale — which is not "no capacity", so an API that blinks causes no
+failovers. Azure gives no capacity signal for a pool (`availability` and `capacity` are
+None), and no push channel the broker could read: Spot eviction notices (Scheduled
+Events) reach only the VM itself, so `signals()` never yields. How names, prices,
+restrictions, quotas and eviction bands are read: `pricing.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Generic, TypeVar
+
+import structlog
+
+from adapters.azure import pricing
+from adapters.azure.sdk import CLOUD, AzureSdk, RetailPrices, check_region
+from adapters.base import CloudAdapter, run_blocking
+from adapters.errors import AdapterError, InvalidConfig
+from broker.model import Market, Offer, PoolKey, utcnow
+
+log = structlog.get_logger("gpubroker.azure")
+T = TypeVar("T")
+V = TypeVar("V")
+
+
+@dataclass(frozen=True, slots=True)
+class Refresh:
+    """How old each cached answer may get, in seconds."""
+
+    skus: float = 3600
+    prices: float = 3600
+    quotas: float = 600
+    evictions: float = 3600
+
+
+@dataclass(slots=True)
+class _Cached(Generic[V]):
+    value: V
+    at: float = -1e18  # monotonic time of the last successful fetch
+    read_at: datetime | None = None  # wall time of that fetch
+    failing: bool = False
+
+    def older_than(self, seconds: float, now: float) -> bool:
+        return now - self.at > seconds
+
+
+@dataclass(slots=True)
+class _RegionState:
+    sizes: _Cached[dict[str, pricing.VmSize]] = field(default_factory=lambda: _Cached({}))
+    prices: _Cached[pricing.Prices] = field(
+        default_factory=lambda: _Cached(pricing.Prices({}, {})))
+    quotas: _Cached[dict[str, tuple[float, float]]] = field(
+        default_factory=lambda: _Cached({}))
+    evictions: _Cached[dict[str, float]] = field(default_factory=lambda: _Cached({}))
+
+
+class AzureAdapter(CloudAdapter):
+    name = "azure"
+
+    def __init__(self, *, subscription_id: str | None, regions: Sequence[str],
+                 endpoint: str | None = None, anonymous: bool = False,
+                 refresh: Refresh | None = None, max_workers: int = 16,
+                 attempts: int = 4, max_backoff: float = 8.0,
+                 clock: Callable[[], datetime] = utcnow,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 on_call: Callable[[str, str], None] | None = None) -> None:
+        if not subscription_id or not subscription_id.strip():
+            raise InvalidConfig("clouds.azure.subscription_id is missing: the Azure "
+                                "subscription to poll (a GUID)", cloud=CLOUD)
+        if not regions:
+            raise InvalidConfig("clouds.azure.regions is empty: list the regions to poll",
+                                cloud=CLOUD)
+        # Azure takes region names in any case (`EastUS`); pools carry the lowercase
+        # name, as ARM and the price API spell it.
+        self._regions = [check_region(r) for r in dict.fromkeys(r.lower() for r in regions)]
+        self._refresh = refresh or Refresh()
+        self._clock = clock
+        self._mono = monotonic
+        self.sdk = AzureSdk(subscription_id=subscription_id.strip(), endpoint=endpoint,
+                            anonymous=anonymous, attempts=attempts, max_backoff=max_backoff,
+                            on_call=on_call)
+        self.retail = RetailPrices(endpoint=endpoint, attempts=attempts,
+                                   max_backoff=max_backoff, on_call=on_call)
+        self._executor = ThreadPoolExecutor(max_workers=max_workers,
+                                            thread_name_prefix="azure")
+        self._state = {r: _RegionState() for r in self._regions}
+        self._noted: set[tuple[str, str]] = set()  # (region, size) mismatches logged
+
+    def regions(self) -> Sequence[str]:
+        return self._regions
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await run_blocking(self._executor, fn, *args)
+
+    # --- poll ----------------------------------------------------------------------
+
+    async def poll(self, region: str) -> list[Offer]:
+        st = self._state.get(region)
+        if st is None:
+            raise InvalidConfig(f"region {region!r} is not configured", cloud=CLOUD,
+                                region=region)
+        now, mono = self._clock(), self._mono()
+        rf = self._refresh
+        required: list[Coroutine[Any, Any, None]] = []
+        if st.sizes.older_than(rf.skus, mono):
+            required.append(self._sizes(region, st, mono, now))
+        optional: list[tuple[str, str, Coroutine[Any, Any, None]]] = []
+        if st.prices.older_than(rf.prices, mono):
+            optional.append(("prices", "prices", self._prices(region, st, mono, now)))
+        if st.quotas.older_than(rf.quotas, mono):
+            optional.append(("quotas", "quotas", self._quotas(region, st, mono, now)))
+        if st.evictions.older_than(rf.evictions, mono):
+            optional.append(("spot eviction rates", "evictions",
+                             self._evictions(region, st, mono, now)))
+        results = await asyncio.gather(*required, *(c for _, _, c in optional),
+                                       return_exceptions=True)
+        for r in results[:len(required)]:
+            if isinstance(r, BaseException):
+                raise r
+        for (what, attr, _), r in zip(optional, results[len(required):], strict=True):
+            self._note_optional(region, what, getattr(st, attr), r)
+        return self._offers(region, st, now)
+
+    def _note_optional(self, region: str, what: str, cached: _Cached[Any],
+                       result: object) -> None:
+        """An optional answer failed: keep the last good copy, log on change only."""
+        if isinstance(result, AdapterError):
+            if not cached.failing:
+                log.warning("azure partial poll failure, keeping last good copy",
+                            region=region, what=what, error=type(result).__name__,
+                            detail=str(result))
+            cached.failing = True
+        elif isinstance(result, BaseException):
+            raise result
+        elif cached.failing:
+            cached.failing = False
+            log.info("azure partial poll recovered", region=region, what=what)
+
+    async def _sizes(self, region: str, st: _RegionState, mono: float, now: datetime
+                     ) -> None:
+        skus = await self._run(self.sdk.resource_skus, region)
+        if not skus:
+            raise InvalidConfig(f"ARM lists no Microsoft.Compute SKU in {region!r}: not an "
+                                "Azure region, or not one this subscription may use",
+                                cloud=CLOUD, region=region)
+        sizes: dict[str, pricing.VmSize] = {}
+        for sku in skus:
+            size = pricing.vm_size(sku, region)
+            if size is None:
+                continue
+            sizes[size.name] = size
+            named = size.gpu.name_count
+            if named is not None and named != size.gpu.count and \
+                    (region, size.name) not in self._noted:
+                self._noted.add((region, size.name))
+                log.warning("azure GPUs capability differs from the size name; using "
+                            "the capability", region=region, size=size.name,
+                            capability=size.gpu.count, by_name=named)
+        st.sizes = _Cached(sizes, mono, now)
+
+    async def _prices(self, region: str, st: _RegionState, mono: float, now: datetime
+                      ) -> None:
+        items = await self.retail.vm_prices(region)
+        st.prices = _Cached(pricing.prices_of(items, region), mono, now)
+
+    async def _quotas(self, region: str, st: _RegionState, mono: float, now: datetime
+                      ) -> None:
+        usages = await self._run(self.sdk.usages, region)
+        st.quotas = _Cached(pricing.quotas_of(usages), mono, now)
+
+    async def _evictions(self, region: str, st: _RegionState, mono: float, now: datetime
+                         ) -> None:
+        rows = await self._run(self.sdk.eviction_rates, region)
+        st.evictions = _Cached(pricing.evictions_of(rows, region), mono, now)
+
+    def _offers(self, region: str, st: _RegionState, now: datetime) -> list[Offer]:
+        out: list[Offer] = []
+        priced_at = st.prices.read_at or now
+        prices, quotas = st.prices.value, st.quotas.value
+        for name in sorted(st.sizes.value):
+            size = st.sizes.value[name]
+            key = name.lower()
+            common: dict[str, Any] = dict(
+                gpu=size.gpu.model, gpus=size.gpu.count, gpu_memory_gb=size.gpu.memory_gb,
+                vcpus=size.vcpus, memory_gb=size.memory_gb, gpu_known=size.gpu.known,
+                observed_at=priced_at)
+            od_headroom = pricing.on_demand_headroom(quotas, size)
+            spot_headroom = pricing.spot_headroom(quotas, size)
+            for zone in size.zones or (None,):
+                where = pricing.zone_name(region, zone)
+                out.append(Offer(pool=PoolKey(CLOUD, region, where, name, Market.ON_DEMAND),
+                                 price_per_hour=prices.on_demand.get(key),
+                                 quota_headroom=od_headroom, **common))
+                if size.spot:
+                    out.append(Offer(pool=PoolKey(CLOUD, region, where, name, Market.SPOT),
+                                     price_per_hour=prices.spot.get(key),
+                                     interruption_rate=st.evictions.value.get(key),
+                                     quota_headroom=spot_headroom, **common))
+        return out
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        await self.retail.close()
+        self.sdk.close()  # closes sockets and the credential: no network, no waiting
+
+
+def from_config(section: Any, **kwargs: Any) -> AzureAdapter:
+    """Build the adapter from the daemon configuration's `clouds.azure` section."""
+    return AzureAdapter(subscription_id=section.subscription_id, regions=section.regions,
+                        endpoint=section.endpoint, anonymous=section.anonymous, **kwargs)

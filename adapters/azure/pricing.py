@@ -1,0 +1,307 @@
+"""Reading Azure's answers: GPU models from VM size names, SKUs and their restrictions,
+Retail Prices items, vCPU quotas, Spot eviction-rate bands.
+
+Pure functions over the services' JSON (camelCase, as ARM and the Retail Prices API send
+it), so each mapping has a table-driven test.
+
+Decisions where Azure is silent or irregular:
+
+* **The GPU model is not a field**: it comes from the size name (`SERIES` below, one row
+  per VM series). The count is the SKU's `GPUs` capability when present, else the
+  series' count for that size; the adapter logs a mismatch between the two.
+* **H100 NVL** (NCads_H100_v5, NCCads_H100_v5) has 94 GB per GPU; it is offered as
+  `H100-80GB` (it serves whoever asks for an 80 GB H100), with `gpu_memory_gb` 94.
+* **Fractional GPUs** (NVads_A10_v5 below 36 vCPUs: 1/6 to 1/2 of an A10; NCads_A10_v4
+  below 32; NVv4 below 32; NGads_V620 below 32) are left out: a pool's `gpus` is whole
+  GPUs per instance, and a slice of a GPU is not what a request for one GPU means.
+* **Unknown sizes** with a `GPUs` capability are kept, their model named after the
+  accelerator in the size name (`Standard_NC128lds_xl_RTXPRO6000BSE_v6` →
+  `RTXPRO6000BSE`) and flagged unknown; retired models the canonical table does not
+  know (K80, M60, P100, P40, MI25) are kept the same way.
+* **Restrictions** for this subscription: `type: Location` (any reason code:
+  `NotAvailableForSubscription`, `QuotaId`) drops the size from the region; `type: Zone`
+  drops those zones; a zonal size whose every zone is restricted is dropped too.
+* **Zones**: a pool's zone is `<region>-<zone>` (`eastus-2`); a size the region offers
+  without zones (regions without availability zones) is one pool whose zone is the
+  region name.
+* **Prices**: Linux only (a `productName` containing `Windows` is skipped), meters
+  ending in ` Spot` are spot prices, ` Low Priority` meters are ignored, prices are per
+  `unitOfMeasure` (`1 Hour`, `10 Hours` ...). Of several items for one size and market
+  the newest `effectiveStartDate` wins.
+* **Eviction rates**: Resource Graph gives a band of the share of Spot VMs of a size
+  evicted per hour (`0-5`, `5-10`, `10-15`, `15-20`, `20+`, in %). The band's midpoint
+  (25 % for the open `20+` band) is read as the probability p of an eviction within an
+  hour and converted to a rate of interruptions per hour, λ = −ln(1 − p): 0-5 → 0.0253,
+  5-10 → 0.0780, 10-15 → 0.1335, 15-20 → 0.1924, 20+ → 0.2877.
+* **Quota headroom** (GPUs): spot from `lowPriorityCores`; on-demand from the size's
+  family quota (the SKU's `family` names the usage entry) capped by the regional
+  `cores`; `limit − currentValue` vCPUs, in whole instances, times GPUs per instance.
+  A family the usage list lacks is unknown (`None`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, NamedTuple
+
+from adapters.gpus import canonical
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """One VM series: its size-name pattern (lowercase, without `standard_`; group 1 is
+    the vCPU count), GPU model, memory per GPU (GB) and GPUs per size by vCPUs."""
+
+    pattern: re.Pattern[str]
+    model: str
+    memory_gb: float
+    gpus: dict[int, Fraction]
+
+
+def _s(pattern: str, model: str, memory_gb: float, gpus: dict[int, Any]) -> Series:
+    return Series(re.compile(pattern), model, memory_gb,
+                  {k: Fraction(v) for k, v in gpus.items()})
+
+
+SERIES: tuple[Series, ...] = (
+    _s(r"nd(\d+)amsr_a100_v4", "A100", 80, {96: 8}),
+    _s(r"nd(\d+)asr_v4", "A100", 40, {96: 8}),
+    _s(r"nc(\d+)ads_a100_v4", "A100", 80, {24: 1, 48: 2, 96: 4}),
+    _s(r"nd(\d+)isr_h100_v5", "H100", 80, {96: 8}),
+    _s(r"ncc?(\d+)adi?s_h100_v5", "H100", 94, {40: 1, 80: 2}),  # H100 NVL
+    _s(r"nd(\d+)isr_h200_v5", "H200", 141, {96: 8}),
+    _s(r"nd(\d+)isr_mi300x_v5", "MI300X", 192, {96: 8}),
+    _s(r"nc(\d+)as_t4_v3", "T4", 16, {4: 1, 8: 1, 16: 1, 64: 4}),
+    _s(r"nc(\d+)r?s_v3", "V100", 16, {6: 1, 12: 2, 24: 4}),
+    _s(r"nd(\d+)rs_v2", "V100", 32, {40: 8}),
+    _s(r"nv(\d+)adm?s_a10_v5", "A10", 24,
+       {6: "1/6", 12: "1/3", 18: "1/2", 36: 1, 72: 2}),
+    _s(r"nc(\d+)ads_a10_v4", "A10", 24, {8: "1/3", 16: "2/3", 32: 1}),
+    _s(r"nc(\d+)r?s_v2", "P100", 16, {6: 1, 12: 2, 24: 4}),
+    _s(r"nd(\d+)r?s", "P40", 24, {6: 1, 12: 2, 24: 4}),
+    _s(r"nv(\d+)as_v4", "MI25", 16, {4: "1/8", 8: "1/4", 16: "1/2", 32: 1}),
+    _s(r"ng(\d+)ads_v620_v1", "V620", 32, {8: "1/4", 16: "1/2", 32: 1}),
+    _s(r"nv(\d+)s_v3", "M60", 8, {12: 1, 24: 2, 48: 4}),
+    _s(r"nv(\d+)(?:_promo)?", "M60", 8, {6: 1, 12: 2, 24: 4}),
+    _s(r"nc(\d+)r?(?:_promo)?", "K80", 12, {6: 1, 12: 2, 24: 4}),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    """What a VM size has: `count` whole GPUs of `model` (canonical if `known`).
+    `name_count` is what the size name says (None if it says nothing)."""
+
+    model: str
+    count: int
+    memory_gb: float | None
+    known: bool
+    name_count: int | None
+
+
+def gpu_of(size: str, gpus_capability: int | None = None) -> GpuSpec | None:
+    """The GPUs of a VM size, from its name and its `GPUs` capability. None for a size
+    without GPUs or with less than one whole GPU."""
+    short = size.lower().removeprefix("standard_")
+    for series in SERIES:
+        m = series.pattern.fullmatch(short)
+        if m is None:
+            continue
+        share = series.gpus.get(int(m.group(1)))
+        if share is not None and share < 1:
+            return None  # a fraction of a GPU
+        name_count = int(share) if share is not None else None
+        count = gpus_capability if gpus_capability else name_count
+        if not count:
+            return None
+        model, known = canonical(series.model, series.memory_gb)
+        return GpuSpec(model, count, series.memory_gb, known, name_count)
+    if not gpus_capability:
+        return None
+    parts = size.split("_")[1:]
+    accel = [p for p in parts[1:] if re.search(r"[A-Za-z]", p) and re.search(r"\d", p)
+             and not re.fullmatch(r"v\d+", p, re.IGNORECASE)]
+    model = accel[-1] if accel else size
+    return GpuSpec(model, gpus_capability, None, canonical(model)[1], None)
+
+
+@dataclass(frozen=True, slots=True)
+class VmSize:
+    """A GPU VM size the subscription may use in a region."""
+
+    name: str
+    family: str
+    vcpus: int | None
+    memory_gb: float | None
+    gpu: GpuSpec
+    spot: bool  # LowPriorityCapable
+    zones: tuple[str, ...]  # allowed zones ("1", "2" ...); () = a regional size
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def vm_size(sku: dict[str, Any], region: str) -> VmSize | None:
+    """A Resource SKU as a GPU VM size this subscription may use in `region`, or None
+    (not a VM, no whole GPU, or restricted in the region)."""
+    if str(sku.get("resourceType", "")).lower() != "virtualmachines":
+        return None
+    caps = {str(c.get("name")): c.get("value") for c in sku.get("capabilities") or []}
+    gpus = _number(caps.get("GPUs"))
+    name = str(sku.get("name", ""))
+    gpu = gpu_of(name, int(gpus) if gpus else None)
+    if gpu is None:
+        return None
+    region = region.lower()
+    zones: set[str] = set()
+    for info in sku.get("locationInfo") or []:
+        if str(info.get("location", "")).lower() == region:
+            zones.update(str(z) for z in info.get("zones") or [])
+    listed = bool(zones)
+    for r in sku.get("restrictions") or []:
+        info = r.get("restrictionInfo") or {}
+        where = {str(x).lower() for x in (info.get("locations") or r.get("values") or [])}
+        if region not in where:
+            continue
+        kind = str(r.get("type", "")).lower()
+        if kind == "location":
+            return None
+        if kind == "zone":
+            zones -= {str(z) for z in info.get("zones") or []}
+    if listed and not zones:
+        return None
+    vcpus = _number(caps.get("vCPUs"))
+    return VmSize(
+        name=name, family=str(sku.get("family") or ""),
+        vcpus=None if vcpus is None else int(vcpus), memory_gb=_number(caps.get("MemoryGB")),
+        gpu=gpu, spot=str(caps.get("LowPriorityCapable", "True")).lower() != "false",
+        zones=tuple(sorted(zones, key=lambda z: (len(z), z))))
+
+
+def zone_name(region: str, zone: str | None) -> str:
+    """A pool's zone: `eastus-2`, or the region for a size offered without zones."""
+    return f"{region}-{zone}" if zone else region
+
+
+class Prices(NamedTuple):
+    """USD per hour by lowercase VM size name."""
+
+    on_demand: dict[str, float]
+    spot: dict[str, float]
+
+
+_HOURS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s+hours?\s*$", re.IGNORECASE)
+
+
+def prices_of(items: list[dict[str, Any]], region: str) -> Prices:
+    """Linux pay-as-you-go and spot prices per VM size from Retail Prices items.
+
+    Checks every item again (a filter the API ignored must not turn a Windows, low
+    priority, DevTest or reservation price into ours)."""
+    best: dict[tuple[str, bool], tuple[str, float]] = {}
+    for item in items:
+        if (item.get("serviceName") != "Virtual Machines"
+                or str(item.get("armRegionName", "")).lower() != region.lower()
+                or item.get("type") != "Consumption"
+                or item.get("currencyCode", "USD") != "USD"
+                or "windows" in str(item.get("productName", "")).lower()):
+            continue
+        meter = f"{item.get('meterName', '')}|{item.get('skuName', '')}".lower()
+        if "low priority" in meter:
+            continue
+        spot = any(m.endswith(" spot") for m in meter.split("|"))
+        hours = _HOURS.match(str(item.get("unitOfMeasure", "")))
+        price = _number(item.get("unitPrice", item.get("retailPrice")))
+        size = str(item.get("armSkuName", "")).lower()
+        if not hours or price is None or not math.isfinite(price) or price <= 0 or not size:
+            continue
+        per_hour = price / float(hours.group(1))
+        since = str(item.get("effectiveStartDate", ""))
+        key = (size, spot)
+        if key not in best or since > best[key][0]:
+            best[key] = (since, per_hour)
+    return Prices({s: p for (s, sp), (_, p) in best.items() if not sp},
+                  {s: p for (s, sp), (_, p) in best.items() if sp})
+
+
+_BAND = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:-\s*(\d+(?:\.\d+)?)|\+)\s*%?\s*$")
+
+
+def eviction_rate(band: str | None) -> float | None:
+    """An eviction-rate band (`0-5`, `20+`, % of Spot VMs evicted per hour) as
+    interruptions per hour (see the module doc); None for no or an unreadable band."""
+    m = _BAND.match(band or "")
+    if m is None:
+        return None
+    low = float(m.group(1))
+    high = float(m.group(2)) if m.group(2) else low + 10
+    p = min((low + high) / 200, 0.99)
+    return round(-math.log1p(-p), 4)
+
+
+def graph_rows(data: list[Any]) -> list[dict[str, Any]]:
+    """Resource Graph data as row objects: `objectArray` rows as they are, `table`
+    results ({columns, rows}) zipped into objects."""
+    out: list[dict[str, Any]] = []
+    for part in data:
+        if isinstance(part, dict) and "columns" in part and "rows" in part:
+            names = [str(c.get("name")) for c in part["columns"]]
+            out.extend(dict(zip(names, row, strict=False)) for row in part["rows"])
+        elif isinstance(part, dict):
+            out.append(part)
+    return out
+
+
+def evictions_of(data: list[Any], region: str) -> dict[str, float]:
+    """Interruptions per hour by lowercase VM size name, from the eviction-rate rows."""
+    out: dict[str, float] = {}
+    for row in graph_rows(data):
+        if str(row.get("location", region)).lower() != region.lower():
+            continue
+        rate = eviction_rate(str(row.get("evictionRate") or row.get("spotEvictionRate")
+                                 or ""))
+        if rate is not None and row.get("skuName"):
+            out[str(row["skuName"]).lower()] = rate
+    return out
+
+
+def quotas_of(usages: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """(currentValue, limit) by lowercase usage name (`standardncadsa100v4family`,
+    `cores`, `lowprioritycores` ...)."""
+    out: dict[str, tuple[float, float]] = {}
+    for u in usages:
+        name = (u.get("name") or {}).get("value")
+        current, limit = _number(u.get("currentValue")), _number(u.get("limit"))
+        if name and current is not None and limit is not None:
+            out[str(name).lower()] = (current, limit)
+    return out
+
+
+def headroom_gpus(quota: tuple[float, float] | None, vcpus: int | None, gpus: int
+                  ) -> int | None:
+    """GPUs of a size that fit in what is left of a vCPU quota (whole instances)."""
+    if quota is None or not vcpus:
+        return None
+    current, limit = quota
+    return int(max(0.0, limit - current) // vcpus) * gpus
+
+
+def on_demand_headroom(quotas: dict[str, tuple[float, float]], size: VmSize) -> int | None:
+    """The size's family quota, capped by the regional vCPU quota."""
+    family = headroom_gpus(quotas.get(size.family.lower()), size.vcpus, size.gpu.count)
+    if family is None:
+        return None
+    regional = headroom_gpus(quotas.get("cores"), size.vcpus, size.gpu.count)
+    return family if regional is None else min(family, regional)
+
+
+def spot_headroom(quotas: dict[str, tuple[float, float]], size: VmSize) -> int | None:
+    """Spot VMs count against the regional low-priority vCPU quota only."""
+    return headroom_gpus(quotas.get("lowprioritycores"), size.vcpus, size.gpu.count)
