@@ -118,7 +118,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--regions", type=int, default=4, choices=range(1, len(REGIONS) + 1))
     p.add_argument("--latency", type=float, nargs=2, default=[0.05, 0.15])
-    p.add_argument("--workers", type=int, default=32, help="the adapter's thread pool")
+    p.add_argument("--workers", type=int, default=None,
+                   help="the adapter's thread pool (default: the adapter's own choice)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--json", action="store_true")
@@ -129,7 +130,7 @@ def main() -> None:
         return
     print(f"AWS poll of {len(out['regions'])} regions ({', '.join(out['regions'])}), "
           f"{args.latency[0] * 1000:.0f}-{args.latency[1] * 1000:.0f} ms per call, "
-          f"{args.workers} worker threads, {args.repeat} runs")
+          f"{args.workers or 'default'} worker threads, {args.repeat} runs")
     print(f"{'run':>4} {'wall s':>8} {'critical s':>11} {'ratio':>6} {'calls 1st':>10} "
           f"{'calls steady':>13} {'steady wall s':>14}")
     for i, r in enumerate(out["runs"], 1):

@@ -104,7 +104,7 @@ class AwsAdapter(CloudAdapter):
 
     def __init__(self, *, regions: Sequence[str], endpoint: str | None = None,
                  anonymous: bool = False, interruption_queue_url: str | None = None,
-                 refresh: Refresh | None = None, max_workers: int = 32,
+                 refresh: Refresh | None = None, max_workers: int | None = None,
                  clock: Callable[[], datetime] = utcnow,
                  monotonic: Callable[[], float] = time.monotonic,
                  on_call: Callable[[str, str], None] | None = None) -> None:
@@ -115,7 +115,10 @@ class AwsAdapter(CloudAdapter):
         self._refresh = refresh or Refresh()
         self._clock = clock
         self._mono = monotonic
-        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="aws")
+        # SDK calls wait on the network, not the CPU: a first poll fans out to ~150 calls
+        # per region (prices and placement scores per type), so give each region threads.
+        workers = max_workers or min(128, 24 * len(self._regions))
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aws")
         self.sdk = AwsSdk(endpoint=endpoint, anonymous=anonymous, on_call=on_call)
         self._state = {r: _RegionState() for r in self._regions}
         self._queue_url = interruption_queue_url

@@ -122,7 +122,7 @@ class AwsSdk:
             extra["signature_version"] = botocore.UNSIGNED
         # Retries are ours (tenacity, below), so that every cloud retries alike.
         self._config = Config(retries={"total_max_attempts": 1, "mode": "standard"},
-                              connect_timeout=5, read_timeout=30, max_pool_connections=32,
+                              connect_timeout=5, read_timeout=30, max_pool_connections=64,
                               **extra)
         self._clients: dict[tuple[str, str], Any] = {}
         self._lock = threading.Lock()
