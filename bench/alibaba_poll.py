@@ -21,12 +21,8 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
-import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import structlog  # noqa: E402
+from _poll_common import Timings, medians, one_poll, print_table  # noqa: E402
 from fake_alibaba import FakeAlibaba  # noqa: E402
 
 from adapters.alibaba.adapter import AlibabaAdapter, Refresh  # noqa: E402
@@ -43,33 +40,12 @@ FIRST = ("gpu_instance_types", "available_resources", "account_attributes")
 SECOND = ("spot_price_history", "price", "spot_advice")
 
 
-class Timings:
-    """Durations of each SDK method call (one chain of sequential pages), per region."""
+def critical_path(timings: Timings, regions: list[str]) -> float:
+    """Per region, the slowest chain of the first group, then of the second."""
+    def longest(names: tuple[str, ...], region: str) -> float:
+        return max(timings.longest(n, region) for n in names)
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.by: dict[tuple[str, str], list[float]] = defaultdict(list)
-
-    def wrap(self, sdk: Any) -> None:
-        for name in FIRST + SECOND:
-            fn = getattr(sdk, name)
-
-            def timed(region: str, *args: Any, _fn: Callable[..., Any] = fn,
-                      _name: str = name) -> Any:
-                t = time.perf_counter()
-                try:
-                    return _fn(region, *args)
-                finally:
-                    with self.lock:
-                        self.by[(_name, region)].append(time.perf_counter() - t)
-
-            setattr(sdk, name, timed)
-
-    def critical_path(self, regions: list[str]) -> float:
-        def longest(names: tuple[str, ...], region: str) -> float:
-            return max(max(self.by.get((n, region), [0.0])) for n in names)
-
-        return max(longest(FIRST, r) + longest(SECOND, r) for r in regions)
+    return max(longest(FIRST, r) + longest(SECOND, r) for r in regions)
 
 
 class Clock:
@@ -80,13 +56,6 @@ class Clock:
 
     def __call__(self) -> float:
         return time.monotonic() + self.offset
-
-
-async def one_poll(adapter: AlibabaAdapter, regions: list[str]) -> float:
-    t = time.perf_counter()
-    results = await asyncio.gather(*(adapter.poll(r) for r in regions))
-    assert all(results), "a region returned no offers"
-    return time.perf_counter() - t
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -106,10 +75,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             adapter = AlibabaAdapter(regions=regions, endpoint=fake.url, anonymous=True,
                                      max_workers=args.workers, refresh=Refresh(),
                                      monotonic=clock)
-            timings.wrap(adapter.sdk)
+            timings.wrap(adapter.sdk, FIRST + SECOND)
             wall = await one_poll(adapter, regions)
             first_calls = sum(fake.calls.values())
-            critical = timings.critical_path(regions)
+            critical = critical_path(timings, regions)
             fake.reset_calls()
             steady_wall = await one_poll(adapter, regions)
             steady_calls = sum(fake.calls.values())
@@ -122,8 +91,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                 "ratio": wall / critical, "calls_first": first_calls,
                                 "calls_steady": steady_calls, "steady_wall_s": steady_wall,
                                 "calls_spot_refresh": spot_calls, "spot_wall_s": spot_wall})
-        runs = out["runs"]
-        out["median"] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        out["median"] = medians(out["runs"])
     return out
 
 
@@ -143,19 +111,9 @@ def main() -> None:
     print(f"Alibaba Cloud poll of {len(out['regions'])} regions ({', '.join(out['regions'])}), "
           f"{args.latency[0] * 1000:.0f}-{args.latency[1] * 1000:.0f} ms per call, "
           f"{args.workers} worker threads, {args.repeat} runs")
-    print(f"{'run':>4} {'wall s':>8} {'critical s':>11} {'ratio':>6} {'calls 1st':>10} "
-          f"{'calls steady':>13} {'steady wall s':>14} {'calls spot 5min':>16} "
-          f"{'spot wall s':>12}")
-
-    def row(label: str, r: dict[str, Any]) -> str:
-        return (f"{label:>4} {r['wall_s']:8.2f} {r['critical_s']:11.2f} {r['ratio']:6.2f} "
-                f"{r['calls_first']:10.0f} {r['calls_steady']:13.0f} "
-                f"{r['steady_wall_s']:14.2f} {r['calls_spot_refresh']:16.0f} "
-                f"{r['spot_wall_s']:12.2f}")
-
-    for i, r in enumerate(out["runs"], 1):
-        print(row(str(i), r))
-    print(row("med", out["median"]))
+    print_table(out, f" {'steady wall s':>14} {'calls spot 5min':>16} {'spot wall s':>12}",
+                lambda r: f" {r['steady_wall_s']:14.2f} {r['calls_spot_refresh']:16.0f} "
+                          f"{r['spot_wall_s']:12.2f}")
 
 
 if __name__ == "__main__":

@@ -16,18 +16,14 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import sys
-import threading
-import time
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from _poll_common import Timings, medians, one_poll, print_table  # noqa: E402
 from fake_aws import FakeAWS  # noqa: E402
 
 from adapters.aws.adapter import AwsAdapter  # noqa: E402
@@ -38,47 +34,17 @@ CHAINS = ("gpu_instance_types", "offerings", "spot_prices", "zone_ids", "placeme
           "on_demand_products", "quota")
 
 
-class Timings:
-    """Durations of each SDK method call (one chain of sequential pages), per region."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.by: dict[tuple[str, str], list[float]] = defaultdict(list)
-
-    def wrap(self, sdk: Any) -> None:
-        for name in CHAINS:
-            fn = getattr(sdk, name)
-
-            def timed(region: str, *args: Any, _fn: Callable[..., Any] = fn,
-                      _name: str = name) -> Any:
-                t = time.perf_counter()
-                try:
-                    return _fn(region, *args)
-                finally:
-                    with self.lock:
-                        self.by[(_name, region)].append(time.perf_counter() - t)
-
-            setattr(sdk, name, timed)
-
-    def critical_path(self, regions: list[str]) -> float:
-        def longest(name: str, region: str) -> float:
-            return max(self.by.get((name, region), [0.0]))
-
-        per_region = []
-        for r in regions:
-            after_types = max(
-                longest("offerings", r), longest("spot_prices", r),
-                longest("zone_ids", r) + longest("placement_scores", r),
-                longest("on_demand_products", r), longest("quota", r))
-            per_region.append(longest("gpu_instance_types", r) + after_types)
-        return max(per_region)
-
-
-async def one_poll(adapter: AwsAdapter, regions: list[str]) -> float:
-    t = time.perf_counter()
-    results = await asyncio.gather(*(adapter.poll(r) for r in regions))
-    assert all(results), "a region returned no offers"
-    return time.perf_counter() - t
+def critical_path(timings: Timings, regions: list[str]) -> float:
+    """Per region, the instance-type pages then the slowest chain that needs them."""
+    longest = timings.longest
+    per_region = []
+    for r in regions:
+        after_types = max(
+            longest("offerings", r), longest("spot_prices", r),
+            longest("zone_ids", r) + longest("placement_scores", r),
+            longest("on_demand_products", r), longest("quota", r))
+        per_region.append(longest("gpu_instance_types", r) + after_types)
+    return max(per_region)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -98,10 +64,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             timings = Timings()
             adapter = AwsAdapter(regions=regions, endpoint=fake.url,
                                  max_workers=args.workers)
-            timings.wrap(adapter.sdk)
+            timings.wrap(adapter.sdk, CHAINS)
             wall = await one_poll(adapter, regions)
             first_calls = sum(fake.calls.values())
-            critical = timings.critical_path(regions)
+            critical = critical_path(timings, regions)
             fake.reset_calls()
             steady_wall = await one_poll(adapter, regions)
             steady_calls = sum(fake.calls.values())
@@ -109,8 +75,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             out["runs"].append({"wall_s": wall, "critical_s": critical,
                                 "ratio": wall / critical, "calls_first": first_calls,
                                 "calls_steady": steady_calls, "steady_wall_s": steady_wall})
-        runs = out["runs"]
-        out["median"] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        out["median"] = medians(out["runs"])
     return out
 
 
@@ -131,14 +96,7 @@ def main() -> None:
     print(f"AWS poll of {len(out['regions'])} regions ({', '.join(out['regions'])}), "
           f"{args.latency[0] * 1000:.0f}-{args.latency[1] * 1000:.0f} ms per call, "
           f"{args.workers or 'default'} worker threads, {args.repeat} runs")
-    print(f"{'run':>4} {'wall s':>8} {'critical s':>11} {'ratio':>6} {'calls 1st':>10} "
-          f"{'calls steady':>13} {'steady wall s':>14}")
-    for i, r in enumerate(out["runs"], 1):
-        print(f"{i:>4} {r['wall_s']:8.2f} {r['critical_s']:11.2f} {r['ratio']:6.2f} "
-              f"{r['calls_first']:10d} {r['calls_steady']:13d} {r['steady_wall_s']:14.2f}")
-    m = out["median"]
-    print(f"{'med':>4} {m['wall_s']:8.2f} {m['critical_s']:11.2f} {m['ratio']:6.2f} "
-          f"{m['calls_first']:10.0f} {m['calls_steady']:13.0f} {m['steady_wall_s']:14.2f}")
+    print_table(out, f" {'steady wall s':>14}", lambda r: f" {r['steady_wall_s']:14.2f}")
 
 
 if __name__ == "__main__":

@@ -19,18 +19,14 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
-import threading
-import time
-from collections import defaultdict
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from _poll_common import Timings, medians, one_poll, print_table  # noqa: E402
 from fake_azure import FakeAzure  # noqa: E402
 
 from adapters.azure.adapter import AzureAdapter  # noqa: E402
@@ -40,44 +36,17 @@ REGIONS = ["eastus", "westus2", "southcentralus", "eastus2", "westus3", "central
 SYNC_CHAINS = ("resource_skus", "usages", "eviction_rates")
 
 
-class Timings:
-    """Durations of each chain (one SDK method: all its pages, retries included), per
-    region."""
+def timed(adapter: AzureAdapter) -> Timings:
+    """Timings of the adapter's chains: the ARM calls and the Retail Prices pages."""
+    timings = Timings()
+    timings.wrap(adapter.sdk, SYNC_CHAINS)
+    timings.wrap_async(adapter.retail, "vm_prices", "retail_prices")
+    return timings
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.by: dict[tuple[str, str], list[float]] = defaultdict(list)
 
-    def _add(self, name: str, region: str, seconds: float) -> None:
-        with self.lock:
-            self.by[(name, region)].append(seconds)
-
-    def wrap(self, adapter: AzureAdapter) -> None:
-        for name in SYNC_CHAINS:
-            fn = getattr(adapter.sdk, name)
-
-            def timed(region: str, _fn: Callable[[str], Any] = fn, _name: str = name) -> Any:
-                t = time.perf_counter()
-                try:
-                    return _fn(region)
-                finally:
-                    self._add(_name, region, time.perf_counter() - t)
-
-            setattr(adapter.sdk, name, timed)
-        prices = adapter.retail.vm_prices
-
-        async def timed_prices(region: str,
-                               _fn: Callable[[str], Awaitable[Any]] = prices) -> Any:
-            t = time.perf_counter()
-            try:
-                return await _fn(region)
-            finally:
-                self._add("retail_prices", region, time.perf_counter() - t)
-
-        adapter.retail.vm_prices = timed_prices  # type: ignore[method-assign]
-
-    def critical_path(self) -> float:
-        return max(max(v) for v in self.by.values())
+def critical_path(timings: Timings) -> float:
+    """Every chain runs at once: the longest of them."""
+    return max(max(v) for v in timings.by.values())
 
 
 class Clock:
@@ -88,13 +57,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-async def one_poll(adapter: AzureAdapter, regions: list[str]) -> float:
-    t = time.perf_counter()
-    results = await asyncio.gather(*(adapter.poll(r) for r in regions))
-    assert all(results), "a region returned no offers"
-    return time.perf_counter() - t
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,14 +73,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             fake.latency = (args.latency[0], args.latency[1])
             fake.reset_calls()
             clock = Clock()
-            timings = Timings()
             adapter = AzureAdapter(subscription_id=fake.subscription_id, regions=regions,
                                    endpoint=fake.url, anonymous=True,
                                    max_workers=args.workers, monotonic=clock)
-            timings.wrap(adapter)
+            timings = timed(adapter)
             wall = await one_poll(adapter, regions)
             first_calls = sum(fake.calls.values())
-            critical = timings.critical_path()
+            critical = critical_path(timings)
             fake.reset_calls()
             clock.t += args.interval
             steady_wall = await one_poll(adapter, regions)
@@ -134,8 +95,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                 "ratio": wall / critical, "calls_first": first_calls,
                                 "calls_steady": steady_calls, "steady_wall_s": steady_wall,
                                 "calls_per_hour": hour_calls})
-        runs = out["runs"]
-        out["median"] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        out["median"] = medians(out["runs"])
     return out
 
 
@@ -160,13 +120,8 @@ def main() -> None:
           f"{args.latency[0] * 1000:.0f}-{args.latency[1] * 1000:.0f} ms per call, "
           f"items per page {out['page_size']}, {args.workers} worker threads, "
           f"{args.repeat} runs")
-    print(f"{'run':>4} {'wall s':>8} {'critical s':>11} {'ratio':>6} {'calls 1st':>10} "
-          f"{'calls steady':>13} {'steady wall s':>14} {'calls/hour':>11}")
-    rows = [(str(i), r) for i, r in enumerate(out["runs"], 1)] + [("med", out["median"])]
-    for label, r in rows:
-        print(f"{label:>4} {r['wall_s']:8.2f} {r['critical_s']:11.2f} {r['ratio']:6.2f} "
-              f"{r['calls_first']:10.0f} {r['calls_steady']:13.0f} "
-              f"{r['steady_wall_s']:14.3f} {r['calls_per_hour']:11.0f}")
+    print_table(out, f" {'steady wall s':>14} {'calls/hour':>11}",
+                lambda r: f" {r['steady_wall_s']:14.3f} {r['calls_per_hour']:11.0f}")
 
 
 if __name__ == "__main__":

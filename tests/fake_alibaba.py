@@ -61,7 +61,6 @@ or without pytest: ``with FakeAlibaba() as fake: ...`` (``start()``/``stop()`` a
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import hashlib
@@ -69,19 +68,17 @@ import hmac
 import json
 import random
 import re
-import socket
-import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from types import TracebackType
 from typing import Any, Self
 from urllib.parse import parse_qsl, quote
 
 import pytest
 from aiohttp import web
+from fake_server import FakeServer
 
 API_VERSION = "2014-05-26"
 USD_PER_CNY = 0.14  # the fake's own rate for its USD ("international site") answers
@@ -256,7 +253,7 @@ def _signature(secret: str, method: str, path: str, query: list[tuple[str, str]]
     return hmac.new(secret.encode(), to_sign.encode(), hashlib.sha256).hexdigest()
 
 
-class FakeAlibaba:
+class FakeAlibaba(FakeServer[tuple[str, str]]):
     """ECS behind one local URL (see module doc).
 
     Attributes a test may read or set: ``url`` (after ``start()``), ``host`` (its
@@ -267,13 +264,14 @@ class FakeAlibaba:
     page), ``access_keys``, ``accept_unknown_keys``, ``revoked_keys``.
     """
 
+    thread_name = "fake-alibaba"
+
     def __init__(self, *, seed: int = 7, snapshot_time: datetime | None = None,
                  currency: str = "CNY") -> None:
+        super().__init__()
         self.seed = seed
         self.currency = currency
         self.discount = 0.0
-        self.latency: tuple[float, float] | None = None
-        self.calls: Counter[tuple[str, str]] = Counter()
         self.key_ids: Counter[str] = Counter()
         self.requests: list[tuple[str, dict[str, str]]] = []  # (action, parameters)
         self.page_size: dict[str, int] = {"DescribeInstanceTypes": 5,
@@ -281,10 +279,8 @@ class FakeAlibaba:
         self.access_keys: dict[str, str] = {}
         self.accept_unknown_keys = True
         self.revoked_keys: set[str] = set()
-        self.url = ""
         self.host = ""
         self._now: datetime | None = None
-        self._lock = threading.RLock()
         self._faults: list[_Fault] = []
         self.snapshot_time = snapshot_time or (
             datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1))
@@ -296,9 +292,6 @@ class FakeAlibaba:
         self._advice: dict[tuple[str, str, str], tuple[float | None, str, int]] = {}
         self._attributes: dict[tuple[str, str], str] = {}
         self._generate()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
 
     # ------------------------------------------------------------------ data
     def _generate(self) -> None:
@@ -419,13 +412,9 @@ class FakeAlibaba:
             self._faults.append(_Fault(action, region, code, status, message, times,
                                        retry_after_ms))
 
-    def clear_faults(self) -> None:
-        with self._lock:
-            self._faults.clear()
-
     def reset_calls(self) -> None:
         with self._lock:
-            self.calls.clear()
+            super().reset_calls()
             self.key_ids.clear()
             self.requests.clear()
 
@@ -447,48 +436,14 @@ class FakeAlibaba:
                              connect_timeout=5000, read_timeout=30000))
 
     # ---------------------------------------------------------------- server
-    def start(self) -> None:
-        ready = threading.Event()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.host = f"127.0.0.1:{port}"
-        self.url = f"http://{self.host}"
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            app = web.Application()
-            app.router.add_route("*", "/{tail:.*}", self._handle)
-            self._runner = web.AppRunner(app, access_log=None)
-            loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", port)
-            loop.run_until_complete(site.start())
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(self._runner.cleanup())
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="fake-alibaba", daemon=True)
-        self._thread.start()
-        if not ready.wait(10):
-            raise RuntimeError("fake Alibaba Cloud did not start")
-
-    def stop(self) -> None:
-        if self._loop is not None and self._thread is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            self._loop = None
-            self._thread = None
-        _close_sdk_sessions(self.host)
-
-    def __enter__(self) -> Self:
-        self.start()
+    def start(self) -> Self:
+        super().start()
+        self.host = self.url.removeprefix("http://")
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
+    def stop(self) -> None:
+        super().stop()
+        _close_sdk_sessions(self.host)
 
     # -------------------------------------------------------------- dispatch
     async def _handle(self, request: web.Request) -> web.Response:
@@ -506,8 +461,7 @@ class FakeAlibaba:
             self._authorize(request, body)
             with self._lock:
                 fault = self._take_fault(action, region)
-            if self.latency:
-                await asyncio.sleep(random.uniform(*self.latency))
+            await self._delay()
             if fault is not None:
                 raise FakeAlibabaError(fault.code, fault.message, fault.status,
                                        fault.retry_after_ms)

@@ -64,7 +64,6 @@ so two FakeAWS instances alive at once in one process share EC2/SQS state.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import csv
@@ -75,16 +74,14 @@ import json
 import logging
 import math
 import os
-import random
 import re
 import threading
 import uuid
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 from urllib.parse import parse_qsl, urlencode
 from xml.sax.saxutils import escape
@@ -92,6 +89,7 @@ from xml.sax.saxutils import escape
 import aiohttp
 import pytest
 from aiohttp import web
+from fake_server import FakeServer
 
 # /work/shared/data/gpu-prices-aws.csv: the shared price snapshot next to the checkout
 DEFAULT_PRICES_CSV = Path(__file__).resolve().parents[2] / "shared/data/gpu-prices-aws.csv"
@@ -454,7 +452,7 @@ def _price_catalog(path: Path) -> tuple[dict[str, Any], ...]:
 _TYPE_PAGES: dict[tuple[str, ...], bytes] = {}
 
 
-class FakeAWS:
+class FakeAWS(FakeServer[tuple[str, str, str]]):
     """EC2 + Price List + Service Quotas + SQS behind one local URL (see module doc).
 
     Attributes a test may read or set:
@@ -466,6 +464,8 @@ class FakeAWS:
       ``default_region`` — the region of unsigned requests that name none.
     """
 
+    thread_name = "fake-aws"
+
     def __init__(
         self,
         *,
@@ -474,11 +474,10 @@ class FakeAWS:
         seed: int = 7,
         snapshot_time: datetime | None = None,
     ) -> None:
+        super().__init__()
         self.default_region = default_region
         self.seed = seed
         self.account_id = ACCOUNT_ID
-        self.latency: tuple[float, float] | None = None
-        self.calls: Counter[tuple[str, str, str]] = Counter()
         self.page_size: dict[str, int] = {
             "DescribeSpotPriceHistory": 50,
             "GetSpotPlacementScores": 10,
@@ -487,9 +486,7 @@ class FakeAWS:
             "GetProducts": 20,
             "ListServiceQuotas": 5,
         }
-        self.url = ""
         self._now: datetime | None = None
-        self._lock = threading.RLock()
         self._faults: list[_Fault] = []
         self._scores: dict[tuple[str, str | None, frozenset[str] | None], int] = {}
         self._quotas: dict[tuple[str, str], float] = {}
@@ -503,9 +500,6 @@ class FakeAWS:
         self._type_zones: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
         self._products: tuple[dict[str, Any], ...] = ()
         self._load(prices_csv)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._moto: Any = None  # werkzeug server running moto's app
         self._moto_thread: threading.Thread | None = None
@@ -632,14 +626,6 @@ class FakeAWS:
         with self._lock:
             self._faults.append(_Fault(action, service, region, code, status, message, times))
 
-    def clear_faults(self) -> None:
-        with self._lock:
-            self._faults.clear()
-
-    def reset_calls(self) -> None:
-        with self._lock:
-            self.calls.clear()
-
     def call_count(
         self, service: str | None = None, action: str | None = None, region: str | None = None
     ) -> int:
@@ -748,12 +734,10 @@ class FakeAWS:
         )
         self._moto_thread.start()
         self._moto_url = f"http://127.0.0.1:{self._moto.server_port}"
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        self._thread = threading.Thread(target=loop.run_forever, name="fake-aws", daemon=True)
-        self._thread.start()
-        self.url = asyncio.run_coroutine_threadsafe(self._astart(), loop).result(30)
-        return self
+        return super().start()
+
+    def _application(self) -> web.Application:
+        return web.Application(client_max_size=16 * 1024 * 1024)
 
     async def _astart(self) -> str:
         self._session = aiohttp.ClientSession(
@@ -761,22 +745,10 @@ class FakeAWS:
         )
         async with self._session.post(f"{self._moto_url}/moto-api/reset") as resp:
             resp.raise_for_status()
-        app = web.Application(client_max_size=16 * 1024 * 1024)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                                     shutdown_timeout=1.0)  # in-flight calls of a
-        # finished test (a long-polling SQS receive) must not hold up the next one
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        server = site._server
-        assert isinstance(server, asyncio.Server)
-        port = server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
+        return await super()._astart()
 
     async def _astop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        await super()._astop()
         if self._session is not None:
             await self._session.close()
 
@@ -784,30 +756,13 @@ class FakeAWS:
         for client in self._clients:
             client.close()
         self._clients.clear()
-        loop, self._loop = self._loop, None
-        if loop is not None:
-            asyncio.run_coroutine_threadsafe(self._astop(), loop).result(30)
-            loop.call_soon_threadsafe(loop.stop)
-            assert self._thread is not None
-            self._thread.join(10)
-            loop.close()
+        super().stop()
         if self._moto is not None:
             self._moto.shutdown()
             self._moto.server_close()
             assert self._moto_thread is not None
             self._moto_thread.join(10)
             self._moto = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # -------------------------------------------------------------- routing
     def _classify(self, request: web.Request, body: bytes) -> _Call:
@@ -864,8 +819,7 @@ class FakeAWS:
         if not call.internal:
             with self._lock:
                 self.calls[(call.service, call.action, call.region)] += 1
-            if self.latency is not None:
-                await asyncio.sleep(random.uniform(*self.latency))
+            await self._delay()
             fault = self._take_fault(call)
             if fault is not None:
                 return self._error(call, fault)
@@ -875,19 +829,13 @@ class FakeAWS:
             return self._error(call, err)
 
     def _take_fault(self, call: _Call) -> FakeAWSError | None:
-        with self._lock:
-            for fault in self._faults:
-                if (
-                    fault.action == call.action
-                    and fault.service in (None, call.service)
-                    and fault.region in (None, call.region)
-                    and (fault.remaining is None or fault.remaining > 0)
-                ):
-                    if fault.remaining is not None:
-                        fault.remaining -= 1
-                    code, status = DEFAULT_FAULT[call.service]
-                    return FakeAWSError(fault.code or code, fault.message, fault.status or status)
-        return None
+        fault = self._take(self._faults, lambda f: f.action == call.action
+                           and f.service in (None, call.service)
+                           and f.region in (None, call.region))
+        if fault is None:
+            return None
+        code, status = DEFAULT_FAULT[call.service]
+        return FakeAWSError(fault.code or code, fault.message, fault.status or status)
 
     def _error(self, call: _Call, err: FakeAWSError) -> web.Response:
         request_id = str(uuid.uuid4())

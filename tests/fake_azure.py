@@ -64,24 +64,21 @@ or ``with FakeAzure() as fake: ...``.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import csv
 import hashlib
 import json
 import random
 import re
-import threading
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 from urllib.parse import quote, urlencode
 
 import pytest
 from aiohttp import web
+from fake_server import FakeServer
 
 DEFAULT_PRICES_CSV = Path(__file__).resolve().parents[2] / "shared/data/gpu-prices-azure.csv"
 SUBSCRIPTION_ID = "6f1c2d3e-0000-4000-8000-00000000cafe"
@@ -286,21 +283,20 @@ def _retail_filter(expr: str) -> Callable[[dict[str, Any]], bool]:
     return lambda item: all(t(item) for t in tests)
 
 
-class FakeAzure:
+class FakeAzure(FakeServer[tuple[str, str]]):
     """ARM (Resource SKUs, usages, Resource Graph) and the Retail Prices API behind one
     local URL (see the module doc)."""
 
+    thread_name = "fake-azure"
+
     def __init__(self, *, prices_csv: Path = DEFAULT_PRICES_CSV, seed: int = 7,
                  subscription_id: str = SUBSCRIPTION_ID) -> None:
+        super().__init__()
         self.seed = seed
         self.subscription_id = subscription_id
-        self.url = ""
-        self.latency: tuple[float, float] | None = None
-        self.calls: Counter[tuple[str, str]] = Counter()
         self.authorized = 0
         self.page_size = {"skus": 10, "usages": 8, "prices": 50, "graph": 20}
         self.link_base: str | None = None  # paging links on this host (None: the fake's)
-        self._lock = threading.RLock()
         self._faults: list[_Fault] = []
         # (region, size) -> [on-demand, spot] USD per hour (Linux)
         self._prices: dict[tuple[str, str], list[float | None]] = {}
@@ -308,9 +304,6 @@ class FakeAzure:
         self._usage: dict[tuple[str, str], tuple[int, int]] = {}
         self._eviction: dict[tuple[str, str], str | None] = {}
         self._load(prices_csv)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
 
     # ------------------------------------------------------------------ data
     def _load(self, path: Path) -> None:
@@ -423,59 +416,15 @@ class FakeAzure:
                                        None if retry_after is None else str(retry_after),
                                        times))
 
-    def clear_faults(self) -> None:
-        with self._lock:
-            self._faults.clear()
-
     def reset_calls(self) -> None:
         with self._lock:
-            self.calls.clear()
+            super().reset_calls()
             self.authorized = 0
 
     def call_count(self, api: str | None = None, region: str | None = None) -> int:
         with self._lock:
             return sum(n for (a, r), n in self.calls.items()
                        if (api is None or a == api) and (region is None or r == region))
-
-    # ------------------------------------------------------------ lifecycle
-    def start(self) -> Self:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        self._thread = threading.Thread(target=loop.run_forever, name="fake-azure",
-                                        daemon=True)
-        self._thread.start()
-        self.url = asyncio.run_coroutine_threadsafe(self._astart(), loop).result(30)
-        return self
-
-    async def _astart(self) -> str:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                                     shutdown_timeout=1.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        server = site._server
-        assert isinstance(server, asyncio.Server)
-        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-
-    def stop(self) -> None:
-        loop, self._loop = self._loop, None
-        if loop is None:
-            return
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        assert self._thread is not None
-        self._thread.join(10)
-        loop.close()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
 
     # -------------------------------------------------------------- routing
     _SKUS = re.compile(r"^/subscriptions/([^/]+)/providers/Microsoft\.Compute/skus/?$", re.I)
@@ -518,8 +467,7 @@ class FakeAzure:
             with self._lock:
                 self.calls[(api, region)] += 1
                 self.authorized += "Authorization" in request.headers
-            if self.latency is not None:
-                await asyncio.sleep(random.uniform(*self.latency))
+            await self._delay()
             self._take_fault(api, region)
             if api != "prices" and request.query.get("api-version") is None:
                 raise FakeAzureError(400, "MissingApiVersionParameter",
@@ -536,14 +484,10 @@ class FakeAzure:
                                      status=err.status, headers=err.headers)
 
     def _take_fault(self, api: str, region: str) -> None:
-        with self._lock:
-            for f in self._faults:
-                if f.api == api and f.region in (None, region) and (
-                        f.remaining is None or f.remaining > 0):
-                    if f.remaining is not None:
-                        f.remaining -= 1
-                    headers = {"Retry-After": f.retry_after} if f.retry_after else {}
-                    raise FakeAzureError(f.status, f.code, f.message, headers)
+        f = self._take(self._faults, lambda f: f.api == api and f.region in (None, region))
+        if f is not None:
+            headers = {"Retry-After": f.retry_after} if f.retry_after else {}
+            raise FakeAzureError(f.status, f.code, f.message, headers)
 
     def _check_subscription(self, sub: str) -> None:
         if sub.lower() != self.subscription_id.lower():

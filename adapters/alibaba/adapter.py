@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -59,7 +59,8 @@ import structlog
 from adapters.alibaba import pricing
 from adapters.alibaba.sdk import AlibabaSdk
 from adapters.base import CloudAdapter, run_blocking
-from adapters.errors import AdapterError, InvalidConfig
+from adapters.common import Cached, gather_all, note_optional
+from adapters.errors import InvalidConfig
 from broker.model import Market, Offer, PoolKey, utcnow
 
 log = structlog.get_logger("gpubroker.alibaba")
@@ -92,17 +93,6 @@ class _Type:
     memory_gb: float | None
 
 
-@dataclass(slots=True)
-class _Cached(Generic[V]):
-    value: V
-    at: float = -1e18  # monotonic time of the last full refresh
-    read_at: datetime | None = None  # wall time of that refresh
-    failing: bool = False
-
-    def older_than(self, seconds: float, now: float) -> bool:
-        return now - self.at > seconds
-
-
 @dataclass(frozen=True, slots=True)
 class _Read(Generic[V]):
     """One answer about one instance type, and when it was read."""
@@ -111,23 +101,23 @@ class _Read(Generic[V]):
     at: datetime
 
 
-def _dict() -> _Cached[dict[Any, Any]]:
-    return _Cached({})
+def _dict() -> Cached[dict[Any, Any]]:
+    return Cached({})
 
 
 @dataclass(slots=True)
 class _RegionState:
-    types: _Cached[dict[str, _Type]] = field(default_factory=_dict)
+    types: Cached[dict[str, _Type]] = field(default_factory=_dict)
     # (type, zone, market) -> availability: the pools the region sells
-    stock: _Cached[dict[tuple[str, str, Market], float | None]] = field(default_factory=_dict)
+    stock: Cached[dict[tuple[str, str, Market], float | None]] = field(default_factory=_dict)
     # type -> when its spot price history was last read
-    spot_read: _Cached[dict[str, datetime]] = field(default_factory=_dict)
+    spot_read: Cached[dict[str, datetime]] = field(default_factory=_dict)
     # (type, zone) -> (USD/hour or None, timestamp of that price point)
     spot: dict[tuple[str, str], tuple[float | None, datetime]] = field(default_factory=dict)
-    on_demand: _Cached[dict[str, _Read[float | None]]] = field(default_factory=_dict)
+    on_demand: Cached[dict[str, _Read[float | None]]] = field(default_factory=_dict)
     # type -> zone -> interruptions per hour
-    advice: _Cached[dict[str, _Read[dict[str, float | None]]]] = field(default_factory=_dict)
-    quotas: _Cached[dict[str, float | None]] = field(default_factory=_dict)
+    advice: Cached[dict[str, _Read[dict[str, float | None]]]] = field(default_factory=_dict)
+    quotas: Cached[dict[str, float | None]] = field(default_factory=_dict)
     currency: str | None = None
 
 
@@ -224,18 +214,8 @@ class AlibabaAdapter(CloudAdapter):
 
     def _note_optional(self, region: str, what: str, result: object) -> None:
         """An optional answer failed: keep the last good copy, log on change only."""
-        cached: _Cached[Any] = getattr(self._state[region], _OPTIONAL[what])
-        if isinstance(result, AdapterError):
-            if not cached.failing:
-                log.warning("alibaba partial poll failure, keeping last good copy",
-                            region=region, what=what, error=type(result).__name__,
-                            detail=str(result))
-            cached.failing = True
-        elif isinstance(result, BaseException):
-            raise result
-        elif cached.failing:
-            cached.failing = False
-            log.info("alibaba partial poll recovered", region=region, what=what)
+        note_optional(log, "alibaba", region, what,
+                      getattr(self._state[region], _OPTIONAL[what]), result)
 
     @staticmethod
     def _sold(st: _RegionState, market: Market) -> list[str]:
@@ -246,22 +226,22 @@ class AlibabaAdapter(CloudAdapter):
                      ) -> None:
         infos = await self._run(self.sdk.gpu_instance_types, region)
         types = (_type_of(i) for i in infos if pricing.is_gpu(i) and i.get("InstanceTypeId"))
-        st.types = _Cached({t.name: t for t in types}, mono, now)
+        st.types = Cached({t.name: t for t in types}, mono, now)
 
     async def _stock(self, region: str, st: _RegionState, mono: float, now: datetime
                      ) -> None:
-        od, spot = await _all([self._run(self.sdk.available_resources, region, False),
+        od, spot = await gather_all([self._run(self.sdk.available_resources, region, False),
                                self._run(self.sdk.available_resources, region, True)])
         pools: dict[tuple[str, str, Market], float | None] = {}
         for market, rows in ((Market.ON_DEMAND, od), (Market.SPOT, spot)):
             for zone, itype, status, category in rows:
                 pools[(itype, zone, market)] = pricing.availability_of(status, category)
-        st.stock = _Cached(pools, mono, now)
+        st.stock = Cached(pools, mono, now)
 
     async def _quotas(self, region: str, st: _RegionState, mono: float, now: datetime
                       ) -> None:
         items = await self._run(self.sdk.account_attributes, region, pricing.QUOTA_ATTRIBUTES)
-        st.quotas = _Cached(pricing.attribute_values(items), mono, now, st.quotas.failing)
+        st.quotas = Cached(pricing.attribute_values(items), mono, now, st.quotas.failing)
 
     async def _spot(self, region: str, st: _RegionState, spot_types: list[str],
                     mono: float, now: datetime) -> None:
@@ -277,7 +257,7 @@ class AlibabaAdapter(CloudAdapter):
                                                since)
             return itype, points, currency
 
-        for itype, points, currency in await _all(one(t) for t in wanted):
+        for itype, points, currency in await gather_all(one(t) for t in wanted):
             self._note_currency(region, st, currency)
             for key, (price, ts) in pricing.newest_spot_prices(points).items():
                 prev = st.spot.get(key)
@@ -295,9 +275,9 @@ class AlibabaAdapter(CloudAdapter):
             self._note_currency(region, st, currency)
             return itype, _Read(self._usd(amount, currency), now)
 
-        prices = dict(await _all(one(t) for t in wanted))
+        prices = dict(await gather_all(one(t) for t in wanted))
         if due:
-            st.on_demand = _Cached(prices, mono, now, st.on_demand.failing)
+            st.on_demand = Cached(prices, mono, now, st.on_demand.failing)
         else:
             st.on_demand.value.update(prices)
 
@@ -309,7 +289,7 @@ class AlibabaAdapter(CloudAdapter):
             rates.setdefault(itype, {})[zone] = pricing.interruption_rate(pct, band)
         reads = {t: _Read(z, now) for t, z in rates.items()}
         if due:
-            st.advice = _Cached(reads, mono, now, st.advice.failing)
+            st.advice = Cached(reads, mono, now, st.advice.failing)
         else:
             st.advice.value.update(reads)
 
@@ -366,17 +346,6 @@ class AlibabaAdapter(CloudAdapter):
 def _wanted(cached: Collection[str], offered: list[str], due: bool) -> list[str]:
     """Every offered type when the answer is due, else only those never asked about."""
     return list(offered) if due else [t for t in offered if t not in cached]
-
-
-async def _all(calls: Iterable[Awaitable[T]]) -> list[T]:
-    """Like `asyncio.gather`, but when one call fails it still waits for the others
-    before raising: their SDK calls run on threads, which a cancellation would not stop,
-    and they must not go on retrying after the poll has given up."""
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results  # type: ignore[return-value]
 
 
 def _type_of(info: dict[str, Any]) -> _Type:

@@ -40,17 +40,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
+from types import ModuleType
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_exponential_jitter,
-)
-
+from adapters.common import RetryPolicy, import_sdk
 from adapters.errors import (
     AdapterError,
     AuthFailed,
@@ -59,7 +53,6 @@ from adapters.errors import (
     InvalidConfig,
     QuotaExceeded,
     RateLimited,
-    SdkMissing,
 )
 
 T = TypeVar("T")
@@ -90,14 +83,14 @@ _CONFIG = {"InvalidRegionId.NotFound", "InvalidRegionId.MalFormed", "InvalidRegi
 
 def _tea() -> tuple[Any, Any, Any]:
     """(ECS `Client` class, ECS `models` module, Tea `Config` class)."""
-    try:
-        from alibabacloud_ecs20140526 import models
-        from alibabacloud_ecs20140526.client import Client
-        from alibabacloud_tea_openapi.models import Config
-    except ModuleNotFoundError:
-        raise SdkMissing("Alibaba Cloud support needs alibabacloud-ecs20140526: "
-                         "pip install 'gpubroker[alibaba]'", cloud="alibaba") from None
-    return Client, models, Config
+    def sdk(module: str) -> ModuleType:
+        return import_sdk(module, cloud="alibaba", label="Alibaba Cloud",
+                          package="alibabacloud-ecs20140526")
+
+    models = sdk("alibabacloud_ecs20140526.models")
+    client = sdk("alibabacloud_ecs20140526.client")
+    config = sdk("alibabacloud_tea_openapi.models")
+    return client.Client, models, config.Config
 
 
 def parse_endpoint(url: str) -> tuple[str, str]:
@@ -212,8 +205,8 @@ class AlibabaSdk:
         self._lock = threading.Lock()
         self._warm: set[str] = set()
         self._warm_lock = threading.Lock()
-        self._attempts = attempts
-        self._max_backoff = max_backoff
+        # A `retry_after` beyond the cap is retried after `max_backoff`.
+        self.retry = RetryPolicy(attempts, max_backoff, long_hint="cap")
         self._timeouts = (int(connect_timeout * 1000), int(read_timeout * 1000))
         self._on_call = on_call
 
@@ -249,38 +242,18 @@ class AlibabaSdk:
 
     # --- calls -------------------------------------------------------------------------
 
-    def _wait(self, state: RetryCallState) -> float:
-        """Jittered exponential backoff, or the cloud's `x-acs-retry-after` hint when it
-        gave one (capped at `max_backoff`)."""
-        base = wait_exponential_jitter(multiplier=0.25, max=self._max_backoff,
-                                       jitter=0.25)(state)
-        exc = state.outcome.exception() if state.outcome else None
-        hint = getattr(exc, "retry_after", None)
-        return min(self._max_backoff, max(base, hint)) if hint else base
-
     def _call(self, region: str, op: str, request: Any) -> dict[str, Any]:
         """Call `op` (the SDK method name, e.g. `describe_price`) with `request`, with
         translation and retries of RateLimited / CloudUnavailable. Returns the body as
         the API's PascalCase map."""
         client = self.client(region)
         method = getattr(client, op)
-        retrying = Retrying(
-            stop=stop_after_attempt(self._attempts), wait=self._wait,
-            retry=retry_if_exception(lambda e: isinstance(e, AdapterError) and e.retryable),
-            reraise=True,
-        )
-        for attempt in retrying:
-            with attempt:
-                if self._on_call is not None:
-                    self._on_call(op, region)
-                try:
-                    response = self._first_use(client, lambda: method(request))
-                except Exception as exc:  # translated here; anything unknown re-raised
-                    raise translate(exc, region, op) from exc
-                body: dict[str, Any] = (response.body.to_map()
-                                        if response.body is not None else {})
-                return body
-        raise AssertionError("unreachable")  # pragma: no cover
+        on_call = self._on_call
+        response = self.retry.call(lambda: self._first_use(client, lambda: method(request)),
+                                   lambda exc: translate(exc, region, op),
+                                   None if on_call is None else lambda: on_call(op, region))
+        body: dict[str, Any] = response.body.to_map() if response.body is not None else {}
+        return body
 
     def _first_use(self, client: Any, fn: Callable[[], T]) -> T:
         """Run `fn`, serialising the first call per endpoint: the SDK keeps one

@@ -33,11 +33,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import structlog
@@ -45,12 +45,12 @@ import structlog
 from adapters.aws import pricing
 from adapters.aws.sdk import AwsSdk
 from adapters.base import CloudAdapter, LeasedPools, run_blocking
+from adapters.common import Cached, gather_all, note_optional
 from adapters.errors import AdapterError, InvalidConfig
 from broker.model import CapacitySignal, Market, Offer, PoolKey, SignalKind, utcnow
 
 log = structlog.get_logger("gpubroker.aws")
 T = TypeVar("T")
-V = TypeVar("V")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,23 +78,12 @@ class _Type:
 
 
 @dataclass(slots=True)
-class _Cached(Generic[V]):
-    value: V
-    at: float = -1e18  # monotonic time of the last successful fetch
-    read_at: datetime | None = None  # wall time of that fetch
-    failing: bool = False
-
-    def older_than(self, seconds: float, now: float) -> bool:
-        return now - self.at > seconds
-
-
-@dataclass(slots=True)
 class _RegionState:
-    types: _Cached[dict[str, _Type]] = field(default_factory=lambda: _Cached({}))
-    offerings: _Cached[list[tuple[str, str]]] = field(default_factory=lambda: _Cached([]))
-    on_demand: _Cached[dict[str, float | None]] = field(default_factory=lambda: _Cached({}))
-    scores: _Cached[dict[tuple[str, str], int]] = field(default_factory=lambda: _Cached({}))
-    quotas: _Cached[dict[str, float | None]] = field(default_factory=lambda: _Cached({}))
+    types: Cached[dict[str, _Type]] = field(default_factory=lambda: Cached({}))
+    offerings: Cached[list[tuple[str, str]]] = field(default_factory=lambda: Cached([]))
+    on_demand: Cached[dict[str, float | None]] = field(default_factory=lambda: Cached({}))
+    scores: Cached[dict[tuple[str, str], int]] = field(default_factory=lambda: Cached({}))
+    quotas: Cached[dict[str, float | None]] = field(default_factory=lambda: Cached({}))
     spot: dict[tuple[str, str], tuple[float, datetime]] = field(default_factory=dict)
     spot_since: datetime | None = None
 
@@ -141,7 +130,7 @@ class AwsAdapter(CloudAdapter):
         rf = self._refresh
         if st.types.older_than(rf.instance_types, mono):
             infos = await self._run(self.sdk.gpu_instance_types, region)
-            st.types = _Cached({t.name: t for t in map(_type_of, infos)}, mono, now)
+            st.types = Cached({t.name: t for t in map(_type_of, infos)}, mono, now)
         names = sorted(st.types.value)
         if not names:
             return []
@@ -169,22 +158,12 @@ class AwsAdapter(CloudAdapter):
         """An optional answer failed: keep the last good copy, log on change only."""
         cache = {"on-demand prices": "on_demand", "spot placement scores": "scores",
                  "quotas": "quotas"}[what]
-        cached: _Cached[Any] = getattr(self._state[region], cache)
-        if isinstance(result, AdapterError):
-            if not cached.failing:
-                log.warning("aws partial poll failure, keeping last good copy", region=region,
-                            what=what, error=type(result).__name__, detail=str(result))
-            cached.failing = True
-        elif isinstance(result, BaseException):
-            raise result
-        elif cached.failing:
-            cached.failing = False
-            log.info("aws partial poll recovered", region=region, what=what)
+        note_optional(log, "aws", region, what, getattr(self._state[region], cache), result)
 
     async def _offerings(self, region: str, st: _RegionState, names: list[str],
                          mono: float, now: datetime) -> None:
         pairs = await self._run(self.sdk.offerings, region, names)
-        st.offerings = _Cached(sorted(set(pairs)), mono, now)
+        st.offerings = Cached(sorted(set(pairs)), mono, now)
 
     async def _spot(self, region: str, st: _RegionState, names: list[str],
                     now: datetime) -> None:
@@ -204,8 +183,8 @@ class AwsAdapter(CloudAdapter):
             docs = await self._run(self.sdk.on_demand_products, region, name)
             return name, pricing.on_demand_price(docs, name, region)
 
-        prices = dict(await _all(one(n) for n in names))
-        st.on_demand = _Cached(prices, mono, now)
+        prices = dict(await gather_all(one(n) for n in names))
+        st.on_demand = Cached(prices, mono, now)
 
     async def _scores(self, region: str, st: _RegionState, names: list[str],
                       mono: float, now: datetime) -> None:
@@ -216,15 +195,15 @@ class AwsAdapter(CloudAdapter):
             return {(name, zone_names[z]): s for z, s in by_id.items() if z in zone_names}
 
         scores: dict[tuple[str, str], int] = {}
-        for part in await _all(one(n) for n in names):
+        for part in await gather_all(one(n) for n in names):
             scores.update(part)
-        st.scores = _Cached(scores, mono, now)
+        st.scores = Cached(scores, mono, now)
 
     async def _quotas(self, region: str, st: _RegionState, mono: float, now: datetime
                       ) -> None:
         codes = [c for pair in pricing.QUOTA_CODES.values() for c in pair]
-        values = await _all(self._run(self.sdk.quota, region, c) for c in codes)
-        st.quotas = _Cached(dict(zip(codes, values, strict=True)), mono, now)
+        values = await gather_all(self._run(self.sdk.quota, region, c) for c in codes)
+        st.quotas = Cached(dict(zip(codes, values, strict=True)), mono, now)
 
     def _offers(self, region: str, st: _RegionState, now: datetime) -> list[Offer]:
         out: list[Offer] = []
@@ -327,17 +306,6 @@ class AwsAdapter(CloudAdapter):
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.sdk.close()
-
-
-async def _all(calls: Iterable[Awaitable[T]]) -> list[T]:
-    """Like `asyncio.gather`, but when one call fails it still waits for the others
-    before raising: their SDK calls run on threads, which a cancellation would not stop,
-    and they must not go on retrying after the poll has given up."""
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results  # type: ignore[return-value]
 
 
 def _type_of(info: dict[str, Any]) -> _Type:

@@ -4,7 +4,8 @@ Everything the adapter asks of AWS goes through `AwsSdk`: one method per questio
 blocking (the adapter runs them on its own executor), each returning plain Python data,
 each raising only the typed errors of `adapters.errors`. AWS's own error codes are
 translated here, once (`translate`), and throttling and 5xx are retried here with
-jittered exponential backoff.
+jittered exponential backoff (`adapters.common.RetryPolicy`: never sooner than a
+`RateLimited.retry_after`; one beyond the backoff cap goes up to the poller).
 
 boto3 is imported lazily: gpubroker starts without it, and a missing one reads
 ``AWS support needs boto3: pip install 'gpubroker[aws]'``.
@@ -21,8 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
-
+from adapters.common import RetryPolicy, import_sdk
 from adapters.errors import (
     AdapterError,
     AuthFailed,
@@ -32,7 +32,6 @@ from adapters.errors import (
     PriceTooLow,
     QuotaExceeded,
     RateLimited,
-    SdkMissing,
 )
 
 T = TypeVar("T")
@@ -57,13 +56,9 @@ _CONFIG = {"InvalidRegion", "UnknownRegion"}
 
 
 def _boto() -> tuple[Any, Any]:
-    try:
-        import boto3
-        import botocore
-    except ModuleNotFoundError:
-        raise SdkMissing("AWS support needs boto3: pip install 'gpubroker[aws]'",
-                         cloud="aws") from None
-    return boto3, botocore
+    """(boto3, botocore), imported on first use."""
+    return (import_sdk("boto3", cloud="aws", label="AWS", package="boto3"),
+            import_sdk("botocore", cloud="aws", label="AWS", package="boto3"))
 
 
 def translate(exc: BaseException, region: str = "") -> AdapterError:
@@ -126,8 +121,7 @@ class AwsSdk:
                               **extra)
         self._clients: dict[tuple[str, str], Any] = {}
         self._lock = threading.Lock()
-        self._attempts = attempts
-        self._max_backoff = max_backoff
+        self.retry = RetryPolicy(attempts, max_backoff)
         self._on_call = on_call
 
     def client(self, service: str, region: str) -> Any:
@@ -141,21 +135,9 @@ class AwsSdk:
 
     def _call(self, region: str, op: str, fn: Callable[[], T]) -> T:
         """Run `fn` with translation and retries of RateLimited / CloudUnavailable."""
-        retrying = Retrying(
-            stop=stop_after_attempt(self._attempts),
-            wait=wait_exponential_jitter(multiplier=0.25, max=self._max_backoff, jitter=0.25),
-            retry=retry_if_exception(lambda e: isinstance(e, AdapterError) and e.retryable),
-            reraise=True,
-        )
-        for attempt in retrying:
-            with attempt:
-                if self._on_call is not None:
-                    self._on_call(op, region)
-                try:
-                    return fn()
-                except Exception as exc:  # translated here; anything unknown re-raised
-                    raise translate(exc, region) from exc
-        raise AssertionError("unreachable")  # pragma: no cover
+        on_call = self._on_call
+        return self.retry.call(fn, lambda exc: translate(exc, region),
+                               None if on_call is None else lambda: on_call(op, region))
 
     def _pages(self, service: str, region: str, op: str, **kwargs: Any) -> Iterator[Any]:
         """Every page of a paginated call, each page fetched (and retried) on its own."""

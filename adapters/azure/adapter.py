@@ -37,19 +37,19 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import structlog
 
 from adapters.azure import pricing
 from adapters.azure.sdk import CLOUD, AzureSdk, RetailPrices, check_region
 from adapters.base import CloudAdapter, run_blocking
-from adapters.errors import AdapterError, InvalidConfig
+from adapters.common import Cached, note_optional
+from adapters.errors import InvalidConfig
 from broker.model import Market, Offer, PoolKey, utcnow
 
 log = structlog.get_logger("gpubroker.azure")
 T = TypeVar("T")
-V = TypeVar("V")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,24 +63,13 @@ class Refresh:
 
 
 @dataclass(slots=True)
-class _Cached(Generic[V]):
-    value: V
-    at: float = -1e18  # monotonic time of the last successful fetch
-    read_at: datetime | None = None  # wall time of that fetch
-    failing: bool = False
-
-    def older_than(self, seconds: float, now: float) -> bool:
-        return now - self.at > seconds
-
-
-@dataclass(slots=True)
 class _RegionState:
-    sizes: _Cached[dict[str, pricing.VmSize]] = field(default_factory=lambda: _Cached({}))
-    prices: _Cached[pricing.Prices] = field(
-        default_factory=lambda: _Cached(pricing.Prices({}, {})))
-    quotas: _Cached[dict[str, tuple[float, float]]] = field(
-        default_factory=lambda: _Cached({}))
-    evictions: _Cached[dict[str, float]] = field(default_factory=lambda: _Cached({}))
+    sizes: Cached[dict[str, pricing.VmSize]] = field(default_factory=lambda: Cached({}))
+    prices: Cached[pricing.Prices] = field(
+        default_factory=lambda: Cached(pricing.Prices({}, {})))
+    quotas: Cached[dict[str, tuple[float, float]]] = field(
+        default_factory=lambda: Cached({}))
+    evictions: Cached[dict[str, float]] = field(default_factory=lambda: Cached({}))
 
 
 class AzureAdapter(CloudAdapter):
@@ -147,23 +136,9 @@ class AzureAdapter(CloudAdapter):
             if isinstance(r, BaseException):
                 raise r
         for (what, attr, _), r in zip(optional, results[len(required):], strict=True):
-            self._note_optional(region, what, getattr(st, attr), r)
+            # An optional answer failed: keep the last good copy, log on change only.
+            note_optional(log, CLOUD, region, what, getattr(st, attr), r)
         return self._offers(region, st, now)
-
-    def _note_optional(self, region: str, what: str, cached: _Cached[Any],
-                       result: object) -> None:
-        """An optional answer failed: keep the last good copy, log on change only."""
-        if isinstance(result, AdapterError):
-            if not cached.failing:
-                log.warning("azure partial poll failure, keeping last good copy",
-                            region=region, what=what, error=type(result).__name__,
-                            detail=str(result))
-            cached.failing = True
-        elif isinstance(result, BaseException):
-            raise result
-        elif cached.failing:
-            cached.failing = False
-            log.info("azure partial poll recovered", region=region, what=what)
 
     async def _sizes(self, region: str, st: _RegionState, mono: float, now: datetime
                      ) -> None:
@@ -185,22 +160,22 @@ class AzureAdapter(CloudAdapter):
                 log.warning("azure GPUs capability differs from the size name; using "
                             "the capability", region=region, size=size.name,
                             capability=size.gpu.count, by_name=named)
-        st.sizes = _Cached(sizes, mono, now)
+        st.sizes = Cached(sizes, mono, now)
 
     async def _prices(self, region: str, st: _RegionState, mono: float, now: datetime
                       ) -> None:
         items = await self.retail.vm_prices(region)
-        st.prices = _Cached(pricing.prices_of(items, region), mono, now)
+        st.prices = Cached(pricing.prices_of(items, region), mono, now)
 
     async def _quotas(self, region: str, st: _RegionState, mono: float, now: datetime
                       ) -> None:
         usages = await self._run(self.sdk.usages, region)
-        st.quotas = _Cached(pricing.quotas_of(usages), mono, now)
+        st.quotas = Cached(pricing.quotas_of(usages), mono, now)
 
     async def _evictions(self, region: str, st: _RegionState, mono: float, now: datetime
                          ) -> None:
         rows = await self._run(self.sdk.eviction_rates, region)
-        st.evictions = _Cached(pricing.evictions_of(rows, region), mono, now)
+        st.evictions = Cached(pricing.evictions_of(rows, region), mono, now)
 
     def _offers(self, region: str, st: _RegionState, now: datetime) -> list[Offer]:
         out: list[Offer] = []

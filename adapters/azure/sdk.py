@@ -54,15 +54,8 @@ from typing import Any, TypeVar
 from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 import aiohttp
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    Retrying,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_exponential_jitter,
-)
 
+from adapters.common import RetryPolicy, import_sdk
 from adapters.errors import (
     AdapterError,
     AuthFailed,
@@ -71,7 +64,6 @@ from adapters.errors import (
     InvalidConfig,
     QuotaExceeded,
     RateLimited,
-    SdkMissing,
 )
 
 T = TypeVar("T")
@@ -107,12 +99,8 @@ _NO_CREDENTIALS = ("no usable Azure credentials in DefaultAzureCredential's chai
 
 def _azure() -> ModuleType:
     """azure.mgmt.compute, imported on first use."""
-    try:
-        import azure.mgmt.compute as compute
-    except ModuleNotFoundError:
-        raise SdkMissing("Azure support needs azure-mgmt-compute: pip install "
-                         "'gpubroker[azure]'", cloud=CLOUD) from None
-    return compute
+    return import_sdk("azure.mgmt.compute", cloud=CLOUD, label="Azure",
+                      package="azure-mgmt-compute")
 
 
 # --- errors ------------------------------------------------------------------------
@@ -199,39 +187,7 @@ def translate(exc: BaseException, region: str = "") -> AdapterError:
     raise exc
 
 
-# --- retries, paging links -----------------------------------------------------------
-
-class RetryPolicy:
-    """Attempts and jittered exponential backoff for RateLimited / CloudUnavailable,
-    never shorter than a `retry_after`; a `retry_after` beyond `max_backoff` is left to
-    the caller (no retry here)."""
-
-    def __init__(self, attempts: int = 4, max_backoff: float = 8.0) -> None:
-        self.attempts = attempts
-        self.max_backoff = max_backoff
-
-    def _retry(self, exc: BaseException) -> bool:
-        if not (isinstance(exc, AdapterError) and exc.retryable):
-            return False
-        return not (isinstance(exc, RateLimited) and exc.retry_after is not None
-                    and exc.retry_after > self.max_backoff)
-
-    def _wait(self, state: RetryCallState) -> float:
-        base: float = wait_exponential_jitter(multiplier=0.25, max=self.max_backoff,
-                                              jitter=0.25)(state)
-        exc = state.outcome.exception() if state.outcome is not None else None
-        if isinstance(exc, RateLimited) and exc.retry_after:
-            return max(base, exc.retry_after)
-        return base
-
-    def sync(self) -> Retrying:
-        return Retrying(stop=stop_after_attempt(self.attempts), wait=self._wait,
-                        retry=retry_if_exception(self._retry), reraise=True)
-
-    def async_(self) -> AsyncRetrying:
-        return AsyncRetrying(stop=stop_after_attempt(self.attempts), wait=self._wait,
-                             retry=retry_if_exception(self._retry), reraise=True)
-
+# --- paging links ---------------------------------------------------------------------
 
 def rebase(link: str, base: str | None) -> str:
     """A paging link moved onto the configured endpoint (scheme and host only)."""
@@ -307,12 +263,9 @@ class AzureSdk:
             credential = _NoCredential()
             extra["authentication_policy"] = SansIOHTTPPolicy()
         else:
-            try:
-                from azure.identity import DefaultAzureCredential
-            except ModuleNotFoundError:
-                raise SdkMissing("Azure support needs azure-identity: pip install "
-                                 "'gpubroker[azure]'", cloud=CLOUD) from None
-            credential = self._credential = DefaultAzureCredential()
+            identity = import_sdk("azure.identity", cloud=CLOUD, label="Azure",
+                                  package="azure-identity")
+            credential = self._credential = identity.DefaultAzureCredential()
         session = requests.Session()
         pool = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=max_connections)
         session.mount("https://", pool)
@@ -327,15 +280,9 @@ class AzureSdk:
 
     def _call(self, region: str, op: str, fn: Callable[[], T]) -> T:
         """Run `fn` with translation and retries of RateLimited / CloudUnavailable."""
-        for attempt in self.retry.sync():
-            with attempt:
-                if self._on_call is not None:
-                    self._on_call(op, region)
-                try:
-                    return fn()
-                except Exception as exc:  # translated here; anything unknown re-raised
-                    raise translate(exc, region) from exc
-        raise AssertionError("unreachable")  # pragma: no cover
+        on_call = self._on_call
+        return self.retry.call(fn, lambda exc: translate(exc, region),
+                               None if on_call is None else lambda: on_call(op, region))
 
     def _pages(self, region: str, op: str, start: Callable[[], Any]
                ) -> Iterator[list[dict[str, Any]]]:

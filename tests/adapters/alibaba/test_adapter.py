@@ -33,7 +33,7 @@ def adapter_on(fake: FakeAlibaba, regions: list[str] | None = None, **kwargs: An
                ) -> AlibabaAdapter:
     a = AlibabaAdapter(regions=regions or [REGION], endpoint=fake.url, anonymous=True,
                        usd_per_cny=RATE, **kwargs)
-    a.sdk._max_backoff = 0.05  # keep tests fast; the schedule is what is tested
+    a.sdk.retry.max_backoff = 0.05  # keep tests fast; the schedule is what is tested
     return a
 
 

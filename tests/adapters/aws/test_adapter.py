@@ -101,7 +101,7 @@ async def test_throttling_is_retried(fake_aws: FakeAWS, adapter: AwsAdapter) -> 
 
 async def test_an_api_that_stays_down_fails_the_poll_typed(fake_aws: FakeAWS) -> None:
     a = AwsAdapter(regions=[REGION], endpoint=fake_aws.url)
-    a.sdk._max_backoff = 0.05  # keep the test fast; the schedule is what is tested
+    a.sdk.retry.max_backoff = 0.05  # keep the test fast; the schedule is what is tested
     try:
         fake_aws.fail("DescribeInstanceTypes", code="InternalError", status=500, times=None)
         with pytest.raises(CloudUnavailable):
@@ -121,7 +121,7 @@ async def test_an_api_that_stays_down_fails_the_poll_typed(fake_aws: FakeAWS) ->
 async def test_optional_answers_keep_the_last_good_copy(fake_aws: FakeAWS) -> None:
     a = AwsAdapter(regions=[REGION], endpoint=fake_aws.url,
                    refresh=Refresh(on_demand=0, placement_scores=0, quotas=0))
-    a.sdk._max_backoff = 0.05
+    a.sdk.retry.max_backoff = 0.05
     try:
         good = by_key(await a.poll(REGION))
         fake_aws.fail("GetProducts", times=None)
@@ -140,7 +140,7 @@ async def test_optional_answers_keep_the_last_good_copy(fake_aws: FakeAWS) -> No
 async def test_without_any_price_copy_on_demand_is_listed_unpriced(fake_aws: FakeAWS
                                                                    ) -> None:
     a = AwsAdapter(regions=[REGION], endpoint=fake_aws.url)
-    a.sdk._max_backoff = 0.05
+    a.sdk.retry.max_backoff = 0.05
     try:
         fake_aws.fail("GetProducts", times=None)
         offers = await a.poll(REGION)

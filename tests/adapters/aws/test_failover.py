@@ -99,7 +99,7 @@ async def test_an_aws_api_outage_is_not_a_capacity_loss(
                             {"request_id": "j1", "gpu": "L4", "gpus": 1})
         decided = payload_json(await probe.wait_for(f"{PREFIX}/events/s1/placement.decided"))
         adapter = daemon.adapter("aws")
-        adapter.sdk._max_backoff = 0.05  # type: ignore[attr-defined]
+        adapter.sdk.retry.max_backoff = 0.05  # type: ignore[attr-defined]
         fake_aws.fail("DescribeSpotPriceHistory", code="InternalError", status=500, times=None)
         [result] = await daemon.poller.poll_all()
         assert result.error is not None

@@ -1,0 +1,162 @@
+"""What every cloud adapter does the same way, written once.
+
+* `Cached` — one cached answer: its value, when it was fetched (monotonic and wall time)
+  and whether its last refresh failed.
+* `note_optional` — an optional answer failed: keep the last good copy, log once when it
+  starts failing and once when it recovers (not on every poll).
+* `gather_all` — `asyncio.gather` that waits for every call before raising, so that SDK
+  calls running on threads are not orphaned (and do not go on retrying) when one fails.
+* `RetryPolicy` — the SDK seams' retries: `RateLimited` / `CloudUnavailable` (any
+  `AdapterError` that is `retryable`) with jittered exponential backoff, never sooner
+  than the cloud's `RateLimited.retry_after` up to the backoff cap.
+* `import_sdk` — a heavy SDK imported lazily; a missing one raises `SdkMissing` naming
+  the extra to install.
+
+This module imports only `adapters.errors`, `broker.model` and third-party libraries, so
+that every adapter may import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from types import ModuleType
+from typing import Any, Generic, Literal, TypeVar
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+from adapters.errors import AdapterError, RateLimited, SdkMissing
+
+T = TypeVar("T")
+V = TypeVar("V")
+
+
+# --- cached answers ------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Cached(Generic[V]):
+    """One cached answer of a cloud, and when it was fetched."""
+
+    value: V
+    at: float = -1e18  # monotonic time of the last successful fetch (never: long ago)
+    read_at: datetime | None = None  # wall time of that fetch
+    failing: bool = False  # the last refresh failed (logged once, see `note_optional`)
+
+    def older_than(self, seconds: float, now: float) -> bool:
+        """Whether the answer is more than `seconds` old at monotonic time `now`."""
+        return now - self.at > seconds
+
+
+def note_optional(log: Any, cloud: str, region: str, what: str, cached: Cached[Any],
+                  result: object) -> None:
+    """Record the outcome `result` of refreshing the optional answer `cached` (`what`,
+    e.g. "quotas"): an `AdapterError` keeps the last good copy and logs a warning, once,
+    when it starts failing; success after failures logs "recovered", once. Any other
+    exception is re-raised: it is a bug, not a cloud failure."""
+    if isinstance(result, AdapterError):
+        if not cached.failing:
+            log.warning(f"{cloud} partial poll failure, keeping last good copy",
+                        region=region, what=what, error=type(result).__name__,
+                        detail=str(result))
+        cached.failing = True
+    elif isinstance(result, BaseException):
+        raise result
+    elif cached.failing:
+        cached.failing = False
+        log.info(f"{cloud} partial poll recovered", region=region, what=what)
+
+
+async def gather_all(calls: Iterable[Awaitable[T]]) -> list[T]:
+    """Like `asyncio.gather`, but when one call fails it still waits for the others
+    before raising (the first failure, in call order): their SDK calls run on threads,
+    which a cancellation would not stop, and they must not go on retrying after the poll
+    has given up."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]
+
+
+# --- retries -------------------------------------------------------------------------
+
+class RetryPolicy:
+    """Attempts and jittered exponential backoff (0.25 s doubling, ± 0.25 s, at most
+    `max_backoff`) for any `AdapterError` that is `retryable`; a wait is never shorter
+    than a `RateLimited.retry_after`, up to `max_backoff`.
+
+    `long_hint` says what to do with a `retry_after` beyond `max_backoff`: ``"raise"``
+    (the default) does not retry, so the `RateLimited` goes up to the poller, which
+    waits it out; ``"cap"`` retries after `max_backoff`.
+
+    The attributes may be changed after construction (tests shorten `max_backoff`)."""
+
+    def __init__(self, attempts: int = 4, max_backoff: float = 8.0, *,
+                 long_hint: Literal["raise", "cap"] = "raise") -> None:
+        self.attempts = attempts
+        self.max_backoff = max_backoff
+        self.long_hint = long_hint
+
+    def retryable(self, exc: BaseException) -> bool:
+        """Whether `exc` is retried here."""
+        if not (isinstance(exc, AdapterError) and exc.retryable):
+            return False
+        return not (self.long_hint == "raise" and isinstance(exc, RateLimited)
+                    and exc.retry_after is not None and exc.retry_after > self.max_backoff)
+
+    def wait(self, state: RetryCallState) -> float:
+        """Seconds before the next attempt."""
+        base: float = wait_exponential_jitter(multiplier=0.25, max=self.max_backoff,
+                                              jitter=0.25)(state)
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, RateLimited) and exc.retry_after:
+            return min(self.max_backoff, max(base, exc.retry_after))
+        return base
+
+    def sync(self) -> Retrying:
+        """A tenacity `Retrying` for blocking calls (re-raises the last error)."""
+        return Retrying(stop=stop_after_attempt(self.attempts), wait=self.wait,
+                        retry=retry_if_exception(self.retryable), reraise=True)
+
+    def async_(self) -> AsyncRetrying:
+        """A tenacity `AsyncRetrying` for coroutines (re-raises the last error)."""
+        return AsyncRetrying(stop=stop_after_attempt(self.attempts), wait=self.wait,
+                             retry=retry_if_exception(self.retryable), reraise=True)
+
+    def call(self, fn: Callable[[], T], translate: Callable[[Exception], AdapterError],
+             on_attempt: Callable[[], None] | None = None) -> T:
+        """Run the blocking `fn` with retries: each attempt first calls `on_attempt`
+        (call counting), and any exception `fn` raises goes through `translate` (the
+        cloud's error table, which re-raises what it does not know)."""
+        for attempt in self.sync():
+            with attempt:
+                if on_attempt is not None:
+                    on_attempt()
+                try:
+                    return fn()
+                except Exception as exc:  # translated here; anything unknown re-raised
+                    raise translate(exc) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+# --- lazy SDK imports ----------------------------------------------------------------
+
+def import_sdk(module: str, *, cloud: str, label: str, package: str) -> ModuleType:
+    """`module`, imported on first use. When it is missing, `SdkMissing` reads
+    ``<label> support needs <package>: pip install 'gpubroker[<cloud>]'``."""
+    try:
+        importlib.import_module(module.partition(".")[0])  # the package itself, first
+        return importlib.import_module(module)
+    except ModuleNotFoundError:
+        raise SdkMissing(f"{label} support needs {package}: pip install "
+                         f"'gpubroker[{cloud}]'", cloud=cloud) from None
