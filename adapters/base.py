@@ -23,6 +23,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from concurrent.futures import Executor
+from datetime import datetime
 from typing import ClassVar, ParamSpec, TypeVar
 
 from broker.model import CapacitySignal, Offer, PoolKey
@@ -78,6 +79,14 @@ class CloudAdapter(ABC):
         await asyncio.Event().wait()
         return
         yield  # pragma: no cover - makes this an async generator
+
+    def note_launch_failure(self, pool: PoolKey, detail: str,
+                            at: datetime | None = None) -> bool:
+        """A scheduler could not launch into `pool` (`detail` is the cloud's error code or
+        message, from a `launch_failed` report). Clouds whose APIs never show stock-outs
+        (GCP) lower the pool's availability for a while when `detail` names one. Returns
+        whether the adapter took it into account. Never raises; the default ignores it."""
+        return False
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release clients, sessions and threads. Never raises."""

@@ -29,6 +29,7 @@ from broker.model import (
     Lease,
     LeaseState,
     PlaceRequest,
+    PoolKey,
     iso,
     utcnow,
 )
@@ -93,6 +94,7 @@ class Broker:
         self._expiry_changed = asyncio.Event()
         self.observers: list[Observer] = []
         self.decision_latency: Callable[[float], None] | None = None
+        self.on_launch_failed: Callable[[PoolKey, str], None] | None = None
         self._resident = Residency(policy.residency.tags)
         self._moves: dict[str, list[datetime]] = {}  # lease_id -> failover times (anti-flap)
         pool.subscribe(self._on_pool_change)
@@ -391,6 +393,8 @@ class Broker:
         detail = f"scheduler reported {parsed.kind}"
         if parsed.detail:
             detail += f": {parsed.detail}"
+        if parsed.kind == "launch_failed" and self.on_launch_failed is not None:
+            self.on_launch_failed(lease.placement.pool, parsed.detail or "")
         trigger = failover.Trigger(lease.lease_id, lease.epoch, FailoverReason.REPORTED,
                                    detail, cool_down=True)
         self._fail_over_into(b, trigger)

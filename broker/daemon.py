@@ -31,7 +31,7 @@ from broker.events import Envelopes, Messages, Topics, dumps
 from broker.http import serve
 from broker.leases import LeaseBook
 from broker.metrics import Metrics, state_gauges
-from broker.model import utcnow
+from broker.model import PoolKey, utcnow
 from broker.poller import Poller, PollResult
 from broker.pool import ResourcePool, SliceId
 from broker.sdnotify import Notifier, watchdog_seconds
@@ -86,6 +86,7 @@ class Daemon:
         self.metrics.watch(lambda: state_gauges(self))
         self.broker.observers.append(self.metrics.observe_event)
         self.broker.decision_latency = self.metrics.decision_seconds.observe
+        self.broker.on_launch_failed = self._launch_failed
         self.notifier = Notifier()
         self.http_token: bytes | None = None
         if cfg.http.token_file is not None:
@@ -180,6 +181,12 @@ class Daemon:
             forced = self._reload.is_set()
             self._reload.clear()
             await self.reload_policy(forced=forced)
+
+    def _launch_failed(self, pool: PoolKey, detail: str) -> None:
+        """Tell the pool's cloud a launch failed there (GCP learns stock-outs this way)."""
+        for adapter in self.adapters:
+            if adapter.name == pool.cloud and adapter.note_launch_failure(pool, detail):
+                log.info("stock-out noted", pool=str(pool), detail=detail)
 
     def adapter(self, name: str) -> CloudAdapter:
         return next(a for a in self.adapters if a.name == name)

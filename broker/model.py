@@ -32,6 +32,8 @@ GPU_MODELS: MappingProxyType[str, GpuModel] = MappingProxyType({m.name: m for m 
     GpuModel("A10", 24),
     GpuModel("A10G", 24),
     GpuModel("L40S", 48),
+    GpuModel("P4", 8),
+    GpuModel("P100", 16),
     GpuModel("V100-16GB", 16),
     GpuModel("V100-32GB", 32),
     GpuModel("A100-40GB", 40),

@@ -1,0 +1,320 @@
+"""The GCP adapter: GPU machine types and N1 + GPU shapes per zone, Spot and on-demand
+prices from the Cloud Billing Catalog, GPU quotas, and stock-outs reported to it.
+
+What one poll of a region asks, and how often (everything through `GcpSdk`, on the
+adapter's own thread pool, so one slow API never blocks the event loop):
+
+* the region — `RegionsClient.get`: its zones and its quotas (`NVIDIA_*_GPUS`,
+  `PREEMPTIBLE_NVIDIA_*_GPUS`, limit and usage); every poll; required (it is also what
+  tells a healthy region from a failing one).
+* each zone's inventory — `MachineTypesClient.list` (filtered to the GPU series and the
+  N1 machines of the N1 + GPU shapes, paged) and `AcceleratorTypesClient.list` (paged);
+  every 6 h; required. Zones known from an earlier poll are refreshed alongside the
+  region call.
+* prices — `CloudCatalogClient.list_skus` for Compute Engine (`6F81-5844-456A`, paged);
+  every 6 h; shared by all regions (one read at a time, on a task of its own that a
+  poll's timeout does not cancel); optional: while a copy exists a poll never waits for
+  a new read, the very first read is waited for at most 20 s, and a failed read keeps
+  the last good copy. Offers the catalog cannot price are listed with
+  `price_per_hour=None`.
+* the project's `GPUS_ALL_REGIONS` quota — `ProjectsClient.get`; at most every 30 s,
+  shared by all regions; optional.
+
+So the first poll of a region costs one region call, two paged lists per zone and (once
+for all regions) the catalog pages and one project call; a steady-state poll costs one
+`regions.get` per region and one `projects.get` per poll round.
+
+**Prices and `observed_at`.** GCP's Spot prices change at most once a day and on-demand
+prices rarely, and the catalog is the only place to read either: every offer's
+`observed_at` is the time the catalog copy it was priced from was read (up to 6 h ago),
+not the time of the poll.
+
+**Capacity.** Compute Engine's polling APIs publish no capacity signal: `availability`
+is None — except for a pool a stock-out (`ZONE_RESOURCE_POOL_EXHAUSTED`,
+`ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS`) was seen on lately, which the daemon reports
+with `note_stockout` / `note_launch_failure`: availability 0, recovering over the next
+hour (`pricing.StockoutDecay`). `quota_headroom` is the smaller of the regional
+per-model and the project-wide GPU headroom (`pricing.quota_headroom`).
+
+A poll that fails raises a typed error: the poller marks the region unhealthy and its
+offers age until stale — which is not "no capacity", so an API that blinks causes no
+failovers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Generic, TypeVar
+
+import structlog
+
+from adapters.base import CloudAdapter, run_blocking
+from adapters.common import Cached, gather_all, note_optional
+from adapters.errors import AdapterError, InvalidConfig
+from adapters.gcp import pricing
+from adapters.gcp.pricing import PriceIndex, Shape, StockoutDecay
+from adapters.gcp.sdk import GcpSdk, Quota, RegionInfo, is_stockout
+from broker.model import Market, Offer, PoolKey, utcnow
+
+log = structlog.get_logger("gpubroker.gcp")
+CLOSE_WAIT_SECONDS = 5.0
+ALL_REGIONS = "*"  # the region named in logs about the answers all regions share
+T = TypeVar("T")
+V = TypeVar("V")
+
+
+@dataclass(frozen=True, slots=True)
+class Refresh:
+    """How old each cached answer may get, in seconds."""
+
+    region: float = 0.0  # zones and regional quotas: every poll (0)
+    project_quotas: float = 30.0  # GPUS_ALL_REGIONS: once per poll round
+    inventory: float = 6 * 3600  # machine types and accelerator types, per zone
+    catalog: float = 6 * 3600  # Billing Catalog SKUs
+    first_catalog_wait: float = 20.0  # how long a poll waits for the very first catalog
+
+
+@dataclass(slots=True)
+class _RegionState:
+    info: Cached[RegionInfo | None] = field(default_factory=lambda: Cached(None))
+    zones: dict[str, Cached[tuple[Shape, ...]]] = field(default_factory=dict)
+
+
+class _Shared(Generic[V]):
+    """An answer every region's poll shares (the catalog, the project's quotas): read by
+    one task at a time, on a task of its own so that a poll that times out does not
+    cancel it. A failed read keeps the last good copy and is logged once."""
+
+    def __init__(self, what: str, empty: V, mono: Callable[[], float],
+                 clock: Callable[[], datetime]) -> None:
+        self.what = what
+        self.cache: Cached[V] = Cached(empty)
+        self._task: asyncio.Task[None] | None = None
+        self._mono = mono
+        self._clock = clock
+
+    def start(self, fetch: Callable[[], Awaitable[V]], max_age: float
+              ) -> asyncio.Task[None] | None:
+        """Start a read if the copy is older than `max_age` and none is running; the read
+        in flight, if any."""
+        if self._task is None and self.cache.older_than(max_age, self._mono()):
+            self._task = asyncio.create_task(self._read(fetch), name=f"gcp {self.what}")
+        return self._task
+
+    async def _read(self, fetch: Callable[[], Awaitable[V]]) -> None:
+        try:
+            value = await fetch()
+        except AdapterError as exc:
+            note_optional(log, "gcp", ALL_REGIONS, self.what, self.cache, exc)
+        else:
+            note_optional(log, "gcp", ALL_REGIONS, self.what, self.cache, value)
+            self.cache = Cached(value, self._mono(), self._clock())
+        finally:
+            self._task = None
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+class GcpAdapter(CloudAdapter):
+    name = "gcp"
+
+    def __init__(self, *, regions: Sequence[str], project: str | None = None,
+                 endpoint: str | None = None, anonymous: bool = False,
+                 refresh: Refresh | None = None, stockout: StockoutDecay | None = None,
+                 max_workers: int | None = None, attempts: int = 4,
+                 max_backoff: float = 8.0,
+                 clock: Callable[[], datetime] = utcnow,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 on_call: Callable[[str, str], None] | None = None) -> None:
+        if not regions:
+            raise InvalidConfig("clouds.gcp.regions is empty: list the regions to poll",
+                                cloud="gcp")
+        if anonymous and not project:
+            raise InvalidConfig("clouds.gcp.project is required with anonymous: true (there "
+                                "are no credentials to take a default project from)",
+                                cloud="gcp")
+        self._regions = list(dict.fromkeys(regions))
+        self._refresh = refresh or Refresh()
+        self._decay = stockout or StockoutDecay()
+        self._clock = clock
+        self._mono = monotonic
+        self.sdk = GcpSdk(project=project, endpoint=endpoint, anonymous=anonymous,
+                          attempts=attempts, max_backoff=max_backoff, on_call=on_call)
+        # SDK calls wait on the network: a region's first poll runs two list calls per
+        # zone at once (up to ~5 zones), beside the region call and the shared reads.
+        workers = max_workers or min(96, 12 * len(self._regions) + 4)
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcp")
+        self._state = {r: _RegionState() for r in self._regions}
+        self._catalog: _Shared[PriceIndex] = _Shared("prices", {}, monotonic, clock)
+        self._project: _Shared[dict[str, Quota]] = _Shared("project quotas", {}, monotonic,
+                                                           clock)
+        self._stockouts: dict[PoolKey, datetime] = {}
+
+    def regions(self) -> Sequence[str]:
+        return self._regions
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await run_blocking(self._executor, fn, *args)
+
+    # --- poll ----------------------------------------------------------------------
+
+    async def poll(self, region: str) -> list[Offer]:
+        st = self._state.get(region)
+        if st is None:
+            raise InvalidConfig(f"region {region!r} is not configured", cloud="gcp",
+                                region=region)
+        rf = self._refresh
+        waits: list[asyncio.Future[None]] = []
+        catalog = self._catalog.start(self._read_catalog, rf.catalog)
+        if catalog is not None and self._catalog.cache.read_at is None:
+            # no copy yet: wait for the first, a while
+            waits.append(asyncio.ensure_future(self._first_prices(catalog)))
+        project = self._project.start(self._read_project, rf.project_quotas)
+        if project is not None:
+            waits.append(asyncio.shield(project))
+        try:
+            await self._inventory(region, st)
+            for wait in waits:
+                await wait
+        except BaseException:
+            for wait in waits:  # the waits only: the shared reads go on for the next poll
+                wait.cancel()
+            raise
+        return self._offers(region, st, self._clock())
+
+    async def _inventory(self, region: str, st: _RegionState) -> None:
+        """The region's zones and quotas, and the inventory of each zone that is due."""
+        rf, mono = self._refresh, self._mono()
+
+        def due() -> list[str]:
+            return [z for z, c in st.zones.items() if c.older_than(rf.inventory, mono)]
+
+        known = due()
+        calls = [self._zone(z, st) for z in known]
+        if rf.region <= 0 or st.info.older_than(rf.region, mono):
+            calls.insert(0, self._region(region, st))
+        await gather_all(calls)
+        await gather_all(self._zone(z, st) for z in due() if z not in known)
+
+    async def _region(self, region: str, st: _RegionState) -> None:
+        info = await self._run(self.sdk.region, region)
+        st.info = Cached(info, self._mono(), self._clock())
+        for zone in info.zones:
+            st.zones.setdefault(zone, Cached(()))
+        for zone in [z for z in st.zones if z not in info.zones]:
+            del st.zones[zone]
+
+    async def _zone(self, zone: str, st: _RegionState) -> None:
+        calls: list[Awaitable[Any]] = [
+            self._run(self.sdk.machine_types, zone, pricing.machine_type_filter()),
+            self._run(self.sdk.accelerator_types, zone)]
+        machines, accelerators = await gather_all(calls)
+        if zone in st.zones:  # not dropped by a region answer meanwhile
+            st.zones[zone] = Cached(tuple(pricing.shapes(machines, accelerators)),
+                                     self._mono(), self._clock())
+
+    async def _first_prices(self, read: asyncio.Task[None]) -> None:
+        try:
+            async with asyncio.timeout(self._refresh.first_catalog_wait):
+                await asyncio.shield(read)
+        except TimeoutError:
+            log.info("gcp price catalog still loading: offers unpriced until it is")
+
+    async def _read_catalog(self) -> PriceIndex:
+        skus = await self._run(self.sdk.skus)
+        return await self._run(pricing.index_skus, skus)
+
+    async def _read_project(self) -> dict[str, Quota]:
+        return await self._run(self.sdk.project_quotas)
+
+    async def refresh_prices(self) -> None:
+        """Read the Billing Catalog now, or wait for the read in flight. Never raises an
+        AdapterError: a failed read keeps the last good copy."""
+        task = self._catalog.start(self._read_catalog, 0.0)
+        if task is not None:
+            await asyncio.shield(task)
+
+    def _offers(self, region: str, st: _RegionState, now: datetime) -> list[Offer]:
+        index = self._catalog.cache.value
+        observed = self._catalog.cache.read_at or now
+        regional = st.info.value.quotas if st.info.value is not None else {}
+        all_regions = self._project.cache.value.get(pricing.GLOBAL_GPU_QUOTA)
+        self._forget_stockouts(now)
+        out: list[Offer] = []
+        for zone, cached in sorted(st.zones.items()):
+            for shape in cached.value:
+                gpu, memory, known = pricing.gpu_of(shape.accelerator)
+                for market in (Market.ON_DEMAND, Market.SPOT):
+                    pool = PoolKey("gcp", region, zone, shape.instance_type, market)
+                    out.append(Offer(
+                        pool=pool, gpu=gpu, gpus=shape.gpus, gpu_memory_gb=memory,
+                        vcpus=shape.vcpus, memory_gb=round(shape.memory_gib, 1),
+                        price_per_hour=pricing.vm_price(index, region, market, shape),
+                        observed_at=observed, availability=self._availability(pool, now),
+                        quota_headroom=pricing.quota_headroom(regional, all_regions,
+                                                              shape.accelerator, market),
+                        gpu_known=known))
+        return out
+
+    # --- stock-outs ----------------------------------------------------------------------
+
+    def note_stockout(self, pool: PoolKey, at: datetime | None = None) -> None:
+        """Record that launching into `pool` failed for want of capacity at `at` (now if
+        not given): its availability drops to 0 and recovers over `StockoutDecay`.
+
+        GCP's polling APIs never report stock-outs; they surface only on a launch
+        (`ZONE_RESOURCE_POOL_EXHAUSTED*`), so whoever sees one — the daemon, on a
+        scheduler's `launch_failed` report — tells the adapter."""
+        if pool.cloud != self.name or pool.region not in self._state:
+            return
+        at = at or self._clock()
+        if pool not in self._stockouts or at > self._stockouts[pool]:
+            self._stockouts[pool] = at
+            log.info("gcp stock-out noted", pool=str(pool))
+
+    def note_launch_failure(self, pool: PoolKey, detail: str,
+                            at: datetime | None = None) -> bool:
+        """`note_stockout` if `detail` (an error code or message) names a GCP stock-out;
+        returns whether it did."""
+        if not is_stockout(detail):
+            return False
+        self.note_stockout(pool, at)
+        return True
+
+    def _availability(self, pool: PoolKey, now: datetime) -> float | None:
+        at = self._stockouts.get(pool)
+        return None if at is None else self._decay.availability((now - at).total_seconds())
+
+    def _forget_stockouts(self, now: datetime) -> None:
+        horizon = now - timedelta(seconds=self._decay.window)
+        for pool in [p for p, at in self._stockouts.items() if at <= horizon]:
+            del self._stockouts[pool]
+
+    async def close(self) -> None:
+        """Stop the shared reads and the SDK calls (no next page, no retry), wait a little
+        for the calls on the wire to end, then close the clients."""
+        self.sdk.stop()
+        await self._catalog.close()
+        await self._project.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        try:
+            async with asyncio.timeout(CLOSE_WAIT_SECONDS):
+                await asyncio.to_thread(self._executor.shutdown, True)
+        except TimeoutError:
+            log.warning("gcp calls still running at close: their threads finish on their own")
+        self.sdk.close()
+
+
+def from_config(section: Any, **kwargs: Any) -> GcpAdapter:
+    """Build the adapter from the daemon configuration's `clouds.gcp` section."""
+    return GcpAdapter(regions=section.regions, project=section.project,
+                      endpoint=section.endpoint, anonymous=section.anonymous, **kwargs)

@@ -1,0 +1,353 @@
+"""Reading Google Cloud's answers: GPU names, machine shapes, Billing Catalog SKUs, quotas,
+stock-outs.
+
+Pure functions over plain data, so each mapping has a table-driven test.
+
+**What is offered.** Machine types with built-in GPUs (`accelerators[]` of the machine
+types API: a2, a3, a4, g2 ...) are offered as they are. GPUs attached to N1 machines
+(T4, V100, P100, P4) are offered in the common shapes only: 1, 2, 4 and 8 GPUs (up to the
+zone's `maximumCardsPerInstance`), each on the N1 standard machine with **8 vCPUs per
+GPU** (`n1-standard-8` for one GPU, `-16` for two, `-32` for four, `-64` for eight;
+30 GB RAM per GPU), which every one of those GPUs accepts. Such an offer's instance
+type is ``<machine type>+<accelerator type>x<count>``, e.g.
+``n1-standard-16+nvidia-tesla-t4x2`` (`split_instance_type` reads it back).
+
+**What it costs.** The Cloud Billing Catalog prices a VM by its parts: a vCPU SKU per
+vCPU-hour and a RAM SKU per GiB-hour of the machine series (`A2 Instance Core running in
+Iowa`, `N1 Predefined Instance Ram running in Americas` ...) plus a GPU SKU per GPU-hour
+(`Nvidia Tesla A100 GPU running in ...`), each `OnDemand` or `Preemptible` (= Spot), each
+valid in the regions of its `serviceRegions`. A VM's price is the sum of the three for its
+region and market; if any part has no SKU the price is unknown (`None`) and the offer is
+still listed. SKUs for commitments, sole tenancy, custom shapes, reservations, virtual
+workstations and DWS are never matched: only descriptions of the exact shapes below are.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from adapters.gcp.sdk import AcceleratorType, MachineType, Quota
+from adapters.gpus import canonical
+from broker.model import Market
+
+# --- GPUs ------------------------------------------------------------------------------
+
+GPU_MEMORY_GB: Mapping[str, float] = {
+    # accelerator type -> GB per GPU (not in the API; https://cloud.google.com/compute/docs/gpus)
+    "nvidia-tesla-t4": 16,
+    "nvidia-tesla-v100": 16,
+    "nvidia-tesla-p100": 16,
+    "nvidia-tesla-p4": 8,
+    "nvidia-tesla-a100": 40,
+    "nvidia-a100-80gb": 80,
+    "nvidia-l4": 24,
+    "nvidia-h100-80gb": 80,
+    "nvidia-h100-mega-80gb": 80,
+    "nvidia-h200-141gb": 141,
+    "nvidia-b200": 180,
+}
+
+QUOTA_METRICS: Mapping[str, str] = {
+    # accelerator type -> regional quota metric (Spot: the same with `PREEMPTIBLE_`)
+    "nvidia-tesla-t4": "NVIDIA_T4_GPUS",
+    "nvidia-tesla-v100": "NVIDIA_V100_GPUS",
+    "nvidia-tesla-p100": "NVIDIA_P100_GPUS",
+    "nvidia-tesla-p4": "NVIDIA_P4_GPUS",
+    "nvidia-tesla-a100": "NVIDIA_A100_GPUS",
+    "nvidia-a100-80gb": "NVIDIA_A100_80GB_GPUS",
+    "nvidia-l4": "NVIDIA_L4_GPUS",
+    "nvidia-h100-80gb": "NVIDIA_H100_GPUS",
+    "nvidia-h100-mega-80gb": "NVIDIA_H100_MEGA_GPUS",
+    "nvidia-h200-141gb": "NVIDIA_H200_GPUS",
+    "nvidia-b200": "NVIDIA_B200_GPUS",
+}
+GLOBAL_GPU_QUOTA = "GPUS_ALL_REGIONS"
+
+# The Billing Catalog's GPU names (between "Nvidia " and " GPU"), lower case -> accelerator.
+GPU_SKU_NAMES: Mapping[str, str] = {
+    "tesla t4": "nvidia-tesla-t4",
+    "tesla v100": "nvidia-tesla-v100",
+    "tesla p100": "nvidia-tesla-p100",
+    "tesla p4": "nvidia-tesla-p4",
+    "tesla a100": "nvidia-tesla-a100",
+    "a100 40gb": "nvidia-tesla-a100",
+    "tesla a100 80gb": "nvidia-a100-80gb",
+    "a100 80gb": "nvidia-a100-80gb",
+    "l4": "nvidia-l4",
+    "h100 80gb": "nvidia-h100-80gb",
+    "h100 80gb mega": "nvidia-h100-mega-80gb",
+    "h100 mega 80gb": "nvidia-h100-mega-80gb",
+    "h100 80gb plus": "nvidia-h100-mega-80gb",
+    "h200 141gb": "nvidia-h200-141gb",
+    "b200": "nvidia-b200",
+    "b200 (1 gpu slice)": "nvidia-b200",
+}
+
+# --- machine series -----------------------------------------------------------------------
+
+# Machine series -> the Billing Catalog's name for its vCPU and RAM SKUs. Every a3 variant
+# (high, mega, edge, ultra) is priced by the "A3 Instance" SKUs (the price snapshot agrees
+# to 5e-6 $/h across all of them).
+HOST_SKU_STEMS: Mapping[str, str] = {
+    "a2": "A2 Instance",
+    "a3": "A3 Instance",
+    "a4": "A4 Instance",
+    "g2": "G2 Instance",
+    "n1": "N1 Predefined Instance",
+}
+GPU_SERIES = ("a2", "a3", "a4", "g2")  # series whose machine types carry their GPUs
+
+N1_ATTACHABLE = frozenset({"nvidia-tesla-t4", "nvidia-tesla-v100", "nvidia-tesla-p100",
+                           "nvidia-tesla-p4"})
+N1_GPU_COUNTS = (1, 2, 4, 8)
+N1_VCPUS_PER_GPU = 8
+
+
+def n1_machine_for(gpus: int) -> str:
+    """The N1 machine type an N1 + GPU offer of `gpus` GPUs uses."""
+    return f"n1-standard-{N1_VCPUS_PER_GPU * gpus}"
+
+
+def machine_type_filter() -> str:
+    """The machine types API filter for what `shapes` can use: the GPU series and the N1
+    machines of the N1 + GPU shapes (a regular expression the whole name must match)."""
+    n1 = "|".join(str(N1_VCPUS_PER_GPU * n) for n in N1_GPU_COUNTS)
+    return f'name eq "(({"|".join(GPU_SERIES)})-.*)|(n1-standard-({n1}))"'
+
+
+def n1_instance_type(machine_type: str, accelerator: str, count: int) -> str:
+    return f"{machine_type}+{accelerator}x{count}"
+
+
+_N1_NAME = re.compile(r"^(?P<machine>[a-z0-9-]+)\+(?P<accel>[a-z0-9-]+)x(?P<count>\d+)$")
+
+
+def split_instance_type(instance_type: str) -> tuple[str, str | None, int]:
+    """(machine type, attached accelerator type or None, attached count):
+    ``n1-standard-16+nvidia-tesla-t4x2`` → (``n1-standard-16``, ``nvidia-tesla-t4``, 2);
+    ``a2-highgpu-1g`` → (``a2-highgpu-1g``, None, 0)."""
+    m = _N1_NAME.match(instance_type)
+    if m is None:
+        return instance_type, None, 0
+    return m["machine"], m["accel"], int(m["count"])
+
+
+def series(machine_type: str) -> str:
+    return machine_type.split("-", 1)[0]
+
+
+_GONE = frozenset({"OBSOLETE", "DELETED"})  # deprecation states that can no longer launch
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """One thing a zone offers: a machine type with its GPUs."""
+
+    instance_type: str
+    machine_type: str
+    vcpus: int
+    memory_gib: float
+    accelerator: str
+    gpus: int
+
+
+def shapes(machine_types: Iterable[MachineType],
+           accelerators: Iterable[AcceleratorType]) -> list[Shape]:
+    """What a zone offers: each machine type with built-in GPUs, and the N1 + GPU shapes
+    its attachable accelerator types and N1 machine types allow."""
+    out: list[Shape] = []
+    by_name = {m.name: m for m in machine_types if m.deprecated not in _GONE}
+    for m in by_name.values():
+        if m.accelerators:
+            out.append(Shape(m.name, m.name, m.vcpus, m.memory_mb / 1024,
+                             m.accelerators[0][0], sum(n for _, n in m.accelerators)))
+    for a in accelerators:
+        if a.name not in N1_ATTACHABLE or a.deprecated in _GONE:
+            continue
+        for count in N1_GPU_COUNTS:
+            host = by_name.get(n1_machine_for(count))
+            if count > a.max_per_instance or host is None:
+                continue
+            out.append(Shape(n1_instance_type(host.name, a.name, count), host.name, host.vcpus,
+                             host.memory_mb / 1024, a.name, count))
+    return sorted(out, key=lambda s: s.instance_type)
+
+
+def gpu_of(accelerator: str) -> tuple[str, float | None, bool]:
+    """(canonical GPU name, GB per GPU, known) of an accelerator type."""
+    mem = GPU_MEMORY_GB.get(accelerator)
+    name, known = canonical(accelerator, mem)
+    return name, mem, known
+
+
+# --- Billing Catalog SKUs -------------------------------------------------------------------
+
+PriceKey = tuple[str, Market, str, str]  # (region, market, "core"|"ram"|"gpu", stem|accelerator)
+PriceIndex = dict[PriceKey, float]
+
+_USAGE = {"OnDemand": Market.ON_DEMAND, "Preemptible": Market.SPOT}
+_SPOT_PREFIXES = ("Spot Preemptible ", "Preemptible ")
+_EXCLUDED = re.compile(
+    r"commit|sole tenan|custom|reserv|premium|virtual workstation|\bdws\b|flex|calendar|"
+    r"extended|licen[cs]", re.IGNORECASE)
+_HOST = re.compile(r"^(?P<stem>.+ Instance) (?P<part>Core|Ram) running in (?P<where>.+)$")
+_GPU = re.compile(r"^Nvidia (?P<name>.+?)(?: GPU)?(?: attached to Spot Preemptible VMs)?"
+                  r" running in (?P<where>.+)$")
+_GROUPS = {"core": ("CPU", "N1Standard"), "ram": ("RAM", "N1Standard"), "gpu": ("GPU",)}
+_UNITS = {"core": "h", "ram": "GiBy.h", "gpu": "h"}
+_STEMS = frozenset(HOST_SKU_STEMS.values())
+
+
+@dataclass(frozen=True, slots=True)
+class SkuPrice:
+    market: Market
+    kind: str  # core | ram | gpu
+    name: str  # the host SKU stem ("A2 Instance") or the accelerator type
+    regions: tuple[str, ...]
+    usd: float  # per vCPU-hour, GiB-hour or GPU-hour
+
+
+def parse_sku(sku: Mapping[str, Any]) -> SkuPrice | None:
+    """What a Billing Catalog SKU (its REST JSON shape) prices, or None for every SKU that
+    is not the hourly OnDemand / Preemptible price of a vCPU, a GiB of RAM or a GPU of the
+    shapes this adapter offers."""
+    category = sku.get("category") or {}
+    if category.get("resourceFamily") != "Compute":
+        return None
+    market = _USAGE.get(str(category.get("usageType", "")))
+    if market is None:
+        return None
+    desc = " ".join(str(sku.get("description", "")).split())
+    if _EXCLUDED.search(desc):
+        return None
+    spot_prefix = next((p for p in _SPOT_PREFIXES if desc.startswith(p)), None)
+    if (spot_prefix is not None) != (market is Market.SPOT):
+        return None
+    desc = desc[len(spot_prefix or ""):]
+    kind, name = _what(desc)
+    if kind is None or name is None:
+        return None
+    if category.get("resourceGroup") not in _GROUPS[kind]:
+        return None
+    usd = unit_price(sku, _UNITS[kind])
+    regions = tuple(str(r) for r in sku.get("serviceRegions") or ())
+    if usd is None or not regions:
+        return None
+    return SkuPrice(market, kind, name, regions, usd)
+
+
+def _what(desc: str) -> tuple[str | None, str | None]:
+    if (m := _HOST.match(desc)) is not None:
+        if m["stem"] in _STEMS:
+            return ("core" if m["part"] == "Core" else "ram"), m["stem"]
+        return None, None
+    if (m := _GPU.match(desc)) is not None:
+        accel = GPU_SKU_NAMES.get(m["name"].lower())
+        return ("gpu", accel) if accel else (None, None)
+    return None, None
+
+
+def unit_price(sku: Mapping[str, Any], usage_unit: str) -> float | None:
+    """USD per `usage_unit` of a SKU's current price (the first `pricingInfo`; the tier
+    that starts at 0 units). None if it is priced in another unit or not at all."""
+    infos = sku.get("pricingInfo") or []
+    if not infos:
+        return None
+    expr = infos[0].get("pricingExpression") or {}
+    if expr.get("usageUnit") != usage_unit:
+        return None
+    tiers = sorted(expr.get("tieredRates") or [],
+                   key=lambda t: float(t.get("startUsageAmount") or 0))
+    if not tiers:
+        return None
+    price = tiers[0].get("unitPrice") or {}
+    currency = price.get("currencyCode", "USD")
+    if currency != "USD":
+        return None
+    usd = int(price.get("units") or 0) + int(price.get("nanos") or 0) / 1e9
+    return usd if math.isfinite(usd) and usd >= 0 else None
+
+
+def index_skus(skus: Iterable[Mapping[str, Any]]) -> PriceIndex:
+    """Every usable SKU price by (region, market, kind, name). Where two SKUs price the
+    same thing in a region, the one naming fewer regions (the regional one, not a
+    multi-regional "Americas" one) wins."""
+    index: PriceIndex = {}
+    span: dict[PriceKey, int] = {}
+    for sku in skus:
+        p = parse_sku(sku)
+        if p is None:
+            continue
+        for region in p.regions:
+            key = (region, p.market, p.kind, p.name)
+            if key not in index or len(p.regions) < span[key]:
+                index[key] = p.usd
+                span[key] = len(p.regions)
+    return index
+
+
+def vm_price(index: Mapping[PriceKey, float], region: str, market: Market, shape: Shape
+             ) -> float | None:
+    """USD per hour of one instance of `shape`: vCPUs × core SKU + GiB × RAM SKU + GPUs ×
+    GPU SKU of the region and market; None if a part is not in the catalog."""
+    stem = HOST_SKU_STEMS.get(series(shape.machine_type))
+    if stem is None:
+        return None
+    core = index.get((region, market, "core", stem))
+    ram = index.get((region, market, "ram", stem))
+    gpu = index.get((region, market, "gpu", shape.accelerator))
+    if core is None or ram is None or gpu is None:
+        return None
+    return core * shape.vcpus + ram * shape.memory_gib + gpu * shape.gpus
+
+
+# --- quotas and stock-outs -------------------------------------------------------------------
+
+def quota_headroom(regional: Mapping[str, Quota], global_gpus: Quota | None,
+                   accelerator: str, market: Market) -> int | None:
+    """GPUs of `accelerator` the project may still start in the region: the smaller of
+    the regional per-model headroom (limit − usage) and the project's `GPUS_ALL_REGIONS`
+    headroom; either alone if the other is unknown; None if both are.
+
+    Spot VMs use the `PREEMPTIBLE_` quota when the project has one (limit > 0) and the
+    regular quota otherwise, as Compute Engine does."""
+    found: list[float] = []
+    metric = QUOTA_METRICS.get(accelerator)
+    if metric is not None:
+        q = regional.get(metric)
+        if market is Market.SPOT:
+            pre = regional.get(f"PREEMPTIBLE_{metric}")
+            if pre is not None and pre.limit > 0:
+                q = pre
+        if q is not None:
+            found.append(q.limit - q.usage)
+    if global_gpus is not None:
+        found.append(global_gpus.limit - global_gpus.usage)
+    if not found:
+        return None
+    return max(0, math.floor(min(found)))
+
+
+@dataclass(frozen=True, slots=True)
+class StockoutDecay:
+    """How a stock-out seen on a pool (`ZONE_RESOURCE_POOL_EXHAUSTED`) lowers its
+    availability: 0 for `hold` seconds, then rising linearly to 1 over `recover` seconds,
+    then forgotten (None: GCP gives no capacity signal of its own)."""
+
+    hold: float = 600.0
+    recover: float = 3000.0
+
+    def availability(self, age_seconds: float) -> float | None:
+        if age_seconds < self.hold:
+            return 0.0
+        if age_seconds >= self.hold + self.recover:
+            return None
+        return round((age_seconds - self.hold) / self.recover, 4)
+
+    @property
+    def window(self) -> float:
+        return self.hold + self.recover

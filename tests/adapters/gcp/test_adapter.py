@@ -1,0 +1,412 @@
+"""The GCP adapter with the real google-cloud-compute and google-cloud-billing clients
+(REST transport) against the fake Google Cloud endpoint (inventory, SKUs and quotas from
+the price snapshot)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from fake_gcp import FakeGCP, fake_gcp_fixture  # noqa: F401
+
+from adapters.errors import (
+    AdapterError,
+    AuthFailed,
+    CloudUnavailable,
+    InvalidConfig,
+    RateLimited,
+)
+from adapters.gcp.adapter import GcpAdapter, Refresh, from_config
+from broker.clouds import build_adapters
+from broker.config import GcpConfig, parse_config
+from broker.model import Market, Offer, PoolKey
+
+REGION = "us-central1"
+ZONE = "us-central1-a"
+OD, SPOT = Market.ON_DEMAND, Market.SPOT
+
+
+@dataclass
+class Clocks:
+    mono: float = 1000.0
+    now: datetime = field(default_factory=lambda: datetime(2026, 11, 30, 12, tzinfo=UTC))
+
+    def advance(self, seconds: float) -> None:
+        self.mono += seconds
+        self.now += timedelta(seconds=seconds)
+
+
+@pytest.fixture
+def clocks() -> Clocks:
+    return Clocks()
+
+
+def make(fake: FakeGCP, clocks: Clocks, regions: list[str] | None = None,
+         **kwargs: Any) -> GcpAdapter:
+    opts: dict[str, Any] = {"project": fake.project, "endpoint": fake.url, "anonymous": True}
+    opts.update(kwargs)
+    return GcpAdapter(regions=regions or [REGION, "europe-west4"], max_backoff=0.05,
+                      clock=lambda: clocks.now, monotonic=lambda: clocks.mono, **opts)
+
+
+@pytest.fixture
+async def adapter(fake_gcp: FakeGCP, clocks: Clocks) -> AsyncIterator[GcpAdapter]:
+    a = make(fake_gcp, clocks)
+    yield a
+    await a.close()
+
+
+def by_key(offers: list[Offer]) -> dict[PoolKey, Offer]:
+    return {o.pool: o for o in offers}
+
+
+def pool(itype: str, market: Market = OD, zone: str = ZONE) -> PoolKey:
+    return PoolKey("gcp", zone.rsplit("-", 1)[0], zone, itype, market)
+
+
+def expected(fake: FakeGCP, zone: str, series: str, machine: str, accel: str, gpus: int,
+             market: str) -> float:
+    """What the fake's catalog says one instance costs: its vCPU, RAM and GPU SKUs."""
+    region = zone.rsplit("-", 1)[0]
+    vcpus, mib = fake.machine(zone, machine)
+    core = fake.unit_price(region, market, "core", series)
+    ram = fake.unit_price(region, market, "ram", series)
+    gpu = fake.unit_price(region, market, "gpu", accel)
+    assert core is not None and ram is not None and gpu is not None
+    return core * vcpus + ram * mib / 1024 + gpu * gpus
+
+
+async def test_poll_maps_machine_types_n1_shapes_and_prices(fake_gcp: FakeGCP, clocks: Clocks,
+                                                            adapter: GcpAdapter) -> None:
+    offers = await adapter.poll(REGION)
+    offer = by_key(offers)
+    assert len(offer) == len(offers) and all(o.pool.cloud == "gcp" for o in offers)
+    assert {o.pool.zone for o in offers} == set(fake_gcp.zones(REGION))
+
+    a2 = [o for o in offers if o.pool.instance_type == "a2-highgpu-1g" and o.pool.market is OD]
+    assert {o.pool.zone for o in a2} == {f"{REGION}-{z}" for z in "abcf"}
+    o = offer[pool("a2-highgpu-1g")]
+    assert (o.gpu, o.gpus, o.gpu_memory_gb, o.vcpus, o.memory_gb, o.gpu_known) == (
+        "A100-40GB", 1, 40, 12, 85.0, True)
+    # The snapshot's host + accelerator rows: 0.73948 + 2.93391 on demand,
+    # 0.29576 + 1.1472 Spot; the fake splits the host price into vCPU and RAM SKUs.
+    assert o.price_per_hour == pytest.approx(
+        expected(fake_gcp, ZONE, "a2", "a2-highgpu-1g", "nvidia-tesla-a100", 1, "on_demand"),
+        rel=1e-12)
+    assert o.price_per_hour == pytest.approx(3.67339, abs=2e-5)
+    assert offer[pool("a2-highgpu-1g", SPOT)].price_per_hour == pytest.approx(1.44296, abs=2e-5)
+    assert o.observed_at == clocks.now  # the time the catalog was read
+    assert o.availability is None and o.interruption_rate is None and o.capacity is None
+
+    assert (offer[pool("a3-megagpu-8g")].gpu, offer[pool("a3-megagpu-8g")].gpus) == (
+        "H100-80GB", 8)
+    assert offer[pool("a3-ultragpu-8g", zone=f"{REGION}-b")].gpu == "H200-141GB"
+    g2 = offer[pool("g2-standard-24", SPOT)]
+    assert (g2.gpu, g2.gpus) == ("L4", 2)
+    assert g2.price_per_hour == pytest.approx(0.35242 + 0.4462, abs=2e-5)
+
+    # N1 + attachable GPUs: 1/2/4 T4 (a zone's maximum is 4), up to 8 V100, 8 vCPUs each.
+    n1 = {o.pool.instance_type for o in offers if o.pool.zone == ZONE and "+" in
+          o.pool.instance_type}
+    assert {"n1-standard-8+nvidia-tesla-t4x1", "n1-standard-16+nvidia-tesla-t4x2",
+            "n1-standard-32+nvidia-tesla-t4x4", "n1-standard-64+nvidia-tesla-v100x8"} <= n1
+    assert "n1-standard-64+nvidia-tesla-t4x8" not in n1
+    v100 = offer[pool("n1-standard-64+nvidia-tesla-v100x8")]
+    assert (v100.gpu, v100.gpus, v100.vcpus, v100.memory_gb) == ("V100-16GB", 8, 64, 240.0)
+    assert v100.price_per_hour == pytest.approx(
+        expected(fake_gcp, ZONE, "n1", "n1-standard-64", "nvidia-tesla-v100", 8, "on_demand"),
+        rel=1e-12)
+    t4 = offer[pool("n1-standard-8+nvidia-tesla-t4x1", SPOT)]
+    assert t4.price_per_hour == pytest.approx(
+        expected(fake_gcp, ZONE, "n1", "n1-standard-8", "nvidia-tesla-t4", 1, "spot"), rel=1e-12)
+    p100 = offer[pool("n1-standard-8+nvidia-tesla-p100x1", zone=f"{REGION}-c")]
+    assert (p100.gpu, p100.gpu_known, p100.gpu_memory_gb) == ("P100", True, 16)
+
+    # Not offered: virtual workstations, an obsolete GPU, machines without GPUs.
+    names = {o.pool.instance_type for o in offers}
+    assert not any("vws" in n or "k80" in n or n.startswith(("e2-", "n2-", "c2-"))
+                   or n in ("n1-standard-8", "n1-highmem-8") for n in names)
+    # The B200 machine type has no host SKUs in the catalog: listed, unpriced.
+    a4 = [o for o in offers if o.pool.instance_type == "a4-highgpu-8g"]
+    assert a4 and all(o.price_per_hour is None and o.gpu == "B200" and o.gpus == 8 for o in a4)
+    assert {o.pool.market for o in a4} == {OD, SPOT}
+
+
+async def test_lists_are_paged_and_the_catalog_is_read_once_for_all_regions(
+        fake_gcp: FakeGCP, adapter: GcpAdapter) -> None:
+    a, b = await asyncio.gather(adapter.poll(REGION), adapter.poll("europe-west4"))
+    assert a and b
+    pages = math.ceil(len(fake_gcp.skus()) / fake_gcp.page_size["skus.list"])
+    assert pages > 3
+    assert fake_gcp.call_count("skus.list") == pages  # both regions share one read
+    assert fake_gcp.call_count("projects.get") == 1
+    assert fake_gcp.call_count("machineTypes.list", ZONE) > 1
+    assert fake_gcp.call_count("acceleratorTypes.list", ZONE) > 1
+    assert fake_gcp.call_count("regions.get") == 2
+
+
+async def test_steady_state_poll_asks_only_for_quotas(fake_gcp: FakeGCP, clocks: Clocks,
+                                                      adapter: GcpAdapter) -> None:
+    await adapter.poll(REGION)
+    first = sum(fake_gcp.calls.values())
+    fake_gcp.set_quota(REGION, "NVIDIA_A100_GPUS", 16, usage=13)
+    clocks.advance(60)
+    fake_gcp.reset_calls()
+    offers = by_key(await adapter.poll(REGION))
+    assert dict(fake_gcp.calls) == {("regions.get", REGION): 1, ("projects.get", "global"): 1}
+    assert offers[pool("a2-highgpu-1g")].quota_headroom == 3
+    clocks.advance(10)  # project quotas are shared for 30 s
+    fake_gcp.reset_calls()
+    await adapter.poll(REGION)
+    assert dict(fake_gcp.calls) == {("regions.get", REGION): 1}
+    assert first > 20
+
+
+async def test_quota_headroom_is_the_smaller_of_regional_and_global(
+        fake_gcp: FakeGCP, adapter: GcpAdapter) -> None:
+    fake_gcp.set_quota(REGION, "NVIDIA_A100_GPUS", 16, usage=12)
+    fake_gcp.set_quota(REGION, "PREEMPTIBLE_NVIDIA_A100_GPUS", 0)
+    fake_gcp.set_quota(REGION, "PREEMPTIBLE_NVIDIA_L4_GPUS", 32, usage=2)
+    fake_gcp.set_project_quota("GPUS_ALL_REGIONS", 64, usage=40)
+    offers = by_key(await adapter.poll(REGION))
+    assert offers[pool("a2-highgpu-1g")].quota_headroom == 4
+    assert offers[pool("a2-highgpu-1g", SPOT)].quota_headroom == 4  # falls back to on-demand
+    assert offers[pool("g2-standard-4")].quota_headroom == 16
+    assert offers[pool("g2-standard-4", SPOT)].quota_headroom == 24  # 30 left, 24 globally
+
+
+async def test_prices_refresh_in_the_background_and_keep_the_last_good_copy(
+        fake_gcp: FakeGCP, clocks: Clocks, adapter: GcpAdapter) -> None:
+    key = pool("a2-highgpu-1g")
+    before = by_key(await adapter.poll(REGION))[key]
+    first_read = clocks.now
+    old = fake_gcp.unit_price(REGION, "on_demand", "gpu", "nvidia-tesla-a100")
+    assert old is not None
+    fake_gcp.set_unit_price(REGION, "on_demand", "gpu", "nvidia-tesla-a100", 3.0)
+    clocks.advance(6 * 3600 + 1)
+    arrived = fake_gcp.hold("skus.list")
+    during = by_key(await adapter.poll(REGION))[key]  # does not wait for the catalog
+    assert await asyncio.to_thread(arrived.wait, 10)
+    assert (during.price_per_hour, during.observed_at) == (before.price_per_hour, first_read)
+    fake_gcp.release("skus.list")
+    await adapter.refresh_prices()  # joins the read in flight
+    after = by_key(await adapter.poll(REGION))[key]
+    assert before.price_per_hour is not None
+    assert after.price_per_hour == pytest.approx(before.price_per_hour + 3.0 - old, abs=1e-9)
+    assert after.observed_at == clocks.now
+
+    fake_gcp.fail("skus.list", 503, times=None)
+    clocks.advance(6 * 3600 + 1)
+    await adapter.poll(REGION)
+    await adapter.refresh_prices()
+    kept = by_key(await adapter.poll(REGION))[key]
+    assert (kept.price_per_hour, kept.observed_at) == (after.price_per_hour, after.observed_at)
+
+
+async def test_without_any_catalog_copy_offers_are_listed_unpriced(
+        fake_gcp: FakeGCP, clocks: Clocks, adapter: GcpAdapter) -> None:
+    fake_gcp.fail("skus.list", 403, times=None)
+    offers = await adapter.poll(REGION)
+    assert offers and all(o.price_per_hour is None for o in offers)
+    assert all(o.observed_at == clocks.now for o in offers)
+    assert fake_gcp.call_count("skus.list") == 1  # 403 is not retried
+    fake_gcp.clear_faults()
+    clocks.advance(60)
+    offers = await adapter.poll(REGION)  # a failed read is tried again at the next poll
+    assert all(o.price_per_hour is not None for o in offers
+               if o.pool.instance_type != "a4-highgpu-8g")
+
+
+async def test_a_slow_first_catalog_read_does_not_hold_the_poll(fake_gcp: FakeGCP,
+                                                               clocks: Clocks) -> None:
+    a = make(fake_gcp, clocks, refresh=Refresh(first_catalog_wait=0.2))
+    try:
+        fake_gcp.hold("skus.list")
+        offers = await a.poll(REGION)
+        assert offers and all(o.price_per_hour is None for o in offers)
+        fake_gcp.release("skus.list")
+        await a.refresh_prices()  # the same read, still going
+        assert fake_gcp.call_count("skus.list") == math.ceil(
+            len(fake_gcp.skus()) / fake_gcp.page_size["skus.list"])
+        offers = await a.poll(REGION)
+        assert by_key(offers)[pool("g2-standard-4")].price_per_hour is not None
+    finally:
+        await a.close()
+
+
+async def test_optional_project_quota_keeps_the_last_good_copy(
+        fake_gcp: FakeGCP, clocks: Clocks, adapter: GcpAdapter) -> None:
+    fake_gcp.set_project_quota("GPUS_ALL_REGIONS", 64, usage=62)
+    assert by_key(await adapter.poll(REGION))[pool("a2-highgpu-1g")].quota_headroom == 2
+    fake_gcp.fail("projects.get", 503, times=None)
+    clocks.advance(60)
+    assert by_key(await adapter.poll(REGION))[pool("a2-highgpu-1g")].quota_headroom == 2
+    assert fake_gcp.call_count("projects.get") == 1 + 4  # retried, then given up
+
+
+async def test_throttling_is_retried_unless_asked_to_wait_longer(
+        fake_gcp: FakeGCP, adapter: GcpAdapter) -> None:
+    fake_gcp.fail("regions.get", 429, times=2)
+    assert await adapter.poll(REGION)
+    assert fake_gcp.call_count("regions.get", REGION) == 3
+    fake_gcp.reset_calls()
+    fake_gcp.fail("regions.get", 429, times=1, retry_after=30)
+    with pytest.raises(RateLimited) as err:
+        await adapter.poll(REGION)
+    assert err.value.retry_after == 30.0 and err.value.region == REGION
+    assert fake_gcp.call_count("regions.get") == 1  # the poller waits, not a thread
+
+
+async def test_an_api_that_stays_down_fails_the_poll_typed(fake_gcp: FakeGCP,
+                                                           adapter: GcpAdapter) -> None:
+    fake_gcp.fail("machineTypes.list", 503, times=None, where=ZONE)
+    with pytest.raises(CloudUnavailable):
+        await adapter.poll(REGION)
+    assert fake_gcp.call_count("machineTypes.list", ZONE) == 4  # attempts
+    fake_gcp.clear_faults()
+    fake_gcp.reset_calls()
+    fake_gcp.fail("regions.get", 403, times=None)
+    with pytest.raises(AuthFailed):
+        await adapter.poll("europe-west4")
+    assert fake_gcp.call_count("regions.get") == 1  # never retried
+
+
+async def test_a_region_that_does_not_exist_is_a_config_error(fake_gcp: FakeGCP,
+                                                              clocks: Clocks) -> None:
+    a = make(fake_gcp, clocks, regions=["mars-north1"])
+    try:
+        with pytest.raises(InvalidConfig, match="mars-north1"):
+            await a.poll("mars-north1")
+        with pytest.raises(InvalidConfig, match="not configured"):
+            await a.poll(REGION)
+    finally:
+        await a.close()
+
+
+async def test_stockouts_lower_availability_then_recover(fake_gcp: FakeGCP, clocks: Clocks,
+                                                         adapter: GcpAdapter) -> None:
+    spot = pool("a2-highgpu-1g", SPOT)
+    await adapter.poll(REGION)
+    assert not adapter.note_launch_failure(spot, "QUOTA_EXCEEDED: Quota 'NVIDIA_A100_GPUS'")
+    assert adapter.note_launch_failure(
+        spot, "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS: The zone 'projects/p/zones/"
+              "us-central1-a' does not have enough resources available")
+    adapter.note_stockout(PoolKey("aws", "us-east-1", "us-east-1a", "p5.48xlarge", SPOT))
+    offers = by_key(await adapter.poll(REGION))
+    assert offers[spot].availability == 0.0
+    others = [o.availability for k, o in offers.items() if k != spot]
+    assert others and all(a is None for a in others)
+    clocks.advance(600 + 1500)
+    assert by_key(await adapter.poll(REGION))[spot].availability == 0.5
+    clocks.advance(1500)
+    assert by_key(await adapter.poll(REGION))[spot].availability is None
+
+
+# --- credentials ---------------------------------------------------------------------
+
+async def test_anonymous_mode_sends_no_credentials(fake_gcp: FakeGCP, adapter: GcpAdapter
+                                                   ) -> None:
+    assert await adapter.poll(REGION)
+    assert fake_gcp.authorizations and set(fake_gcp.authorizations) == {""}
+    fake_gcp.require_auth = True
+    with pytest.raises(AuthFailed, match="cannot be refreshed"):
+        await adapter.poll(REGION)
+
+
+async def test_default_credentials_supply_the_token_and_the_project(
+        fake_gcp: FakeGCP, clocks: Clocks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    key = fake_gcp.service_account_file(tmp_path / "sa.json", project_id=fake_gcp.project)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+    fake_gcp.require_auth = True
+    a = make(fake_gcp, clocks, project=None, anonymous=False)
+    try:
+        assert await a.poll(REGION)
+        assert a.sdk.project == fake_gcp.project
+        assert all(h.startswith("Bearer ") for h in fake_gcp.authorizations)
+    finally:
+        await a.close()
+
+
+async def test_no_project_anywhere_names_the_config_key(
+        fake_gcp: FakeGCP, clocks: Clocks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    key = fake_gcp.service_account_file(tmp_path / "sa.json", project_id=None)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+    a = make(fake_gcp, clocks, project=None, anonymous=False)
+    try:
+        with pytest.raises(InvalidConfig, match=r"clouds\.gcp\.project"):
+            await a.poll(REGION)
+        assert not fake_gcp.calls
+    finally:
+        await a.close()
+
+
+async def test_no_credentials_is_one_clear_auth_error(
+        fake_gcp: FakeGCP, clocks: Clocks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    key = tmp_path / "sa.json"
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+    a = make(fake_gcp, clocks, anonymous=False)
+    try:
+        with pytest.raises(AuthFailed, match=r"google\.auth\.default"):
+            await a.poll(REGION)
+        assert not fake_gcp.calls
+        # The chain is not searched again on every call (a metadata-server probe takes
+        # seconds): the failure stands for a minute.
+        fake_gcp.service_account_file(key, project_id=fake_gcp.project)
+        with pytest.raises(AuthFailed, match=r"google\.auth\.default"):
+            await a.poll(REGION)
+    finally:
+        await a.close()
+
+
+def test_config_problems_are_named() -> None:
+    with pytest.raises(InvalidConfig, match=r"clouds\.gcp\.project"):
+        from_config(GcpConfig(regions=[REGION], endpoint="http://127.0.0.1:9", anonymous=True))
+    with pytest.raises(InvalidConfig, match=r"clouds\.gcp\.regions"):
+        from_config(GcpConfig(project="p"))
+
+
+# --- teardown and the command line ---------------------------------------------------
+
+async def test_close_during_a_catalog_read(fake_gcp: FakeGCP, clocks: Clocks) -> None:
+    a = make(fake_gcp, clocks)
+    arrived = fake_gcp.hold("skus.list")
+    polling = asyncio.create_task(a.poll(REGION))
+    assert await asyncio.to_thread(arrived.wait, 10)
+    polling.cancel()  # as the poller's timeout would
+    with pytest.raises(asyncio.CancelledError):
+        await polling
+    closing = asyncio.create_task(a.close())  # waits for the page on the wire ...
+    fake_gcp.release("skus.list")
+    await closing
+    # ... and starts no next page: one SKU page was read, and no thread is left.
+    assert fake_gcp.call_count("skus.list") == 1
+    assert not [t for t in threading.enumerate() if t.name.startswith("gcp")]
+    with pytest.raises(AdapterError, match="closed"):
+        a.sdk.client("regions")
+
+
+async def test_the_daemon_builds_it_from_its_config(fake_gcp: FakeGCP) -> None:
+    cfg = parse_config(yaml.safe_dump({"clouds": {"gcp": {
+        "project": fake_gcp.project, "regions": [REGION], "endpoint": fake_gcp.url,
+        "anonymous": True}}}))
+    adapters, problems = build_adapters(cfg)
+    assert not problems and [a.name for a in adapters] == ["gcp"]
+    try:
+        offers = await adapters[0].poll(REGION)
+    finally:
+        await adapters[0].close()
+    types = {o.pool.instance_type for o in offers}
+    assert {"a2-highgpu-1g", "a3-highgpu-8g", "g2-standard-4",
+            "n1-standard-8+nvidia-tesla-t4x1"} <= types
+    assert set(fake_gcp.authorizations) == {""}
