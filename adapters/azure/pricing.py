@@ -17,7 +17,7 @@ Decisions where Azure is silent or irregular:
 * **Unknown sizes** with a `GPUs` capability are kept, their model named after the
   accelerator in the size name (`Standard_NC128lds_xl_RTXPRO6000BSE_v6` →
   `RTXPRO6000BSE`) and flagged unknown; retired models the canonical table does not
-  know (K80, M60, P100, P40, MI25) are kept the same way.
+  know (K80, M60, P40, MI25) are kept the same way.
 * **Restrictions** for this subscription: `type: Location` (any reason code:
   `NotAvailableForSubscription`, `QuotaId`) drops the size from the region; `type: Zone`
   drops those zones; a zonal size whose every zone is restricted is dropped too.

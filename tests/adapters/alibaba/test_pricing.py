@@ -37,7 +37,7 @@ def itype(name: str, spec: str, count: int, mem: float, family: str = "") -> dic
     (itype("ecs.gn8is-2x.8xlarge", "NVIDIA L20", 2, 48, "ecs.gn8is"),
      ("L20", 2, 48.0, True)),
     (itype("ecs.gn5-c4g1.xlarge", "NVIDIA P100", 1, 16, "ecs.gn5"),
-     ("NVIDIA P100", 1, 16.0, False)),
+     ("P100", 1, 16.0, True)),
     # A vGPU slice of a T4 is not a T4.
     (itype("ecs.vgn6i-m4.xlarge", "NVIDIA T4", 1, 4, "ecs.vgn6i"),
      ("NVIDIA T4", 1, 4.0, False)),

@@ -43,7 +43,7 @@ from adapters.azure.pricing import GpuSpec
     ("Standard_NC24r_Promo", 4, ("K80", 4, 12, False)),
     ("Standard_NV12", 2, ("M60", 2, 8, False)),
     ("Standard_NV48s_v3", 4, ("M60", 4, 8, False)),
-    ("Standard_NC12s_v2", 2, ("P100", 2, 16, False)),
+    ("Standard_NC12s_v2", 2, ("P100", 2, 16, True)),
     ("Standard_ND24rs", 4, ("P40", 4, 24, False)),
     ("Standard_NV32as_v4", 1, ("MI25", 1, 16, False)),
 ])
