@@ -86,10 +86,13 @@ class Bus:
         return len(self._pending)
 
     async def drained(self, timeout: float) -> bool:
-        """Wait until every outbox row was acknowledged; False on timeout."""
+        """Wait until every outbox row was acknowledged and deleted from the store;
+        False on timeout."""
         try:
             async with asyncio.timeout(timeout):
                 await self._drained.wait()
+                await self._flush_acks()
+                await self.store.barrier()  # deletes already queued by the ack loop
         except TimeoutError:
             return False
         return True

@@ -10,6 +10,7 @@ capacity, and pools in a cool-down after a failure.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,14 @@ from datetime import datetime, timedelta
 from broker.model import Market, Offer, PoolKey, utcnow
 
 SliceId = tuple[str, str]
+
+
+def _priced(o: Offer) -> bool:
+    return o.price_per_hour is not None and o.gpus > 0
+
+
+def _order(o: Offer) -> tuple[float, PoolKey]:
+    return (o.price_per_hour / o.gpus, o.pool)  # type: ignore[operator]
 """(adapter name, region) — the unit one poll replaces."""
 
 
@@ -55,8 +64,11 @@ class ResourcePool:
         self._slices: dict[SliceId, set[PoolKey]] = {}
         self._health: dict[SliceId, SliceHealth] = {}
         self._keys_by_gpu: dict[str, set[PoolKey]] = {}
+        # Priced offers per (GPU, market) and per GPU (market None), kept sorted by
+        # price per GPU-hour: built on first use, then updated offer by offer as polls
+        # change them (a poll changes a few dozen offers; re-sorting thousands each time
+        # would cost more than placing).
         self._by_gpu: dict[tuple[str, Market | None], list[Offer]] = {}
-        self._dirty_gpus: set[str] = set()
         self._held: Counter[PoolKey] = Counter()
         self._cooldown: dict[PoolKey, datetime] = {}
         self._listeners: list[Listener] = []
@@ -74,16 +86,16 @@ class ResourcePool:
             del self._slice_of[key]
             removed[key] = gone
             self._keys_by_gpu[gone.gpu].discard(key)
-            self._dirty_gpus.add(gone.gpu)
+            self._unindex(gone)
         for key, offer in new.items():
             prev = self._offers.get(key)
             if prev != offer:
                 updated[key] = prev
                 if prev is not None:
                     self._keys_by_gpu[prev.gpu].discard(key)
-                    self._dirty_gpus.add(prev.gpu)
+                    self._unindex(prev)
                 self._keys_by_gpu.setdefault(offer.gpu, set()).add(key)
-                self._dirty_gpus.add(offer.gpu)
+                self._index(offer)
             self._offers[key] = offer
             self._slice_of[key] = slice_id
         self._slices[slice_id] = set(new)
@@ -192,19 +204,34 @@ class ResourcePool:
     def by_gpu(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
         """Priced offers of `gpu` (in `market`, or both), cheapest per GPU-hour first,
         fresh or not."""
-        if gpu in self._dirty_gpus:
-            for m in (None, Market.SPOT, Market.ON_DEMAND):
-                self._by_gpu.pop((gpu, m), None)
-            self._dirty_gpus.discard(gpu)
         index = self._by_gpu.get((gpu, market))
         if index is None:
             offers = (self._offers[k] for k in self._keys_by_gpu.get(gpu, ()))
             index = self._by_gpu[(gpu, market)] = sorted(
-                (o for o in offers if o.price_per_hour is not None and o.gpus > 0
-                 and (market is None or o.pool.market is market)),
-                key=lambda o: (o.price_per_hour / o.gpus, o.pool),  # type: ignore[operator]
-            )
+                (o for o in offers if _priced(o) and (market is None or o.pool.market is market)),
+                key=_order)
         return index
+
+    def _views(self, offer: Offer) -> list[list[Offer]]:
+        """The built indexes `offer` belongs in."""
+        views = []
+        for market in (None, offer.pool.market):
+            index = self._by_gpu.get((offer.gpu, market))
+            if index is not None:
+                views.append(index)
+        return views
+
+    def _index(self, offer: Offer) -> None:
+        if _priced(offer):
+            for index in self._views(offer):
+                bisect.insort(index, offer, key=_order)
+
+    def _unindex(self, offer: Offer) -> None:
+        if _priced(offer):
+            for index in self._views(offer):
+                i = bisect.bisect_left(index, _order(offer), key=_order)
+                if i < len(index) and index[i] is offer:
+                    del index[i]
 
     def stale_slices(self, now: datetime) -> set[SliceId]:
         """Slices whose offers are too old to place on (usually none)."""

@@ -148,6 +148,11 @@ class StateStore:
 
         await self._run(delete)
 
+    async def barrier(self) -> None:
+        """Return once every store operation submitted before it has completed (the
+        store's one thread runs them in order)."""
+        await self._run(lambda db: None)
+
     async def pending(self) -> list[OutboxRow]:
         def q(db: sqlite3.Connection) -> list[OutboxRow]:
             return [
