@@ -43,6 +43,7 @@ log = structlog.get_logger("gpubroker.bus")
 
 MAX_PAYLOAD = 64 * 1024
 ACK_BATCH = 512
+ACK_COALESCE_SECONDS = 0.05
 
 
 class Bus:
@@ -238,6 +239,10 @@ class Bus:
     async def _ack_loop(self) -> None:
         while True:
             await self._acked_event.wait()
+            # Gather acknowledgements for a moment: one delete per 50 ms instead of one
+            # per message. A row acknowledged but not yet deleted is only sent again
+            # after a crash, and subscribers drop duplicates by id.
+            await asyncio.sleep(ACK_COALESCE_SECONDS)
             self._acked_event.clear()
             await self._flush_acks()
 

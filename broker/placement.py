@@ -117,9 +117,19 @@ def cost_terms(offer: Offer, policy: Policy, zone_share: float = 0.0) -> dict[st
 
 def expected_cost(offer: Offer, instances: int, policy: Policy,
                   zone_share: float = 0.0) -> float:
+    """instances × price × (1 + the `cost_terms`), computed inline: this runs for every
+    candidate of every request."""
+    s = policy.scoring
     assert offer.price_per_hour is not None
-    terms = cost_terms(offer, policy, zone_share)
-    return instances * offer.price_per_hour * (1.0 + sum(terms.values()))
+    avail = offer.availability
+    factor = 1.0 + s.availability_weight * (
+        1.0 - (avail if avail is not None else s.unknown_availability))
+    if offer.pool.market is Market.SPOT:
+        rate = offer.interruption_rate
+        factor += s.restart_hours * (rate if rate is not None else s.unknown_interruption_rate)
+    if zone_share:
+        factor += s.spread_weight * zone_share
+    return instances * offer.price_per_hour * factor
 
 
 def constraints_for(ask: Ask, policy: Policy) -> Constraints | Denied:

@@ -19,6 +19,7 @@ from datetime import datetime, timedelta
 from broker.model import Market, Offer, PoolKey, utcnow
 
 SliceId = tuple[str, str]
+_STALE_CACHE = timedelta(seconds=1)
 
 
 def _priced(o: Offer) -> bool:
@@ -72,6 +73,7 @@ class ResourcePool:
         self._held: Counter[PoolKey] = Counter()
         self._cooldown: dict[PoolKey, datetime] = {}
         self._listeners: list[Listener] = []
+        self._stale_cache: tuple[datetime | None, set[SliceId]] = (None, set())
 
     # --- writing (the poller) -------------------------------------------------------
 
@@ -101,6 +103,7 @@ class ResourcePool:
         self._slices[slice_id] = set(new)
         health = self._health.setdefault(slice_id, SliceHealth(slice_id))
         health.ok, health.last_ok_at, health.last_error = True, self._clock(), None
+        self._stale_cache = (None, set())
         health.failures, health.offers = 0, len(new)
         change = PoolChange(slice_id, updated, removed, new)
         for listener in list(self._listeners):
@@ -234,9 +237,15 @@ class ResourcePool:
                     del index[i]
 
     def stale_slices(self, now: datetime) -> set[SliceId]:
-        """Slices whose offers are too old to place on (usually none)."""
-        return {s for s, h in self._health.items()
-                if h.last_ok_at is None or now - h.last_ok_at > self.stale_after}
+        """Slices whose offers are too old to place on (usually none). Cached for a
+        second: staleness is measured in minutes, and placement asks per request."""
+        cached_at, cached = self._stale_cache
+        if cached_at is not None and timedelta(0) <= now - cached_at < _STALE_CACHE:
+            return cached
+        stale = {s for s, h in self._health.items()
+                 if h.last_ok_at is None or now - h.last_ok_at > self.stale_after}
+        self._stale_cache = (now, stale)
+        return stale
 
     def cooling(self, now: datetime) -> set[PoolKey]:
         """Pools in a cool-down now."""
