@@ -48,8 +48,7 @@ ACK_COALESCE_SECONDS = 0.05
 
 class Bus:
     def __init__(self, cfg: MqttConfig, topics: Topics, store: StateStore, *, client_id: str,
-                 boot_id: str, on_command: Callable[[Command], Awaitable[None]],
-                 on_invalid: Callable[[str, str, str], Awaitable[None]] | None = None) -> None:
+                 boot_id: str, on_command: Callable[[Command], Awaitable[None]]) -> None:
         self.cfg = cfg
         self.topics = topics
         self.store = store

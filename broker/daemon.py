@@ -16,7 +16,6 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import structlog
 
@@ -26,7 +25,7 @@ from broker import capacity
 from broker.bus import Bus
 from broker.clouds import build_adapters
 from broker.config import Config
-from broker.core import Broker
+from broker.core import Broker, Command
 from broker.events import Envelopes, Messages, Topics, dumps
 from broker.http import serve
 from broker.leases import LeaseBook
@@ -68,7 +67,7 @@ class Daemon:
         self.book = LeaseBook(keep_ended=timedelta(hours=cfg.state.keep_ended_hours))
         self.messages = Messages(self.topics, Envelopes(cfg.site, self.boot_id))
         self.bus = Bus(cfg.mqtt, self.topics, self.store, client_id=cfg.client_id,
-                       boot_id=self.boot_id, on_command=self._on_command)
+                       boot_id=self.boot_id, on_command=self._submit)
         self.broker = Broker(pool=self.pool, book=self.book, store=self.store,
                              messages=self.messages, policy=self.policy,
                              publish=self.bus.enqueue,
@@ -191,7 +190,7 @@ class Daemon:
     def adapter(self, name: str) -> CloudAdapter:
         return next(a for a in self.adapters if a.name == name)
 
-    async def _on_command(self, command: Any) -> None:
+    async def _submit(self, command: Command) -> None:
         await self.broker.submit(command)
 
     def _on_poll(self, result: PollResult) -> None:

@@ -123,6 +123,3 @@ def lease_subject(lease_id: str) -> str:
 def request_subject(request_id: str | None) -> str:
     return f"request/{request_id}" if request_id else "request"
 
-
-def expires(lease: Lease) -> str:
-    return iso(lease.expires_at)

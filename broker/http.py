@@ -122,10 +122,7 @@ async def place(request: web.Request) -> web.Response:
         return _json({"error": "scheduler id must match [A-Za-z0-9_.-]{1,64}"}, 400)
     if request.content_length is not None and request.content_length > MAX_BODY:
         return _json({"error": f"body larger than {MAX_BODY} bytes"}, 413)
-    try:
-        body = await request.content.read(MAX_BODY + 1)
-    except asyncio.CancelledError:
-        raise
+    body = await request.content.read(MAX_BODY + 1)
     if len(body) > MAX_BODY:
         return _json({"error": f"body larger than {MAX_BODY} bytes"}, 413)
     answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()

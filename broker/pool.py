@@ -152,15 +152,6 @@ class ResourcePool:
         """Keep new placements off `key` for a while (after a preemption or failure)."""
         self._cooldown[key] = self._clock() + timedelta(seconds=seconds)
 
-    def in_cooldown(self, key: PoolKey, now: datetime) -> bool:
-        until = self._cooldown.get(key)
-        if until is None:
-            return False
-        if until <= now:
-            del self._cooldown[key]
-            return False
-        return True
-
     # --- reading -------------------------------------------------------------------
 
     def get(self, key: PoolKey) -> Offer | None:

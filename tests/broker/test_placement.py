@@ -320,7 +320,7 @@ def brute_force_costs(req: PlaceRequest, offers: Sequence[Offer], pool: Resource
         if (req.clouds and k.cloud not in req.clouds) or (
                 req.regions and k.region not in req.regions):
             continue
-        if k in exclude or not pool.is_fresh(k, T0) or pool.in_cooldown(k, T0):
+        if k in exclude or not pool.is_fresh(k, T0) or k in pool.cooling(T0):
             continue
         if cap is not None and o.price_per_hour / o.gpus > cap:
             continue

@@ -224,11 +224,11 @@ def test_cool_down_expires() -> None:
     a, b = offer("us-east-1a"), offer("us-east-1b")
     pool = pool_of([a, b], clock=clock)
     pool.cool_down(a.pool, 60)
-    assert pool.in_cooldown(a.pool, clock.now)
-    assert not pool.in_cooldown(b.pool, clock.now)
-    assert pool.in_cooldown(a.pool, clock.advance(59))
-    assert not pool.in_cooldown(a.pool, clock.advance(1))
-    assert not pool.in_cooldown(a.pool, clock.now)
+    assert a.pool in pool.cooling(clock.now)
+    assert b.pool not in pool.cooling(clock.now)
+    assert a.pool in pool.cooling(clock.advance(59))
+    assert a.pool not in pool.cooling(clock.advance(1))
+    assert a.pool not in pool.cooling(clock.now)
 
 
 def test_a_later_cool_down_extends_it() -> None:
@@ -238,7 +238,7 @@ def test_a_later_cool_down_extends_it() -> None:
     pool.cool_down(a.pool, 60)
     clock.advance(50)
     pool.cool_down(a.pool, 60)
-    assert pool.in_cooldown(a.pool, clock.advance(20))
+    assert a.pool in pool.cooling(clock.advance(20))
 
 
 def test_pool_keys_of_each_market_are_distinct() -> None:
