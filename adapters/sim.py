@@ -332,6 +332,7 @@ class _RegionMarket:
         # Quota headroom in GPUs, per market, for the whole region.
         self.quota_max = {m: rng.choice((64, 128, 256, 512, 1024)) for m in Market}
         self.quota = {m: float(q) * rng.uniform(0.5, 1.0) for m, q in self.quota_max.items()}
+        self.quota_group = {m: f"{cloud}:{region}:{m.value}" for m in Market}
         self.withdrawn: set[PoolKey] = set()
         self.pinned: dict[PoolKey, float] = {}
         self.scarce: dict[PoolKey, int] = {}
@@ -347,6 +348,7 @@ class _RegionMarket:
     def offers(self, observed_at: datetime) -> list[Offer]:
         """The current state as offers, overrides applied; ages the scarce overrides."""
         quota = {m: int(q) for m, q in self.quota.items()}
+        qgroup = self.quota_group
         withdrawn, pinned, scarce = self.withdrawn, self.pinned, self.scarce
         out: list[Offer] = []
         append = out.append
@@ -359,7 +361,8 @@ class _RegionMarket:
                 append(Offer(key, p.gpu, spec.gpus, p.gpu_memory_gb, spec.vcpus,
                              spec.memory_gb, round(p.list_price, 6), observed_at,
                              round(p.avail, 4), int(p.capacity), None,
-                             quota[Market.ON_DEMAND], p.gpu_known))
+                             quota[Market.ON_DEMAND], p.gpu_known, qgroup[Market.ON_DEMAND],
+                             spec.gpus))
                 continue
             price: float | None = None
             if key in pinned:
@@ -373,7 +376,7 @@ class _RegionMarket:
                 avail, capacity, rate = min(avail, 0.1), 0, max(rate, 0.25)
             append(Offer(key, p.gpu, spec.gpus, p.gpu_memory_gb, spec.vcpus, spec.memory_gb,
                          price, observed_at, avail, capacity, rate, quota[Market.SPOT],
-                         p.gpu_known))
+                         p.gpu_known, qgroup[Market.SPOT], spec.gpus))
         for key in list(scarce):
             scarce[key] -= 1
             if scarce[key] <= 0:

@@ -64,6 +64,25 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("new", type=Path)
     diff.add_argument("--config", type=Path)
     diff.add_argument("--format", choices=["text", "json"], default="text")
+
+    history = sub.add_parser("history", help="export the recorded market history as a trace")
+    history.add_argument("--config", type=Path, help="daemon configuration (its state.path)")
+    history.add_argument("--state", type=Path, help="the state file (instead of --config)")
+    history.add_argument("--since", metavar="WHEN",
+                         help="start: ISO-8601 (2026-11-30T10:00:00Z) or a duration back "
+                              "(30m, 6h, 7d); the trace opens with every pool's state then")
+    history.add_argument("--until", metavar="WHEN", help="end (exclusive), as --since")
+    history.add_argument("--gpu", action="extend", nargs="+", metavar="MODEL")
+    history.add_argument("--cloud", action="extend", nargs="+", metavar="NAME")
+    history.add_argument("--market", choices=["spot", "on_demand"])
+    history.add_argument("--format", choices=["csv", "jsonl"],
+                         help="default: from --output's name, else jsonl")
+    history.add_argument("--output", type=Path, metavar="FILE",
+                         help="write here (gzipped if it ends in .gz); default stdout")
+
+    from broker.backtest.cli import add_parser as add_backtest_parser
+
+    add_backtest_parser(sub)
     return p
 
 
@@ -83,6 +102,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                             seed=args.seed)
         if args.command == "offers":
             return _offers(args)
+        if args.command == "history":
+            return _history(args)
+        if args.command == "backtest":
+            from broker.backtest.cli import run as run_backtest
+
+            return run_backtest(args)
         if args.command == "policy":
             if args.policy_command == "explain":
                 return _policy_explain(args)
@@ -311,6 +336,103 @@ def _policy_check(path: Path) -> int:
 
     policy = load_policy(path)
     print(f"{path}: ok (version {policy.version})")
+    return EXIT_OK
+
+
+def _history(args: argparse.Namespace) -> int:
+    """`gpubroker history`: the state file's market history as a trace (broker.trace),
+    streamed in time order; a one-line summary on stderr at the end."""
+    import gzip
+    import os
+    import sqlite3
+    from collections.abc import Iterator
+    from datetime import datetime
+
+    from broker.model import CLOUDS, GPU_MODELS, Market, PoolKey, utcnow
+    from broker.recorder import HistoryReader
+    from broker.trace import (
+        TraceError,
+        TraceRow,
+        format_t,
+        parse_when,
+        trace_format,
+        write_csv,
+        write_jsonl,
+    )
+    from policies.checks import suggest
+
+    def usage(message: str) -> int:
+        print(f"gpubroker: {message}", file=sys.stderr)
+        return EXIT_USAGE
+
+    now = utcnow()
+    when: dict[str, datetime | None] = {}
+    for option, text in (("--since", args.since), ("--until", args.until)):
+        try:
+            when[option] = parse_when(text, now) if text else None
+        except ValueError as err:
+            return usage(f"{option}: {err}")
+    since, until = when["--since"], when["--until"]
+    if since is not None and until is not None and until <= since:
+        return usage("--until must be later than --since")
+    path: Path = args.state or _config(args.config).state.path
+    if not path.is_file():
+        return usage(f"no state file at {path}")
+    fmt = args.format
+    if fmt is None:
+        try:
+            fmt = trace_format(args.output)[0] if args.output else "jsonl"
+        except TraceError:
+            fmt = "jsonl"
+    try:
+        reader = HistoryReader(path)
+    except sqlite3.Error as err:
+        return usage(f"{path}: cannot read the state file: {err}")
+    with reader:
+        for option, names, what, known in (
+                ("--gpu", args.gpu, "GPU model", set(GPU_MODELS) | reader.names("gpu")),
+                ("--cloud", args.cloud, "cloud", set(CLOUDS) | reader.names("cloud"))):
+            for name in names or ():
+                if name not in known:
+                    return usage(f"{option}: unknown {what} {name!r}{suggest(name, known)}")
+        pruned = reader.pruned_before()
+        pools: set[PoolKey] = set()
+        span: list[datetime] = []  # the first and the last row's time
+
+        def counted() -> Iterator[TraceRow]:
+            for row in reader.rows(since=since, until=until, gpus=args.gpu or (),
+                                   clouds=args.cloud or (),
+                                   market=Market(args.market) if args.market else None):
+                pools.add(row.pool)
+                if not span:
+                    span.append(row.t)
+                span[1:] = [row.t]
+                yield row
+
+        write = write_csv if fmt == "csv" else write_jsonl
+        try:
+            if args.output is None:
+                n = write(counted(), sys.stdout)
+                sys.stdout.flush()
+            else:
+                gz = args.output.name.endswith(".gz")
+                with (gzip.open(args.output, "wt", encoding="utf-8", newline="") if gz
+                      else args.output.open("w", encoding="utf-8", newline="")) as out:
+                    n = write(counted(), out)
+        except BrokenPipeError:  # `gpubroker history | head`: the reader has had enough
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_OK
+        except (sqlite3.Error, OSError) as err:
+            print(f"gpubroker: {type(err).__name__}: {err}", file=sys.stderr)
+            return EXIT_RUNTIME
+    summary = f"exported {n} changes of {len(pools)} pools"
+    if span:
+        summary += f" from {format_t(span[0])} to {format_t(span[-1])}"
+    if not reader.present:
+        summary += f" ({path} holds no market history)"
+    elif pruned is not None and since is not None and since < pruned:
+        summary += f" (history before {format_t(pruned)} is pruned: it starts there)"
+    print(summary, file=sys.stderr)
     return EXIT_OK
 
 

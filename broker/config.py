@@ -41,6 +41,9 @@ class StateConfig(_Section):
     path: Path = Field(default_factory=default_state_path)
     synchronous: Literal["normal", "full"] = "normal"
     keep_ended_hours: float = Field(default=24, gt=0)
+    market_history_days: float = Field(default=14, ge=0, le=3650)
+    """How long the market history (broker/recorder.py) is kept; 0 turns recording off
+    (history already recorded is then left as it is)."""
 
 
 class MqttConfig(_Section):
@@ -134,6 +137,18 @@ class PollConfig(_Section):
         return self
 
 
+class PlacementConfig(_Section):
+    """How requests are batched and solved (README "Placement")."""
+
+    batch_window_ms: float = Field(default=5, ge=0, le=1000)
+    """While requests keep coming, gather them for up to this long and place them
+    together; a request after a quiet spell is placed at once."""
+    max_batch: int = Field(default=256, ge=1, le=10_000)
+    exact_max_batch: int = Field(default=200, ge=0, le=10_000)
+    """Batches up to this size that the heuristic cannot prove optimal go to the MILP."""
+    exact_time_limit_seconds: float = Field(default=0.1, ge=0, le=60)
+
+
 class _CloudBase(_Section):
     regions: list[_Region] = Field(default_factory=list)
     endpoint: str | None = None
@@ -212,6 +227,7 @@ class Config(_Section):
     http: HttpConfig = Field(default_factory=HttpConfig)
     policy_file: Path | None = None
     poll: PollConfig = Field(default_factory=PollConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     clouds: CloudsConfig = Field(default_factory=lambda: CloudsConfig(sim=SimConfig()))
 
     @field_validator("clouds", mode="before")

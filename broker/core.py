@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 import structlog
 
 from broker import failover, placement, requests
+from broker.config import PlacementConfig
 from broker.events import Messages, lease_subject, request_subject
 from broker.leases import LeaseBook, LeaseError
 from broker.model import (
@@ -35,7 +37,7 @@ from broker.model import (
 )
 from broker.pool import PoolChange, ResourcePool
 from broker.store import OutboxRow, StateStore
-from policies.evaluate import Constraints, Denied, evaluate, forbids
+from policies.evaluate import Denied, evaluate, forbids
 from policies.model import Policy
 from policies.residency import Residency
 
@@ -43,8 +45,6 @@ log = structlog.get_logger("gpubroker.broker")
 
 VERBS = ("place", "renew", "release", "report")
 OPS = "_ops"  # the reserved scheduler id of operations events (P/events/_ops/...)
-MAX_BATCH = 256
-PLACE_CHUNK = 32  # placements between two yields to the event loop
 REPEATED = "repeated request: the lease it already has"
 
 
@@ -79,7 +79,8 @@ Observer = Callable[[str, dict[str, Any]], None]
 class Broker:
     def __init__(self, *, pool: ResourcePool, book: LeaseBook, store: StateStore,
                  messages: Messages, policy: Policy, publish: Publish,
-                 retry_after_seconds: float, clock: Callable[[], datetime] = utcnow) -> None:
+                 retry_after_seconds: float, clock: Callable[[], datetime] = utcnow,
+                 batching: PlacementConfig | None = None) -> None:
         self.pool = pool
         self.book = book
         self.store = store
@@ -88,14 +89,22 @@ class Broker:
         self._publish = publish
         self._retry_after = retry_after_seconds
         self._clock = clock
+        batching = batching or PlacementConfig()
+        self._window = batching.batch_window_ms / 1000
+        self._max_batch = batching.max_batch
+        self.settings = placement.Settings(exact_max_batch=batching.exact_max_batch,
+                                           exact_time_limit=batching.exact_time_limit_seconds)
+        self.last_batch: placement.BatchResult | None = None
         self._lock = asyncio.Lock()
         self._requests: asyncio.Queue[Command] = asyncio.Queue(maxsize=10_000)
         self._triggers: asyncio.Queue[failover.Trigger] = asyncio.Queue()
         self._expiry_changed = asyncio.Event()
         self.observers: list[Observer] = []
+        self.batch_observers: list[Callable[[placement.BatchResult], None]] = []
         self.decision_latency: Callable[[float], None] | None = None
         self.on_launch_failed: Callable[[PoolKey, str], None] | None = None
         self._resident = Residency(policy.residency.tags)
+        self._reopt_next = 0  # where the next re-optimisation pass starts
         self._moves: dict[str, list[datetime]] = {}  # lease_id -> failover times (anti-flap)
         pool.subscribe(self._on_pool_change)
 
@@ -123,12 +132,29 @@ class Broker:
     # --- loops -----------------------------------------------------------------------
 
     async def run_requests(self, ready: asyncio.Event) -> None:
-        """Take requests in batches (whatever has queued up, at most MAX_BATCH)."""
+        """Take requests in batches: whatever has queued up, and — while requests keep
+        coming — what arrives within the batch window, at most `max_batch`. A request
+        after a quiet spell (nothing for a window) is placed at once."""
         await ready.wait()
+        loop = asyncio.get_running_loop()
+        last = -math.inf
         while True:
             batch = [await self._requests.get()]
-            while len(batch) < MAX_BATCH and not self._requests.empty():
-                batch.append(self._requests.get_nowait())
+            start = loop.time()
+            busy = start - last < self._window
+            while len(batch) < self._max_batch:
+                if not self._requests.empty():
+                    batch.append(self._requests.get_nowait())
+                    continue
+                left = start + self._window - loop.time()
+                if not busy or left <= 0:
+                    break
+                try:
+                    async with asyncio.timeout(left):
+                        batch.append(await self._requests.get())
+                except TimeoutError:
+                    break
+            last = loop.time()
             try:
                 await self.handle(batch)
             finally:
@@ -159,10 +185,29 @@ class Broker:
             await self.expire_due()
 
     async def run_health(self, every_seconds: float) -> None:
-        """Fail over leases whose cloud region went stale (its API kept failing)."""
+        """Fail over leases whose cloud region went stale (its API kept failing), and
+        those a better placement would save enough on (`reoptimize_min_saving`)."""
         while True:
             await asyncio.sleep(every_seconds)
             self.check_health()
+            self.check_reoptimize()
+
+    def check_reoptimize(self, limit: int = 500) -> list[failover.Trigger]:
+        """Look at up to `limit` active leases (the next ones in turn) for a placement
+        that saves at least `reoptimize_min_saving`; queue their moves."""
+        if self.policy.failover.reoptimize_min_saving is None:
+            return []
+        active = sorted(self.book.active(), key=lambda le: le.lease_id)
+        if not active:
+            return []
+        start = self._reopt_next % len(active)
+        chunk = (active[start:] + active[:start])[:limit]
+        self._reopt_next = start + len(chunk)
+        triggers = failover.reoptimize(chunk, self.pool, self.policy, self._resident,
+                                       self._clock())
+        for t in triggers:
+            self._triggers.put_nowait(t)
+        return triggers
 
     def check_health(self) -> list[failover.Trigger]:
         stale = self.pool.stale_slices(self._clock())
@@ -260,13 +305,8 @@ class Broker:
                     self._invalid(b, cmd, None, [{
                         "field": "", "message": f"unknown verb {cmd.verb!r}; "
                         f"expected one of {', '.join(VERBS)}"}])
-            pending = list(asks.values())
             rejected: dict[tuple[str, str], placement.Rejection] = {}
-            for start in range(0, len(pending), PLACE_CHUNK):
-                if start:
-                    # Let the bus read and acknowledge while a large batch is placed.
-                    await asyncio.sleep(0)
-                self._place(b, pending[start:start + PLACE_CHUNK], rejected)
+            self._place(b, list(asks.values()), rejected)
             for cmd, req in repeats:
                 key = (req.scheduler, req.request_id)
                 if key in rejected:
@@ -285,32 +325,41 @@ class Broker:
 
     def _place(self, b: _Batch, asks: Sequence[tuple[Command, PlaceRequest]],
                rejected: dict[tuple[str, str], placement.Rejection]) -> None:
-        """Place asks one by one: each is judged by the policy against its team's usage
-        including what the asks before it just took."""
+        """Place a batch together: each ask is judged by the policy against its team's
+        usage before the batch; the optimizer keeps the batch within the teams' limits."""
         now = self._clock()
+        todo: list[tuple[Command, PlaceRequest, placement.Ask]] = []
         for cmd, req in asks:
             verdict = evaluate(self.policy, req, self.book.team_usage(req.team),
                                self._resident)
-            ask = placement.Ask(req, constraints=verdict if isinstance(verdict, Constraints)
-                                else None)
             if isinstance(verdict, Denied):
-                outcome: placement.Outcome = placement.Rejection(ask, verdict.code,
-                                                                 verdict.detail)
-            else:
-                [outcome] = placement.place([ask], self.pool, self.policy, now=now,
-                                            retry_after_seconds=self._retry_after)
-            if isinstance(outcome, placement.Rejection):
+                outcome = placement.Rejection(placement.Ask(req), verdict.code,
+                                              verdict.detail)
                 rejected[(req.scheduler, req.request_id)] = outcome
                 self._rejected(b, cmd, req, outcome)
                 continue
-            assert isinstance(verdict, Constraints)
-            lease = self.book.create(req, outcome.placement,
-                                     lease_seconds=verdict.lease_seconds, cap=verdict.cap,
-                                     now=now)
+            todo.append((cmd, req, placement.Ask(req, constraints=verdict)))
+        if not todo:
+            return
+        result = placement.solve([a for _, _, a in todo], self.pool, self.policy, now=now,
+                                 retry_after_seconds=self._retry_after,
+                                 settings=self.settings)
+        self.last_batch = result
+        for (cmd, req, ask), out in zip(todo, result.outcomes, strict=True):
+            if isinstance(out, placement.Rejection):
+                rejected[(req.scheduler, req.request_id)] = out
+                self._rejected(b, cmd, req, out)
+                continue
+            c = ask.constraints
+            assert c is not None
+            lease = self.book.create(req, out.placement, lease_seconds=c.lease_seconds,
+                                     cap=c.cap, now=now)
             self.pool.hold(lease.placement.pool, lease.placement.instances)
             b.answered[(req.scheduler, req.request_id)] = lease
-            self._decided(b, lease, cmd, outcome.reason, outcome.alternatives)
+            self._decided(b, lease, cmd, out.reason, out.alternatives)
             self._expiry_changed.set()
+        for observe in self.batch_observers:
+            observe(result)
 
     def _rejected(self, b: _Batch, cmd: Command, req: PlaceRequest,
                   outcome: placement.Rejection) -> None:
@@ -432,6 +481,12 @@ class Broker:
             self.pool.cool_down(old.pool, self.policy.failover.cooldown_seconds)
         self.pool.unhold(old.pool, old.instances)
         outcome = failover.replacement(lease, self.pool, self.policy, self._resident, now)
+        if trigger.reason is FailoverReason.REOPTIMIZED:
+            gain = failover.saving(lease, outcome, self.pool, self.policy)
+            threshold = self.policy.failover.reoptimize_min_saving
+            if gain is None or threshold is None or gain < threshold:
+                self.pool.hold(old.pool, old.instances)  # the saving is gone: stay
+                return
         if isinstance(outcome, placement.Decision):
             moved = self.book.failover(lease.lease_id, outcome.placement, now)
             self.pool.hold(moved.placement.pool, moved.placement.instances)

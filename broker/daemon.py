@@ -1,7 +1,8 @@
 """The composition root: builds the parts, runs them in one task group, shuts down in order.
 
 Start-up: state store → lease book and outbox restored → MQTT → adapters → polling;
-requests are taken once the first round of polls is in. Shutdown (SIGTERM/SIGINT) runs
+requests are taken once the first round of polls is in. The market recorder listens to
+the pool from the start and writes on the store's thread. Shutdown (SIGTERM/SIGINT) runs
 in reverse: stop taking requests, finish the decisions in flight, flush the outbox,
 publish `offline`, disconnect, close the store and the adapters.
 """
@@ -33,6 +34,7 @@ from broker.metrics import Metrics, state_gauges
 from broker.model import PoolKey, utcnow
 from broker.poller import Poller, PollResult
 from broker.pool import ResourcePool, SliceId
+from broker.recorder import MarketRecorder
 from broker.sdnotify import Notifier, watchdog_seconds
 from broker.store import StateStore
 from policies.loader import SourceError, load_policy, parse_policy, policy_hash
@@ -64,6 +66,11 @@ class Daemon:
         self.topics = Topics(cfg.mqtt.topic_prefix)
         self.store = StateStore(cfg.state.path, synchronous=cfg.state.synchronous)
         self.pool = ResourcePool(stale_after_seconds=cfg.poll.stale_after_seconds)
+        self.recorder: MarketRecorder | None = None
+        if cfg.state.market_history_days > 0:
+            self.recorder = MarketRecorder(self.store,
+                                           retention_days=cfg.state.market_history_days)
+            self.pool.subscribe(self.recorder.observe)
         self.book = LeaseBook(keep_ended=timedelta(hours=cfg.state.keep_ended_hours))
         self.messages = Messages(self.topics, Envelopes(cfg.site, self.boot_id))
         self.bus = Bus(cfg.mqtt, self.topics, self.store, client_id=cfg.client_id,
@@ -71,7 +78,8 @@ class Daemon:
         self.broker = Broker(pool=self.pool, book=self.book, store=self.store,
                              messages=self.messages, policy=self.policy,
                              publish=self.bus.enqueue,
-                             retry_after_seconds=cfg.poll.interval_seconds)
+                             retry_after_seconds=cfg.poll.interval_seconds,
+                             batching=cfg.placement)
         self._polled: asyncio.Queue[SliceId] = asyncio.Queue()
         self.poller = Poller(self.pool, self.adapters,
                              interval_seconds=cfg.poll.interval_seconds,
@@ -84,6 +92,7 @@ class Daemon:
         self.metrics = Metrics()
         self.metrics.watch(lambda: state_gauges(self))
         self.broker.observers.append(self.metrics.observe_event)
+        self.broker.batch_observers.append(self.metrics.observe_batch)
         self.broker.decision_latency = self.metrics.decision_seconds.observe
         self.broker.on_launch_failed = self._launch_failed
         self.notifier = Notifier()
@@ -234,6 +243,10 @@ class Daemon:
                     *(tg.create_task(self._signals(a)) for a in self.adapters),
                 ]
                 workers.append(tg.create_task(self._systemd()))
+                recording = None
+                if self.recorder is not None:
+                    recording = tg.create_task(self.recorder.run())
+                    workers.append(tg.create_task(self.recorder.run_pruning()))
                 await stop.wait()
                 log.info("shutting down")
                 self.notifier.stopping()
@@ -243,6 +256,8 @@ class Daemon:
                         await self.broker.idle()
                 for task in workers:
                     task.cancel()
+                if recording is not None:
+                    await self._flush_recorder(recording)
                 if not await self.bus.drained(SHUTDOWN_GRACE_SECONDS / 2):
                     log.warning("outbox not flushed; it is sent at next start",
                                 outbox=self.bus.outbox_depth)
@@ -257,6 +272,14 @@ class Daemon:
             self.notifier.close()
             self.stopped.set()
             log.info("stopped")
+
+    async def _flush_recorder(self, recording: asyncio.Task[None]) -> None:
+        """Write the polls the recorder still holds (briefly: it is best effort)."""
+        assert self.recorder is not None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SHUTDOWN_GRACE_SECONDS / 4):
+                await self.recorder.flush()
+        recording.cancel()
 
     async def _mark_ready(self) -> None:
         await self.poller.first_round.wait()

@@ -13,7 +13,10 @@ Triggers, each switched by the policy's `failover.triggers`:
 * a leased pool's cloud region whose offers went stale (its API kept failing)
   → `cloud_unhealthy`;
 * a new policy that forbids where or what a lease runs on → `policy_changed`;
-* a scheduler's report (handled in the broker, always on) → `reported`.
+* a scheduler's report (handled in the broker, always on) → `reported`;
+* with `failover.reoptimize_min_saving` set, a placement whose expected cost is at
+  least that share below the lease's, at today's prices → `reoptimized`. Without it, or
+  for a smaller saving, a running lease is never moved by re-optimisation.
 
 Moves for price, cloud health and policy are discretionary: the anti-flap limits
 (`min_lease_age_seconds`, `max_failovers_per_hour`) hold them back. A lease whose
@@ -43,7 +46,7 @@ from policies.model import Failover, Policy
 from policies.residency import Residency
 
 DISCRETIONARY = frozenset({FailoverReason.PRICE_ABOVE_CAP, FailoverReason.CLOUD_UNHEALTHY,
-                           FailoverReason.POLICY_CHANGED})
+                           FailoverReason.POLICY_CHANGED, FailoverReason.REOPTIMIZED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,7 @@ def enabled(reason: FailoverReason, policy: Failover) -> bool:
         FailoverReason.CLOUD_UNHEALTHY: t.cloud_unhealthy,
         FailoverReason.POLICY_CHANGED: t.policy_changed,
         FailoverReason.REPORTED: True,
+        FailoverReason.REOPTIMIZED: policy.reoptimize_min_saving is not None,
     }[reason]
 
 
@@ -200,3 +204,37 @@ def replacement(lease: Lease, view: placement.PoolView, policy: Policy,
                                    RejectCode.POLICY_DENIED,
                                    "no step of the failover ladder applies to this lease")
     return outcome
+
+
+def current_cost(lease: Lease, view: placement.PoolView, policy: Policy) -> float | None:
+    """The lease's expected cost per hour where it is, at the pool's price now."""
+    offer = view.get(lease.placement.pool)
+    if offer is None or offer.price_per_hour is None:
+        return None
+    return placement.expected_cost(offer, lease.placement.instances, policy)
+
+
+def saving(lease: Lease, outcome: placement.Outcome, view: placement.PoolView,
+           policy: Policy) -> float | None:
+    """The share of the lease's expected cost a move to `outcome` saves (None: unknown)."""
+    now_cost = current_cost(lease, view, policy)
+    if now_cost is None or now_cost <= 0 or not isinstance(outcome, placement.Decision):
+        return None
+    return 1.0 - outcome.expected_cost_per_hour / now_cost
+
+
+def reoptimize(leases: Sequence[Lease], view: placement.PoolView, policy: Policy,
+               resident: Residency | None, now: datetime) -> list[Trigger]:
+    """Leases a better placement would save at least `reoptimize_min_saving` on. Only
+    the price and signals now count; the anti-flap limits still apply to the move."""
+    threshold = policy.failover.reoptimize_min_saving
+    if threshold is None:
+        return []
+    out = []
+    for lease in leases:
+        gain = saving(lease, replacement(lease, view, policy, resident, now), view, policy)
+        if gain is not None and gain >= threshold:
+            out.append(Trigger(lease.lease_id, lease.epoch, FailoverReason.REOPTIMIZED,
+                               f"a placement {gain:.0%} cheaper in expected cost is free "
+                               f"(reoptimize_min_saving {threshold:.0%})"))
+    return out

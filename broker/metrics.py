@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from broker import __version__
 from broker.model import Market, utcnow
+from broker.placement import BatchResult
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 _POLL_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -50,6 +51,20 @@ class Metrics:
             "gpubroker_decision_latency_seconds",
             "From a request's arrival to its decision committed", buckets=_LATENCY_BUCKETS,
             registry=r)
+        self.batches = Counter("gpubroker_placement_batches",
+                               "Placement batches solved, by the solver that answered",
+                               ["solver"], registry=r)
+        self.batch_size = Histogram("gpubroker_placement_batch_size",
+                                    "Requests placed together in one batch",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+                                    registry=r)
+        self.batch_gap = Histogram(
+            "gpubroker_placement_gap_ratio",
+            "A batch's distance from its lower bound, (objective - bound) / bound",
+            buckets=(0, 0.0001, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5), registry=r)
+        self.batch_seconds = Histogram("gpubroker_placement_solve_seconds",
+                                       "Time to solve one batch", buckets=_LATENCY_BUCKETS,
+                                       registry=r)
         self.policy_reloads = Counter("gpubroker_policy_reloads", "Policy reloads by result",
                                       ["result"], registry=r)
 
@@ -72,6 +87,14 @@ class Metrics:
             self.policy_reloads.labels(result="applied").inc()
         elif kind == "policy.rejected":
             self.policy_reloads.labels(result="rejected").inc()
+
+    def observe_batch(self, result: BatchResult) -> None:
+        """Count a solved batch (hooked to `Broker.batch_observers`)."""
+        self.batches.labels(solver=result.solver).inc()
+        self.batch_size.observe(len(result.outcomes))
+        if result.solver != "none":
+            self.batch_gap.observe(result.gap)
+            self.batch_seconds.observe(result.seconds)
 
     def watch(self, collect: Callable[[], Iterator[Metric]]) -> None:
         """Add gauges computed at scrape time."""

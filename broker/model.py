@@ -70,6 +70,7 @@ class FailoverReason(StrEnum):
     CLOUD_UNHEALTHY = "cloud_unhealthy"
     REPORTED = "reported"
     POLICY_CHANGED = "policy_changed"
+    REOPTIMIZED = "reoptimized"  # a better placement saves more than the policy's threshold
 
 
 class RejectCode(StrEnum):
@@ -131,6 +132,10 @@ class Offer:
     `interruption_rate` interruptions per hour (spot only), `quota_headroom` GPUs.
     `gpu_known` is False when the adapter could not map the cloud's GPU name onto a
     canonical one; `gpu` then holds the cloud's own name.
+
+    `quota_group` names the quota the pool shares with others (`aws:us-east-1:G:spot`),
+    and `quota_units` what one instance counts against it (its vCPUs, or GPUs where the
+    cloud's quota counts GPUs); `None` when the headroom is the pool's own.
     """
 
     pool: PoolKey
@@ -146,6 +151,8 @@ class Offer:
     interruption_rate: float | None = None
     quota_headroom: int | None = None
     gpu_known: bool = True
+    quota_group: str | None = None
+    quota_units: int | None = None
 
     @property
     def price_per_gpu_hour(self) -> float | None:

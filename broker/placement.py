@@ -28,17 +28,20 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from typing import Any, Protocol
 
+from broker import solver
 from broker.model import Market, Offer, Placement, PlaceRequest, PoolKey, RejectCode
 from policies.evaluate import Constraints, Denied, evaluate
 from policies.evaluate import describe as describe_constraints
 from policies.model import Policy
 
 ALTERNATIVES = 3
+PENALTY = 100  # leaving a request unplaced costs this many times its cheapest option
 
 
 class PoolView(Protocol):
@@ -147,108 +150,495 @@ def spot_discount_ok(offer: Offer, view: PoolView, min_discount: float) -> bool:
     return offer.price_per_hour <= od.price_per_hour * (1 - min_discount)
 
 
-@dataclass(slots=True)
-class _Batch:
-    """What one batch shares: the pool's state now, and what its decisions took."""
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """How batches are solved. `candidates`: options listed per request up front (more
+    are listed when they run out). Batches of at most `exact_max_batch` requests that
+    the heuristic cannot prove optimal go to the MILP for at most `exact_time_limit`
+    seconds."""
 
-    view: PoolView
-    policy: Policy
-    stale: Collection[Hashable]
-    cooling: Collection[PoolKey]
-    retry_after: float | None
-    taken: Counter[PoolKey] = field(default_factory=Counter)  # instances
-    taken_gpus: Counter[PoolKey] = field(default_factory=Counter)
+    candidates: int = 8
+    index_min_batch: int = 64
+    exact_max_batch: int = 200
+    exact_time_limit: float = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    outcomes: list[Outcome]
+    solver: str  # "heuristic" | "milp" | "none" (nothing to solve)
+    objective: float
+    bound: float
+    optimal: bool
+    seconds: float
+
+    @property
+    def gap(self) -> float:
+        if self.bound <= 0:
+            return 0.0
+        return max(0.0, (self.objective - self.bound) / self.bound)
 
 
 def place(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
-          retry_after_seconds: float | None = None) -> list[Outcome]:
-    """Place each ask of a batch; capacity taken by one is not offered to the next."""
-    batch = _Batch(view, policy, view.stale_slices(now), view.cooling(now),
-                   retry_after_seconds)
-    out: list[Outcome] = []
-    for ask in asks:
-        outcome = _place_one(ask, batch)
-        if isinstance(outcome, Decision):
-            batch.taken[outcome.placement.pool] += outcome.placement.instances
-            batch.taken_gpus[outcome.placement.pool] += outcome.placement.total_gpus
-        out.append(outcome)
-    return out
+          retry_after_seconds: float | None = None,
+          settings: Settings = Settings()) -> list[Outcome]:
+    """Place a batch of asks together (see `solve`); one outcome per ask, in order."""
+    return solve(asks, view, policy, now=now, retry_after_seconds=retry_after_seconds,
+                 settings=settings).outcomes
 
 
-def _place_one(ask: Ask, b: _Batch) -> Outcome:
+def solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
+          retry_after_seconds: float | None = None,
+          settings: Settings = Settings()) -> BatchResult:
+    """Place a batch of asks together: at most one pool each, within every pool's free
+    capacity (its estimate minus what the broker holds), each quota's headroom, each
+    team's `max_gpus`, `budget_per_hour` and spread limits, at the lowest total
+    expected cost; as many as possible first. Requests that nothing could take are
+    rejected with the constraint that binds."""
+    builder = _Builder(view, policy, now, settings.candidates,
+                       indexed=len(asks) >= settings.index_min_batch)
+    outcomes: list[Outcome | None] = [None] * len(asks)
+    index: list[int] = []  # request of the problem -> ask
+    requests: list[solver.Request] = []
+    for k, ask in enumerate(asks):
+        c = constraints_for(ask, policy)
+        if isinstance(c, Denied):
+            outcomes[k] = Rejection(ask, c.code, c.detail, None)
+            continue
+        req, scan = builder.request(ask, c)
+        if req is None:
+            outcomes[k] = _reject(ask, c, scan, retry_after_seconds)
+            continue
+        index.append(k)
+        requests.append(req)
+    if not requests:
+        return BatchResult([o for o in outcomes if o is not None], "none", 0.0, 0.0, True,
+                           0.0)
+    problem = solver.Problem(requests, builder.limits, builder.teams)
+    builder.problem = problem
+    sol = solver.heuristic(problem)
+    if not sol.optimal and len(requests) <= settings.exact_max_batch and \
+            settings.exact_time_limit > 0:
+        sol = solver.exact(problem, time_limit=settings.exact_time_limit, incumbent=sol)
+    note = (f"batch of {len(requests)} placed by {sol.solver}"
+            + (", optimal" if sol.optimal else f", within {sol.gap:.2%} of optimal"))
+    why = solver.why_unplaced(problem, sol.choice) if None in sol.choice else {}
+    for n, k in enumerate(index):
+        ask = asks[k]
+        o = sol.choice[n]
+        r = requests[n]
+        if o is None:
+            outcomes[k] = _unplaced(ask, problem, why.get(n, ("penalty", None)),
+                                    retry_after_seconds)
+            continue
+        offer, instances = o.ref
+        placement = Placement.of(offer, instances)
+        cost = o.cost_per_hour + (r.extra(o) if r.extra is not None else 0.0)
+        others = [x for x in r.options[:ALTERNATIVES + 1] if x is not o][:ALTERNATIVES]
+        outcomes[k] = Decision(
+            ask=ask, placement=placement, expected_cost_per_hour=cost,
+            reason=_reason(placement, offer, cost, ask.request.duration_hours,
+                           builder.rule_of(n)) + (f"; {note}" if len(requests) > 1 else ""),
+            alternatives=tuple(Placement.of(*x.ref) for x in others))
+    return BatchResult([o for o in outcomes if o is not None], sol.solver, sol.objective,
+                       sol.bound, sol.optimal, sol.seconds)
+
+
+class _Builder:
+    """Turns asks into the solver's requests: lists each request's options (shared by
+    requests that ask for the same thing), the resources they use and the teams'
+    limits."""
+
+    def __init__(self, view: PoolView, policy: Policy, now: datetime, k: int,
+                 indexed: bool = False) -> None:
+        self.view = view
+        self.indexed = indexed
+        self.problem: solver.Problem | None = None
+        self._fmax = 1.0  # the largest expected-cost factor of an indexed offer
+        self._index: dict[tuple[str, Market], Any] = {}
+        self.policy = policy
+        self.k = k
+        self.stale = view.stale_slices(now)
+        self.cooling = view.cooling(now)
+        self.limits: dict[Hashable, float] = {}
+        self.teams: dict[str, solver.Team] = {}
+        self._groups: dict[Hashable, tuple[solver.Group, _Scan]] = {}
+        self._options: dict[tuple[PoolKey, int, int], solver.Option] = {}
+        self._rules: list[str | None] = []
+
+    def rule_of(self, n: int) -> str | None:
+        return self._rules[n]
+
+    def request(self, ask: Ask, c: Constraints) -> tuple[solver.Request | None, _Scan]:
+        req = ask.request
+        sig = (req.gpus, c.gpus, c.markets, c.cap, c.clouds, c.deny_clouds, c.regions,
+               c.deny_regions, c.residency, req.clouds, req.regions, ask.exclude)
+        got = self._groups.get(sig)
+        if got is None and self.indexed:
+            scan = _Scan()
+            source = _Source(partial(self._stream, ask, c, scan))
+            group = solver.Group([], 0.0, source.more)
+            source.group = group
+            group.options, group.upto = source.more(self.k, None, None)
+            got = self._groups[sig] = (group, scan)
+        if got is None:
+            options, upto, scan = self._walk(ask, c, self.k, None)
+
+            def more(k: int | None, below: float | None, alive: solver.Alive | None,
+                     ask: Ask = ask, c: Constraints = c
+                     ) -> tuple[list[solver.Option], float]:
+                found, upto, _ = self._walk(ask, c, k, below, alive)
+                return found, upto
+
+            got = self._groups[sig] = (solver.Group(options, upto, more), scan)
+        group, scan = got
+        if not group.options:
+            return None, scan
+        horizon = req.duration_hours or 1.0
+        extra = None
+        s = self.policy.scoring
+        if s.spread_weight and c.zone_share:
+            # The soft spread term makes the order the request's own: its own group.
+            weight, shares = s.spread_weight, c.zone_share
+
+            def extra(o: solver.Option) -> float:
+                return o.price * weight * shares.get((o.cloud, o.zone), 0.0)
+
+            def key(o: solver.Option) -> float:
+                return o.cost_per_hour + extra(o)
+
+            shared = group
+
+            def own_more(k: int | None, below: float | None, alive: solver.Alive | None
+                         ) -> tuple[list[solver.Option], float]:
+                shared.grow(k=k, below=below, alive=alive)
+                return sorted(shared.options, key=key), shared.upto
+
+            group = solver.Group(sorted(group.options, key=key), group.upto,
+                                 None if group.complete else own_more)
+        if c.team is not None:
+            self._team(c)
+        self._rules.append(c.rule)
+        best = min(o.cost_per_hour for o in group.options[:ALTERNATIVES + 1])
+        return solver.Request(group=group, horizon=horizon, penalty=PENALTY * horizon * best,
+                              team=c.team, extra=extra, min_gpus=req.gpus), scan
+
+    def _team(self, c: Constraints) -> None:
+        if c.team is None or c.team in self.teams:
+            return
+        by_cloud: Counter[str] = Counter()
+        for (cloud, _), n in c.gpus_by_zone.items():
+            by_cloud[cloud] += n
+        self.teams[c.team] = solver.Team(
+            gpus_left=c.gpus_left, budget_left=c.budget_left,
+            zone_share=c.max_zone_share, cloud_share=c.max_cloud_share,
+            grace=c.spread_grace, total=c.team_gpus, by_zone=dict(c.gpus_by_zone),
+            by_cloud=dict(by_cloud))
+
+    def _option(self, offer: Offer, instances: int, need: int) -> solver.Option:
+        key = offer.pool
+        got = self._options.get((key, instances, need))
+        if got is not None:
+            return got
+        uses: list[tuple[Hashable, float]] = []
+        if offer.capacity is not None:
+            self.limits.setdefault(("pool", key), offer.capacity - self.view.held(key))
+            uses.append((("pool", key), instances))
+        if offer.quota_headroom is not None:
+            if offer.quota_group is not None and offer.quota_units:
+                qkey: Hashable = ("quota", offer.quota_group)
+                units = offer.quota_units
+                have = offer.quota_headroom // max(offer.gpus, 1) * units
+            else:
+                qkey, units, have = ("quota", key), offer.gpus, offer.quota_headroom
+            self.limits[qkey] = min(self.limits.get(qkey, math.inf), have)
+            uses.append((qkey, instances * units))
+        price = instances * offer.price_per_hour  # type: ignore[operator]
+        cost = expected_cost(offer, instances, self.policy)
+        idle = self.policy.scoring.idle_gpu_weight
+        if idle:
+            cost += idle * (instances * offer.gpus - need) * (price / (instances * offer.gpus))
+        o = solver.Option(cost, tuple(uses), instances * offer.gpus, price, key.cloud,
+                          key.zone, (offer, instances))
+        self._options[(key, instances, need)] = o
+        return o
+
+    def _runs(self, gpu: str, m: Market, need: int,
+              where: Callable[[str, str], bool] | None = None
+              ) -> Iterator[tuple[int, Sequence[tuple[float, Offer, float, int | None]]]]:
+        """Runs of (bound per GPU, offer, price per GPU-hour, free instances or None)
+        over the fresh offers of `gpu` in `m` that take placements (in the regions
+        `where` allows), each run sorted by bound and given with its multiplier: no
+        placement of `need` GPUs on an offer of the run costs less per hour than
+        multiplier × bound. Small batches read the pool's price index as it is (one run,
+        bound = price, multiplier = need). Large ones build once per batch an index by
+        expected cost per GPU-hour, one run per instance size (and region), whose
+        multiplier counts the GPUs an instance of that size leaves idle: a much tighter
+        bound, so each walk stops sooner."""
+        if not self.indexed:
+            yield need, list(self._plain(gpu, m))
+            return
+        index = self._index.get((gpu, m))
+        if index is None:
+            index = self._index[(gpu, m)] = self._build_index(gpu, m)
+        by_size, by_region = index
+        if where is None or all(where(*r) for r in by_region):
+            runs = list(by_size.items())
+        else:
+            runs = [(g, entries) for r, sizes in by_region.items() if where(*r)
+                    for g, entries in sizes.items()]
+        for g, entries in runs:
+            yield -(-need // g) * g, entries
+
+    def _build_index(self, gpu: str, m: Market) -> tuple[
+            dict[int, list[tuple[float, Offer, float, int | None]]],
+            dict[tuple[str, str], dict[int, list[tuple[float, Offer, float, int | None]]]]]:
+        by_size: dict[int, list[tuple[float, Offer, float, int | None]]] = {}
+        by_region: dict[tuple[str, str],
+                        dict[int, list[tuple[float, Offer, float, int | None]]]] = {}
+        policy = self.policy
+        for ppg, offer, _, free in self._plain(gpu, m):
+            e = (expected_cost(offer, 1, policy) / offer.gpus, offer, ppg, free)
+            self._fmax = max(self._fmax, e[0] / ppg if ppg > 0 else 1.0)
+            by_size.setdefault(offer.gpus, []).append(e)
+            key = offer.pool
+            by_region.setdefault((key.cloud, key.region), {}).setdefault(offer.gpus, []).append(e)
+        for entries in by_size.values():
+            entries.sort(key=lambda e: e[0])
+        for sizes in by_region.values():
+            for entries in sizes.values():
+                entries.sort(key=lambda e: e[0])
+        return by_size, by_region
+
+    def _stream(self, ask: Ask, c: Constraints, scan: _Scan
+                ) -> Iterator[tuple[float, solver.Option]]:
+        """The request's options in order of expected cost per hour, lazily (large
+        batches): every run of every acceptable GPU model and market merged by exact
+        cost, so a group lists more by reading on, never by walking again. Yields
+        (a lower bound of the cost of this and every later option, the option)."""
+        req = ask.request
+        need = req.gpus
+        view = self.view
+        cap = c.cap
+        own_clouds = set(req.clouds) if req.clouds else None
+        own_regions = set(req.regions) if req.regions else None
+
+        def where(cloud: str, region: str) -> bool:
+            return ((own_clouds is None or cloud in own_clouds)
+                    and (own_regions is None or region in own_regions)
+                    and c.region_ok(cloud, region))
+
+        picked = [(mult, entries) for gpu in c.gpus for m in c.markets
+                  for mult, entries in self._runs(gpu, m, need, where)]
+        runs = [_keyed(mult, entries) for mult, entries in picked]
+        # Past this cost bound every later offer is over the cap: bound = mult × price ×
+        # factor per GPU, and no factor exceeds `fmax`.
+        over_cap = math.inf if cap is None else cap * self._fmax * max(
+            (mult for mult, _ in picked), default=need)
+        exclude = ask.exclude
+        min_discount = self.policy.scoring.spot_min_discount
+        for key_cost, (_, offer, ppg, free) in heapq.merge(*runs, key=_first):
+            key = offer.pool
+            if own_clouds is not None and key.cloud not in own_clouds:
+                continue
+            if own_regions is not None and key.region not in own_regions:
+                continue
+            if exclude and key in exclude:
+                continue
+            if not c.region_ok(key.cloud, key.region):
+                scan.policy_excluded += 1
+                continue
+            scan.matching += 1
+            if ppg < scan.cheapest_ppg:
+                scan.cheapest_ppg = ppg
+            if cap is not None and ppg > cap:
+                if key_cost > over_cap and scan.under_cap:
+                    return
+                continue
+            scan.under_cap += 1
+            instances = -(-need // offer.gpus)
+            if free is not None and free < instances:
+                continue
+            quota = offer.quota_headroom
+            if quota is not None and quota < instances * offer.gpus:
+                continue
+            if min_discount and not spot_discount_ok(offer, view, min_discount):
+                continue
+            yield key_cost, self._option(offer, instances, need)
+
+    def _plain(self, gpu: str, m: Market) -> Iterator[tuple[float, Offer, float, int | None]]:
+        view, stale, cooling = self.view, self.stale, self.cooling
+        for offer in view.by_gpu(gpu, m):
+            key = offer.pool
+            if (cooling and key in cooling) or (stale and view.slice_of(key) in stale):
+                continue
+            ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
+            cap = offer.capacity
+            yield ppg, offer, ppg, None if cap is None else cap - view.held(key)
+
+    def _walk(self, ask: Ask, c: Constraints, k: int | None, limit: float | None,
+              alive: solver.Alive | None = None
+              ) -> tuple[list[solver.Option], float, _Scan]:
+        """The request's options, cheapest expected cost per hour first: the best `k`,
+        or all of them up to `limit` per hour; the cost per hour below which the list
+        holds every option (inf: it holds them all); and what the walk saw."""
+        req = ask.request
+        view, policy = self.view, self.policy
+        cap = c.cap
+        by_price = not self.indexed  # entries by price: the first over the cap ends a list
+        own_clouds = set(req.clouds) if req.clouds else None
+        own_regions = set(req.regions) if req.regions else None
+        exclude = ask.exclude
+        min_discount = policy.scoring.spot_min_discount
+        need = req.gpus
+        scan = _Scan()
+        keep = k if limit is None else None
+        heap: list[tuple[float, int, solver.Option]] = []
+        found: list[solver.Option] = []
+        tiebreak = 0
+        cut = False
+        for gpu in c.gpus:
+            for m in c.markets:
+                for mult, entries in self._runs(gpu, m, need):
+                    for bound, offer, ppg, free in entries:
+                        key = offer.pool
+                        if own_clouds is not None and key.cloud not in own_clouds:
+                            continue
+                        if own_regions is not None and key.region not in own_regions:
+                            continue
+                        if exclude and key in exclude:
+                            continue
+                        if not c.region_ok(key.cloud, key.region):
+                            scan.policy_excluded += 1
+                            continue
+                        scan.matching += 1
+                        if ppg < scan.cheapest_ppg:
+                            scan.cheapest_ppg = ppg
+                        if cap is not None and ppg > cap:
+                            if by_price:
+                                break  # sorted by price per GPU-hour: the rest are dearer still
+                            continue
+                        scan.under_cap += 1
+                        # Any later offer costs at least need × its bound: stop when that
+                        # cannot make the list.
+                        if keep is not None and len(heap) == keep and mult * bound > -heap[0][0]:
+                            cut = True
+                            break
+                        if limit is not None and mult * bound > limit:
+                            cut = True
+                            break
+                        instances = -(-need // offer.gpus)
+                        if free is not None and free < instances:
+                            continue
+                        quota = offer.quota_headroom
+                        if quota is not None and quota < instances * offer.gpus:
+                            continue
+                        if min_discount and not spot_discount_ok(offer, view, min_discount):
+                            continue
+                        o = self._option(offer, instances, need)
+                        if alive is not None and not alive(o):
+                            continue
+                        cost = o.cost_per_hour
+                        if limit is not None:
+                            if cost <= limit:
+                                found.append(o)
+                            else:
+                                cut = True
+                            continue
+                        tiebreak += 1
+                        assert keep is not None
+                        if len(heap) < keep:
+                            heapq.heappush(heap, (-cost, -tiebreak, o))
+                        elif cost < -heap[0][0]:
+                            heapq.heapreplace(heap, (-cost, -tiebreak, o))
+                            cut = True
+        if limit is not None:
+            found.sort(key=lambda o: o.cost_per_hour)
+            return found, (limit if cut else math.inf), scan
+        best = [o for _, _, o in sorted(heap, reverse=True)]
+        return best, (best[-1].cost_per_hour if cut and best else math.inf), scan
+
+
+def _keyed(mult: int, entries: Iterable[tuple[float, Offer, float, int | None]]
+           ) -> Iterator[tuple[float, tuple[float, Offer, float, int | None]]]:
+    for e in entries:
+        yield mult * e[0], e
+
+
+def _first(item: tuple[float, Any]) -> float:
+    return item[0]
+
+
+class _Source:
+    """A group's options read lazily from a `_Builder._stream`, with one item of
+    look-ahead (whose cost bound is the group's `upto`). Options the heuristic found
+    used up are dropped as they are read; the LP's request for everything under a
+    bound then reads a fresh stream."""
+
+    def __init__(self, start: Callable[[], Iterator[tuple[float, solver.Option]]]) -> None:
+        self._start = start
+        self._it = start()
+        self._next: tuple[float, solver.Option] | None = None
+        self._done = False
+        self._dropped = False
+        self.group: solver.Group | None = None
+
+    def _peek(self) -> tuple[float, solver.Option] | None:
+        if self._next is None and not self._done:
+            self._next = next(self._it, None)
+            self._done = self._next is None
+        return self._next
+
+    def more(self, k: int | None, below: float | None, alive: solver.Alive | None
+             ) -> tuple[list[solver.Option], float]:
+        out = list(self.group.options) if self.group is not None else []
+        if alive is None and self._dropped:
+            self._it, self._next, self._done, self._dropped = self._start(), None, False, False
+            out = []
+        added = 0
+        while (nxt := self._peek()) is not None:
+            bound, o = nxt
+            if (k is not None and added >= k) or (below is not None and bound > below):
+                break
+            self._next = None
+            if alive is None or alive(o):
+                out.append(o)
+                added += 1
+            else:
+                self._dropped = True
+        nxt = self._peek()
+        return out, (math.inf if nxt is None else nxt[0])
+
+
+def _unplaced(ask: Ask, problem: solver.Problem, why: tuple[str, Hashable | None],
+              retry_after: float | None) -> Rejection:
+    """Name the constraint that kept a request with options unplaced in its batch."""
     req = ask.request
-    view, policy = b.view, b.policy
-    c = constraints_for(ask, policy)
-    if isinstance(c, Denied):
-        return Rejection(ask, c.code, c.detail, None)
-    cap, budget = c.cap, c.budget_left
-    own_clouds = set(req.clouds) if req.clouds else None
-    own_regions = set(req.regions) if req.regions else None
-    exclude, stale, cooling = ask.exclude, b.stale, b.cooling
-    taken, taken_gpus = b.taken, b.taken_gpus
-    min_discount = policy.scoring.spot_min_discount
-    zone_share = c.zone_share
-    need = req.gpus
-    scan = _Scan()
-    keep = ALTERNATIVES + 1
-    best = scan.best
-    tiebreak = 0
-    for gpu in c.gpus:
-        for m in c.markets:
-            for offer in view.by_gpu(gpu, m):
-                key = offer.pool
-                if own_clouds is not None and key.cloud not in own_clouds:
-                    continue
-                if own_regions is not None and key.region not in own_regions:
-                    continue
-                if (exclude and key in exclude) or (cooling and key in cooling) or \
-                        (stale and view.slice_of(key) in stale):
-                    continue
-                if not c.region_ok(key.cloud, key.region):
-                    scan.policy_excluded += 1
-                    continue
-                ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
-                scan.matching += 1
-                if ppg < scan.cheapest_ppg:
-                    scan.cheapest_ppg = ppg
-                if cap is not None and ppg > cap:
-                    break  # sorted by price per GPU-hour: the rest are dearer still
-                scan.under_cap += 1
-                # Any later offer costs at least need × its ppg: stop when that cannot win.
-                if len(best) == keep and need * ppg > -best[0][0]:
-                    break
-                instances = -(-need // offer.gpus)
-                capacity = offer.capacity
-                if capacity is not None and \
-                        capacity - view.held(key) - taken[key] < instances:
-                    continue
-                quota = offer.quota_headroom
-                if quota is not None and quota - taken_gpus[key] < instances * offer.gpus:
-                    continue
-                if min_discount and not spot_discount_ok(offer, view, min_discount):
-                    continue
-                if budget is not None and \
-                        instances * offer.price_per_hour > budget:  # type: ignore[operator]
-                    scan.over_budget += 1
-                    continue
-                share = zone_share.get((key.cloud, key.zone), 0.0) if zone_share else 0.0
-                cost = expected_cost(offer, instances, policy, share)
-                tiebreak += 1
-                if len(best) < keep:
-                    heapq.heappush(best, (-cost, -tiebreak, offer, instances))
-                elif cost < -best[0][0]:
-                    heapq.heapreplace(best, (-cost, -tiebreak, offer, instances))
-    if not best:
-        return _reject(ask, c, scan, b.retry_after)
-    ranked = [(-cost, Placement.of(o, n), o) for cost, _, o, n in sorted(best, reverse=True)]
-    cost, chosen, offer = ranked[0]
-    return Decision(
-        ask=ask,
-        placement=chosen,
-        expected_cost_per_hour=cost,
-        reason=_reason(chosen, offer, cost, req.duration_hours, c.rule),
-        alternatives=tuple(p for _, p, _ in ranked[1:]),
-    )
+    what, key = why
+    team = f"team {req.team!r}"
+    if what == "team_gpus":
+        return Rejection(ask, RejectCode.OVER_BUDGET,
+                         f"{team} would pass its max_gpus with the other requests of this "
+                         f"batch", retry_after)
+    if what == "team_budget":
+        t = problem.teams.get(req.team or "")
+        left = f" (${t.budget_left:.2f}/h left)" if t and t.budget_left is not None else ""
+        return Rejection(ask, RejectCode.OVER_BUDGET,
+                         f"{team} has too little of its budget_per_hour{left} for any "
+                         f"placement of {req.gpus} GPUs", retry_after)
+    if what == "spread":
+        return Rejection(ask, RejectCode.POLICY_DENIED,
+                         f"{team}'s spread limit (max_zone_share/max_cloud_share) leaves no "
+                         f"zone or cloud for {req.gpus} more GPUs", retry_after)
+    where = ""
+    if what == "resource" and isinstance(key, tuple):
+        kind, name = key
+        where = (f": {name.cloud}/{name.zone} {name.instance_type} is taken"
+                 if kind == "pool" and isinstance(name, PoolKey)
+                 else f": quota {name} is used up")
+    return Rejection(ask, RejectCode.NO_CAPACITY,
+                     f"the free capacity and quota for {req.gpus}×{'|'.join(req.gpu)} went to "
+                     f"other requests of this batch{where}", retry_after)
 
 
 def _reason(placement: Placement, offer: Offer, cost: float, duration: float | None,

@@ -1,4 +1,4 @@
-"""Durable state in SQLite: the lease book and the event outbox.
+"""Durable state in SQLite: the lease book, the event outbox and the market history.
 
 One connection, used only from one dedicated thread, so SQLite never blocks the event
 loop and writes are serialised. A lease change and the events it causes are committed
@@ -7,6 +7,10 @@ in one transaction: after a crash, either both are there or neither is.
 WAL mode; `synchronous=NORMAL` by default, which survives a killed process (the
 daemon's crash mode) but may lose the last transactions on power loss. Set
 `state.synchronous: full` to survive that too, at the cost of an fsync per commit.
+
+The market history (`market_pools`, `market_changes`, `market_snapshots`) is written
+and read by `broker.recorder`; its tables are created here with the rest of the schema.
+They were added without a schema version bump: an older gpubroker ignores them.
 """
 
 from __future__ import annotations
@@ -47,6 +51,37 @@ CREATE TABLE IF NOT EXISTS outbox (
     retain   INTEGER NOT NULL,
     props    TEXT
 );
+-- The market history (broker/recorder.py). A pool row is one pool key together with the
+-- GPU model and count it was offered with. A change row is that pool's full state from
+-- `t` (epoch seconds) until its next row: kind 0 a change, 1 gone, 2 part of a snapshot
+-- of every live pool (complete once its `t` is in market_snapshots). Fractional signals
+-- are integers scaled by 10^6 (price in micro-USD per instance-hour), which SQLite packs
+-- into 3-4 bytes where a REAL takes 8; NULL is unknown. Clustered on (t, pool_id), so
+-- rows are appended in time order and exports and pruning read and delete sequentially;
+-- there is deliberately no per-pool index (it would cost a page write per row).
+CREATE TABLE IF NOT EXISTS market_pools (
+    id            INTEGER PRIMARY KEY,
+    cloud         TEXT NOT NULL,
+    region        TEXT NOT NULL,
+    zone          TEXT NOT NULL,
+    instance_type TEXT NOT NULL,
+    market        TEXT NOT NULL,
+    gpu           TEXT NOT NULL,
+    gpus          INTEGER NOT NULL,
+    UNIQUE (cloud, region, zone, instance_type, market, gpu, gpus)
+);
+CREATE TABLE IF NOT EXISTS market_changes (
+    t                    INTEGER NOT NULL,
+    pool_id              INTEGER NOT NULL,
+    price_e6             INTEGER,
+    availability_e6      INTEGER,
+    capacity             INTEGER,
+    interruption_rate_e6 INTEGER,
+    quota_headroom       INTEGER,
+    kind                 INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (t, pool_id)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS market_snapshots (t INTEGER PRIMARY KEY);
 """
 
 
@@ -78,6 +113,12 @@ class StateStore:
             return fn(self._db)
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+    async def call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `fn(connection)` on the store's thread, in order with every other store
+        operation; for parts that keep their own tables (the market recorder). `fn` owns
+        its transaction and must keep it short: lease commits wait behind it."""
+        return await self._run(fn)
 
     async def open(self) -> None:
         def do_open() -> sqlite3.Connection:

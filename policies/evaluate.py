@@ -55,6 +55,13 @@ class Constraints:
     budget_left: float | None = None  # USD per hour the team may still spend
     zone_share: Mapping[tuple[str, str], float] = field(default_factory=dict)
     lease_seconds: int = 900
+    team: str | None = None
+    gpus_left: int | None = None  # GPUs the team may still take (its max_gpus)
+    max_zone_share: float | None = None  # the team's spread limits
+    max_cloud_share: float | None = None
+    spread_grace: int = 0
+    team_gpus: int = 0  # what the team holds now, in total, per zone, per cloud
+    gpus_by_zone: Mapping[tuple[str, str], int] = field(default_factory=dict)
     rule: str | None = None  # the rule that matched, for explanations
     resident: Residency | None = None
     _region_ok: dict[tuple[str, str], bool] = field(default_factory=dict)
@@ -196,6 +203,14 @@ def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = No
         budget_left=budget_left,
         zone_share={z: n / total for z, n in usage.gpus_by_zone.items()} if total else {},
         lease_seconds=request.lease_seconds or policy.defaults.lease_seconds,
+        team=request.team if team else None,
+        gpus_left=(team.max_gpus - usage.gpus
+                   if team and team.max_gpus is not None else None),
+        max_zone_share=team.max_zone_share if team else None,
+        max_cloud_share=team.max_cloud_share if team else None,
+        spread_grace=team.spread_grace_gpus if team else 0,
+        team_gpus=usage.gpus,
+        gpus_by_zone=usage.gpus_by_zone,
         rule=rule.name if rule else None,
         resident=resident,
     )

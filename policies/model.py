@@ -68,6 +68,12 @@ class Team(_Strict):
     clouds: list[Name] | None = None
     residency: list[Name] | None = None
     gpus: list[Name] | None = None
+    max_zone_share: float | None = Field(default=None, gt=0, le=1)
+    """Spread limit: at most this share of the team's GPUs in one zone (0.5 = half),
+    counting what a placement would add. `spread_grace_gpus` may always sit in one."""
+    max_cloud_share: float | None = Field(default=None, gt=0, le=1)
+    """The same, per cloud."""
+    spread_grace_gpus: int = Field(default=8, ge=0)
 
 
 class Scoring(_Strict):
@@ -82,6 +88,9 @@ class Scoring(_Strict):
     spread_weight: float = Field(default=0.0, ge=0)
     unknown_interruption_rate: float = Field(default=0.05, ge=0)
     unknown_availability: float = Field(default=0.5, ge=0, le=1)
+    idle_gpu_weight: float = Field(default=0.0, ge=0)
+    """Paid-for GPUs left idle (an 8-GPU instance for 6 GPUs) are in the price already;
+    this adds that share of their price again, to prefer a snug fit."""
     spot_min_discount: float = Field(default=0.0, ge=0, lt=1)
     """Take a spot pool only when it is at least this much cheaper than on-demand for the
     same instance type in the same zone (0.3 = 30 % cheaper)."""
@@ -110,6 +119,10 @@ class Failover(_Strict):
     cloud unhealthy); a lease whose capacity is gone always moves."""
     cooldown_seconds: float = Field(default=600, ge=0)
     """How long a pool that failed a lease is kept out of new placements."""
+    reoptimize_min_saving: float | None = Field(default=None, gt=0, lt=1)
+    """Move a running lease to a better placement when that saves at least this share
+    of its expected cost (0.3 = 30 %), subject to the anti-flap limits. Unset: running
+    leases move only when a trigger fires."""
 
 
 

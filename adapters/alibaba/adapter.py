@@ -335,7 +335,8 @@ class AlibabaAdapter(CloudAdapter):
                 memory_gb=t.memory_gb, gpu_known=t.known, price_per_hour=price,
                 observed_at=observed, availability=availability,
                 interruption_rate=interruption,
-                quota_headroom=pricing.headroom_gpus(free[market], t.vcpus, t.gpus)))
+                quota_headroom=pricing.headroom_gpus(free[market], t.vcpus, t.gpus),
+                quota_group=f"alibaba:{region}:{market.value}", quota_units=t.vcpus))
         return out
 
     async def close(self) -> None:

@@ -221,6 +221,8 @@ class AwsAdapter(CloudAdapter):
                 price_per_hour=st.on_demand.value.get(itype), observed_at=od_read,
                 quota_headroom=pricing.headroom_gpus(
                     st.quotas.value.get(od_code) if od_code else None, t.vcpus, t.gpus),
+                quota_group=f"aws:{region}:{od_code}" if od_code else None,
+                quota_units=t.vcpus if od_code else None,
                 **common))  # type: ignore[arg-type]
             spot = st.spot.get((itype, zone))
             out.append(Offer(
@@ -229,6 +231,8 @@ class AwsAdapter(CloudAdapter):
                 availability=pricing.availability_of(st.scores.value.get((itype, zone))),
                 quota_headroom=pricing.headroom_gpus(
                     st.quotas.value.get(spot_code) if spot_code else None, t.vcpus, t.gpus),
+                quota_group=f"aws:{region}:{spot_code}" if spot_code else None,
+                quota_units=t.vcpus if spot_code else None,
                 **common))  # type: ignore[arg-type]
         return out
 

@@ -194,12 +194,16 @@ class AzureAdapter(CloudAdapter):
                 where = pricing.zone_name(region, zone)
                 out.append(Offer(pool=PoolKey(CLOUD, region, where, name, Market.ON_DEMAND),
                                  price_per_hour=prices.on_demand.get(key),
-                                 quota_headroom=od_headroom, **common))
+                                 quota_headroom=od_headroom,
+                                 quota_group=f"azure:{region}:{size.family.lower()}",
+                                 quota_units=size.vcpus, **common))
                 if size.spot:
                     out.append(Offer(pool=PoolKey(CLOUD, region, where, name, Market.SPOT),
                                      price_per_hour=prices.spot.get(key),
                                      interruption_rate=st.evictions.value.get(key),
-                                     quota_headroom=spot_headroom, **common))
+                                     quota_headroom=spot_headroom,
+                                     quota_group=f"azure:{region}:lowprioritycores",
+                                     quota_units=size.vcpus, **common))
         return out
 
     async def close(self) -> None:

@@ -262,7 +262,9 @@ class GcpAdapter(CloudAdapter):
                         observed_at=observed, availability=self._availability(pool, now),
                         quota_headroom=pricing.quota_headroom(regional, all_regions,
                                                               shape.accelerator, market),
-                        gpu_known=known))
+                        # GPU quotas are per accelerator and region, counted in GPUs.
+                        quota_group=f"gcp:{region}:{shape.accelerator}:{market.value}",
+                        quota_units=shape.gpus, gpu_known=known))
         return out
 
     # --- stock-outs ----------------------------------------------------------------------

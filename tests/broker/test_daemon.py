@@ -329,7 +329,9 @@ async def test_capacity_summaries_are_retained(start_daemon: StartDaemon,
     assert msg.retain
     assert s["cloud"] == "aws" and s["gpu"] == "H100-80GB"
     assert s["cheapest_on_demand_per_gpu_hour"] > 0
-    assert msg.properties is not None and msg.properties.MessageExpiryInterval == 3 * 3600
+    # A retained message reaches a late subscriber with what is left of its expiry.
+    assert msg.properties is not None
+    assert 3 * 3600 - 30 <= msg.properties.MessageExpiryInterval <= 3 * 3600
 
 
 async def test_events_survive_an_mqtt_server_restart(start_daemon: StartDaemon,

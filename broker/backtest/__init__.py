@@ -1,0 +1,15 @@
+"""Backtests: replay a market trace and a request workload through the real placement,
+lease book and failover code on a simulated clock, and compare placement strategies.
+
+    market.py      the market: a trace file or the simulated market, in steps; the
+                   interruption draws every strategy shares
+    workload.py    the requests: a JSON Lines file (validated as the daemon validates) or
+                   a generated, seeded mix
+    strategies.py  on_demand, cheapest_spot, price_capacity, gpubroker
+    engine.py      one strategy's run: events on a simulated clock, work and money
+    compare.py     every strategy on the same simulation; table, JSON, PNG chart
+    cli.py         `gpubroker backtest`
+"""
+
+STRATEGIES = ("on_demand", "cheapest_spot", "price_capacity", "gpubroker")
+"""The strategies a backtest can compare, in the order reports list them."""

@@ -1,0 +1,148 @@
+"""`gpubroker backtest`: the command line of the backtest (README "Backtest")."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from broker.backtest import STRATEGIES
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+
+
+def add_parser(sub: Any) -> None:
+    """Add the `backtest` subcommand to the `gpubroker` parser's subparsers."""
+    p = sub.add_parser(
+        "backtest", help="replay a market trace and a workload; compare strategies",
+        description="Replay a market trace and a request workload through the real "
+                    "placement, lease book and failover code on a simulated clock, and "
+                    "compare placement strategies.")
+    p.add_argument("--market", required=True, metavar="TRACE",
+                   help="a trace file (.jsonl/.csv, optionally .gz) or "
+                        "sim:DURATION[:SEED][:REGIONS], e.g. sim:7d, sim:36h:42:2")
+    p.add_argument("--workload", required=True, metavar="FILE",
+                   help="a workload file (JSON Lines) or gen:N[:SEED], e.g. gen:3000")
+    p.add_argument("--strategy", default=",".join(STRATEGIES),
+                   help=f"comma-separated, any of {','.join(STRATEGIES)} (default: all)")
+    p.add_argument("--policy", type=Path, metavar="FILE",
+                   help="the gpubroker policy (YAML); default: market any, scoring "
+                        "restart_hours = --restart-hours")
+    p.add_argument("--seed", type=int, default=7,
+                   help="interruption draws, and sim:/gen: when they name no seed (7)")
+    p.add_argument("--restart-hours", type=float, default=0.5, metavar="H",
+                   help="work lost per interruption or move, at most (0.5)")
+    p.add_argument("--step-minutes", type=float, default=10.0, metavar="M",
+                   help="the simulated market's poll interval, and how often waiting "
+                        "requests retry and interruptions are drawn (10)")
+    p.add_argument("--max-wait-hours", type=float, default=24.0, metavar="H",
+                   help="a request waiting longer is never placed / abandoned (24)")
+    p.add_argument("--default-interruption-rate", type=float, default=0.05, metavar="R",
+                   help="interruptions per hour of a spot pool the trace gives none (0.05)")
+    p.add_argument("--format", choices=["table", "json"], default="table")
+    p.add_argument("--json-out", type=Path, metavar="FILE", help="also write the JSON report")
+    p.add_argument("--chart", type=Path, metavar="FILE.png",
+                   help="cost per useful GPU-hour against interruptions, as a PNG")
+    p.add_argument("--save-market", type=Path, metavar="FILE",
+                   help="write the market as a trace file (.jsonl or .csv, optionally .gz)")
+    p.add_argument("--save-workload", type=Path, metavar="FILE",
+                   help="write the workload as a workload file")
+
+
+def _progress(err: TextIO) -> Any:
+    if not err.isatty():
+        return None
+
+    def show(text: str) -> None:
+        err.write(f"\r\033[K{text}")
+        err.flush()
+
+    return show
+
+
+def run(args: argparse.Namespace) -> int:
+    from broker.backtest import compare as cmp
+    from broker.backtest.engine import Settings
+    from broker.backtest.market import MarketError, load_market, save_market
+    from broker.backtest.workload import WorkloadError, load_or_generate, save_workload
+    from policies.loader import load_policy
+    from policies.model import Policy, Scoring
+
+    err = sys.stderr
+    names = [n.strip() for n in args.strategy.split(",") if n.strip()]
+    problems = [f"--strategy: unknown strategy {n!r}; expected {', '.join(STRATEGIES)}"
+                for n in names if n not in STRATEGIES]
+    if not names:
+        problems.append("--strategy: name at least one strategy")
+    if len(set(names)) != len(names):
+        problems.append("--strategy: a strategy is named twice")
+    for flag, value, low in (("--restart-hours", args.restart_hours, 0.0),
+                             ("--max-wait-hours", args.max_wait_hours, 0.0),
+                             ("--default-interruption-rate", args.default_interruption_rate,
+                              0.0)):
+        if not value >= low:
+            problems.append(f"{flag}: must be >= {low:g}, got {value!r}")
+    if not args.step_minutes > 0:
+        problems.append(f"--step-minutes: must be > 0, got {args.step_minutes!r}")
+    if args.chart is not None:
+        try:
+            cmp.check_chart()
+        except cmp.ChartUnavailable as exc:
+            problems.append(f"--chart: {exc}")
+    if problems:
+        for p in problems:
+            print(f"gpubroker: {p}", file=err)
+        return EXIT_USAGE
+
+    settings = Settings(seed=args.seed, step_seconds=args.step_minutes * 60.0,
+                        restart_hours=args.restart_hours, max_wait_hours=args.max_wait_hours,
+                        default_interruption_rate=args.default_interruption_rate)
+    if args.policy is not None:
+        policy = load_policy(args.policy)  # SourceError: gpubroker main prints it, exit 2
+        policy_name = str(args.policy)
+    else:
+        policy = Policy(scoring=Scoring(restart_hours=args.restart_hours))
+        policy_name = f"embedded (market any, restart_hours {args.restart_hours:g})"
+    progress = _progress(err)
+    try:
+        market = load_market(args.market, seed=args.seed, step_seconds=settings.step_seconds,
+                             progress=progress)
+        if args.save_market is not None:
+            n = save_market(market, args.save_market)
+            _clear(progress, err)
+            print(f"gpubroker: wrote {n} market rows to {args.save_market}", file=err)
+        workload = load_or_generate(args.workload, seed=args.seed, market=market)
+    except MarketError as exc:
+        _clear(progress, err)
+        print(f"gpubroker: {exc}", file=err)
+        return EXIT_USAGE
+    except WorkloadError as exc:
+        _clear(progress, err)
+        for p in exc.problems:
+            print(f"gpubroker: {p}", file=err)
+        return EXIT_USAGE
+    if args.save_workload is not None:
+        save_workload(workload, args.save_workload, market=market)
+        print(f"gpubroker: wrote {len(workload.arrivals)} requests to {args.save_workload}",
+              file=err)
+    result = cmp.compare(market, workload, names, policy, settings, policy_name=policy_name,
+                         progress=progress)
+    _clear(progress, err)
+    report = result.dumps()
+    if args.json_out is not None:
+        args.json_out.write_text(report, encoding="utf-8")
+    if args.format == "json":
+        sys.stdout.write(report)
+    else:
+        cmp.write_table(result, sys.stdout)
+    if args.chart is not None:
+        cmp.write_chart(result, args.chart)
+    print(f"gpubroker: {result.speed_line()}", file=err)
+    return EXIT_OK
+
+
+def _clear(progress: Any, err: TextIO) -> None:
+    if progress is not None:
+        err.write("\r\033[K")
+        err.flush()

@@ -1,0 +1,535 @@
+"""Strategies run through a market and a workload, on a simulated clock.
+
+The run uses the daemon's own parts: a real `ResourcePool` fed slice by slice from the
+market trace (its clock is the simulated one; offers never go stale, since a trace row
+holds until the pool's next row), a real `LeaseBook`, `broker.failover`'s triggers
+(`from_pool_change`, `held_back`) and the strategy's placement and failover code. No
+sleeping, no MQTT, no asyncio.
+
+`simulate` runs several strategies in lockstep over one market `ResourcePool` (the
+market is the same for all, and feeding a pool is most of the work): each strategy reads
+it through its own `StrategyView`, whose holdings and cool-downs live in a `ResourcePool`
+of its own, and has its own lease book, jobs and events. Strategies share nothing else,
+so each run is what it would be alone. Events, in time order (and in this order at one
+instant):
+
+1. **market**: the rows of one instant, applied slice by slice to the pool. Leases on a
+   pool whose price changed pay the new price from then on. `failover.from_pool_change`
+   raises the daemon's triggers: pool gone or availability 0 → `capacity_lost`; price
+   above the lease's cap (or the policy's spike ratio) → `price_above_cap`, which the
+   anti-flap limits may hold back, and which leaves the lease where it is when nothing
+   better is free. A pool's capacity falling below what leases hold moves nothing:
+   `capacity` is the cloud's estimate of *free* instances, and running instances are
+   lost only by the events named here.
+2. **interruption** of a spot pool (`market.hazard_schedule`, the same draws for every
+   strategy): every lease on it is interrupted and moved (reason `interrupted`), and the
+   pool cools down for `failover.cooldown_seconds`, as the daemon does on a preemption
+   notice. An interruption always moves the lease, even when the policy switches the
+   `interrupted` trigger off (the scheduler's `report` would).
+3. **completion**: a job ends when it has done `duration_hours` of useful work.
+4. **placement**, at each arrival instant and at each step of the grid: the requests
+   arriving then and (at a step) every request still waiting, oldest first, as one batch.
+   Then, at a step, when the policy sets `failover.reoptimize_min_saving`, the daemon's
+   health-check re-optimisation (`failover.reoptimize`) over every running lease.
+
+**Work and money.** A job works while it holds a placement. A move (an interruption, a
+capacity loss or a discretionary move) loses the work done since the job's last start,
+at most `restart_hours` (the job restarts from its last checkpoint). A lease pays its
+pool's price, as it changes, for every hour it holds instances; useful GPU-hours are the
+work kept times the GPUs asked (GPUs paid for but not asked for are idle, not useful).
+
+**Waiting.** A request that cannot be placed waits and is tried again at every step
+until placed, or counted never placed after `max_wait_hours` (or at the market's end).
+A failover that finds nowhere to go ends the lease (`lease.failed`, as in the daemon);
+the job then asks again at every step like a new request (its request_id suffixed `~N`)
+and is abandoned after `max_wait_hours` without a placement. A request the policy denies
+is never placed at once. At the market's end, running jobs stop and keep their work.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from collections.abc import Callable, Collection, Hashable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from broker import failover
+from broker.backtest.market import MarketTrace, SliceId
+from broker.backtest.strategies import Strategy, rid
+from broker.backtest.workload import Arrival, Workload
+from broker.leases import LeaseBook
+from broker.model import (
+    FailoverReason,
+    Lease,
+    LeaseState,
+    Market,
+    Offer,
+    Placement,
+    PlaceRequest,
+    PoolKey,
+    RejectCode,
+)
+from broker.placement import Ask, Decision
+from broker.pool import PoolChange, ResourcePool
+from policies.evaluate import Denied, evaluate
+
+NEVER_STALE = 100 * 365 * 86400.0  # a trace row holds until its pool's next row
+_INTERRUPT, _COMPLETE, _PLACE = range(3)
+_INVOLUNTARY = frozenset({FailoverReason.INTERRUPTED, FailoverReason.CAPACITY_LOST,
+                          FailoverReason.REPORTED})
+
+DayProgress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    seed: int = 7
+    step_seconds: float = 600.0
+    restart_hours: float = 0.5
+    max_wait_hours: float = 24.0
+    default_interruption_rate: float = 0.05
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seed": self.seed, "step_minutes": self.step_seconds / 60,
+                "restart_hours": self.restart_hours, "max_wait_hours": self.max_wait_hours,
+                "default_interruption_rate": self.default_interruption_rate}
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    index: int
+    arrival: Arrival
+    req: PlaceRequest  # as the strategy asks for it
+    need: float  # hours of work
+    leases: int = 0
+    lease_id: str | None = None
+    placement: Placement | None = None
+    work: float = 0.0  # hours of work kept, before the current start
+    started: float = 0.0  # seconds: the current start (placement or restart)
+    paid_since: float = 0.0
+    rate: float = 0.0  # USD per hour of the current placement
+    version: int = 0
+    first_placed: float | None = None
+    lost_at: float | None = None  # lost its placement then, waiting for another
+    last_code: str = "none"
+    done: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.req.gpus
+
+
+@dataclass(slots=True)
+class Tally:
+    """What one strategy's run added up."""
+
+    cost: float = 0.0
+    useful_gpu_hours: float = 0.0
+    lost_gpu_hours: float = 0.0
+    idle_gpu_hours: float = 0.0
+    spot_gpu_hours: float = 0.0
+    paid_gpu_hours: float = 0.0
+    interrupted: int = 0
+    capacity_lost: int = 0
+    failovers: Counter[str] = field(default_factory=Counter)
+    failovers_nowhere: int = 0
+    requests: int = 0
+    placed: int = 0
+    completed: int = 0
+    running_at_end: int = 0
+    waiting_at_end: int = 0
+    abandoned: int = 0
+    never_placed: Counter[str] = field(default_factory=Counter)
+    waits: list[float] = field(default_factory=list)  # hours to first placement
+    hours_without_placement: float = 0.0  # after losing one
+    losses: list[tuple[float, str, PoolKey]] = field(default_factory=list)
+    """Every involuntary loss of a placement: (seconds, reason, pool), in time order."""
+
+
+class StrategyView:
+    """One strategy's `placement.PoolView`: the market's offers from the shared pool; the
+    strategy's own holdings and cool-downs from a `ResourcePool` that holds no offers."""
+
+    def __init__(self, market: ResourcePool, clock: Callable[[], datetime]) -> None:
+        self.market = market
+        self.own = ResourcePool(stale_after_seconds=NEVER_STALE, clock=clock)
+
+    def by_gpu(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
+        return self.market.by_gpu(gpu, market)
+
+    def stale_slices(self, now: datetime) -> Collection[Hashable]:
+        return self.market.stale_slices(now)
+
+    def slice_of(self, key: PoolKey) -> Hashable | None:
+        return self.market.slice_of(key)
+
+    def get(self, key: PoolKey) -> Offer | None:
+        return self.market.get(key)
+
+    def held(self, key: PoolKey) -> int:
+        return self.own.held(key)
+
+    def cooling(self, now: datetime) -> Collection[PoolKey]:
+        return self.own.cooling(now)
+
+    def hold(self, key: PoolKey, instances: int) -> None:
+        self.own.hold(key, instances)
+
+    def unhold(self, key: PoolKey, instances: int) -> None:
+        self.own.unhold(key, instances)
+
+    def cool_down(self, key: PoolKey, seconds: float) -> None:
+        self.own.cool_down(key, seconds)
+
+
+def simulate(market: MarketTrace, workload: Workload, strategies: Sequence[Strategy],
+             schedule: list[tuple[float, PoolKey]], settings: Settings,
+             progress: DayProgress | None = None) -> list[Tally]:
+    """Run each strategy through `market` and `workload` (see the module docstring)."""
+    now = [market.start]
+    pool = ResourcePool(stale_after_seconds=NEVER_STALE, clock=lambda: now[0])
+    runs = [Run(market, workload, s, schedule, settings, pool) for s in strategies]
+    slices: dict[SliceId, dict[PoolKey, Offer]] = {}
+    end = market.seconds
+    days = max(1, math.ceil(end / 86400 - 1e-9))
+    day = -1
+    for step in market.steps:
+        if step.at >= end:
+            break
+        for run in runs:
+            run.advance(step.at)
+        now[0] = market.at(step.at)
+        if progress is not None and int(step.at // 86400) != day:
+            day = int(step.at // 86400)
+            progress(day + 1, days)
+        changes: list[PoolChange] = []
+        for slice_id, rows in step.slices:
+            offers = slices.setdefault(slice_id, {})
+            for key, offer in rows:
+                if offer is None:
+                    offers.pop(key, None)
+                else:
+                    offers[key] = offer
+            changes.append(pool.replace(slice_id, list(offers.values())))
+        for run in runs:
+            run.market_changed(step.at, changes)
+    for run in runs:
+        run.advance(end)
+        run.finish(end)
+    return [run.tally for run in runs]
+
+
+class Run:
+    """One strategy through the market and the workload (see the module docstring)."""
+
+    def __init__(self, market: MarketTrace, workload: Workload, strategy: Strategy,
+                 schedule: list[tuple[float, PoolKey]], settings: Settings,
+                 pool: ResourcePool) -> None:
+        self.market = market
+        self.strategy = strategy
+        self.policy = strategy.policy
+        self.settings = settings
+        self.now = market.start
+        self.pool = StrategyView(pool, lambda: self.now)
+        self.book = LeaseBook()
+        self.tally = Tally(requests=len(workload.arrivals))
+        self._jobs: list[_Job] = [
+            _Job(i, a, strategy.adapt(a.request), a.duration_hours)
+            for i, a in enumerate(workload.arrivals)]
+        self._by_lease: dict[str, _Job] = {}
+        self._moves: dict[str, list[datetime]] = {}
+        self._queue: list[_Job] = []  # waiting for a placement
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        for at, key in schedule:
+            self._push(at, _INTERRUPT, key)
+        ticks = max(1, math.ceil(market.seconds / settings.step_seconds - 1e-9))
+        for k in range(ticks):
+            self._push(k * settings.step_seconds, _PLACE, None)
+        for job in self._jobs:
+            self._push(job.arrival.at, _PLACE, job)
+
+    def _push(self, at: float, kind: int, what: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (at, kind, self._seq, what))
+
+    def _dt(self, t: float) -> datetime:
+        return self.market.start + timedelta(seconds=t)
+
+    # --- the loop --------------------------------------------------------------------
+
+    def advance(self, until: float) -> None:
+        """Handle this run's own events before `until` (seconds)."""
+        events = self._events
+        while events and events[0][0] < until:
+            t, kind, _, what = heapq.heappop(events)
+            self.now = self._dt(t)
+            if kind == _INTERRUPT:
+                self._interrupt(t, what)
+            elif kind == _COMPLETE:
+                job, version = what
+                if job.version == version and not job.done:
+                    self._complete(t, job)
+            else:
+                tick = what is None
+                arrivals = [] if tick else [what]
+                while events and events[0][0] == t and events[0][1] == _PLACE:
+                    more = heapq.heappop(events)[3]
+                    if more is None:
+                        tick = True
+                    else:
+                        arrivals.append(more)
+                self._place(t, arrivals, tick)
+
+    # --- market --------------------------------------------------------------------
+
+    def market_changed(self, t: float, changes: Sequence[PoolChange]) -> None:
+        """The market pool changed at `t`: new prices for the leases there; the daemon's
+        failover triggers (`from_pool_change` acts on leased pools only, so it is given
+        each change narrowed to the pools this run's leases hold)."""
+        self.now = self._dt(t)
+        leased = self.book.leased_pools()
+        if not leased:
+            return
+        triggers = []
+        for change in changes:
+            # sorted: float sums must not follow a set's (hash-seeded) order
+            updated = {k: change.updated[k] for k in sorted(change.updated.keys() & leased)}
+            removed = {k: change.removed[k] for k in sorted(change.removed.keys() & leased)}
+            if not updated and not removed:
+                continue
+            for key, old in updated.items():
+                new = change.offers[key].price_per_hour
+                if old is None or new is None or new == old.price_per_hour:
+                    continue
+                for job in self._on(key):
+                    self._pay(job, t)
+                    assert job.placement is not None
+                    job.rate = new * job.placement.instances
+            triggers.extend(failover.from_pool_change(
+                PoolChange(change.slice, updated, removed, change.offers), self.book,
+                self.policy.failover))
+        self._handle(t, triggers)
+
+    def _on(self, key: PoolKey) -> list[_Job]:
+        """The jobs holding `key`, in a fixed order (the book keeps a set)."""
+        return sorted((self._by_lease[le.lease_id] for le in self.book.on_pool(key)),
+                      key=lambda j: j.index)
+
+    def _interrupt(self, t: float, key: PoolKey) -> None:
+        reason = (FailoverReason.INTERRUPTED if self.policy.failover.triggers.interrupted
+                  else FailoverReason.REPORTED)
+        triggers = []
+        for job in self._on(key):
+            lease = self.book.get(job.lease_id or "")
+            assert lease is not None
+            triggers.append(failover.Trigger(lease.lease_id, lease.epoch, reason,
+                                             "spot interruption (backtest draw)",
+                                             cool_down=True))
+        self._handle(t, triggers)
+
+    def _handle(self, t: float, triggers: list[failover.Trigger]) -> None:
+        order = {id(tr): self._by_lease[tr.lease_id].index for tr in triggers}
+        for trigger in sorted(triggers, key=lambda tr: order[id(tr)]):
+            self._fail_over(t, trigger)
+
+    def _fail_over(self, t: float, trigger: failover.Trigger) -> None:
+        """`broker.core.Broker._fail_over_into`, on the simulated clock."""
+        lease = self.book.get(trigger.lease_id)
+        if lease is None or lease.state is not LeaseState.ACTIVE or \
+                lease.epoch != trigger.epoch:
+            return
+        now = self.now
+        if failover.held_back(trigger, lease, self.policy.failover,
+                              self._moves.get(lease.lease_id, ()), now):
+            return
+        job = self._by_lease[lease.lease_id]
+        involuntary = trigger.reason in _INVOLUNTARY
+        old = lease.placement
+        if trigger.reason is FailoverReason.CAPACITY_LOST:
+            self.tally.capacity_lost += 1
+        elif involuntary:
+            self.tally.interrupted += 1
+        if involuntary:
+            self.tally.losses.append((t, trigger.reason.value, old.pool))
+        if trigger.cool_down:
+            self.pool.cool_down(old.pool, self.policy.failover.cooldown_seconds)
+        self.pool.unhold(old.pool, old.instances)
+        outcome = self.strategy.move(lease, self.pool, now)
+        if trigger.reason is FailoverReason.REOPTIMIZED:
+            gain = failover.saving(lease, outcome, self.pool, self.policy)
+            threshold = self.policy.failover.reoptimize_min_saving
+            if gain is None or threshold is None or gain < threshold:
+                self.pool.hold(old.pool, old.instances)  # the saving is gone: stay
+                return
+        if isinstance(outcome, Decision):
+            self._stop(job, t, restart=True)
+            moved = self.book.failover(lease.lease_id, outcome.placement, now)
+            self.pool.hold(moved.placement.pool, moved.placement.instances)
+            self._moves.setdefault(moved.lease_id, []).append(now)
+            self.tally.failovers[trigger.reason.value] += 1
+            self._start(job, t, moved.placement)
+        elif not involuntary:
+            self.pool.hold(old.pool, old.instances)  # a move by choice: the lease stays
+        else:
+            self._stop(job, t, restart=True)
+            self.book.end(lease.lease_id, LeaseState.FAILED, now)
+            self._moves.pop(lease.lease_id, None)
+            self.tally.failovers_nowhere += 1
+            job.lease_id, job.placement, job.lost_at = None, None, t
+            job.last_code = outcome.code.value
+            self._queue.append(job)
+
+    # --- jobs ------------------------------------------------------------------------
+
+    def _pay(self, job: _Job, t: float) -> None:
+        p = job.placement
+        assert p is not None
+        hours = (t - job.paid_since) / 3600.0
+        job.paid_since = t
+        if hours <= 0:
+            return
+        tally = self.tally
+        tally.cost += job.rate * hours
+        tally.paid_gpu_hours += p.total_gpus * hours
+        tally.idle_gpu_hours += (p.total_gpus - job.gpus) * hours
+        if p.pool.market is Market.SPOT:
+            tally.spot_gpu_hours += p.total_gpus * hours
+
+    def _start(self, job: _Job, t: float, placement: Placement) -> None:
+        job.placement = placement
+        job.started = job.paid_since = t
+        job.rate = placement.price_per_hour
+        job.version += 1
+        self._push(t + (job.need - job.work) * 3600.0, _COMPLETE, (job, job.version))
+
+    def _stop(self, job: _Job, t: float, *, restart: bool) -> None:
+        """The job stops working on its placement at `t`: pay up to `t`; on a restart,
+        lose the work since the last start, at most `restart_hours`."""
+        self._pay(job, t)
+        worked = (t - job.started) / 3600.0
+        lost = min(worked, self.settings.restart_hours) if restart else 0.0
+        job.work = min(job.need, job.work + worked - lost)
+        self.tally.lost_gpu_hours += lost * job.gpus
+        job.version += 1  # its completion, if scheduled, is void
+
+    def _complete(self, t: float, job: _Job) -> None:
+        assert job.lease_id is not None and job.placement is not None
+        self._stop(job, t, restart=False)
+        job.work = job.need
+        lease = self.book.end(job.lease_id, LeaseState.RELEASED, self.now)
+        self.pool.unhold(lease.placement.pool, lease.placement.instances)
+        job.done = True
+        self.tally.completed += 1
+        self.tally.useful_gpu_hours += job.work * job.gpus
+
+    # --- placement -------------------------------------------------------------------
+
+    def _place(self, t: float, arrivals: list[_Job], tick: bool) -> None:
+        limit = self.settings.max_wait_hours * 3600.0
+        batch: list[_Job] = []
+        if tick:
+            queue, self._queue = sorted(self._queue, key=lambda j: j.index), []
+            for job in queue:
+                if job.lost_at is None and t - job.arrival.at >= limit:
+                    self._never(job)
+                elif job.lost_at is not None and t - job.lost_at >= limit:
+                    self._abandon(job, t)
+                else:
+                    batch.append(job)
+        batch.extend(arrivals)
+        if batch:
+            self._place_batch(t, batch)
+        if tick:
+            self._reoptimize(t)
+
+    def _place_batch(self, t: float, batch: list[_Job]) -> None:
+        now = self.now
+        asks: list[Ask] = []
+        verdicts = {}
+        for job in batch:
+            req = job.req if job.leases == 0 else \
+                replace(job.req, request_id=f"{job.req.request_id}~{job.leases + 1}")
+            verdict = evaluate(self.policy, req, self.book.team_usage(req.team),
+                               self.strategy.resident)
+            if isinstance(verdict, Denied):
+                job.last_code = verdict.code.value
+                if verdict.code is not RejectCode.POLICY_DENIED:
+                    self._queue.append(job)
+                elif job.lost_at is None:
+                    self._never(job)
+                else:
+                    self._abandon(job, t)
+                continue
+            asks.append(Ask(req, constraints=verdict))
+            verdicts[rid(req)] = (job, req, verdict)
+        if not asks:
+            return
+        outcomes = {rid(o.ask.request): o for o in self.strategy.place(asks, self.pool, now)}
+        for ask in asks:
+            key = rid(ask.request)
+            job, req, verdict = verdicts[key]
+            outcome = outcomes[key]
+            if not isinstance(outcome, Decision):
+                job.last_code = outcome.code.value
+                self._queue.append(job)
+                continue
+            lease = self.book.create(req, outcome.placement, lease_seconds=verdict.lease_seconds,
+                                     cap=verdict.cap, now=now)
+            self.pool.hold(lease.placement.pool, lease.placement.instances)
+            self._adopt(job, lease, t)
+
+    def _reoptimize(self, t: float) -> None:
+        """The daemon's health check with `failover.reoptimize_min_saving`: move leases
+        a placement enough cheaper in expected cost would serve (at every step here)."""
+        if self.policy.failover.reoptimize_min_saving is None:
+            return
+        active = sorted(self.book.active(), key=lambda le: self._by_lease[le.lease_id].index)
+        self._handle(t, failover.reoptimize(active, self.pool, self.policy,
+                                            self.strategy.resident, self.now))
+
+    def _adopt(self, job: _Job, lease: Lease, t: float) -> None:
+        job.leases += 1
+        job.lease_id = lease.lease_id
+        self._by_lease[lease.lease_id] = job
+        if job.first_placed is None:
+            job.first_placed = t
+            self.tally.placed += 1
+            self.tally.waits.append((t - job.arrival.at) / 3600.0)
+        if job.lost_at is not None:
+            self.tally.hours_without_placement += (t - job.lost_at) / 3600.0
+            job.lost_at = None
+        self._start(job, t, lease.placement)
+
+    def _never(self, job: _Job) -> None:
+        job.done = True
+        self.tally.never_placed[job.last_code] += 1
+
+    def _abandon(self, job: _Job, t: float) -> None:
+        assert job.lost_at is not None
+        job.done = True
+        self.tally.abandoned += 1
+        self.tally.hours_without_placement += (t - job.lost_at) / 3600.0
+        self.tally.useful_gpu_hours += job.work * job.gpus
+
+    def finish(self, end: float) -> None:
+        self.now = self._dt(end)
+        for job in self._jobs:
+            if job.done:
+                continue
+            if job.placement is not None:
+                self._stop(job, end, restart=False)
+                self.tally.running_at_end += 1
+                self.tally.useful_gpu_hours += job.work * job.gpus
+            elif job.first_placed is None:
+                self.tally.never_placed[job.last_code if job.last_code != "none"
+                                        else "not_tried"] += 1
+            else:
+                assert job.lost_at is not None
+                self.tally.waiting_at_end += 1
+                self.tally.hours_without_placement += (end - job.lost_at) / 3600.0
+                self.tally.useful_gpu_hours += job.work * job.gpus
+            job.done = True

@@ -1,0 +1,380 @@
+"""The market a backtest replays: a trace grouped into steps, and the interruption draws.
+
+A market comes from a trace file (`broker.trace.read_trace`: rows ordered by time, each
+a pool's full state from its `t` until that pool's next row, or `gone`) or is generated
+from the simulated market (`adapters.sim.SimAdapter`, list prices from the real price
+snapshot) on a simulated clock: one poll of every region per step, only changes kept.
+
+`Market.steps` groups the rows by instant; each step lists, per slice (cloud, region),
+the pools that changed (`None` for gone). A replay applies them to a real
+`ResourcePool`, a slice at a time, as the poller does.
+
+**Interruption draws** (`hazard_schedule`) are a property of the market and the seed,
+made once and shared by every strategy: for each step k of the fixed grid (`step`
+seconds from the start) and each spot pool offered at its start, two uniforms
+`u, v = H(seed, pool, k)` (a stable hash, not Python's salted `hash`); the pool is
+interrupted in step k, at `t_k + v × step`, when `u < 1 − exp(−rate × step)` with the
+pool's `interruption_rate` at `t_k` (`default_rate` when the trace has none). Every lease
+on that pool at that instant is interrupted, whichever strategy put it there, so all
+strategies meet the same interruptions wherever they hold the same pools.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import math
+import re
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from broker.model import GPU_MODELS, Market, Offer, PoolKey
+from broker.trace import TraceError, TraceRow, read_trace, trace_format, write_csv, write_jsonl
+
+SIM_START = datetime(2026, 11, 30, tzinfo=UTC)
+"""Where a generated market's clock starts (fixed, so that runs repeat exactly)."""
+
+SliceId = tuple[str, str]  # (cloud, region)
+Change = tuple[PoolKey, Offer | None]  # None: the pool is gone
+Progress = Callable[[str], None]
+
+
+class MarketError(ValueError):
+    """A market that cannot be read or generated; the message says where and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What changed at one instant, `at` seconds after the market's start."""
+
+    at: float
+    slices: tuple[tuple[SliceId, tuple[Change, ...]], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MarketTrace:
+    """A market in steps, from `start` to `end` (exclusive)."""
+
+    source: str
+    start: datetime
+    end: datetime
+    steps: tuple[Step, ...]
+    rows: int
+    pools: int
+    gpu_pools: dict[str, int]
+    """Priced pools per GPU model (every pool the trace ever offers)."""
+    on_demand_ppg: dict[str, float]
+    """The lowest on-demand price per GPU-hour seen per GPU model."""
+
+    @property
+    def seconds(self) -> float:
+        return (self.end - self.start).total_seconds()
+
+    @property
+    def hours(self) -> float:
+        return self.seconds / 3600.0
+
+    def at(self, seconds: float) -> datetime:
+        return self.start + timedelta(seconds=seconds)
+
+    def trace_rows(self) -> Iterator[TraceRow]:
+        """The market as trace rows again (what `--save-market` writes)."""
+        for step in self.steps:
+            t = self.at(step.at)
+            for _, changes in step.slices:
+                for key, offer in changes:
+                    yield TraceRow(t=t, pool=key, gone=True) if offer is None \
+                        else TraceRow.of(t, offer)
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source, "start": _iso(self.start), "end": _iso(self.end),
+                "hours": round(self.hours, 6), "rows": self.rows, "pools": self.pools}
+
+
+def _iso(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def offer_of(row: TraceRow) -> Offer:
+    """The `Offer` a (not gone) trace row describes; observed at the row's `t`."""
+    assert row.gpu is not None and row.gpus is not None
+    return _offer(row.pool, row.gpu, row.gpus, row.price_per_hour, row.t, row.availability,
+                  row.capacity, row.interruption_rate, row.quota_headroom)
+
+
+def recorded(offer: Offer) -> Offer:
+    """`offer` as a trace row keeps it: what reading the row back gives (no vCPUs, RAM or
+    quota group), so a generated market and its saved trace replay alike."""
+    return _offer(offer.pool, offer.gpu, offer.gpus, offer.price_per_hour,
+                  offer.observed_at, offer.availability, offer.capacity,
+                  offer.interruption_rate, offer.quota_headroom)
+
+
+def _offer(key: PoolKey, gpu: str, gpus: int, price: float | None, t: datetime,
+           availability: float | None, capacity: int | None, rate: float | None,
+           quota: int | None) -> Offer:
+    model = GPU_MODELS.get(gpu)
+    return Offer(pool=key, gpu=gpu, gpus=gpus,
+                 gpu_memory_gb=model.memory_gb if model else None, vcpus=None,
+                 memory_gb=None, price_per_hour=price, observed_at=t,
+                 availability=availability, capacity=capacity, interruption_rate=rate,
+                 quota_headroom=quota, gpu_known=model is not None)
+
+
+class _Builder:
+    """Groups (t, pool, offer or None) changes, in time order, into steps."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.steps: list[Step] = []
+        self.pending: dict[SliceId, list[Change]] = {}
+        self.t: datetime | None = None
+        self.start: datetime | None = None
+        self.rows = 0
+        self.seen: dict[PoolKey, str] = {}
+        self.on_demand: dict[str, float] = {}
+
+    def add(self, t: datetime, key: PoolKey, offer: Offer | None) -> None:
+        if t != self.t:
+            if self.t is not None and t < self.t:
+                raise MarketError(f"{self.source}: rows must be ordered by time; "
+                                  f"{_iso(t)} comes after {_iso(self.t)}")
+            self._flush()
+            self.t = t
+            if self.start is None:
+                self.start = t
+        self.rows += 1
+        self.pending.setdefault((key.cloud, key.region), []).append((key, offer))
+        if offer is not None and offer.price_per_hour is not None:
+            self.seen.setdefault(key, offer.gpu)
+            if key.market is Market.ON_DEMAND:
+                ppg = offer.price_per_hour / offer.gpus
+                if ppg < self.on_demand.get(offer.gpu, math.inf):
+                    self.on_demand[offer.gpu] = ppg
+
+    def _flush(self) -> None:
+        if self.t is not None and self.pending:
+            assert self.start is not None
+            self.steps.append(Step((self.t - self.start).total_seconds(),
+                                   tuple((s, tuple(c)) for s, c in self.pending.items())))
+        self.pending = {}
+
+    def build(self, *, step_seconds: float, end: datetime | None) -> MarketTrace:
+        self._flush()
+        if self.start is None or self.t is None:
+            raise MarketError(f"{self.source}: the market trace has no rows")
+        stop = end if end is not None else self.t + timedelta(seconds=step_seconds)
+        gpu_pools: dict[str, int] = {}
+        for gpu in self.seen.values():
+            gpu_pools[gpu] = gpu_pools.get(gpu, 0) + 1
+        pools = {k for s in self.steps for _, ch in s.slices for k, _ in ch}
+        return MarketTrace(source=self.source, start=self.start, end=stop,
+                           steps=tuple(self.steps), rows=self.rows, pools=len(pools),
+                           gpu_pools=dict(sorted(gpu_pools.items())),
+                           on_demand_ppg=dict(sorted(self.on_demand.items())))
+
+
+def from_rows(rows: Iterable[TraceRow], *, source: str, step_seconds: float,
+              end: datetime | None = None) -> MarketTrace:
+    """Group ordered trace rows into steps. The span ends at `end`, or one step after
+    the last row (a row's state holds until the next one; the trace does not say when
+    the recording stopped)."""
+    b = _Builder(source)
+    for row in rows:
+        b.add(row.t, row.pool, None if row.gone else offer_of(row))
+    return b.build(step_seconds=step_seconds, end=end)
+
+
+def read_market(path: Path, *, step_seconds: float) -> MarketTrace:
+    """A recorded market trace (JSON Lines or CSV, optionally gzipped). Raises
+    MarketError naming the file and line of a bad row."""
+    try:
+        return from_rows(read_trace(path), source=str(path), step_seconds=step_seconds)
+    except TraceError as err:
+        raise MarketError(str(err)) from None
+
+
+def save_market(market: MarketTrace, path: Path) -> int:
+    """Write `market` as a trace file, its format from the name (`.jsonl`, `.csv`,
+    optionally `.gz`). Returns the rows written."""
+    try:
+        fmt, gz = trace_format(path)
+    except TraceError as err:
+        raise MarketError(str(err)) from None
+    write = write_jsonl if fmt == "jsonl" else write_csv
+    if gz:
+        with gzip.open(path, "wt", encoding="utf-8", newline="") as z:
+            return write(market.trace_rows(), z)
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        return write(market.trace_rows(), f)
+
+
+# --- the simulated market ---------------------------------------------------------------
+
+_SIM_SPEC = re.compile(r"^sim:(\d+(?:\.\d+)?)([dhm])(?::(-?\d+))?(?::(\d+))?$")
+_UNIT = {"d": 86400.0, "h": 3600.0, "m": 60.0}
+
+
+@dataclass(frozen=True, slots=True)
+class SimSpec:
+    """`sim:DURATION[:SEED][:REGIONS]`: DURATION is a number with `d`, `h` or `m`;
+    REGIONS is regions per cloud (3 zones each)."""
+
+    seconds: float
+    seed: int
+    regions_per_cloud: int
+
+    def __str__(self) -> str:
+        return f"sim:{_duration(self.seconds)}:{self.seed}:{self.regions_per_cloud}"
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in _UNIT.items():
+        if seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds / 60:g}m"
+
+
+def parse_sim_spec(text: str, *, default_seed: int) -> SimSpec | None:
+    """The parsed `sim:...` spec; None when `text` does not start with `sim:`. Raises
+    MarketError for a malformed one."""
+    if not text.startswith("sim:"):
+        return None
+    m = _SIM_SPEC.match(text)
+    if m is None:
+        raise MarketError(f"--market {text!r}: expected sim:DURATION[:SEED][:REGIONS], "
+                          "e.g. sim:7d, sim:36h:42, sim:1d:7:2 (DURATION in d, h or m; "
+                          "REGIONS per cloud)")
+    seconds = float(m.group(1)) * _UNIT[m.group(2)]
+    regions = int(m.group(4)) if m.group(4) else 3
+    if seconds <= 0:
+        raise MarketError(f"--market {text!r}: the duration must be positive")
+    if not 1 <= regions <= 100:
+        raise MarketError(f"--market {text!r}: REGIONS must be 1..100 per cloud")
+    seed = int(m.group(3)) if m.group(3) is not None else default_seed
+    return SimSpec(seconds, seed, regions)
+
+
+def _sync(coro: Coroutine[Any, Any, list[Offer]]) -> list[Offer]:
+    """Run a coroutine that never waits (the sim's `poll`) without an event loop."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return list(done.value)
+    coro.close()
+    raise RuntimeError("the simulated market's poll waited; it must not")
+
+
+def _state(o: Offer) -> tuple[Any, ...]:
+    """What a trace row records of an offer (not when it was observed)."""
+    return (o.gpu, o.gpus, o.price_per_hour, o.availability, o.capacity,
+            o.interruption_rate, o.quota_headroom)
+
+
+def simulate_market(spec: SimSpec, *, step_seconds: float,
+                    progress: Progress | None = None) -> MarketTrace:
+    """Generate a market from the simulated market: every `step_seconds` of simulated
+    time, one poll of each region (the sim's injectable clock set to that instant), and
+    a row for each pool that is new, changed or gone. No sleeping."""
+    from adapters.sim import SimAdapter
+
+    now = [SIM_START]
+    sim = SimAdapter(seed=spec.seed, regions_per_cloud=spec.regions_per_cloud,
+                     zones_per_region=3, preempt_rate_multiplier=0.0, clock=lambda: now[0])
+    regions = sim.regions()
+    last: dict[str, dict[PoolKey, tuple[Any, ...]]] = {r: {} for r in regions}
+    n = max(1, math.ceil(spec.seconds / step_seconds - 1e-9))
+    b = _Builder(str(spec))
+    days = math.ceil(spec.seconds / 86400 - 1e-9)
+    day = -1
+    for k in range(n):
+        t = SIM_START + timedelta(seconds=k * step_seconds)
+        now[0] = t
+        if progress is not None and int(k * step_seconds // 86400) != day:
+            day = int(k * step_seconds // 86400)
+            progress(f"generating the simulated market: day {day + 1}/{days}")
+        for region in regions:
+            before = last[region]
+            current: dict[PoolKey, tuple[Any, ...]] = {}
+            for offer in _sync(sim.poll(region)):
+                state = _state(offer)
+                current[offer.pool] = state
+                if before.get(offer.pool) != state:
+                    b.add(t, offer.pool, recorded(offer))
+            for key in before:
+                if key not in current:
+                    b.add(t, key, None)
+            last[region] = current
+    return b.build(step_seconds=step_seconds, end=SIM_START + timedelta(seconds=spec.seconds))
+
+
+def load_market(text: str, *, seed: int, step_seconds: float,
+                progress: Progress | None = None) -> MarketTrace:
+    """`--market`: `sim:...` or a trace file."""
+    spec = parse_sim_spec(text, default_seed=seed)
+    if spec is not None:
+        return simulate_market(spec, step_seconds=step_seconds, progress=progress)
+    return read_market(Path(text), step_seconds=step_seconds)
+
+
+# --- interruption draws -----------------------------------------------------------------
+
+def _pool_hash(seed: int, key: PoolKey) -> Any:
+    text = f"{seed}\x1f{key.cloud}\x1f{key.region}\x1f{key.zone}\x1f{key.instance_type}" \
+           f"\x1f{key.market.value}\x1f"
+    return hashlib.blake2b(text.encode(), digest_size=16)
+
+
+def _draw(prefix: Any, k: int) -> tuple[float, float]:
+    h = prefix.copy()
+    h.update(str(k).encode())
+    d = h.digest()
+    return (int.from_bytes(d[:8], "big") / 2.0**64, int.from_bytes(d[8:], "big") / 2.0**64)
+
+
+def uniforms(seed: int, key: PoolKey, k: int) -> tuple[float, float]:
+    """Two uniforms in [0, 1) for pool `key` in step `k`: a stable hash (BLAKE2b) of the
+    three, the same in every process, for every strategy and in any order of asking."""
+    return _draw(_pool_hash(seed, key), k)
+
+
+def hazard_schedule(market: MarketTrace, *, seed: int, step_seconds: float,
+                    default_rate: float) -> list[tuple[float, PoolKey]]:
+    """Every (instant, spot pool) interruption of the market, in time order (see the
+    module docstring). The same for every strategy by construction."""
+    out: list[tuple[float, PoolKey]] = []
+    spot: dict[PoolKey, float] = {}
+    prefixes: dict[PoolKey, Any] = {}
+    steps = market.steps
+    i = 0
+    hours = step_seconds / 3600.0
+    ticks = max(1, math.ceil(market.seconds / step_seconds - 1e-9))
+    for k in range(ticks):
+        t_k = k * step_seconds
+        while i < len(steps) and steps[i].at <= t_k:
+            for _, changes in steps[i].slices:
+                for key, offer in changes:
+                    if key.market is not Market.SPOT:
+                        continue
+                    if offer is None:
+                        spot.pop(key, None)
+                    else:
+                        rate = offer.interruption_rate
+                        spot[key] = default_rate if rate is None else rate
+            i += 1
+        hits = []
+        for key, rate in spot.items():
+            if rate <= 0:
+                continue
+            prefix = prefixes.get(key)
+            if prefix is None:
+                prefix = prefixes[key] = _pool_hash(seed, key)
+            u, v = _draw(prefix, k)
+            if u < -math.expm1(-rate * hours):
+                hits.append((t_k + v * step_seconds, key))
+        hits.sort()
+        out.extend(hits)
+    return out

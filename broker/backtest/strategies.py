@@ -1,0 +1,321 @@
+"""The placement strategies a backtest compares.
+
+Every strategy places the same requests on the same pool, under the same feasibility
+rules: fresh offers of an acceptable GPU model, market, cloud and region, under the price
+cap, with free capacity (the cloud's estimate less what leases hold) and quota, not in a
+cool-down. They differ only in which feasible offer they choose, first and on failover:
+
+* `on_demand` — every request on on-demand (a spot-only request too: this is the
+  "no spot at all" reference), the cheapest price for the GPUs asked. Goes through
+  `broker.placement.place` with a policy whose scoring weights are all zero, so the
+  expected cost is the plain price; failover through `broker.failover.replacement`.
+* `cheapest_spot` — spot first, the cheapest price (the way SkyPilot and dstack choose);
+  on-demand when no spot offer fits. `placement.place` with the zero-weight policy, once
+  with the request narrowed to spot, then (for what is left) to on-demand; failover the
+  same way through `failover.replacement`.
+* `price_capacity` — spot pools ranked by availability, then price (EC2 Fleet's
+  price-capacity-optimized allocation, which Karpenter uses for spot); on-demand when no
+  spot fits. The lexicographic ranking is not an expected cost, so spot is chosen by
+  `choose_price_capacity` below, over the same `PoolView` with the same feasibility
+  rules; the on-demand fallback goes through `placement.place` like `cheapest_spot`'s.
+  Availability is bucketed into ten levels (like EC2's spot placement scores 1-10) so
+  that price still decides between pools of about the same availability.
+* `gpubroker` — `placement.place` with the policy (the expected-cost optimizer and
+  whatever the policy says), failover through `failover.replacement` and the policy's
+  ladder: exactly what the daemon does.
+
+The baselines' policies are copies of the gpubroker policy with the scoring weights
+zeroed and no failover ladder, so allow/deny lists, teams, rules and failover triggers
+apply to all four alike. A request that pins a market (`spot` or `on_demand`) is
+honoured by the three spot-capable strategies; `any` (or the policy's default) is
+theirs to choose.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Collection, Hashable, Sequence
+from dataclasses import replace
+from datetime import datetime
+
+from broker import failover, placement
+from broker.backtest import STRATEGIES
+from broker.model import Lease, Market, Offer, Placement, PlaceRequest, PoolKey, RejectCode
+from broker.placement import Ask, Decision, Outcome, PoolView, Rejection
+from policies.evaluate import Constraints, Denied, evaluate
+from policies.model import Policy, Scoring
+from policies.residency import Residency
+
+RequestId = tuple[str, str]
+Placer = Callable[[Sequence[Ask], PoolView, datetime], list[Outcome]]
+
+
+def baseline_policy(policy: Policy) -> Policy:
+    """`policy` with every scoring weight zeroed (expected cost = price), no failover
+    ladder and no re-optimisation of running leases; everything else (lists, teams,
+    rules, triggers, anti-flap limits, cool-down) kept."""
+    s = policy.scoring
+    scoring = Scoring(restart_hours=0.0, availability_weight=0.0, spread_weight=0.0,
+                      unknown_interruption_rate=s.unknown_interruption_rate,
+                      unknown_availability=s.unknown_availability, spot_min_discount=0.0)
+    return policy.model_copy(update={
+        "scoring": scoring,
+        "failover": policy.failover.model_copy(update={"ladder": [],
+                                                        "reoptimize_min_saving": None}),
+    })
+
+
+def rid(req: PlaceRequest) -> RequestId:
+    return (req.scheduler, req.request_id)
+
+
+class Strategy(ABC):
+    """Chooses placements. The engine gives it asks whose `constraints` are the policy's
+    verdict on the request (with its team's usage), and leases to move."""
+
+    name: str
+    how: str
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.resident = Residency(policy.residency.tags)
+
+    def adapt(self, req: PlaceRequest) -> PlaceRequest:
+        """The request as this strategy sends it (unchanged but for `on_demand`)."""
+        return req
+
+    @abstractmethod
+    def place(self, asks: Sequence[Ask], view: PoolView, now: datetime) -> list[Outcome]:
+        """One outcome per ask (matched to its ask by scheduler and request_id)."""
+
+    @abstractmethod
+    def move(self, lease: Lease, view: PoolView, now: datetime) -> Outcome:
+        """Where a failing lease goes (never back to its pool)."""
+
+    def _markets(self, req: PlaceRequest) -> tuple[Market, ...]:
+        choice = req.market or self.policy.defaults.market
+        return (Market.SPOT, Market.ON_DEMAND) if choice == "any" else (Market(choice),)
+
+    def _placement(self, asks: Sequence[Ask], view: PoolView, now: datetime
+                   ) -> list[Outcome]:
+        return placement.place(asks, view, self.policy, now=now)
+
+    def _replacement(self, lease: Lease, market: Market, view: PoolView, now: datetime
+                     ) -> Outcome:
+        narrowed = replace(lease, request=replace(lease.request, market=market.value))
+        return failover.replacement(narrowed, view, self.policy, self.resident, now)
+
+
+def narrow(ask: Ask, market: Market) -> Ask | None:
+    """`ask` restricted to one market; None when its constraints do not allow it."""
+    c = ask.constraints
+    assert c is not None
+    if market not in c.markets:
+        return None
+    return Ask(replace(ask.request, market=market.value), ask.exclude,
+               replace(c, markets=(market,)))
+
+
+def spot_then_on_demand(asks: Sequence[Ask], view: PoolView, now: datetime,
+                        spot: Placer, on_demand: Placer) -> list[Outcome]:
+    """Place each ask on spot if it can be, else on on-demand; one outcome per ask, the
+    spot rejection when both fail and spot was allowed."""
+    out: dict[RequestId, Outcome] = {}
+    first = [a for a in (narrow(a, Market.SPOT) for a in asks) if a is not None]
+    if first:
+        out.update((rid(o.ask.request), o) for o in spot(first, view, now))
+    second = [a for a in (narrow(a, Market.ON_DEMAND) for a in asks
+                          if not isinstance(out.get(rid(a.request)), Decision))
+              if a is not None]
+    if second:
+        for o in on_demand(second, view, now):
+            key = rid(o.ask.request)
+            if isinstance(o, Decision) or key not in out:
+                out[key] = o
+    return [out.get(rid(a.request)) or Rejection(a, RejectCode.POLICY_DENIED,
+                                                  "no market is left for this request")
+            for a in asks]
+
+
+class OnDemand(Strategy):
+    name = "on_demand"
+    how = "on-demand only, cheapest price (placement.place, zero-weight scoring)"
+
+    def adapt(self, req: PlaceRequest) -> PlaceRequest:
+        return replace(req, market=Market.ON_DEMAND.value)
+
+    def place(self, asks: Sequence[Ask], view: PoolView, now: datetime) -> list[Outcome]:
+        return self._placement(asks, view, now)
+
+    def move(self, lease: Lease, view: PoolView, now: datetime) -> Outcome:
+        return failover.replacement(lease, view, self.policy, self.resident, now)
+
+
+class CheapestSpot(Strategy):
+    name = "cheapest_spot"
+    how = ("spot first, cheapest price; on-demand if no spot fits (placement.place, "
+           "zero-weight scoring)")
+
+    def place(self, asks: Sequence[Ask], view: PoolView, now: datetime) -> list[Outcome]:
+        return spot_then_on_demand(asks, view, now, self._placement, self._placement)
+
+    def move(self, lease: Lease, view: PoolView, now: datetime) -> Outcome:
+        outcome: Outcome | None = None
+        for market in self._markets(lease.request):
+            outcome = self._replacement(lease, market, view, now)
+            if isinstance(outcome, Decision):
+                return outcome
+        assert outcome is not None
+        return outcome
+
+
+class PriceCapacity(Strategy):
+    name = "price_capacity"
+    how = ("spot by availability (10 levels), then price; on-demand if no spot fits "
+           "(own chooser for spot, placement.place for on-demand)")
+
+    def _spot(self, asks: Sequence[Ask], view: PoolView, now: datetime) -> list[Outcome]:
+        return choose_price_capacity(asks, view, self.policy, now=now)
+
+    def place(self, asks: Sequence[Ask], view: PoolView, now: datetime) -> list[Outcome]:
+        return spot_then_on_demand(asks, view, now, self._spot, self._placement)
+
+    def move(self, lease: Lease, view: PoolView, now: datetime) -> Outcome:
+        outcome: Outcome | None = None
+        for market in self._markets(lease.request):
+            if market is Market.SPOT:
+                req = replace(lease.request, market=market.value)
+                verdict = evaluate(self.policy, req, None, self.resident)
+                if isinstance(verdict, Denied):
+                    continue
+                ask = Ask(req, frozenset({lease.placement.pool}),
+                          replace(verdict, budget_left=None))
+                [outcome] = self._spot([ask], view, now)
+            else:
+                outcome = self._replacement(lease, market, view, now)
+            if isinstance(outcome, Decision):
+                return outcome
+        if outcome is None:
+            return Rejection(Ask(lease.request), RejectCode.POLICY_DENIED,
+                             "no market is left for this lease")
+        return outcome
+
+
+class Gpubroker(Strategy):
+    name = "gpubroker"
+    how = "broker.placement.place with the policy; failover by broker.failover's ladder"
+
+    def place(self, asks: Sequence[Ask], view: PoolView, now: datetime) -> list[Outcome]:
+        return self._placement(asks, view, now)
+
+    def move(self, lease: Lease, view: PoolView, now: datetime) -> Outcome:
+        return failover.replacement(lease, view, self.policy, self.resident, now)
+
+
+def build(name: str, policy: Policy) -> Strategy:
+    """The strategy `name` under the gpubroker `policy` (baselines get its
+    `baseline_policy`)."""
+    if name == "gpubroker":
+        return Gpubroker(policy)
+    baseline = baseline_policy(policy)
+    if name == "on_demand":
+        return OnDemand(baseline)
+    if name == "cheapest_spot":
+        return CheapestSpot(baseline)
+    if name == "price_capacity":
+        return PriceCapacity(baseline)
+    raise ValueError(f"unknown strategy {name!r}; expected one of {', '.join(STRATEGIES)}")
+
+
+# --- price-capacity-optimized --------------------------------------------------------------
+
+def availability_level(offer: Offer, unknown: float) -> int:
+    """Availability in ten levels, 0..10 (an unknown one at the policy's default)."""
+    a = offer.availability if offer.availability is not None else unknown
+    return min(10, max(0, math.floor(a * 10 + 1e-9)))
+
+
+def choose_price_capacity(asks: Sequence[Ask], view: PoolView, policy: Policy, *,
+                          now: datetime) -> list[Outcome]:
+    """For each ask, the feasible offer of the highest availability level, then the
+    lowest price for the GPUs asked (then the pool key). Feasibility is
+    `broker.placement`'s: acceptable model/market/cloud/region, not stale, not cooling,
+    not excluded, under the price cap, free capacity and quota (less what earlier asks of
+    the batch took), within the team's remaining budget."""
+    stale, cooling = view.stale_slices(now), view.cooling(now)
+    taken: Counter[PoolKey] = Counter()
+    taken_gpus: Counter[PoolKey] = Counter()
+    unknown = policy.scoring.unknown_availability
+    out: list[Outcome] = []
+    for ask in asks:
+        req = ask.request
+        c = ask.constraints if ask.constraints is not None else evaluate(policy, req)
+        if isinstance(c, Denied):
+            out.append(Rejection(ask, c.code, c.detail))
+            continue
+        best: tuple[tuple[int, float, PoolKey], Offer, int] | None = None
+        matching = under_cap = 0
+        for gpu in c.gpus:
+            for m in c.markets:
+                for offer in view.by_gpu(gpu, m):
+                    if not _allowed(offer, ask, c, view, stale, cooling):
+                        continue
+                    matching += 1
+                    ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
+                    if c.cap is not None and ppg > c.cap:
+                        continue
+                    under_cap += 1
+                    key = offer.pool
+                    instances = -(-req.gpus // offer.gpus)
+                    price = instances * offer.price_per_hour  # type: ignore[operator]
+                    if offer.capacity is not None and \
+                            offer.capacity - view.held(key) - taken[key] < instances:
+                        continue
+                    if offer.quota_headroom is not None and \
+                            offer.quota_headroom - taken_gpus[key] < instances * offer.gpus:
+                        continue
+                    if c.budget_left is not None and price > c.budget_left:
+                        continue
+                    rank = (-availability_level(offer, unknown), price, key)
+                    if best is None or rank < best[0]:
+                        best = (rank, offer, instances)
+        if best is None:
+            out.append(_rejection(ask, c, matching, under_cap))
+            continue
+        (_, price, _), offer, instances = best
+        chosen = Placement.of(offer, instances)
+        taken[chosen.pool] += instances
+        taken_gpus[chosen.pool] += chosen.total_gpus
+        out.append(Decision(ask, chosen, price,
+                            f"price-capacity-optimized: availability level "
+                            f"{availability_level(offer, unknown)}/10, "
+                            f"${chosen.price_per_gpu_hour:.4g}/GPU-h", ()))
+    return out
+
+
+def _allowed(offer: Offer, ask: Ask, c: Constraints, view: PoolView,
+             stale: Collection[Hashable], cooling: Collection[PoolKey]) -> bool:
+    key = offer.pool
+    req = ask.request
+    if req.clouds and key.cloud not in req.clouds:
+        return False
+    if req.regions and key.region not in req.regions:
+        return False
+    if key in ask.exclude or key in cooling:
+        return False
+    if view.slice_of(key) in stale:
+        return False
+    return c.region_ok(key.cloud, key.region)
+
+
+def _rejection(ask: Ask, c: Constraints, matching: int, under_cap: int) -> Rejection:
+    what = f"{ask.request.gpus}×{'|'.join(c.gpus)} (spot)"
+    if not matching:
+        return Rejection(ask, RejectCode.NO_CAPACITY, f"no fresh offer of {what}")
+    if not under_cap:
+        return Rejection(ask, RejectCode.OVER_PRICE_CAP,
+                         f"no {what} at or under ${c.cap:g}/GPU-h")
+    return Rejection(ask, RejectCode.NO_CAPACITY,
+                     f"no {what} with free capacity, quota and budget")

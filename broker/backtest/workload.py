@@ -1,0 +1,261 @@
+"""The requests a backtest replays: read from a JSON Lines file, or generated.
+
+One request per line:
+
+    {"at": "2026-11-30T10:05:00Z", "scheduler": "s1", "request": {...}}
+    {"at_hours": 1.5, "scheduler": "s1", "request": {...}}
+
+`at` is an absolute time (with a time zone), `at_hours` hours after the market's start;
+exactly one of them. `scheduler` is the scheduler id S (default `backtest`). `request` is
+a placement request as on `P/requests/S/place` (SPEC §4), validated by the daemon's own
+`broker.requests.parse_place`, so the errors are the daemon's; a backtest also needs its
+`duration_hours` (the hours of useful work the job needs). Every problem is reported as
+`FILE:LINE: field: message`.
+
+`gen:N[:SEED]` generates N requests, seeded: GPU models weighted by how many pools of the
+market offer them, 1/2/4/8/16 GPUs, durations lognormal around 3 hours, four teams, a
+quarter with a price cap, a fifth spot-only and a sixth on-demand-only, spread over the
+first 90 % of the market's span.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from broker import requests
+from broker.backtest.market import MarketTrace
+from broker.model import GPU_MODELS, SCHEDULER_ID, PlaceRequest, parse_iso
+
+DEFAULT_SCHEDULER = "backtest"
+MAX_PROBLEMS = 20
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be used; `problems` has one `FILE:LINE: ...` per problem."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request, arriving `at` seconds after the market's start."""
+
+    at: float
+    request: PlaceRequest
+    line: int = 0  # in the workload file; 0 when generated
+
+    @property
+    def duration_hours(self) -> float:
+        assert self.request.duration_hours is not None
+        return self.request.duration_hours
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    source: str
+    arrivals: tuple[Arrival, ...]  # in time order (file order within an instant)
+    outside: int = 0  # requests at or after the market's end, left out
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source, "requests": len(self.arrivals),
+                "gpu_hours_asked": round(sum(a.request.gpus * a.duration_hours
+                                             for a in self.arrivals), 6),
+                "left_out_after_market_end": self.outside}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def parse_line(text: str, *, market: MarketTrace) -> tuple[float, PlaceRequest]:
+    """One workload line: (seconds after the market's start, the request). Raises
+    ValueError with the message to show after `FILE:LINE: `."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(d, dict):
+        raise ValueError("expected a JSON object with at or at_hours, scheduler, request")
+    if ("at" in d) == ("at_hours" in d):
+        raise ValueError("needs exactly one of at (a time) or at_hours (hours after the "
+                         "market's start)")
+    if "at" in d:
+        at_text = d["at"]
+        try:
+            if not isinstance(at_text, str):
+                raise ValueError
+            t = parse_iso(at_text)
+        except ValueError:
+            raise ValueError(f"at: not a time: {at_text!r} (write e.g. "
+                             "2026-11-30T10:05:00Z)") from None
+        if t.tzinfo is None:
+            raise ValueError(f"at: {at_text!r} has no time zone (write UTC as ...Z)")
+        at = (t - market.start).total_seconds()
+        if at < 0:
+            raise ValueError(f"at: {at_text!r} is before the market starts "
+                             f"({market.describe()['start']})")
+    else:
+        hours = d["at_hours"]
+        if not _number(hours) or hours < 0:
+            raise ValueError(f"at_hours: expected a number >= 0, got {hours!r}")
+        at = round(float(hours) * 3600.0, 3)
+    scheduler = d.get("scheduler", DEFAULT_SCHEDULER)
+    if not isinstance(scheduler, str) or not SCHEDULER_ID.match(scheduler):
+        raise ValueError(f"scheduler: must match [A-Za-z0-9_.-]{{1,64}}, got {scheduler!r}")
+    body = d.get("request")
+    if not isinstance(body, dict):
+        raise ValueError("request: required, a placement request object (SPEC §4)")
+    req = requests.parse_place(scheduler, json.dumps(body).encode())
+    if isinstance(req, requests.Invalid):
+        raise ValueError("; ".join(f"request.{e['field']}: {e['message']}" if e["field"]
+                                   else f"request: {e['message']}" for e in req.errors))
+    if req.duration_hours is None:
+        raise ValueError("request.duration_hours: required in a backtest (the hours of "
+                         "useful work the job needs)")
+    return at, req
+
+
+def load_workload(path: Path, *, market: MarketTrace) -> Workload:
+    """Read and validate a workload file; raises WorkloadError with every problem
+    (up to MAX_PROBLEMS), each naming the file and line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError([f"{path}: {getattr(exc, 'strerror', None) or exc}"]) from None
+    problems: list[str] = []
+    arrivals: list[Arrival] = []
+    seen: dict[tuple[str, str], int] = {}
+    outside = 0
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            at, req = parse_line(line, market=market)
+        except ValueError as exc:
+            problems.append(f"{path}:{lineno}: {exc}")
+            if len(problems) >= MAX_PROBLEMS:
+                problems.append(f"{path}: stopping after {MAX_PROBLEMS} problems")
+                break
+            continue
+        ident = (req.scheduler, req.request_id)
+        if ident in seen:
+            problems.append(f"{path}:{lineno}: request.request_id: {req.request_id!r} of "
+                            f"scheduler {req.scheduler!r} is already on line {seen[ident]} "
+                            "(request_id is the idempotency key)")
+            continue
+        seen[ident] = lineno
+        if at >= market.seconds:
+            outside += 1
+            continue
+        arrivals.append(Arrival(at, req, lineno))
+    if problems:
+        raise WorkloadError(problems)
+    if not arrivals:
+        raise WorkloadError([f"{path}: no request arrives within the market's span "
+                             f"({market.describe()['start']} to {market.describe()['end']})"])
+    arrivals.sort(key=lambda a: a.at)  # stable: file order within an instant
+    return Workload(str(path), tuple(arrivals), outside)
+
+
+def save_workload(workload: Workload, path: Path, *, market: MarketTrace) -> None:
+    """Write `workload` as a workload file (absolute `at` times)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for a in workload.arrivals:
+            line = {"at": _at_text(market.at(a.at)), "scheduler": a.request.scheduler,
+                    "request": a.request.to_json()}
+            f.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+
+def _at_text(t: datetime) -> str:
+    text = t.strftime("%Y-%m-%dT%H:%M:%S")
+    if t.microsecond:
+        text += f".{t.microsecond // 1000:03d}"
+    return text + "Z"
+
+
+# --- generated workloads -----------------------------------------------------------------
+
+_GEN_SPEC = re.compile(r"^gen:(\d+)(?::(-?\d+))?$")
+_COUNTS = ((1, 0.34), (2, 0.2), (4, 0.2), (8, 0.2), (16, 0.06))
+_TEAMS = ("research", "training", "inference", "eval")
+_SCHEDULERS = ("s1", "s2", "s3", "s4")
+# Models a job could also run on, if the request says so (same memory or more).
+_ALSO = {"A100-40GB": "A100-80GB", "A10": "A10G", "A10G": "A10", "L4": "A10G",
+         "T4": "L4", "V100-16GB": "V100-32GB", "A100-80GB": "H100-80GB"}
+
+
+def parse_gen_spec(text: str, *, default_seed: int) -> tuple[int, int] | None:
+    """`gen:N[:SEED]` → (N, seed); None when `text` does not start with `gen:`."""
+    if not text.startswith("gen:"):
+        return None
+    m = _GEN_SPEC.match(text)
+    if m is None or not 1 <= int(m.group(1)) <= 1_000_000:
+        raise WorkloadError([f"--workload {text!r}: expected gen:N[:SEED] with N from 1 to "
+                             "1000000, e.g. gen:3000 or gen:3000:42"])
+    return int(m.group(1)), int(m.group(2)) if m.group(2) is not None else default_seed
+
+
+def _weighted(rng: random.Random, items: Sequence[tuple[Any, float]]) -> Any:
+    x = rng.random() * sum(w for _, w in items)
+    for item, w in items:
+        x -= w
+        if x < 0:
+            return item
+    return items[-1][0]
+
+
+def generate_workload(n: int, *, seed: int, market: MarketTrace) -> Workload:
+    """N seeded requests fitted to `market` (see the module docstring)."""
+    rng = random.Random(f"backtest-workload:{seed}")
+    models = [(g, float(c)) for g, c in market.gpu_pools.items() if g in GPU_MODELS]
+    if not models:
+        raise WorkloadError([f"gen:{n}: the market offers no priced GPU model to ask for"])
+    offered = {g for g, _ in models}
+    span = market.seconds * 0.9
+    minutes = sorted(rng.randrange(0, max(1, int(span // 60))) for _ in range(n))
+    arrivals = []
+    for i, minute in enumerate(minutes):
+        gpu = _weighted(rng, models)
+        body: dict[str, Any] = {
+            "request_id": f"job-{i + 1:05d}",
+            "gpu": gpu,
+            "gpus": _weighted(rng, _COUNTS),
+            "team": rng.choice(_TEAMS),
+            "duration_hours": round(min(48.0, max(0.25, rng.lognormvariate(math.log(3.0),
+                                                                           0.8))), 2),
+        }
+        also = _ALSO.get(gpu)
+        if also in offered and rng.random() < 0.2:
+            body["gpu"] = [gpu, also]
+        market_pick = rng.random()
+        if market_pick < 0.2:
+            body["market"] = "spot"
+        elif market_pick < 0.2 + 1 / 6:
+            body["market"] = "on_demand"
+        if rng.random() < 0.25 and gpu in market.on_demand_ppg:
+            body["max_price_per_gpu_hour"] = round(
+                market.on_demand_ppg[gpu] * rng.uniform(0.6, 1.3), 4)
+        scheduler = rng.choice(_SCHEDULERS)
+        req = requests.parse_place(scheduler, json.dumps(body).encode())
+        assert isinstance(req, PlaceRequest), req
+        arrivals.append(Arrival(float(minute * 60), req))
+    return Workload(f"gen:{n}:{seed}", tuple(arrivals))
+
+
+def load_or_generate(text: str, *, seed: int, market: MarketTrace) -> Workload:
+    """`--workload`: `gen:...` or a file."""
+    spec = parse_gen_spec(text, default_seed=seed)
+    if spec is not None:
+        return generate_workload(spec[0], seed=spec[1], market=market)
+    return load_workload(Path(text), market=market)
+

@@ -1,0 +1,728 @@
+"""The assignment problem behind placement, and its two solvers.
+
+A batch of requests is a generalised assignment problem: each request takes one of its
+options (a pool and a number of instances) or stays unplaced; options use up shared
+resources (a pool's free instances, a quota group's headroom, a team's GPUs and budget)
+and a team's GPUs may not crowd into one zone or cloud beyond a share (the spread limit).
+Minimise the options' costs plus a penalty for every request left unplaced; the penalty
+is larger than any option of that request, so the solvers place as much as they can first
+and then place it as cheaply as they can.
+
+* `heuristic` — regret-based greedy (the request that would lose most by waiting goes
+  first; ties by arrival order, so nothing starves behind later requests) plus local
+  improvement (move a request to a cheaper option that has become free; re-try unplaced
+  requests, making room by moving one placed request elsewhere). Linear-ish in the
+  number of requests; used for every batch.
+* `exact` — the mixed-integer program solved by HiGHS through `scipy.optimize`, with a
+  time limit. Its LP relaxation is solved first by column generation over each request's
+  options (cheapest first) until no left-out option could lower it: a valid lower bound
+  for the whole problem, not only for the options looked at. Options whose reduced cost
+  exceeds the gap between the heuristic's answer and that bound cannot be in a better
+  solution; the MILP gets every other option, so an optimal MILP answer is the optimum.
+
+Pure and synchronous; it knows nothing of clouds. `broker.placement` builds problems
+from the pool and the policy and turns solutions into decisions.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+EPS = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One way to place a request: `uses` amounts of shared resources, `gpus` GPUs
+    (the team's count and spread), `price` per hour (the team's budget), in `zone` of
+    `cloud`. `cost_per_hour` is the expected cost per hour; a request's cost for the
+    option is that times the request's horizon. `ref` is the caller's (offer, instances)."""
+
+    cost_per_hour: float
+    uses: tuple[tuple[Hashable, float], ...]
+    gpus: int
+    price: float
+    cloud: str
+    zone: str
+    ref: Any = None
+
+
+Alive = Callable[[Option], bool]
+More = Callable[[int | None, float | None, Alive | None], tuple[list[Option], float]]
+"""`more(k, below, alive)`: the cheapest `k` options that are `alive` (or all cheaper
+than `below` per hour), cheapest first, and the cost per hour below which that list
+holds every option that is alive (`math.inf` when it holds them all)."""
+
+
+@dataclass(slots=True, eq=False)
+class Group:
+    """Options shared by the requests that ask for the same thing, cheapest first.
+    Every option cheaper per hour than `upto` is listed; `more` lists further ones.
+    `dead` is the heuristic's cursor: options before it use a resource already used up
+    (resources only shrink while it places, so they stay dead)."""
+
+    options: list[Option]
+    upto: float = math.inf
+    more: More | None = None
+    dead: int = 0
+    filtered: bool = False  # grown with the heuristic's `alive` filter
+
+    @property
+    def complete(self) -> bool:
+        return self.upto == math.inf
+
+    @property
+    def min_price(self) -> float:
+        """No option of the group, listed or not, is cheaper per hour than this (only
+        exact for a complete list; 0 otherwise)."""
+        if not self.complete or not self.options:
+            return 0.0
+        return min(o.price for o in self.options)
+
+    def grow(self, *, k: int | None = None, below: float | None = None,
+             alive: Alive | None = None) -> bool:
+        """List more options (the cheapest `k` that are `alive`, or all under `below`);
+        True if any. Options left out as not alive must stay dead for good."""
+        if self.complete or self.more is None:
+            return False
+        options, upto = self.more(k, below, alive)
+        grew = len(options) > len(self.options)
+        self.options, self.upto, self.dead = options, max(upto, self.upto), 0
+        self.filtered = self.filtered or alive is not None
+        return grew
+
+    def unfilter(self) -> None:
+        """List again, without the heuristic's filter, every option under `upto`: the
+        LP needs them all (what the heuristic used up is free at the batch's start)."""
+        if self.filtered and self.more is not None:
+            self.options, _ = self.more(None, self.upto, None)
+            self.dead, self.filtered = 0, False
+
+
+@dataclass(slots=True)
+class Request:
+    """A request of the batch: its `group` of options, the `horizon` (hours) its cost
+    counts for, and the `penalty` for leaving it unplaced. `extra` adds a per-option
+    cost per hour (the soft spread term); the group is then the request's own, sorted
+    by cost_per_hour + extra."""
+
+    group: Group
+    horizon: float
+    penalty: float
+    team: str | None = None
+    extra: Callable[[Option], float] | None = None
+    min_gpus: int = 0  # no option has fewer GPUs (the request's count)
+
+    @property
+    def options(self) -> list[Option]:
+        return self.group.options
+
+    def cost(self, o: Option) -> float:
+        if self.extra is None:
+            return self.horizon * o.cost_per_hour
+        return self.horizon * (o.cost_per_hour + self.extra(o))
+
+
+@dataclass(slots=True)
+class Team:
+    """What a team may still take in this batch. Shares are of the team's GPUs after the
+    batch; `grace` GPUs may sit in one zone or cloud whatever the share."""
+
+    gpus_left: float | None = None
+    budget_left: float | None = None
+    zone_share: float | None = None
+    cloud_share: float | None = None
+    grace: int = 0
+    total: int = 0
+    by_zone: dict[tuple[str, str], int] = field(default_factory=dict)
+    by_cloud: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def spreads(self) -> bool:
+        return self.zone_share is not None or self.cloud_share is not None
+
+
+@dataclass(slots=True)
+class Problem:
+    requests: list[Request]
+    limits: dict[Hashable, float]  # resource -> what is left of it; absent = unlimited
+    teams: dict[str, Team] = field(default_factory=dict)
+    live: dict[Hashable, float] | None = None
+    """While the heuristic's greedy phase runs, what is left of each resource (it only
+    shrinks then), so that option lists being read can skip what is used up."""
+
+    def option_cost(self, i: int, o: Option) -> float:
+        return self.requests[i].cost(o)
+
+
+@dataclass(slots=True)
+class Solution:
+    """`choice[i]` is the request's option or None (unplaced). `bound` is a lower bound
+    on the objective (the sum of every request's cheapest option when nothing better is
+    known). `optimal` is True when the objective is proven to equal the optimum."""
+
+    choice: list[Option | None]
+    objective: float
+    bound: float
+    solver: str
+    seconds: float
+    optimal: bool = False
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gap(self) -> float:
+        """(objective − bound) / bound: how far from optimal the answer may be at most."""
+        if self.bound <= 0:
+            return 0.0 if self.objective <= EPS else math.inf
+        return max(0.0, (self.objective - self.bound) / self.bound)
+
+
+# --- state shared by the heuristic's phases ------------------------------------------
+
+
+class _State:
+    """Residual resources and team tallies for one candidate solution."""
+
+    __slots__ = ("choice", "left", "p", "teams")
+
+    def __init__(self, p: Problem) -> None:
+        self.p = p
+        self.left = dict(p.limits)
+        self.teams = {name: Team(t.gpus_left, t.budget_left, t.zone_share, t.cloud_share,
+                                 t.grace, t.total, dict(t.by_zone), dict(t.by_cloud))
+                      for name, t in p.teams.items()}
+        self.choice: list[Option | None] = [None] * len(p.requests)
+
+    def global_ok(self, o: Option) -> bool:
+        """Shared resources (pools, quotas): they only shrink as requests are placed."""
+        left = self.left
+        for key, amount in o.uses:
+            have = left.get(key)
+            if have is not None and have < amount - EPS:
+                return False
+        return True
+
+    def team_ok(self, i: int, o: Option) -> bool:
+        team = self.p.requests[i].team
+        if team is not None:
+            t = self.teams.get(team)
+            if t is not None:
+                if t.gpus_left is not None and t.gpus_left < o.gpus - EPS:
+                    return False
+                if t.budget_left is not None and t.budget_left < o.price - EPS:
+                    return False
+        return True
+
+    def fits_static(self, i: int, o: Option) -> bool:
+        return self.global_ok(o) and self.team_ok(i, o)
+
+    def fits_spread(self, i: int, o: Option) -> bool:
+        team = self.p.requests[i].team
+        t = self.teams.get(team) if team is not None else None
+        if t is None or not t.spreads:
+            return True
+        total = t.total + o.gpus
+        if t.zone_share is not None and \
+                t.by_zone.get((o.cloud, o.zone), 0) + o.gpus > t.zone_share * total + t.grace + EPS:
+            return False
+        return not (t.cloud_share is not None and
+                    t.by_cloud.get(o.cloud, 0) + o.gpus > t.cloud_share * total + t.grace + EPS)
+
+    def spread_holds(self, team: str | None) -> bool:
+        """Whether every zone and cloud of `team` is within its share (after a removal,
+        which shrinks the total)."""
+        t = self.teams.get(team) if team is not None else None
+        if t is None or not t.spreads:
+            return True
+        if t.zone_share is not None and t.by_zone and \
+                max(t.by_zone.values()) > t.zone_share * t.total + t.grace + EPS:
+            return False
+        return not (t.cloud_share is not None and t.by_cloud and
+                    max(t.by_cloud.values()) > t.cloud_share * t.total + t.grace + EPS)
+
+    def fits(self, i: int, o: Option) -> bool:
+        return self.fits_static(i, o) and self.fits_spread(i, o)
+
+    def take(self, i: int, o: Option, sign: int = 1) -> None:
+        left = self.left
+        for key, amount in o.uses:
+            if key in left:
+                left[key] -= sign * amount
+        team = self.p.requests[i].team
+        t = self.teams.get(team) if team is not None else None
+        if t is not None:
+            if t.gpus_left is not None:
+                t.gpus_left -= sign * o.gpus
+            if t.budget_left is not None:
+                t.budget_left -= sign * o.price
+            t.total += sign * o.gpus
+            zk = (o.cloud, o.zone)
+            t.by_zone[zk] = t.by_zone.get(zk, 0) + sign * o.gpus
+            t.by_cloud[o.cloud] = t.by_cloud.get(o.cloud, 0) + sign * o.gpus
+        self.choice[i] = o if sign > 0 else None
+
+    def objective(self) -> float:
+        p = self.p
+        return sum(p.requests[i].cost(o) if o is not None else p.requests[i].penalty
+                   for i, o in enumerate(self.choice))
+
+
+def trivial_bound(p: Problem) -> float:
+    """Every request at its cheapest option, as if nothing were shared."""
+    total = 0.0
+    for r in p.requests:
+        opts = r.options if r.extra is not None else r.options[:1]
+        total += min([r.penalty, *(r.cost(o) for o in opts)])
+    return total
+
+
+def why_unplaced(p: Problem, choice: Sequence[Option | None]
+                 ) -> dict[int, tuple[str, Hashable | None]]:
+    """For each unplaced request with options, what keeps it off its cheapest option
+    given the others' choices: ("resource", key), ("team_gpus", team),
+    ("team_budget", team), ("spread", team), or ("penalty", None) when leaving it
+    unplaced was merely cheaper."""
+    st = _State(p)
+    for j, o in enumerate(choice):
+        if o is not None:
+            st.take(j, o)
+    out: dict[int, tuple[str, Hashable | None]] = {}
+    for i, r in enumerate(p.requests):
+        if choice[i] is not None or not r.options:
+            continue
+        o = min(r.options, key=r.cost)
+        out[i] = ("penalty", None)
+        for key, amount in o.uses:
+            have = st.left.get(key)
+            if have is not None and have < amount - EPS:
+                out[i] = ("resource", key)
+                break
+        else:
+            t = st.teams.get(r.team) if r.team is not None else None
+            if t is not None:
+                if t.gpus_left is not None and t.gpus_left < o.gpus - EPS:
+                    out[i] = ("team_gpus", r.team)
+                elif t.budget_left is not None and t.budget_left < o.price - EPS:
+                    out[i] = ("team_budget", r.team)
+                elif not st.fits_spread(i, o):
+                    out[i] = ("spread", r.team)
+    return out
+
+
+# --- the heuristic ----------------------------------------------------------------------
+
+
+def heuristic(p: Problem, *, improve_rounds: int = 2) -> Solution:
+    """Regret greedy, then local improvement. Never exceeds a resource or a limit."""
+    started = time.perf_counter()
+    st = _State(p)
+    reqs = p.requests
+    global_ok, team_ok, fits_spread = st.global_ok, st.team_ok, st.fits_spread
+
+    def best_two(i: int) -> tuple[Option | None, float, float]:
+        """The request's cheapest option that fits now, its cost, and the cost of the
+        next one that fits (or the penalty)."""
+        r = reqs[i]
+        g = r.group
+        t = st.teams.get(r.team) if r.team is not None else None
+        if t is not None and ((t.gpus_left is not None and t.gpus_left < r.min_gpus - EPS) or
+                              (t.budget_left is not None and t.budget_left < g.min_price - EPS)):
+            return None, r.penalty, r.penalty  # the team has no room for any option
+        while True:
+            opts = g.options
+            n = len(opts)
+            k = g.dead
+            while k < n and not global_ok(opts[k]):
+                k += 1
+            g.dead = k
+            first: Option | None = None
+            c1 = r.penalty
+            for j in range(k, n):
+                o = opts[j]
+                if (j > k and not global_ok(o)) or not team_ok(i, o) or \
+                        not fits_spread(i, o):
+                    continue
+                c = r.cost(o)
+                if first is None:
+                    first, c1 = o, c
+                else:
+                    return first, c1, min(c, r.penalty)
+            if g.complete:
+                return first, c1, r.penalty
+            if first is not None:  # the next, unlisted option costs at least the last
+                return first, c1, min(max(c1, r.cost(opts[-1])), r.penalty)
+            # The listed options are used up: list more (for the whole group).
+            if not g.grow(k=max(32, 4 * n), alive=global_ok):
+                return None, r.penalty, r.penalty
+
+    p.live = st.left
+    heap: list[tuple[float, int]] = []
+    for i in range(len(reqs)):
+        first, c1, c2 = best_two(i)
+        if first is not None:
+            heap.append((c1 - c2, i))
+    heapq.heapify(heap)
+    while heap:
+        _, i = heapq.heappop(heap)
+        first, c1, c2 = best_two(i)
+        if first is None:
+            continue
+        key = (c1 - c2, i)  # minus the regret: the biggest regret pops first
+        if heap and key > heap[0]:
+            heapq.heappush(heap, key)  # others now stand to lose more: they go first
+            continue
+        st.take(i, first)
+    p.live = None  # from here on resources are freed as well as taken
+    _improve(st, rounds=improve_rounds, best_two=best_two)
+    objective = st.objective()
+    bound = trivial_bound(p)
+    return Solution(st.choice, objective, bound, "heuristic", time.perf_counter() - started,
+                    optimal=objective <= bound + EPS * max(1.0, bound))
+
+
+def _improve(st: _State, *, rounds: int,
+             best_two: Callable[[int], tuple[Option | None, float, float]]) -> None:
+    p = st.p
+    reqs = p.requests
+    for _ in range(rounds):
+        moved = 0
+        # 1. Cheaper options freed up by later decisions (or never tried in this order).
+        for i, cur in enumerate(st.choice):
+            if cur is None:
+                continue
+            r = reqs[i]
+            cur_cost = r.cost(cur)
+            opts = r.options
+            if opts[r.group.dead] is cur if r.group.dead < len(opts) else False:
+                continue  # already on the cheapest option still alive
+            st.take(i, cur, -1)
+            better = None
+            for j in range(r.group.dead, len(opts)):
+                o = opts[j]
+                if o is cur or r.cost(o) >= cur_cost - EPS:
+                    break
+                if st.fits(i, o):
+                    better = o
+                    break
+            if better is not None:
+                st.take(i, better)
+                if st.spread_holds(r.team):
+                    moved += 1
+                    continue
+                st.take(i, better, -1)
+            st.take(i, cur)
+        # 2. Unplaced requests: any option that fits, else make room by moving one
+        #    placed request off a resource the option needs.
+        users: dict[Hashable, list[int]] = {}
+        for j, oj in enumerate(st.choice):
+            if oj is not None:
+                for key, _ in oj.uses:
+                    users.setdefault(key, []).append(j)
+        for i, cur in enumerate(st.choice):
+            if cur is not None:
+                continue
+            first, c1, _ = best_two(i)
+            if first is not None and c1 < reqs[i].penalty:
+                st.take(i, first)
+                moved += 1
+                continue
+            if _eject_one(st, i, users):
+                moved += 1
+        if not moved:
+            return
+
+
+def _eject_one(st: _State, i: int, users: dict[Hashable, list[int]], tries: int = 4,
+               per_key: int = 8) -> bool:
+    """Place unplaced request `i` on one of its cheapest options by moving one placed
+    request that uses the same pool to another option of its own, when the move costs
+    less than leaving `i` unplaced. `users`: who used each resource when the round
+    began (checked before use)."""
+    p = st.p
+    r = p.requests[i]
+    for o in r.options[:tries]:
+        gain = r.penalty - r.cost(o)
+        if gain <= EPS:
+            break
+        for key, _ in o.uses:
+            for j in users.get(key, ())[:per_key]:
+                oj = st.choice[j]
+                if oj is None or all(k != key for k, _ in oj.uses):
+                    continue
+                rj = p.requests[j]
+                st.take(j, oj, -1)
+                if st.fits(i, o):
+                    st.take(i, o)
+                    opts = rj.options
+                    for n in range(rj.group.dead, len(opts)):
+                        alt = opts[n]
+                        if alt is oj:
+                            continue
+                        if rj.cost(alt) - rj.cost(oj) >= gain:
+                            break
+                        if st.fits(j, alt):
+                            st.take(j, alt)
+                            if st.spread_holds(rj.team) and st.spread_holds(r.team):
+                                return True
+                            st.take(j, alt, -1)
+                    st.take(i, o, -1)
+                st.take(j, oj)
+    return False
+
+
+# --- the exact solver ----------------------------------------------------------------
+
+
+def exact(p: Problem, *, time_limit: float = 1.0, incumbent: Solution | None = None,
+          max_rounds: int = 20) -> Solution:
+    """Optimal (or, when the time limit strikes, the best found and a valid bound) by
+    LP column generation and a MILP on every option that could still improve on
+    `incumbent` (the heuristic's answer when not given)."""
+    from scipy.optimize import milp  # lazy: scipy is only needed here
+
+    started = time.perf_counter()
+    deadline = started + time_limit
+    inc = incumbent or heuristic(p)
+    groups = list({id(r.group): r.group for r in p.requests}.values())
+    for g in groups:
+        g.unfilter()
+    lp: _LP | None = None
+    duals: _Duals | None = None
+    grew = False
+    rounds = 0
+    while True:
+        rounds += 1
+        lp = _LP(p)
+        duals = lp.solve_relaxation()
+        if duals is None:
+            break  # the LP failed to solve (numerics): no bound beyond the trivial one
+        grew = _price_out(p, groups, duals, slack=0.0)
+        if not grew or rounds >= max_rounds or time.perf_counter() > deadline:
+            break
+    proven = lp is not None and lp.value is not None and duals is not None and not grew
+    bound = max(lp.value or 0.0, 0.0) if proven and lp is not None else trivial_bound(p)
+    bound = min(bound, inc.objective)
+    if inc.objective <= bound + 1e-7 * max(1.0, bound):
+        return Solution(inc.choice, inc.objective, bound, inc.solver,
+                        time.perf_counter() - started, optimal=True,
+                        detail={"lp_rounds": rounds})
+    # Reduced-cost fixing: an option whose reduced cost exceeds the gap is in no
+    # solution better than the incumbent; give the MILP all the others.
+    if proven and duals is not None:
+        _price_out(p, groups, duals, slack=inc.objective - bound)
+    lp = _LP(p)
+    remaining = deadline - time.perf_counter()
+    if remaining <= 0.01:
+        return Solution(inc.choice, inc.objective, bound, inc.solver,
+                        time.perf_counter() - started, detail={"lp_rounds": rounds,
+                                                               "milp": "no time left"})
+    res = milp(lp.c, constraints=lp.constraints(), integrality=lp.integrality(),
+               bounds=lp.bounds(), options={"time_limit": remaining, "disp": False})
+    seconds = time.perf_counter() - started
+    detail: dict[str, Any] = {"lp_rounds": rounds, "milp_status": int(res.status),
+                              "columns": lp.n_x}
+    if res.x is None:
+        return Solution(inc.choice, inc.objective, bound, inc.solver, seconds,
+                        detail=detail)
+    choice = lp.choice(res.x)
+    st = _State(p)
+    for i, o in enumerate(choice):
+        if o is not None:
+            st.take(i, o)
+    objective = st.objective()
+    mip_bound = getattr(res, "mip_dual_bound", None)
+    if mip_bound is not None and math.isfinite(mip_bound):
+        bound = max(bound, min(float(mip_bound), objective))
+    if objective >= inc.objective - EPS:
+        return Solution(inc.choice, inc.objective, bound, inc.solver, seconds,
+                        optimal=res.status == 0, detail=detail)
+    return Solution(choice, objective, bound, "milp", seconds, optimal=res.status == 0,
+                    detail=detail)
+
+
+def _price_out(p: Problem, groups: Sequence[Group], duals: _Duals, *,
+               slack: float) -> bool:
+    """List every left-out option whose reduced cost could be below `slack`; True if any
+    was added. A left-out option costs at least its group's `upto` per hour, and only
+    the team-total row can lower a reduced cost, by at most gpus × |its dual|."""
+    need: dict[int, float] = {}
+    for i, r in enumerate(p.requests):
+        g = r.group
+        if g.complete or g.more is None or r.horizon <= 0:
+            continue
+        w = min(0.0, duals.team_total.get(r.team, 0.0)) if r.team is not None else 0.0
+        gmax = 2 * (max((o.gpus for o in g.options), default=0) + 16)
+        threshold = (duals.assign[i] - gmax * w + slack) / r.horizon
+        if threshold >= g.upto - EPS:
+            need[id(g)] = max(need.get(id(g), -math.inf), threshold)
+    grew = False
+    for g in groups:
+        below = need.get(id(g))
+        if below is not None and g.grow(below=below + EPS):
+            grew = True
+    return grew
+
+
+@dataclass(slots=True)
+class _Duals:
+    assign: list[float]
+    team_total: dict[str, float]
+
+
+class _LP:
+    """The MILP in scipy's matrix form. Variables: one per (request, option), one
+    'unplaced' per request, one 'batch GPUs' per team with a spread limit."""
+
+    def __init__(self, p: Problem) -> None:
+        import numpy as np
+        from scipy.sparse import coo_array
+
+        self.p = p
+        self.index: list[tuple[int, Option]] = [(i, o) for i, r in enumerate(p.requests)
+                                                for o in r.options]
+        n_x = self.n_x = len(self.index)
+        n_req = len(p.requests)
+        spread_teams = [name for name, t in p.teams.items() if t.spreads]
+        self.team_var = {name: n_x + n_req + k for k, name in enumerate(spread_teams)}
+        n = n_x + n_req + len(spread_teams)
+        c = np.zeros(n)
+        rows: list[int] = []
+        colix: list[int] = []
+        vals: list[float] = []
+        lb: list[float] = []
+        ub: list[float] = []
+
+        def row(lo: float, hi: float) -> int:
+            lb.append(lo)
+            ub.append(hi)
+            return len(lb) - 1
+
+        assign_rows = [row(1.0, 1.0) for _ in range(n_req)]
+        res_rows: dict[Hashable, int] = {}
+        team_rows: dict[tuple[str, str], int] = {}
+        teams = p.teams
+        for v, (i, o) in enumerate(self.index):
+            r = p.requests[i]
+            c[v] = r.cost(o)
+            rows.append(assign_rows[i])
+            colix.append(v)
+            vals.append(1.0)
+            for key, amount in o.uses:
+                limit = p.limits.get(key)
+                if limit is None:
+                    continue
+                k = res_rows.get(key)
+                if k is None:
+                    k = res_rows[key] = row(-math.inf, limit)
+                rows.append(k)
+                colix.append(v)
+                vals.append(amount)
+            t = teams.get(r.team) if r.team is not None else None
+            if t is None:
+                continue
+            entries: list[tuple[tuple[str, str], float, float]] = []
+            if t.gpus_left is not None:
+                entries.append(((r.team or "", "gpus"), t.gpus_left, o.gpus))
+            if t.budget_left is not None:
+                entries.append(((r.team or "", "budget"), t.budget_left, o.price))
+            if t.spreads:
+                entries.append(((r.team or "", "total"), 0.0, -o.gpus))
+                if t.zone_share is not None:
+                    zk = (o.cloud, o.zone)
+                    hi = t.zone_share * t.total + t.grace - t.by_zone.get(zk, 0)
+                    entries.append(((r.team or "", f"zone:{o.cloud}:{o.zone}"), hi, o.gpus))
+                if t.cloud_share is not None:
+                    hi = t.cloud_share * t.total + t.grace - t.by_cloud.get(o.cloud, 0)
+                    entries.append(((r.team or "", f"cloud:{o.cloud}"), hi, o.gpus))
+            for key2, hi, amount in entries:
+                k = team_rows.get(key2)
+                if k is None:
+                    k = team_rows[key2] = row(0.0, 0.0) if key2[1] == "total" \
+                        else row(-math.inf, hi)
+                rows.append(k)
+                colix.append(v)
+                vals.append(amount)
+        for i, r in enumerate(p.requests):
+            v = n_x + i
+            c[v] = r.penalty
+            rows.append(assign_rows[i])
+            colix.append(v)
+            vals.append(1.0)
+        for (team, what), k in team_rows.items():
+            tv = self.team_var.get(team)
+            if tv is None:
+                continue
+            t = teams[team]
+            share = (1.0 if what == "total" else
+                     t.zone_share if what.startswith("zone:") else
+                     t.cloud_share if what.startswith("cloud:") else None)
+            if share is None:
+                continue
+            rows.append(k)
+            colix.append(tv)
+            vals.append(1.0 if what == "total" else -share)
+        self.c = c
+        self.lb = np.array(lb)
+        self.ub = np.array(ub)
+        self.A = coo_array((vals, (rows, colix)), shape=(len(lb), n)).tocsr()
+        self.n_req = n_req
+        self.assign_rows = assign_rows
+        self.team_total_rows = {team: k for (team, what), k in team_rows.items()
+                                if what == "total"}
+        self.value: float | None = None
+
+    def bounds(self) -> Any:
+        import numpy as np
+        from scipy.optimize import Bounds
+
+        hi = np.ones(len(self.c))
+        for tv in self.team_var.values():
+            hi[tv] = np.inf
+        return Bounds(np.zeros(len(self.c)), hi)
+
+    def integrality(self) -> Any:
+        import numpy as np
+
+        integ = np.ones(len(self.c))
+        integ[self.n_x + self.n_req:] = 0
+        return integ
+
+    def constraints(self) -> Any:
+        from scipy.optimize import LinearConstraint
+
+        return LinearConstraint(self.A, self.lb, self.ub)
+
+    def solve_relaxation(self) -> _Duals | None:
+        import numpy as np
+        from scipy.optimize import linprog
+
+        # linprog wants A_ub x ≤ b_ub and A_eq x = b_eq.
+        eq = np.isclose(self.lb, self.ub)
+        A = self.A
+        a_eq, b_eq = A[eq], self.ub[eq]
+        a_ub, b_ub = A[~eq], self.ub[~eq]
+        bounds = [(0.0, 1.0)] * (self.n_x + self.n_req) + [(0.0, None)] * len(self.team_var)
+        res = linprog(self.c, A_ub=a_ub if a_ub.shape[0] else None,
+                      b_ub=b_ub if a_ub.shape[0] else None, A_eq=a_eq, b_eq=b_eq,
+                      bounds=bounds, method="highs")
+        if res.status != 0:
+            return None
+        self.value = float(res.fun)
+        eq_marg = res.eqlin.marginals
+        eq_rows = np.flatnonzero(eq)
+        pos = {int(r): k for k, r in enumerate(eq_rows)}
+        assign = [float(eq_marg[pos[r]]) for r in self.assign_rows]
+        team_total = {team: float(eq_marg[pos[k]]) for team, k in self.team_total_rows.items()}
+        return _Duals(assign, team_total)
+
+    def choice(self, x: Any) -> list[Option | None]:
+        out: list[Option | None] = [None] * self.n_req
+        for v, (i, o) in enumerate(self.index):
+            if x[v] > 0.5:
+                out[i] = o
+        return out
