@@ -254,8 +254,7 @@ class _Builder:
         self.view = view
         self.indexed = indexed
         self.problem: solver.Problem | None = None
-        self._fmax = 1.0  # the largest expected-cost factor of an indexed offer
-        self._index: dict[tuple[str, Market], Any] = {}
+        self._index: dict[tuple[str, Market], _Arrays] = {}
         self.policy = policy
         self.k = k
         self.stale = view.stale_slices(now)
@@ -363,108 +362,87 @@ class _Builder:
         self._options[(key, instances, need)] = o
         return o
 
-    def _runs(self, gpu: str, m: Market, need: int,
-              where: Callable[[str, str], bool] | None = None
-              ) -> Iterator[tuple[int, Sequence[tuple[float, Offer, float, int | None]]]]:
-        """Runs of (bound per GPU, offer, price per GPU-hour, free instances or None)
-        over the fresh offers of `gpu` in `m` that take placements (in the regions
-        `where` allows), each run sorted by bound and given with its multiplier: no
-        placement of `need` GPUs on an offer of the run costs less per hour than
-        multiplier × bound. Small batches read the pool's price index as it is (one run,
-        bound = price, multiplier = need). Large ones build once per batch an index by
-        expected cost per GPU-hour, one run per instance size (and region), whose
-        multiplier counts the GPUs an instance of that size leaves idle: a much tighter
-        bound, so each walk stops sooner."""
-        if not self.indexed:
-            yield need, list(self._plain(gpu, m))
-            return
-        index = self._index.get((gpu, m))
-        if index is None:
-            index = self._index[(gpu, m)] = self._build_index(gpu, m)
-        by_size, by_region = index
-        if where is None or all(where(*r) for r in by_region):
-            runs = list(by_size.items())
-        else:
-            runs = [(g, entries) for r, sizes in by_region.items() if where(*r)
-                    for g, entries in sizes.items()]
-        for g, entries in runs:
-            yield -(-need // g) * g, entries
-
-    def _build_index(self, gpu: str, m: Market) -> tuple[
-            dict[int, list[tuple[float, Offer, float, int | None]]],
-            dict[tuple[str, str], dict[int, list[tuple[float, Offer, float, int | None]]]]]:
-        by_size: dict[int, list[tuple[float, Offer, float, int | None]]] = {}
-        by_region: dict[tuple[str, str],
-                        dict[int, list[tuple[float, Offer, float, int | None]]]] = {}
-        policy = self.policy
-        for ppg, offer, _, free in self._plain(gpu, m):
-            e = (expected_cost(offer, 1, policy) / offer.gpus, offer, ppg, free)
-            self._fmax = max(self._fmax, e[0] / ppg if ppg > 0 else 1.0)
-            by_size.setdefault(offer.gpus, []).append(e)
-            key = offer.pool
-            by_region.setdefault((key.cloud, key.region), {}).setdefault(offer.gpus, []).append(e)
-        for entries in by_size.values():
-            entries.sort(key=lambda e: e[0])
-        for sizes in by_region.values():
-            for entries in sizes.values():
-                entries.sort(key=lambda e: e[0])
-        return by_size, by_region
+    def _arrays(self, gpu: str, m: Market) -> _Arrays:
+        got = self._index.get((gpu, m))
+        if got is None:
+            got = self._index[(gpu, m)] = _Arrays.of(
+                self._plain(gpu, m), self.policy, self.view)
+        return got
 
     def _stream(self, ask: Ask, c: Constraints, scan: _Scan
                 ) -> Iterator[tuple[float, solver.Option]]:
         """The request's options in order of expected cost per hour, lazily (large
-        batches): every run of every acceptable GPU model and market merged by exact
-        cost, so a group lists more by reading on, never by walking again. Yields
-        (a lower bound of the cost of this and every later option, the option)."""
+        batches): the filters and costs over every acceptable model and market are
+        computed at once on the batch's offer arrays, then options are made as they are
+        read. Yields (the option's cost per hour — no later one is cheaper — , the
+        option)."""
+        import numpy as np
+
         req = ask.request
         need = req.gpus
-        view = self.view
         cap = c.cap
         own_clouds = set(req.clouds) if req.clouds else None
         own_regions = set(req.regions) if req.regions else None
-
-        def where(cloud: str, region: str) -> bool:
-            return ((own_clouds is None or cloud in own_clouds)
-                    and (own_regions is None or region in own_regions)
-                    and c.region_ok(cloud, region))
-
-        picked = [(mult, entries) for gpu in c.gpus for m in c.markets
-                  for mult, entries in self._runs(gpu, m, need, where)]
-        runs = [_keyed(mult, entries) for mult, entries in picked]
-        # Past this cost bound every later offer is over the cap: bound = mult × price ×
-        # factor per GPU, and no factor exceeds `fmax`.
-        over_cap = math.inf if cap is None else cap * self._fmax * max(
-            (mult for mult, _ in picked), default=need)
+        idle = self.policy.scoring.idle_gpu_weight
+        costs: list[Any] = []
+        picks: list[tuple[_Arrays, Any, Any]] = []
+        for gpu in c.gpus:
+            for m in c.markets:
+                arr = self._arrays(gpu, m)
+                if not arr.offers:
+                    continue
+                own = np.array([(own_clouds is None or cl in own_clouds)
+                                and (own_regions is None or rg in own_regions)
+                                for cl, rg in arr.regions], dtype=bool)[arr.region]
+                allowed = np.array([c.region_ok(cl, rg) for cl, rg in arr.regions],
+                                   dtype=bool)[arr.region]
+                matching = own & allowed
+                scan.policy_excluded += int(np.count_nonzero(own & ~allowed))
+                scan.matching += int(np.count_nonzero(matching))
+                if matching.any():
+                    scan.cheapest_ppg = min(scan.cheapest_ppg, float(arr.ppg[matching].min()))
+                under = matching if cap is None else matching & (arr.ppg <= cap)
+                scan.under_cap += int(np.count_nonzero(under))
+                inst = -(-need // arr.gpus)
+                ok = under & (arr.free >= inst) & (arr.quota >= inst * arr.gpus) & arr.disc_ok
+                idx = np.flatnonzero(ok)
+                paid = inst[idx] * arr.gpus[idx]
+                cost = paid * arr.eff[idx]
+                if idle:
+                    cost = cost + idle * (paid - need) * arr.ppg[idx]
+                costs.append(cost)
+                picks.append((arr, idx, inst[idx]))
+        if not costs:
+            return
+        cost = np.concatenate(costs)
+        part = np.concatenate([np.full(len(c_), p) for p, c_ in enumerate(costs)])
+        pos = np.concatenate([np.arange(len(c_)) for c_ in costs])
         exclude = ask.exclude
-        min_discount = self.policy.scoring.spot_min_discount
-        for key_cost, (_, offer, ppg, free) in heapq.merge(*runs, key=_first):
-            key = offer.pool
-            if own_clouds is not None and key.cloud not in own_clouds:
-                continue
-            if own_regions is not None and key.region not in own_regions:
-                continue
-            if exclude and key in exclude:
-                continue
-            if not c.region_ok(key.cloud, key.region):
-                scan.policy_excluded += 1
-                continue
-            scan.matching += 1
-            if ppg < scan.cheapest_ppg:
-                scan.cheapest_ppg = ppg
-            if cap is not None and ppg > cap:
-                if key_cost > over_cap and scan.under_cap:
-                    return
-                continue
-            scan.under_cap += 1
-            instances = -(-need // offer.gpus)
-            if free is not None and free < instances:
-                continue
-            quota = offer.quota_headroom
-            if quota is not None and quota < instances * offer.gpus:
-                continue
-            if min_discount and not spot_discount_ok(offer, view, min_discount):
-                continue
-            yield key_cost, self._option(offer, instances, need)
+        # The cheapest few by partial sort (most groups read no further), then the rest.
+        head = min(len(cost), 4 * self.k)
+        first = np.argpartition(cost, head - 1)[:head] if head < len(cost) else \
+            np.arange(len(cost))
+        first = first[np.argsort(cost[first], kind="stable")]
+        rest = np.ones(len(cost), dtype=bool)
+        rest[first] = False
+        for order in (first, None):
+            if order is None:
+                left = np.flatnonzero(rest)
+                order = left[np.argsort(cost[left], kind="stable")]
+            for lo in range(0, len(order), 256):  # plain Python numbers, a chunk at a time
+                chunk = order[lo:lo + 256]
+                parts = part[chunk]
+                at = pos[chunk]
+                rows = [picks[p][1][a] for p, a in zip(parts.tolist(), at.tolist(),
+                                                       strict=True)]
+                insts = [picks[p][2][a] for p, a in zip(parts.tolist(), at.tolist(),
+                                                        strict=True)]
+                for p, row, n, co in zip(parts.tolist(), rows, insts, cost[chunk].tolist(),
+                                         strict=True):
+                    offer = picks[p][0].offers[int(row)]
+                    if exclude and offer.pool in exclude:
+                        continue
+                    yield co, self._option(offer, int(n), need)
 
     def _plain(self, gpu: str, m: Market) -> Iterator[tuple[float, Offer, float, int | None]]:
         view, stale, cooling = self.view, self.stale, self.cooling
@@ -485,7 +463,6 @@ class _Builder:
         req = ask.request
         view, policy = self.view, self.policy
         cap = c.cap
-        by_price = not self.indexed  # entries by price: the first over the cap ends a list
         own_clouds = set(req.clouds) if req.clouds else None
         own_regions = set(req.regions) if req.regions else None
         exclude = ask.exclude
@@ -499,7 +476,7 @@ class _Builder:
         cut = False
         for gpu in c.gpus:
             for m in c.markets:
-                for mult, entries in self._runs(gpu, m, need):
+                for mult, entries in ((need, self._plain(gpu, m)),):
                     for bound, offer, ppg, free in entries:
                         key = offer.pool
                         if own_clouds is not None and key.cloud not in own_clouds:
@@ -515,9 +492,7 @@ class _Builder:
                         if ppg < scan.cheapest_ppg:
                             scan.cheapest_ppg = ppg
                         if cap is not None and ppg > cap:
-                            if by_price:
-                                break  # sorted by price per GPU-hour: the rest are dearer still
-                            continue
+                            break  # sorted by price per GPU-hour: the rest are dearer still
                         scan.under_cap += 1
                         # Any later offer costs at least need × its bound: stop when that
                         # cannot make the list.
@@ -559,14 +534,51 @@ class _Builder:
         return best, (best[-1].cost_per_hour if cut and best else math.inf), scan
 
 
-def _keyed(mult: int, entries: Iterable[tuple[float, Offer, float, int | None]]
-           ) -> Iterator[tuple[float, tuple[float, Offer, float, int | None]]]:
-    for e in entries:
-        yield mult * e[0], e
+class _Arrays:
+    """The fresh offers of one GPU model and market that take placements, as arrays for
+    a large batch: expected cost per GPU-hour (`eff`), price per GPU-hour, GPUs per
+    instance, free instances and quota headroom in GPUs (inf: unknown), region code,
+    and whether a spot offer is discounted enough."""
 
+    def __init__(self) -> None:
+        self.offers: list[Offer] = []
+        self.regions: list[tuple[str, str]] = []
 
-def _first(item: tuple[float, Any]) -> float:
-    return item[0]
+    @classmethod
+    def of(cls, entries: Iterable[tuple[float, Offer, float, int | None]], policy: Policy,
+           view: PoolView) -> _Arrays:
+        import numpy as np
+
+        a = cls()
+        codes: dict[tuple[str, str], int] = {}
+        eff, ppg, gpus, free, quota, region, disc = [], [], [], [], [], [], []
+        min_discount = policy.scoring.spot_min_discount
+        for p, offer, _, f in entries:
+            key = offer.pool
+            a.offers.append(offer)
+            eff.append(expected_cost(offer, 1, policy) / offer.gpus)
+            ppg.append(p)
+            gpus.append(offer.gpus)
+            free.append(math.inf if f is None else f)
+            q = offer.quota_headroom
+            quota.append(math.inf if q is None else q)
+            region.append(codes.setdefault((key.cloud, key.region), len(codes)))
+            disc.append(not min_discount or spot_discount_ok(offer, view, min_discount))
+        a.regions = list(codes)
+        a.eff, a.ppg = np.array(eff, dtype=float), np.array(ppg, dtype=float)
+        a.gpus = np.array(gpus, dtype=np.int64)
+        a.free, a.quota = np.array(free, dtype=float), np.array(quota, dtype=float)
+        a.region = np.array(region, dtype=np.int64)
+        a.disc_ok = np.array(disc, dtype=bool)
+        return a
+
+    eff: Any
+    ppg: Any
+    gpus: Any
+    free: Any
+    quota: Any
+    region: Any
+    disc_ok: Any
 
 
 class _Source:

@@ -71,6 +71,7 @@ class Group:
     more: More | None = None
     dead: int = 0
     filtered: bool = False  # grown with the heuristic's `alive` filter
+    _min_price: float | None = None
 
     @property
     def complete(self) -> bool:
@@ -82,7 +83,9 @@ class Group:
         exact for a complete list; 0 otherwise)."""
         if not self.complete or not self.options:
             return 0.0
-        return min(o.price for o in self.options)
+        if self._min_price is None:
+            self._min_price = min(o.price for o in self.options)
+        return self._min_price
 
     def grow(self, *, k: int | None = None, below: float | None = None,
              alive: Alive | None = None) -> bool:
@@ -94,6 +97,7 @@ class Group:
         grew = len(options) > len(self.options)
         self.options, self.upto, self.dead = options, max(upto, self.upto), 0
         self.filtered = self.filtered or alive is not None
+        self._min_price = None
         return grew
 
     def unfilter(self) -> None:
@@ -101,7 +105,7 @@ class Group:
         LP needs them all (what the heuristic used up is free at the batch's start)."""
         if self.filtered and self.more is not None:
             self.options, _ = self.more(None, self.upto, None)
-            self.dead, self.filtered = 0, False
+            self.dead, self.filtered, self._min_price = 0, False, None
 
 
 @dataclass(slots=True)
