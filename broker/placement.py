@@ -1,24 +1,24 @@
 """The placement optimizer: a pure function from (requests, pool, policy) to decisions.
 
-For each request it picks the feasible offer with the lowest expected cost per hour:
+A batch of requests is placed together (`solve`): `_Builder` lists each request's
+options — fresh offers of an acceptable GPU model (with the policy's equivalents),
+market, cloud, region and residency, under the price cap, not in a cool-down, with free
+capacity and quota for it alone — cheapest expected cost per hour first:
 
     instances × price × (1 + restart_hours × interruption_rate
                            + availability_weight × (1 − availability)
                            + spread_weight × share of the team's GPUs in that zone)
+    + idle_gpu_weight × price of the GPUs paid for but not asked for
 
-where interruption risk counts for spot only and unknown signals take the policy's
-`unknown_*` values. Paid-for GPUs left idle (an 8-GPU instance for 6 GPUs) are in the
-price, so they count too. What may be placed where is the policy's verdict on the
-request (`policies.evaluate.Constraints`): GPU models with their equivalents, markets,
-clouds, regions and residency, price cap, and what is left of the team's budget. A spot
-pool is skipped when it is not at least `scoring.spot_min_discount` cheaper than
-on-demand for the same instance type in the same zone.
+(interruption risk counts for spot only; unknown signals take the policy's `unknown_*`
+values; a spot pool not `scoring.spot_min_discount` under on-demand for the same type
+and zone is skipped). Requests asking for the same thing share one list, read further
+only when its options run out. `broker.solver` then assigns the batch within every
+pool's free capacity, quota group, team `max_gpus`, `budget_per_hour` and spread limit;
+a request it leaves unplaced is rejected with the constraint that binds.
 
-Requests come in batches; capacity (and quota) an earlier request of the batch takes in
-a pool is not offered to a later one. Quota shared by several pools of a family is
-checked per pool here; the global optimizer accounts for it across pools. This version
-places the batch's requests one after another in order; the interface is the one a
-global optimizer will keep.
+Small batches walk the pool's price index per request; large ones (`index_min_batch`)
+rank each GPU model's offers as numpy arrays once per batch.
 
 No I/O here: the pool is read through the small `PoolView` protocol.
 """
@@ -315,6 +315,12 @@ class _Builder:
 
             group = solver.Group(sorted(group.options, key=key), group.upto,
                                  None if group.complete else own_more)
+            # An unlisted option costs at least `upto` before the spread term: list
+            # until none could beat the best listed one with it.
+            while not group.complete and group.options and \
+                    group.upto <= key(group.options[0]) and \
+                    group.grow(below=key(group.options[0])):
+                pass
         if c.team is not None:
             self._team(c)
         self._rules.append(c.rule)
@@ -350,7 +356,9 @@ class _Builder:
                 have = offer.quota_headroom // max(offer.gpus, 1) * units
             else:
                 qkey, units, have = ("quota", key), offer.gpus, offer.quota_headroom
-            self.limits[qkey] = min(self.limits.get(qkey, math.inf), have)
+            # The first offer of a group sets its limit (members differ only by rounding
+            # vCPUs to whole instances); a limit never changes once the solver has it.
+            self.limits.setdefault(qkey, have)
             uses.append((qkey, instances * units))
         price = instances * offer.price_per_hour  # type: ignore[operator]
         cost = expected_cost(offer, instances, self.policy)
@@ -630,14 +638,13 @@ def _unplaced(ask: Ask, problem: solver.Problem, why: tuple[str, Hashable | None
     team = f"team {req.team!r}"
     if what == "team_gpus":
         return Rejection(ask, RejectCode.OVER_BUDGET,
-                         f"{team} would pass its max_gpus with the other requests of this "
-                         f"batch", retry_after)
+                         f"{team} has {key:g} GPUs of its max_gpus left after this batch's "
+                         f"other placements; no placement of {req.gpus} GPUs fits", retry_after)
     if what == "team_budget":
-        t = problem.teams.get(req.team or "")
-        left = f" (${t.budget_left:.2f}/h left)" if t and t.budget_left is not None else ""
         return Rejection(ask, RejectCode.OVER_BUDGET,
-                         f"{team} has too little of its budget_per_hour{left} for any "
-                         f"placement of {req.gpus} GPUs", retry_after)
+                         f"{team} has too little of its budget_per_hour (${key:.2f}/h left) "
+                         f"after this batch's other placements for a placement of "
+                         f"{req.gpus} GPUs", retry_after)
     if what == "spread":
         return Rejection(ask, RejectCode.POLICY_DENIED,
                          f"{team}'s spread limit (max_zone_share/max_cloud_share) leaves no "

@@ -207,9 +207,19 @@ class _State:
         left = self.left
         for key, amount in o.uses:
             have = left.get(key)
+            if have is None:
+                have = self._limit(key)
             if have is not None and have < amount - EPS:
                 return False
         return True
+
+    def _limit(self, key: Hashable) -> float | None:
+        """A resource first seen after this state was made (the caller lists options,
+        and registers their limits, as they are read)."""
+        limit = self.p.limits.get(key)
+        if limit is not None:
+            self.left[key] = limit
+        return limit
 
     def team_ok(self, i: int, o: Option) -> bool:
         team = self.p.requests[i].team
@@ -255,7 +265,7 @@ class _State:
     def take(self, i: int, o: Option, sign: int = 1) -> None:
         left = self.left
         for key, amount in o.uses:
-            if key in left:
+            if key in left or self._limit(key) is not None:
                 left[key] -= sign * amount
         team = self.p.requests[i].team
         t = self.teams.get(team) if team is not None else None
@@ -288,9 +298,9 @@ def trivial_bound(p: Problem) -> float:
 def why_unplaced(p: Problem, choice: Sequence[Option | None]
                  ) -> dict[int, tuple[str, Hashable | None]]:
     """For each unplaced request with options, what keeps it off its cheapest option
-    given the others' choices: ("resource", key), ("team_gpus", team),
-    ("team_budget", team), ("spread", team), or ("penalty", None) when leaving it
-    unplaced was merely cheaper."""
+    given the others' choices: ("resource", key), ("team_gpus", GPUs the team has
+    left), ("team_budget", budget per hour left), ("spread", team), or ("penalty", None)
+    when leaving it unplaced was merely cheaper."""
     st = _State(p)
     for j, o in enumerate(choice):
         if o is not None:
@@ -310,9 +320,9 @@ def why_unplaced(p: Problem, choice: Sequence[Option | None]
             t = st.teams.get(r.team) if r.team is not None else None
             if t is not None:
                 if t.gpus_left is not None and t.gpus_left < o.gpus - EPS:
-                    out[i] = ("team_gpus", r.team)
+                    out[i] = ("team_gpus", t.gpus_left)
                 elif t.budget_left is not None and t.budget_left < o.price - EPS:
-                    out[i] = ("team_budget", r.team)
+                    out[i] = ("team_budget", t.budget_left)
                 elif not st.fits_spread(i, o):
                     out[i] = ("spread", r.team)
     return out
@@ -324,6 +334,7 @@ def why_unplaced(p: Problem, choice: Sequence[Option | None]
 def heuristic(p: Problem, *, improve_rounds: int = 2) -> Solution:
     """Regret greedy, then local improvement. Never exceeds a resource or a limit."""
     started = time.perf_counter()
+    bound = trivial_bound(p)  # before lists grow without what this answer used up
     st = _State(p)
     reqs = p.requests
     global_ok, team_ok, fits_spread = st.global_ok, st.team_ok, st.fits_spread
@@ -384,7 +395,6 @@ def heuristic(p: Problem, *, improve_rounds: int = 2) -> Solution:
     p.live = None  # from here on resources are freed as well as taken
     _improve(st, rounds=improve_rounds, best_two=best_two)
     objective = st.objective()
-    bound = trivial_bound(p)
     return Solution(st.choice, objective, bound, "heuristic", time.perf_counter() - started,
                     optimal=objective <= bound + EPS * max(1.0, bound))
 
@@ -587,6 +597,7 @@ class _LP:
         from scipy.sparse import coo_array
 
         self.p = p
+        self.zero: list[int] = []  # options that may not be taken
         self.index: list[tuple[int, Option]] = [(i, o) for i, r in enumerate(p.requests)
                                                 for o in r.options]
         n_x = self.n_x = len(self.index)
@@ -636,13 +647,20 @@ class _LP:
                 entries.append(((r.team or "", "budget"), t.budget_left, o.price))
             if t.spreads:
                 entries.append(((r.team or "", "total"), 0.0, -o.gpus))
+                # A zone or cloud the team already holds more than its share of takes
+                # nothing more (as the heuristic sees it: no placement there fits).
                 if t.zone_share is not None:
                     zk = (o.cloud, o.zone)
                     hi = t.zone_share * t.total + t.grace - t.by_zone.get(zk, 0)
-                    entries.append(((r.team or "", f"zone:{o.cloud}:{o.zone}"), hi, o.gpus))
+                    if hi < -EPS:
+                        self.zero.append(v)
+                    entries.append(((r.team or "", f"zone:{o.cloud}:{o.zone}"), max(hi, 0.0),
+                                    o.gpus))
                 if t.cloud_share is not None:
                     hi = t.cloud_share * t.total + t.grace - t.by_cloud.get(o.cloud, 0)
-                    entries.append(((r.team or "", f"cloud:{o.cloud}"), hi, o.gpus))
+                    if hi < -EPS:
+                        self.zero.append(v)
+                    entries.append(((r.team or "", f"cloud:{o.cloud}"), max(hi, 0.0), o.gpus))
             for key2, hi, amount in entries:
                 k = team_rows.get(key2)
                 if k is None:
@@ -687,6 +705,7 @@ class _LP:
         hi = np.ones(len(self.c))
         for tv in self.team_var.values():
             hi[tv] = np.inf
+        hi[self.zero] = 0.0
         return Bounds(np.zeros(len(self.c)), hi)
 
     def integrality(self) -> Any:
@@ -710,7 +729,10 @@ class _LP:
         A = self.A
         a_eq, b_eq = A[eq], self.ub[eq]
         a_ub, b_ub = A[~eq], self.ub[~eq]
-        bounds = [(0.0, 1.0)] * (self.n_x + self.n_req) + [(0.0, None)] * len(self.team_var)
+        bounds: list[tuple[float, float | None]] = \
+            [(0.0, 1.0)] * (self.n_x + self.n_req) + [(0.0, None)] * len(self.team_var)
+        for v in self.zero:
+            bounds[v] = (0.0, 0.0)
         res = linprog(self.c, A_ub=a_ub if a_ub.shape[0] else None,
                       b_ub=b_ub if a_ub.shape[0] else None, A_eq=a_eq, b_eq=b_eq,
                       bounds=bounds, method="highs")

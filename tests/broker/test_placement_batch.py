@@ -1,0 +1,484 @@
+"""Batches through `broker.placement.solve` on a real ResourcePool and real Policies: each
+constraint shown binding by a case of its own, with the decision it forces and, when a
+request is rejected, the code and a detail that names the constraint.
+
+Offers come from `factories.offer`: availability 1 and no interruption risk unless a
+test says otherwise, so an offer's expected cost per hour is `instances × price`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
+from factories import T0, offer, pool_of, request
+
+from broker.model import Market, Offer, PlaceRequest, RejectCode
+from broker.placement import Ask, BatchResult, Decision, Outcome, Rejection, Settings, solve
+from broker.pool import ResourcePool
+from policies.evaluate import Denied, TeamUsage, evaluate
+from policies.model import (
+    Clouds,
+    Gpus,
+    Match,
+    Policy,
+    Regions,
+    Require,
+    Rule,
+    Scoring,
+    Team,
+)
+
+POLICY = Policy()
+HEURISTIC = Settings(exact_max_batch=0)
+MILP = Settings(exact_max_batch=1000, exact_time_limit=5)
+BOTH = pytest.mark.parametrize("settings", [HEURISTIC, MILP], ids=["heuristic", "milp"])
+
+
+def run(reqs: Sequence[PlaceRequest | Ask], pool: ResourcePool, policy: Policy = POLICY,
+        settings: Settings = MILP) -> BatchResult:
+    asks = [r if isinstance(r, Ask) else Ask(r) for r in reqs]
+    result = solve(asks, pool, policy, now=T0, settings=settings)
+    assert [o.ask for o in result.outcomes] == asks  # one outcome per ask, in order
+    assert result.bound <= result.objective + 1e-9
+    return result
+
+
+def with_usage(req: PlaceRequest, policy: Policy, usage: TeamUsage) -> Ask:
+    """The ask as the broker makes it: the policy's verdict with the team's usage."""
+    c = evaluate(policy, req, usage)
+    assert not isinstance(c, Denied), c
+    return Ask(req, constraints=c)
+
+
+def decided(out: Outcome) -> Decision:
+    assert isinstance(out, Decision), out
+    return out
+
+
+def rejected(out: Outcome) -> Rejection:
+    assert isinstance(out, Rejection), out
+    return out
+
+
+def zones(result: BatchResult) -> list[str | None]:
+    """Each outcome's zone, None for a rejection."""
+    return [o.placement.pool.zone if isinstance(o, Decision) else None
+            for o in result.outcomes]
+
+
+def in_group(o: Offer, group: str, units: int) -> Offer:
+    return replace(o, quota_group=group, quota_units=units)
+
+
+# --- capacity and quota ------------------------------------------------------------------
+
+
+@BOTH
+def test_pool_capacity_less_what_the_broker_holds_binds_across_the_batch(
+        settings: Settings) -> None:
+    cheap = offer("us-east-1a", price=20.0, capacity=2)
+    dear = offer("us-east-1b", price=30.0)
+    pool = pool_of([cheap, dear])
+    r = run([request("r1"), request("r2"), request("r3")], pool, settings=settings)
+    assert zones(r) == ["us-east-1a", "us-east-1a", "us-east-1b"]
+    pool.hold(cheap.pool, 1)  # a lease holds one: one left for the batch
+    r = run([request("r1"), request("r2"), request("r3")], pool, settings=settings)
+    assert zones(r) == ["us-east-1a", "us-east-1b", "us-east-1b"]
+    # Without the dearer pool the second request has nowhere to go: the detail names
+    # the pool that was taken.
+    only = pool_of([cheap])
+    only.hold(cheap.pool, 1)
+    r = run([request("r1"), request("r2")], only, settings=settings)
+    assert zones(r) == ["us-east-1a", None]
+    no = rejected(r.outcomes[1])
+    assert no.code is RejectCode.NO_CAPACITY
+    assert "aws/us-east-1a p5.48xlarge is taken" in no.detail
+
+
+@BOTH
+def test_quota_headroom_of_one_pool_binds_across_the_batch(settings: Settings) -> None:
+    tight = offer("us-east-1a", price=20.0, quota_headroom=8)  # one 8-GPU instance
+    roomy = offer("us-east-1b", price=30.0, quota_headroom=64)
+    r = run([request("r1"), request("r2")], pool_of([tight, roomy]), settings=settings)
+    assert zones(r) == ["us-east-1a", "us-east-1b"]
+    r = run([request("r1"), request("r2")], pool_of([tight]), settings=settings)
+    no = rejected(r.outcomes[1])
+    assert no.code is RejectCode.NO_CAPACITY
+    assert f"quota {tight.pool} is used up" in no.detail
+
+
+@BOTH
+def test_a_quota_group_shared_by_two_pools_binds_across_both(settings: Settings) -> None:
+    # Two zones draw on one regional quota of 192 vCPUs: one p5 (192 vCPUs) in all.
+    group = "aws:us-east-1:P:spot"
+    a = in_group(offer("us-east-1a", price=20.0, quota_headroom=8), group, 192)
+    b = in_group(offer("us-east-1b", price=22.0, quota_headroom=8), group, 192)
+    c = offer("us-east-1c", price=40.0, capacity=1)
+    reqs = [request("r1"), request("r2"), request("r3")]
+    # Counted per pool, a and b would each take one.
+    apart = [replace(o, quota_group=None, quota_units=None) for o in (a, b)]
+    r = run(reqs, pool_of([*apart, c]), settings=settings)
+    assert zones(r) == ["us-east-1a", "us-east-1b", "us-east-1c"]
+    # Counted together, b's headroom went to a.
+    r = run(reqs, pool_of([a, b, c]), settings=settings)
+    assert zones(r) == ["us-east-1a", "us-east-1c", None]
+    no = rejected(r.outcomes[2])
+    assert no.code is RejectCode.NO_CAPACITY
+    assert f"quota {group} is used up" in no.detail
+
+
+# --- the team's limits ----------------------------------------------------------------
+
+
+@BOTH
+def test_team_max_gpus_binds_across_the_batch(settings: Settings) -> None:
+    policy = Policy(teams={"ml": Team(max_gpus=16)})
+    pool = pool_of([offer("us-east-1a", price=20.0)])
+    # Each alone fits.
+    for rid in ("r1", "r2", "r3"):
+        decided(run([request(rid, team="ml")], pool, policy, settings).outcomes[0])
+    r = run([request(f"r{i}", team="ml") for i in (1, 2, 3)], pool, policy, settings)
+    assert [isinstance(o, Decision) for o in r.outcomes] == [True, True, False]
+    no = rejected(r.outcomes[2])
+    assert no.code is RejectCode.OVER_BUDGET
+    assert "max_gpus" in no.detail and "'ml'" in no.detail
+    # What the team holds already counts: 8 held leaves room for one more.
+    usage = TeamUsage(gpus=8, gpus_by_zone={("aws", "us-east-1a"): 8})
+    r = run([with_usage(request(f"r{i}", team="ml"), policy, usage) for i in (1, 2)], pool,
+            policy, settings)
+    assert [isinstance(o, Decision) for o in r.outcomes] == [True, False]
+    assert rejected(r.outcomes[1]).code is RejectCode.OVER_BUDGET
+
+
+@BOTH
+def test_team_budget_binds_across_the_batch(settings: Settings) -> None:
+    policy = Policy(teams={"ml": Team(budget_per_hour=50.0)})
+    pool = pool_of([offer("us-east-1a", price=24.0)])
+    r = run([request(f"r{i}", team="ml") for i in (1, 2, 3)], pool, policy, settings)
+    assert [isinstance(o, Decision) for o in r.outcomes] == [True, True, False]
+    no = rejected(r.outcomes[2])
+    assert no.code is RejectCode.OVER_BUDGET
+    assert "budget_per_hour" in no.detail
+    # What the team spends already counts: $30/h spent leaves $20/h, under one p5.
+    usage = TeamUsage(gpus=8, price_per_hour=30.0, gpus_by_zone={("aws", "us-east-1a"): 8})
+    r = run([with_usage(request("r1", team="ml"), policy, usage)], pool, policy, settings)
+    no = rejected(r.outcomes[0])
+    assert no.code is RejectCode.OVER_BUDGET
+    assert "budget_per_hour ($20.00/h left)" in no.detail
+
+
+def test_a_budget_rejection_in_a_batch_says_what_the_batch_left() -> None:
+    policy = Policy(teams={"ml": Team(budget_per_hour=50.0)})
+    pool = pool_of([offer("us-east-1a", price=24.0)])
+    r = run([request(f"r{i}", team="ml") for i in (1, 2, 3)], pool, policy)
+    assert "($2.00/h left)" in rejected(r.outcomes[2]).detail
+
+
+@BOTH
+def test_spread_limit_per_zone_with_grace(settings: Settings) -> None:
+    # Half the team's GPUs per zone, plus 8 GPUs of grace: of 24 GPUs, 20 in one zone.
+    policy = Policy(teams={"ml": Team(max_zone_share=0.5, spread_grace_gpus=8)})
+    a = offer("us-east-1a", price=20.0)
+    b = offer("us-east-1b", price=30.0)
+    reqs = [request(f"r{i}", team="ml") for i in (1, 2, 3)]
+    r = run(reqs, pool_of([a, b]), policy, settings)
+    assert zones(r) == ["us-east-1a", "us-east-1a", "us-east-1b"]
+    # Without the spread limit all three take the cheap zone.
+    assert zones(run(reqs, pool_of([a, b]), Policy(teams={"ml": Team()}), settings)) == \
+        ["us-east-1a"] * 3
+    # With one zone only, the third is refused by the spread limit.
+    r = run(reqs, pool_of([a]), policy, settings)
+    assert zones(r) == ["us-east-1a", "us-east-1a", None]
+    no = rejected(r.outcomes[2])
+    assert no.code is RejectCode.POLICY_DENIED
+    assert "spread limit" in no.detail and "max_zone_share" in no.detail
+    # What the team holds counts: 16 in a already, 24 would pass 0.5 × 24 + 8 = 20.
+    usage = TeamUsage(gpus=16, gpus_by_zone={("aws", "us-east-1a"): 16})
+    r = run([with_usage(request("r1", team="ml"), policy, usage)], pool_of([a, b]), policy,
+            settings)
+    assert zones(r) == ["us-east-1b"]
+
+
+@BOTH
+def test_spread_limit_per_cloud_with_grace(settings: Settings) -> None:
+    policy = Policy(teams={"ml": Team(max_cloud_share=0.5, spread_grace_gpus=8)})
+    a = offer("us-east-1a", price=20.0)
+    b = offer("us-east-1b", price=21.0)
+    gcp = offer("us-central1-a", cloud="gcp", region="us-central1", price=30.0)
+    reqs = [request(f"r{i}", team="ml") for i in (1, 2, 3)]
+    r = run(reqs, pool_of([a, b, gcp]), policy, settings)
+    clouds = [decided(o).placement.pool.cloud for o in r.outcomes]
+    assert clouds == ["aws", "aws", "gcp"]
+    # Zones are not limited: both AWS placements take the cheapest zone.
+    assert zones(r)[:2] == ["us-east-1a", "us-east-1a"]
+    r = run(reqs, pool_of([a, b]), policy, settings)
+    no = rejected(r.outcomes[2])
+    assert no.code is RejectCode.POLICY_DENIED
+    assert "spread limit" in no.detail and "max_cloud_share" in no.detail
+
+
+# --- what the policy allows -------------------------------------------------------------
+
+
+@BOTH
+def test_price_cap_binds_and_the_capped_request_gets_the_pool_under_it(
+        settings: Settings) -> None:
+    under = offer("us-east-1a", price=20.0, capacity=1)  # $2.5/GPU-h
+    over = offer("us-east-1b", price=24.0)  # $3/GPU-h
+    pool = pool_of([under, over])
+    # The uncapped request arrives first, yet the capped one gets the only pool it may
+    # take.
+    r = run([request("free"), request("capped", max_price_per_gpu_hour=2.6)], pool,
+            settings=settings)
+    assert zones(r) == ["us-east-1b", "us-east-1a"]
+    r = run([request("low", max_price_per_gpu_hour=2.0)], pool, settings=settings)
+    no = rejected(r.outcomes[0])
+    assert no.code is RejectCode.OVER_PRICE_CAP
+    assert "$2/GPU-h" in no.detail and "$2.5/GPU-h" in no.detail
+
+
+def test_gpu_models_with_the_policys_equivalents() -> None:
+    a100 = offer("us-east-1a", gpu="A100-80GB", instance_type="p4de.24xlarge", price=30.0)
+    h100 = offer("us-east-1b", gpu="H100-80GB", price=24.0)
+    pool = pool_of([a100, h100])
+    ask = request(gpu="A100-80GB")
+    assert decided(run([ask], pool).outcomes[0]).placement.gpu == "A100-80GB"
+    equivalent = Policy(gpus=Gpus(equivalent={"A100-80GB": ["H100-80GB"]}))
+    assert decided(run([ask], pool, equivalent).outcomes[0]).placement.gpu == "H100-80GB"
+    denied = Policy(gpus=Gpus(equivalent={"A100-80GB": ["H100-80GB"]}, deny=["H100-80GB"]))
+    assert decided(run([ask], pool, denied).outcomes[0]).placement.gpu == "A100-80GB"
+    team_only = Policy(teams={"ml": Team(gpus=["A100-80GB"])})
+    no = rejected(run([request(gpu="H100-80GB", team="ml")], pool, team_only).outcomes[0])
+    assert no.code is RejectCode.POLICY_DENIED
+    assert "H100-80GB" in no.detail and "'ml'" in no.detail
+
+
+def test_market_of_the_request_the_team_and_the_rule() -> None:
+    spot = offer("us-east-1a", market="spot", price=20.0)
+    od = offer("us-east-1a", market="on_demand", price=24.0)
+    pool = pool_of([spot, od])
+    assert decided(run([request()], pool).outcomes[0]).placement.pool.market is Market.SPOT
+    r = run([request(market="on_demand")], pool)
+    assert decided(r.outcomes[0]).placement.pool.market is Market.ON_DEMAND
+    od_team = Policy(teams={"ml": Team(markets=["on_demand"])})
+    r = run([request(team="ml")], pool, od_team)
+    assert decided(r.outcomes[0]).placement.pool.market is Market.ON_DEMAND
+    no = rejected(run([request(team="ml", market="spot")], pool, od_team).outcomes[0])
+    assert no.code is RejectCode.POLICY_DENIED
+    assert "market 'spot'" in no.detail
+    rule = Policy(rules=[Rule(name="prod-od", match=Match(labels={"env": "prod"}),
+                              require=Require(market="on_demand"))])
+    r = run([request(labels={"env": "prod"}), request("r2")], pool, rule)
+    assert [decided(o).placement.pool.market for o in r.outcomes] == \
+        [Market.ON_DEMAND, Market.SPOT]
+
+
+def test_clouds_regions_and_residency() -> None:
+    us = offer("us-east-1a", price=20.0)
+    eu = offer("eu-central-1a", region="eu-central-1", price=30.0)
+    gcp = offer("us-central1-a", cloud="gcp", region="us-central1", price=10.0)
+    pool = pool_of([us, eu, gcp])
+    assert decided(run([request()], pool).outcomes[0]).placement.pool == gcp.pool
+    no_gcp = Policy(clouds=Clouds(deny=["gcp"]))
+    assert decided(run([request()], pool, no_gcp).outcomes[0]).placement.pool == us.pool
+    no_us = Policy(clouds=Clouds(deny=["gcp"]), regions=Regions(deny=["us-east-1"]))
+    assert decided(run([request()], pool, no_us).outcomes[0]).placement.pool == eu.pool
+    eu_rule = Policy(rules=[Rule(name="eu-only", match=Match(team=["ml"]),
+                                 require=Require(residency=["eu"]))])
+    r = run([request("r1", team="ml"), request("r2")], pool, eu_rule)
+    assert [decided(o).placement.pool for o in r.outcomes] == [eu.pool, gcp.pool]
+    assert "under rule 'eu-only'" in decided(r.outcomes[0]).reason
+    # No offer in the EU: every fresh offer is excluded by the rule's residency.
+    r = run([request("r1", team="ml")], pool_of([us, gcp]), eu_rule)
+    no = rejected(r.outcomes[0])
+    assert no.code is RejectCode.POLICY_DENIED
+    assert "rule 'eu-only'" in no.detail and "residency eu" in no.detail
+    assert "2 fresh offer(s)" in no.detail
+    denied = Policy(clouds=Clouds(deny=["aws", "gcp"]))
+    no = rejected(run([request()], pool, denied).outcomes[0])
+    assert no.code is RejectCode.POLICY_DENIED
+
+
+# --- the shape of a placement -------------------------------------------------------------
+
+
+@BOTH
+def test_a_gang_takes_all_its_instances_in_one_pool(settings: Settings) -> None:
+    # 16 GPUs = two 8-GPU instances, never one in a and one in b.
+    a = offer("us-east-1a", price=20.0, capacity=1)
+    b = offer("us-east-1b", price=20.0, capacity=1)
+    c = offer("us-east-1c", price=30.0, capacity=2)
+    r = run([request(gpus=16)], pool_of([a, b, c]), settings=settings)
+    d = decided(r.outcomes[0])
+    assert (d.placement.pool, d.placement.instances, d.placement.total_gpus) == (c.pool, 2, 16)
+    assert d.expected_cost_per_hour == pytest.approx(60.0)
+    no = rejected(run([request(gpus=16)], pool_of([a, b]), settings=settings).outcomes[0])
+    assert no.code is RejectCode.NO_CAPACITY
+    assert "16 GPUs in one zone" in no.detail
+    # A gang and a single share c: the gang needs both instances, the single goes to a.
+    r = run([request("one", gpus=8), request("gang", gpus=16)], pool_of([c, a]),
+            settings=settings)
+    assert [(decided(o).placement.pool, decided(o).placement.instances)
+            for o in r.outcomes] == [(a.pool, 1), (c.pool, 2)]
+
+
+def test_idle_gpus_cost_only_when_the_policy_weighs_them() -> None:
+    # 6 GPUs: one 8-GPU instance at $16/h (2 idle), or three 2-GPU ones at $5.6/h each
+    # ($16.8/h, none idle). Two 4-GPU instances would leave 2 idle as well.
+    eight = offer("us-east-1a", instance_type="p5.48xlarge", gpus=8, price=16.0)
+    two = offer("us-east-1a", instance_type="g6.12xlarge", gpus=2, price=5.6)
+    four = offer("us-east-1a", instance_type="g6.24xlarge", gpus=4, price=8.3)
+    pool = pool_of([eight, two, four])
+    d = decided(run([request(gpus=6)], pool).outcomes[0])
+    assert (d.placement.pool, d.placement.instances) == (eight.pool, 1)
+    assert d.expected_cost_per_hour == pytest.approx(16.0)
+    # idle_gpu_weight 0.5 adds half the idle GPUs' price again: the 8-GPU instance costs
+    # 16 + 0.5 × 2 × $2 = 18, two 4-GPU ones 16.6 + 0.5 × 2 × $2.075 = 18.675; three 2-GPU
+    # ones stay at 16.8.
+    snug = Policy(scoring=Scoring(idle_gpu_weight=0.5))
+    d = decided(run([request(gpus=6)], pool, snug).outcomes[0])
+    assert (d.placement.pool, d.placement.instances) == (two.pool, 3)
+    assert d.expected_cost_per_hour == pytest.approx(16.8)
+    assert d.placement.price_per_hour == pytest.approx(16.8)
+    [alt1, alt2] = d.alternatives
+    assert (alt1.pool, alt2.pool) == (eight.pool, four.pool)
+    # Without idle GPUs the weight changes nothing: 8 GPUs take the cheapest per GPU.
+    d = decided(run([request(gpus=8)], pool, snug).outcomes[0])
+    assert (d.placement.pool, d.expected_cost_per_hour) == (eight.pool, pytest.approx(16.0))
+
+
+@BOTH
+def test_interruption_and_availability_make_a_dearer_pool_the_better_one(
+        settings: Settings) -> None:
+    risky = offer("us-east-1a", market="spot", price=20.0, capacity=1,
+                  interruption_rate=0.5)  # 20 × (1 + 1 h × 0.5) = 30
+    scarce = offer("us-east-1b", market="spot", price=22.0, capacity=1,
+                   availability=0.0)  # 22 × (1 + 0.25 × 1) = 27.5
+    safe = offer("us-east-1c", market="on_demand", price=24.0, capacity=1)  # 24
+    pool = pool_of([risky, scarce, safe])
+    r = run([request("r1")], pool, settings=settings)
+    assert decided(r.outcomes[0]).placement.pool == safe.pool
+    r = run([request("r1"), request("r2"), request("r3")], pool, settings=settings)
+    assert [decided(o).placement.pool for o in r.outcomes] == \
+        [safe.pool, scarce.pool, risky.pool]
+    assert [decided(o).expected_cost_per_hour for o in r.outcomes] == \
+        pytest.approx([24.0, 27.5, 30.0])
+    assert r.objective == pytest.approx(81.5)
+    # Without the risk terms, price alone decides.
+    plain = Policy(scoring=Scoring(restart_hours=0, availability_weight=0))
+    r = run([request("r1")], pool, plain, settings)
+    assert decided(r.outcomes[0]).placement.pool == risky.pool
+
+
+# --- the batch as a whole ---------------------------------------------------------------
+
+
+@BOTH
+def test_arrival_order_breaks_exact_ties(settings: Settings) -> None:
+    cheap = offer("us-east-1a", price=20.0, capacity=1)
+    dear = offer("us-east-1b", price=30.0)
+    pool = pool_of([cheap, dear])
+    r = run([request("r1"), request("r2")], pool, settings=settings)
+    assert zones(r) == ["us-east-1a", "us-east-1b"]
+    r = run([request("r2"), request("r1")], pool, settings=settings)
+    assert zones(r) == ["us-east-1a", "us-east-1b"]
+    assert [o.ask.request.request_id for o in r.outcomes] == ["r2", "r1"]
+
+
+@BOTH
+def test_a_batch_gives_the_contested_pool_to_the_request_that_needs_it_more(
+        settings: Settings) -> None:
+    """The regret case: both want H100 in a (one instance left). `flexible` also takes
+    A100 in b for a dollar more; `fixed` only H100, whose next pool is dear. First come,
+    first served would give a to `flexible` (20 + 40); the batch gives it to `fixed`
+    (21 + 20)."""
+    a = offer("us-east-1a", price=20.0, capacity=1)
+    b = offer("us-east-1b", gpu="A100-80GB", instance_type="p4de.24xlarge", price=21.0)
+    c = offer("us-east-1c", price=40.0)
+    pool = pool_of([a, b, c])
+    flexible = request("flexible", gpu=["H100-80GB", "A100-80GB"])
+    fixed = request("fixed", gpu="H100-80GB")
+    # Alone, each takes the cheapest pool.
+    assert decided(run([flexible], pool, settings=settings).outcomes[0]).placement.pool == a.pool
+    assert decided(run([fixed], pool, settings=settings).outcomes[0]).placement.pool == a.pool
+    r = run([flexible, fixed], pool, settings=settings)
+    assert [decided(o).placement.pool for o in r.outcomes] == [b.pool, a.pool]
+    assert r.objective == pytest.approx(41.0)
+    assert r.optimal == (settings is MILP)  # only the LP proves it
+    assert "batch of 2 placed by" in decided(r.outcomes[0]).reason
+    # The alternatives still list what else the request could have taken.
+    assert a.pool in {p.pool for p in decided(r.outcomes[0]).alternatives}
+
+
+@BOTH
+def test_longer_requests_weigh_more_in_the_batch(settings: Settings) -> None:
+    # Two requests, one cheap pool: the one that runs ten hours saves ten times more
+    # there, so it gets it even though it arrives second.
+    cheap = offer("us-east-1a", price=20.0, capacity=1)
+    dear = offer("us-east-1b", price=24.0)
+    pool = pool_of([cheap, dear])
+    r = run([request("short", duration_hours=1.0), request("long", duration_hours=10.0)],
+            pool, settings=settings)
+    assert zones(r) == ["us-east-1b", "us-east-1a"]
+    assert r.objective == pytest.approx(24.0 + 200.0)
+
+
+# --- known bugs -------------------------------------------------------------------------
+
+
+def test_spread_weight_never_hides_a_cheaper_pool_in_an_empty_zone() -> None:
+    # Eight pools in zone a, where the team already is: $10–10.7/h plus a spread term of
+    # 1.0 × their price (the team's whole share is in a): ≈ $20/h. Zone b: $12/h flat.
+    policy = Policy(teams={"ml": Team()}, scoring=Scoring(spread_weight=1.0))
+    offers = [offer("us-east-1a", instance_type=f"p5.{i}", price=10.0 + i / 10)
+              for i in range(8)]
+    b = offer("us-east-1b", price=12.0)
+    usage = TeamUsage(gpus=8, price_per_hour=10.0, gpus_by_zone={("aws", "us-east-1a"): 8})
+    r = run([with_usage(request(team="ml"), policy, usage)], pool_of([*offers, b]), policy)
+    d = decided(r.outcomes[0])
+    assert d.placement.pool == b.pool
+    assert d.expected_cost_per_hour == pytest.approx(12.0)
+
+
+def test_the_bound_never_exceeds_the_objective_when_the_listed_options_run_out() -> None:
+    # Nine one-instance pools, nine requests: the ninth finds the eight listed options
+    # taken and lists more.
+    offers = [offer(f"us-east-1{z}", price=10.0 + i, capacity=1)
+              for i, z in enumerate("abcdefghi")]
+    solve_ = solve([Ask(request(f"r{i}")) for i in range(9)], pool_of(offers), POLICY,
+                   now=T0, settings=HEURISTIC)
+    assert solve_.objective == pytest.approx(sum(10.0 + i for i in range(9)))
+    assert solve_.bound <= solve_.objective
+
+
+def test_pools_listed_late_in_a_batch_are_never_oversubscribed() -> None:
+    # Nine pools with one instance each and one without a limit; ten requests. The
+    # first eight options listed are used up by the eighth request; the ninth and
+    # tenth find pool i only after the group grows.
+    offers = [offer(f"us-east-1{z}", price=10.0 + i, capacity=1)
+              for i, z in enumerate("abcdefghi")]
+    spare = offer("us-east-1z", price=40.0)
+    r = solve([Ask(request(f"r{i}")) for i in range(10)], pool_of([*offers, spare]), POLICY,
+              now=T0)
+    got = [decided(o).placement.pool.zone for o in r.outcomes]
+    assert got.count("us-east-1i") == 1
+    assert got.count("us-east-1z") == 1
+
+
+def test_a_team_over_its_share_does_not_keep_the_milp_from_other_teams() -> None:
+    policy = Policy(teams={"old": Team(max_zone_share=0.5, spread_grace_gpus=0),
+                           "new": Team(max_zone_share=0.5, spread_grace_gpus=0)})
+    a = offer("us-east-1a", instance_type="g6.24xlarge", gpus=4, price=10.0)
+    b = offer("us-east-1b", instance_type="g6.24xlarge", gpus=4, price=11.0)
+    pool = pool_of([a, b])
+    new = [request("n1", gpus=4, team="new"), request("n2", gpus=4, team="new")]
+    # Alone in the batch, the MILP spreads team new's two requests over a and b.
+    r = run(new, pool, policy)
+    assert set(zones(r)) == {"us-east-1a", "us-east-1b"}
+    usage = TeamUsage(gpus=24, gpus_by_zone={("aws", "us-east-1a"): 24})
+    old = with_usage(request("o1", gpus=4, team="old"), policy, usage)
+    r = run([*new, old], pool, policy)
+    assert zones(r)[2] == "us-east-1b"
+    assert set(zones(r)[:2]) == {"us-east-1a", "us-east-1b"}
