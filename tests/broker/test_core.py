@@ -86,3 +86,56 @@ async def test_a_discretionary_move_with_nowhere_to_go_leaves_the_lease(setup: A
     failed = broker.book.get(lease.lease_id)
     assert failed is not None and failed.state.value == "failed"
     assert any(r.topic == "p/events/sched-a/lease.failed" for r in sink.rows)
+
+
+def _place_cmd(request_id: str, **fields: Any) -> Any:
+    import json
+
+    from broker.core import Command
+
+    body = {"request_id": request_id, "gpu": ["H100-80GB"], "gpus": 8, **fields}
+    return Command("sched-a", "place", json.dumps(body).encode(), "p/requests/sched-a/place")
+
+
+def _decisions(broker: Broker) -> dict[str, str | None]:
+    """request_id -> the zone its lease is in (None: no lease)."""
+    out: dict[str, str | None] = {}
+    for rid in ("r1", "r2"):
+        lease = broker.book.find("sched-a", rid)
+        out[rid] = lease.placement.pool.zone if lease else None
+    return out
+
+
+async def test_a_batch_gives_the_contested_pool_to_the_request_that_needs_it(
+        setup: Any) -> None:
+    # r1 could take either pool; r2's cap ($3/GPU-h) admits only us-east-1a ($2.50).
+    # One at a time in arrival order, r1 would take us-east-1a and r2 would be refused.
+    broker, _, _ = setup
+    observed: list[Any] = []
+    broker.batch_observers.append(observed.append)
+    await broker.handle([_place_cmd("r1"), _place_cmd("r2", max_price_per_gpu_hour=3.0)])
+    assert _decisions(broker) == {"r1": "us-east-1b", "r2": "us-east-1a"}
+    [result] = observed
+    assert len(result.outcomes) == 2 and result.optimal
+
+
+async def test_requests_queued_together_are_placed_as_one_batch(setup: Any) -> None:
+    import asyncio
+
+    broker, _, _ = setup
+    observed: list[Any] = []
+    broker.batch_observers.append(observed.append)
+    await broker.submit(_place_cmd("r1"))
+    await broker.submit(_place_cmd("r2", max_price_per_gpu_hour=3.0))
+    ready = asyncio.Event()
+    ready.set()
+    task = asyncio.create_task(broker.run_requests(ready))
+    try:
+        async with asyncio.timeout(10):
+            await broker.idle()
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert [len(r.outcomes) for r in observed] == [2]
+    assert _decisions(broker) == {"r1": "us-east-1b", "r2": "us-east-1a"}
