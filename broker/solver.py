@@ -511,8 +511,12 @@ def exact(p: Problem, *, time_limit: float = 1.0, incumbent: Solution | None = N
     rounds = 0
     while True:
         rounds += 1
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            grew = True  # out of time: the relaxation is not proven, no bound from it
+            break
         lp = _LP(p)
-        duals = lp.solve_relaxation()
+        duals = lp.solve_relaxation(time_limit=left)
         if duals is None:
             break  # the LP failed to solve (numerics): no bound beyond the trivial one
         grew = _price_out(p, groups, duals, slack=0.0)
@@ -720,7 +724,7 @@ class _LP:
 
         return LinearConstraint(self.A, self.lb, self.ub)
 
-    def solve_relaxation(self) -> _Duals | None:
+    def solve_relaxation(self, time_limit: float = math.inf) -> _Duals | None:
         import numpy as np
         from scipy.optimize import linprog
 
@@ -735,7 +739,8 @@ class _LP:
             bounds[v] = (0.0, 0.0)
         res = linprog(self.c, A_ub=a_ub if a_ub.shape[0] else None,
                       b_ub=b_ub if a_ub.shape[0] else None, A_eq=a_eq, b_eq=b_eq,
-                      bounds=bounds, method="highs")
+                      bounds=bounds, method="highs",
+                      options={"time_limit": time_limit} if time_limit < math.inf else None)
         if res.status != 0:
             return None
         self.value = float(res.fun)
