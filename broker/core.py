@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -341,9 +342,11 @@ class Broker:
             todo.append((cmd, req, placement.Ask(req, constraints=verdict)))
         if not todo:
             return
+        # The MILP only with time to spare: while requests wait, the heuristic answers.
+        settings = self.settings if self._requests.empty() else \
+            dataclasses.replace(self.settings, exact_max_batch=0)
         result = placement.solve([a for _, _, a in todo], self.pool, self.policy, now=now,
-                                 retry_after_seconds=self._retry_after,
-                                 settings=self.settings)
+                                 retry_after_seconds=self._retry_after, settings=settings)
         self.last_batch = result
         for (cmd, req, ask), out in zip(todo, result.outcomes, strict=True):
             if isinstance(out, placement.Rejection):

@@ -459,8 +459,7 @@ class _Builder:
             if (cooling and key in cooling) or (stale and view.slice_of(key) in stale):
                 continue
             ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
-            cap = offer.capacity
-            yield ppg, offer, ppg, None if cap is None else cap - view.held(key)
+            yield ppg, offer, ppg, None  # free instances: computed where needed
 
     def _walk(self, ask: Ask, c: Constraints, k: int | None, limit: float | None,
               alive: solver.Alive | None = None
@@ -475,6 +474,7 @@ class _Builder:
         own_regions = set(req.regions) if req.regions else None
         exclude = ask.exclude
         min_discount = policy.scoring.spot_min_discount
+        idle = policy.scoring.idle_gpu_weight
         need = req.gpus
         scan = _Scan()
         keep = k if limit is None else None
@@ -485,7 +485,7 @@ class _Builder:
         for gpu in c.gpus:
             for m in c.markets:
                 for mult, entries in ((need, self._plain(gpu, m)),):
-                    for bound, offer, ppg, free in entries:
+                    for bound, offer, ppg, _ in entries:
                         key = offer.pool
                         if own_clouds is not None and key.cloud not in own_clouds:
                             continue
@@ -511,12 +511,19 @@ class _Builder:
                             cut = True
                             break
                         instances = -(-need // offer.gpus)
-                        if free is not None and free < instances:
+                        capacity = offer.capacity
+                        if capacity is not None and capacity - view.held(key) < instances:
                             continue
                         quota = offer.quota_headroom
                         if quota is not None and quota < instances * offer.gpus:
                             continue
                         if min_discount and not spot_discount_ok(offer, view, min_discount):
+                            continue
+                        # The cost first: most offers walked never make the list.
+                        cost = expected_cost(offer, instances, policy)
+                        if idle:
+                            cost += idle * (instances * offer.gpus - need) * ppg
+                        if keep is not None and len(heap) == keep and cost >= -heap[0][0]:
                             continue
                         o = self._option(offer, instances, need)
                         if alive is not None and not alive(o):
@@ -561,8 +568,9 @@ class _Arrays:
         codes: dict[tuple[str, str], int] = {}
         eff, ppg, gpus, free, quota, region, disc = [], [], [], [], [], [], []
         min_discount = policy.scoring.spot_min_discount
-        for p, offer, _, f in entries:
+        for p, offer, _, _ in entries:
             key = offer.pool
+            f = None if offer.capacity is None else offer.capacity - view.held(key)
             a.offers.append(offer)
             eff.append(expected_cost(offer, 1, policy) / offer.gpus)
             ppg.append(p)
