@@ -121,10 +121,13 @@ async def test_sigterm_stops_cleanly_and_publishes_offline(
         tmp_path: Path, mosquitto: Mosquitto, probe_factory: ProbeFactory,
         procs: list[Proc]) -> None:
     config = write_config(tmp_path, mosquitto)
-    probe = await probe_factory([f"{PREFIX}/status"])
+    probe = await probe_factory([f"{PREFIX}/status", f"{PREFIX}/events/#"])
     proc = Proc(config, tmp_path / "daemon.log")
     procs.append(proc)
     await wait_online(probe, 0)
+    # `online` comes when MQTT connects; `ready` only after the first poll. A placement
+    # answered proves the first poll is done, so the daemon has been ready.
+    await place(probe, "job-before-stop")
     mark = probe.mark()
     proc.p.send_signal(signal.SIGTERM)
     assert proc.p.wait(timeout=20) == 0
