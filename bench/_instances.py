@@ -351,8 +351,8 @@ def requests_mix(n_requests: int, offers: Sequence[Offer], seed: int, *,
     models = sorted(by_gpu)
     model_weight = _model_weights(by_gpu)
     weights = [model_weight[g] for g in models]
-    ppg = {g: sorted(o.price_per_gpu_hour for o in os_  # type: ignore[misc]
-                     ) for g, os_ in by_gpu.items()}
+    ppg = {g: sorted(p for o in os_ if (p := o.price_per_gpu_hour) is not None)
+           for g, os_ in by_gpu.items()}
     clouds = sorted({o.pool.cloud for o in offers})
     out: list[PlaceRequest] = []
     for i in range(n_requests):

@@ -7,8 +7,10 @@
 Prints the backtest table (the same as `gpubroker backtest`), how long generating the
 market took, and the backtest's own speed in simulated hours per second (wall and CPU:
 on a shared machine the CPU figure is the steadier one). `--variants` adds rows for
-gpubroker with other `scoring` weights, run in the same simulation (same market, same
-requests, same interruption draws), to show which weights move it.
+gpubroker with other `scoring` weights and pool-history half-lives
+(`hazard_half_life_hours`; 0 scores spot pools by the last poll only), run in the same
+simulation (same market, same requests, same interruption draws), to show which
+settings move it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ VARIANTS: tuple[tuple[str, dict[str, float]], ...] = (
     ("gpubroker restart_hours=8 availability_weight=2",
      {"restart_hours": 8.0, "availability_weight": 2.0}),
     ("gpubroker no risk terms", {"restart_hours": 0.0, "availability_weight": 0.0}),
+    ("gpubroker hazard_half_life_hours=0", {"hazard_half_life_hours": 0.0}),
+    ("gpubroker hazard_half_life_hours=24", {"hazard_half_life_hours": 24.0}),
+    ("gpubroker restart_hours=16 availability_weight=8",
+     {"restart_hours": 16.0, "availability_weight": 8.0}),
+    ("gpubroker restart_hours=16 availability_weight=8 hazard_half_life_hours=0",
+     {"restart_hours": 16.0, "availability_weight": 8.0, "hazard_half_life_hours": 0.0}),
+    ("gpubroker restart_hours=32 availability_weight=4",
+     {"restart_hours": 32.0, "availability_weight": 4.0}),
+    ("gpubroker restart_hours=8 availability_weight=8",
+     {"restart_hours": 8.0, "availability_weight": 8.0}),
+    *((f"gpubroker interruption_cost_per_gpu={c:g}", {"interruption_cost_per_gpu": c})
+      for c in (5.0, 10.0, 20.0, 30.0, 40.0, 60.0)),
 )
 
 

@@ -10,7 +10,8 @@ hand-over to the thread and back, GIL scheduling included). The listener's own c
 the event loop is timed separately.
 
 Then: bytes per row (database size after a checkpoint / rows), the disk writes that
-recording caused (WAL and checkpoints), the export rate of `HistoryReader.rows`, and the
+recording caused (WAL and checkpoints), the export rate of `HistoryReader.rows`, how fast
+the daemon's hazard estimates warm from the spot rows at start (`broker.hazard`), and the
 duration of each bounded pruning step when everything before the latest snapshot goes.
 
 The simulated market moves every signal of every pool on every poll (on-demand
@@ -38,7 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from adapters.sim import SimAdapter  # noqa: E402
-from broker.model import utcnow  # noqa: E402
+from broker.hazard import HazardEstimator  # noqa: E402
+from broker.model import Market, utcnow  # noqa: E402
 from broker.pool import PoolChange, ResourcePool  # noqa: E402
 from broker.recorder import (  # noqa: E402
     SNAPSHOT,
@@ -131,6 +133,13 @@ async def bench(args: argparse.Namespace, folder: Path) -> None:
         exported = sum(1 for _ in reader.rows())
     export_s = time.perf_counter() - t0
 
+    # The daemon's start: the hazard estimator warmed from the spot pools' history.
+    hazard = HazardEstimator()
+    t0 = time.perf_counter()
+    with HistoryReader(path) as reader:
+        warmed = hazard.observe_rows(reader.rows(market=Market.SPOT))
+    warm_s = time.perf_counter() - t0
+
     # Start-up read-back (its own read-only connection, as the recorder does it), then
     # one more snapshot of that state, timed chunk by chunk on the SQLite thread.
     t0 = time.perf_counter()
@@ -185,6 +194,8 @@ async def bench(args: argparse.Namespace, folder: Path) -> None:
     print(f"listener on the event loop: median {statistics.median(lms):.1f} µs, "
           f"p99 {pct(lms, 0.99):.1f} µs")
     print(f"export: {exported} rows in {export_s:.2f} s ({exported / export_s:,.0f} rows/s)")
+    print(f"hazard estimates warmed from {warmed} spot rows in {warm_s:.2f} s "
+          f"({warmed / warm_s:,.0f} rows/s, {len(hazard)} pools)")
     print(f"start-up read-back of {len(state)} live pools: {load_s:.2f} s (own connection)")
     cms = [x * 1000 for x in chunk_s]
     print(f"snapshot of {len(entries)} pools in {len(cms)} chunks of {chunk}: chunk "

@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sqlite3
 import time
 import uuid
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import structlog
@@ -28,13 +29,14 @@ from broker.clouds import build_adapters
 from broker.config import Config
 from broker.core import Broker, Command
 from broker.events import Envelopes, Messages, Topics, dumps
+from broker.hazard import HazardEstimator
 from broker.http import serve
 from broker.leases import LeaseBook
 from broker.metrics import Metrics, state_gauges
-from broker.model import PoolKey, utcnow
+from broker.model import Market, PoolKey, utcnow
 from broker.poller import Poller, PollResult
-from broker.pool import ResourcePool, SliceId
-from broker.recorder import MarketRecorder
+from broker.pool import PoolChange, ResourcePool, SliceId
+from broker.recorder import HistoryReader, MarketRecorder
 from broker.sdnotify import Notifier, watchdog_seconds
 from broker.store import StateStore
 from policies.loader import SourceError, load_policy, parse_policy, policy_hash
@@ -44,6 +46,9 @@ from policies.yamlsrc import Problem
 log = structlog.get_logger("gpubroker.daemon")
 
 SHUTDOWN_GRACE_SECONDS = 10.0
+HAZARD_HISTORY_HALF_LIVES = 4.0
+"""How much recorded history warms the hazard estimator at start (older rows weigh
+under 2^-4 of its averages)."""
 
 
 class Daemon:
@@ -66,11 +71,17 @@ class Daemon:
         self.topics = Topics(cfg.mqtt.topic_prefix)
         self.store = StateStore(cfg.state.path, synchronous=cfg.state.synchronous)
         self.pool = ResourcePool(stale_after_seconds=cfg.poll.stale_after_seconds)
+        self.hazard = _hazard_estimator(self.policy, None)
+        self.hazard_warm = asyncio.Event()
+        """Set once the estimator has read the recorded history and placement scores with
+        it (at once when nothing is recorded)."""
         self.recorder: MarketRecorder | None = None
         if cfg.state.market_history_days > 0:
             self.recorder = MarketRecorder(self.store,
                                            retention_days=cfg.state.market_history_days)
             self.pool.subscribe(self.recorder.observe)
+        else:
+            self._use_hazard()
         self.book = LeaseBook(keep_ended=timedelta(hours=cfg.state.keep_ended_hours))
         self.messages = Messages(self.topics, Envelopes(cfg.site, self.boot_id))
         self.bus = Bus(cfg.mqtt, self.topics, self.store, client_id=cfg.client_id,
@@ -177,6 +188,7 @@ class Daemon:
         self._rejected_digest = None
         self.policy = policy
         self.policy_digest = digest
+        _hazard_estimator(policy, self.hazard)
         await self.broker.apply_policy(policy, digest, str(path))
         return "applied"
 
@@ -240,6 +252,7 @@ class Daemon:
                     tg.create_task(self._publish_capacity()),
                     tg.create_task(self._prune()),
                     tg.create_task(self._mark_ready()),
+                    tg.create_task(self.warm_hazard()),
                     *(tg.create_task(self._signals(a)) for a in self.adapters),
                 ]
                 workers.append(tg.create_task(self._systemd()))
@@ -272,6 +285,45 @@ class Daemon:
             self.notifier.close()
             self.stopped.set()
             log.info("stopped")
+
+    async def warm_hazard(self) -> int:
+        """Feed the hazard estimator the recorded market history of its last few
+        half-lives, so a restart does not forget what the pools were like; then placement
+        scores with it. The history is read in a thread while the daemon runs (a long one
+        must not hold up the first poll); the polls that land meanwhile are kept and fed
+        after it, in order. Until then placement scores with the offers' own signals.
+        Returns the rows read; a history that cannot be read is logged and skipped."""
+        if self.hazard_warm.is_set():
+            return 0
+        assert self.recorder is not None
+        until = utcnow()
+        hours = min(HAZARD_HISTORY_HALF_LIVES * self.hazard.half_life_hours,
+                    self.cfg.state.market_history_days * 24.0)
+        pending: list[tuple[PoolChange, float]] = []
+        keep = self.pool.subscribe(lambda change: pending.append(
+            (change, utcnow().timestamp())))
+        started = time.perf_counter()
+        rows = 0
+        try:
+            rows = await asyncio.to_thread(_read_history, self.store.path,
+                                           until - timedelta(hours=hours), until, self.hazard)
+        except sqlite3.Error as exc:
+            log.warning("market history not read for the hazard estimates",
+                        error=type(exc).__name__, detail=str(exc))
+        finally:
+            keep()
+        for change, t in pending:
+            self.hazard.observe_change(change, t)
+        self._use_hazard()
+        log.info("hazard estimates warmed from the market history", rows=rows,
+                 pools=len(self.hazard), hours=round(hours, 2), polls_meanwhile=len(pending),
+                 seconds=round(time.perf_counter() - started, 3))
+        return rows
+
+    def _use_hazard(self) -> None:
+        self.pool.feed_hazard(self.hazard)
+        self.pool.hazard = self.hazard
+        self.hazard_warm.set()
 
     async def _flush_recorder(self, recording: asyncio.Task[None]) -> None:
         """Write the polls the recorder still holds (briefly: it is best effort)."""
@@ -341,6 +393,23 @@ class Daemon:
         while True:
             await asyncio.sleep(3600)
             self.book.prune(utcnow())
+
+
+def _hazard_estimator(policy: Policy, hazard: HazardEstimator | None) -> HazardEstimator:
+    """The daemon's estimator, its half-life the policy's (kept when the policy turns
+    it off: placement then ignores it, and it is ready when turned on again)."""
+    hours = policy.scoring.hazard_half_life_hours
+    if hazard is None:
+        return HazardEstimator(half_life_hours=hours if hours > 0 else 6.0)
+    if hours > 0:
+        hazard.half_life_hours = hours
+    return hazard
+
+
+def _read_history(path: Path, since: datetime, until: datetime,
+                  hazard: HazardEstimator) -> int:
+    with HistoryReader(path) as reader:
+        return hazard.observe_rows(reader.rows(since=since, until=until, market=Market.SPOT))
 
 
 def install_signal_handlers(stop: asyncio.Event, reload: Callable[[], None] | None = None

@@ -18,27 +18,30 @@ pool's free capacity, quota group, team `max_gpus`, `budget_per_hour` and spread
 a request it leaves unplaced is rejected with the constraint that binds.
 
 Small batches walk the pool's price index per request; large ones (`index_min_batch`)
-rank each GPU model's offers as numpy arrays once per batch.
+rank each GPU model's offers as numpy arrays once per batch, and while the solver
+places, an offer one list finds used up is skipped by every other list as it grows.
 
 No I/O here: the pool is read through the small `PoolView` protocol.
 """
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 from collections import Counter
-from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Collection, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import partial
 from typing import Any, Protocol
 
 from broker import solver
+from broker.hazard import HazardEstimator
 from broker.model import Market, Offer, Placement, PlaceRequest, PoolKey, RejectCode
 from policies.evaluate import Constraints, Denied, evaluate
 from policies.evaluate import describe as describe_constraints
 from policies.model import Policy
+from policies.residency import Residency
 
 ALTERNATIVES = 3
 PENALTY = 100  # leaving a request unplaced costs this many times its cheapest option
@@ -60,6 +63,11 @@ class PoolView(Protocol):
         """Instances of `key` the broker's leases already hold."""
 
     def get(self, key: PoolKey) -> Offer | None: ...
+
+    @property
+    def hazard(self) -> HazardEstimator | None:
+        """Spot pools' interruption rate and availability expected over a job, from their
+        history (None: none kept; the offers' own signals are used)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,38 +113,73 @@ class _Scan:
     best: list[tuple[float, int, Offer, int]] = field(default_factory=list)
 
 
-def cost_terms(offer: Offer, policy: Policy, zone_share: float = 0.0) -> dict[str, float]:
+def signals(offer: Offer, policy: Policy, hazard: HazardEstimator | None = None
+            ) -> tuple[float | None, float | None]:
+    """The interruption rate and availability an offer is scored with: for a spot pool
+    the `hazard` estimator knows, what it expects over a job (when the policy's
+    `scoring.hazard_half_life_hours` is not 0); otherwise the offer's own (None:
+    unknown)."""
+    rate, avail = offer.interruption_rate, offer.availability
+    if hazard is not None and offer.pool.market is Market.SPOT and \
+            policy.scoring.hazard_half_life_hours > 0:
+        est = hazard.estimate(offer.pool)
+        if est is not None:
+            if est[0] is not None:
+                rate = est[0]
+            if est[1] is not None:
+                avail = est[1]
+    return rate, avail
+
+
+def cost_terms(offer: Offer, policy: Policy, zone_share: float = 0.0,
+               hazard: HazardEstimator | None = None) -> dict[str, float]:
     """The expected-cost multipliers of an offer, each as a share of its price."""
     s = policy.scoring
+    rate, avail = signals(offer, policy, hazard)
     risk = 0.0
     if offer.pool.market is Market.SPOT:
-        rate = (offer.interruption_rate if offer.interruption_rate is not None
-                else s.unknown_interruption_rate)
+        rate = rate if rate is not None else s.unknown_interruption_rate
         risk = s.restart_hours * rate
-    avail = offer.availability if offer.availability is not None else s.unknown_availability
+        if s.interruption_cost_per_gpu and offer.price_per_hour:
+            risk += offer.gpus * s.interruption_cost_per_gpu * rate / offer.price_per_hour
+    avail = avail if avail is not None else s.unknown_availability
     return {"interruption": risk, "availability": s.availability_weight * (1 - avail),
             "spread": s.spread_weight * zone_share}
 
 
 def expected_cost(offer: Offer, instances: int, policy: Policy,
-                  zone_share: float = 0.0) -> float:
-    """instances × price × (1 + the `cost_terms`), computed inline: this runs for every
-    candidate of every request."""
+                  zone_share: float = 0.0, hazard: HazardEstimator | None = None) -> float:
+    """instances × price × (1 + the `cost_terms`) (the interruption cost per GPU is one
+    of them, as a share of the price), computed inline: this runs for every
+    candidate of every request. With a `hazard` estimator, a spot pool's signals are
+    the ones it expects over a job (`signals`)."""
     s = policy.scoring
     assert offer.price_per_hour is not None
-    avail = offer.availability
+    spot = offer.pool.market is Market.SPOT
+    if hazard is not None and spot:
+        rate, avail = signals(offer, policy, hazard)
+    else:
+        rate, avail = offer.interruption_rate, offer.availability
     factor = 1.0 + s.availability_weight * (
         1.0 - (avail if avail is not None else s.unknown_availability))
-    if offer.pool.market is Market.SPOT:
-        rate = offer.interruption_rate
-        factor += s.restart_hours * (rate if rate is not None else s.unknown_interruption_rate)
+    extra = 0.0
+    if spot:
+        if rate is None:
+            rate = s.unknown_interruption_rate
+        factor += s.restart_hours * rate
+        if s.interruption_cost_per_gpu:
+            extra = offer.gpus * s.interruption_cost_per_gpu * rate
     if zone_share:
         factor += s.spread_weight * zone_share
-    return instances * offer.price_per_hour * factor
+    return instances * (offer.price_per_hour * factor + extra)
 
 
-def constraints_for(ask: Ask, policy: Policy) -> Constraints | Denied:
-    return ask.constraints if ask.constraints is not None else evaluate(policy, ask.request)
+def constraints_for(ask: Ask, policy: Policy, resident: Residency | None = None
+                    ) -> Constraints | Denied:
+    """The ask's verdict; `resident`: the policy's residency tags, shared by a batch."""
+    if ask.constraints is not None:
+        return ask.constraints
+    return evaluate(policy, ask.request, None, resident)
 
 
 def spot_discount_ok(offer: Offer, view: PoolView, min_discount: float) -> bool:
@@ -195,13 +238,29 @@ def solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
     team's `max_gpus`, `budget_per_hour` and spread limits, at the lowest total
     expected cost; as many as possible first. Requests that nothing could take are
     rejected with the constraint that binds."""
+    # A large batch makes many small objects, in no reference cycles: the collector's
+    # full passes over the whole heap (the pool's offers among it), which they set
+    # off, would cost more than the batch itself. It resumes when the batch is done.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _solve(asks, view, policy, now=now, retry_after_seconds=retry_after_seconds,
+                      settings=settings)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
+           retry_after_seconds: float | None, settings: Settings) -> BatchResult:
     builder = _Builder(view, policy, now, settings.candidates,
                        indexed=len(asks) >= settings.index_min_batch)
+    resident = Residency(policy.residency.tags)
     outcomes: list[Outcome | None] = [None] * len(asks)
     index: list[int] = []  # request of the problem -> ask
     requests: list[solver.Request] = []
     for k, ask in enumerate(asks):
-        c = constraints_for(ask, policy)
+        c = constraints_for(ask, policy, resident)
         if isinstance(c, Denied):
             outcomes[k] = Rejection(ask, c.code, c.detail, None)
             continue
@@ -244,6 +303,9 @@ def solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
                        sol.bound, sol.optimal, sol.seconds)
 
 
+_Sized = tuple[Any, Any, Any, Any, list[solver.Option | None]]
+
+
 class _Builder:
     """Turns asks into the solver's requests: lists each request's options (shared by
     requests that ask for the same thing), the resources they use and the teams'
@@ -255,6 +317,13 @@ class _Builder:
         self.indexed = indexed
         self.problem: solver.Problem | None = None
         self._index: dict[tuple[str, Market], _Arrays] = {}
+        self._masks: dict[Hashable, tuple[Any, Any]] = {}
+        self._inside_masks: dict[Hashable, Any] = {}
+        self._sizes: dict[tuple[str, Market, int], _Sized] = {}
+        # Large batches: per offer of `_index`, the instances it may still have room
+        # for while the solver places (see `_Source`); inf: not known to be short.
+        self.room: Any = None
+        self._room_of: dict[Hashable, float] | None = None  # the `live` it is for
         self.policy = policy
         self.k = k
         self.stale = view.stale_slices(now)
@@ -274,11 +343,11 @@ class _Builder:
                c.deny_regions, c.residency, req.clouds, req.regions, ask.exclude)
         got = self._groups.get(sig)
         if got is None and self.indexed:
-            scan = _Scan()
-            source = _Source(partial(self._stream, ask, c, scan))
+            source = _Source(self, self._ranked(ask, c), req.gpus, ask.exclude)
             group = solver.Group([], 0.0, source.more)
             source.group = group
             group.options, group.upto = source.more(self.k, None, None)
+            scan = _Scan() if group.options else self._scan(ask, c)
             got = self._groups[sig] = (group, scan)
         if got is None:
             options, upto, scan = self._walk(ask, c, self.k, None)
@@ -361,7 +430,7 @@ class _Builder:
             self.limits.setdefault(qkey, have)
             uses.append((qkey, instances * units))
         price = instances * offer.price_per_hour  # type: ignore[operator]
-        cost = expected_cost(offer, instances, self.policy)
+        cost = expected_cost(offer, instances, self.policy, hazard=self.view.hazard)
         idle = self.policy.scoring.idle_gpu_weight
         if idle:
             cost += idle * (instances * offer.gpus - need) * (price / (instances * offer.gpus))
@@ -373,84 +442,151 @@ class _Builder:
     def _arrays(self, gpu: str, m: Market) -> _Arrays:
         got = self._index.get((gpu, m))
         if got is None:
+            import numpy as np
+
             got = self._index[(gpu, m)] = _Arrays.of(
                 self._plain(gpu, m), self.policy, self.view)
+            # Its offers' slots in `room`, after those of the arrays made before.
+            before = self.room if self.room is not None else np.zeros(0)
+            got.base = len(before)
+            self.room = np.concatenate([before, np.full(len(got.offers), np.inf)])
         return got
 
-    def _stream(self, ask: Ask, c: Constraints, scan: _Scan
-                ) -> Iterator[tuple[float, solver.Option]]:
-        """The request's options in order of expected cost per hour, lazily (large
-        batches): the filters and costs over every acceptable model and market are
-        computed at once on the batch's offer arrays, then options are made as they are
-        read. Yields (the option's cost per hour — no later one is cheaper — , the
-        option)."""
+    def _regions(self, gpu: str, m: Market, arr: _Arrays, ask: Ask, c: Constraints
+                 ) -> tuple[Any, Any]:
+        """Per offer of `arr`: whether it is in the request's own clouds and regions, and
+        whether the policy allows its region; shared by the batch's requests that say
+        the same (one policy, so one residency table)."""
         import numpy as np
 
         req = ask.request
-        need = req.gpus
+        key = (gpu, m, req.clouds, req.regions, c.clouds, c.deny_clouds, c.regions,
+               c.deny_regions, c.residency)
+        got = self._masks.get(key)
+        if got is None:
+            own_clouds = set(req.clouds) if req.clouds else None
+            own_regions = set(req.regions) if req.regions else None
+            own = np.array([(own_clouds is None or cl in own_clouds)
+                            and (own_regions is None or rg in own_regions)
+                            for cl, rg in arr.regions], dtype=bool)[arr.region]
+            allowed = np.array([c.region_ok(cl, rg) for cl, rg in arr.regions],
+                               dtype=bool)[arr.region]
+            got = self._masks[key] = (own, allowed)
+        return got
+
+    def _ranked(self, ask: Ask, c: Constraints) -> _Ranked:
+        """The request's candidates over every acceptable model and market (large
+        batches): filtered and costed at once on the batch's offer arrays; `_Source`
+        makes options of them, cheapest expected cost per hour first, as they are read."""
+        import numpy as np
+
+        need = ask.request.gpus
         cap = c.cap
-        own_clouds = set(req.clouds) if req.clouds else None
-        own_regions = set(req.regions) if req.regions else None
-        idle = self.policy.scoring.idle_gpu_weight
+        arrays: list[_Arrays] = []
+        made: list[list[solver.Option | None]] = []
+        parts: list[Any] = []
+        rows: list[Any] = []
+        insts: list[Any] = []
         costs: list[Any] = []
-        picks: list[tuple[_Arrays, Any, Any]] = []
+        prices: list[Any] = []
+        slots: list[Any] = []
         for gpu in c.gpus:
             for m in c.markets:
                 arr = self._arrays(gpu, m)
                 if not arr.offers:
                     continue
-                own = np.array([(own_clouds is None or cl in own_clouds)
-                                and (own_regions is None or rg in own_regions)
-                                for cl, rg in arr.regions], dtype=bool)[arr.region]
-                allowed = np.array([c.region_ok(cl, rg) for cl, rg in arr.regions],
-                                   dtype=bool)[arr.region]
+                inst, fits, cost, price, options = self._sized(gpu, m, arr, need)
+                ok = self._inside(gpu, m, arr, ask, c, need, fits)
+                if cap is not None:
+                    ok = ok & (arr.ppg <= cap)
+                idx = np.flatnonzero(ok)
+                parts.append(np.full(len(idx), len(arrays)))
+                arrays.append(arr)
+                made.append(options)
+                rows.append(idx)
+                insts.append(inst[idx])
+                costs.append(cost[idx])
+                prices.append(price[idx])
+                slots.append(arr.base + idx)
+        return _Ranked(arrays, made, parts, rows, insts, costs, prices, slots,
+                       head=4 * self.k)
+
+    def _inside(self, gpu: str, m: Market, arr: _Arrays, ask: Ask, c: Constraints,
+                need: int, fits: Any) -> Any:
+        """Per offer of `arr`: in the request's regions and able to take `need` GPUs."""
+        req = ask.request
+        key = (gpu, m, req.clouds, req.regions, c.clouds, c.deny_clouds, c.regions,
+               c.deny_regions, c.residency, need)
+        got = self._inside_masks.get(key)
+        if got is None:
+            own, allowed = self._regions(gpu, m, arr, ask, c)
+            got = self._inside_masks[key] = own & allowed & fits
+        return got
+
+    def _sized(self, gpu: str, m: Market, arr: _Arrays, need: int) -> _Sized:
+        """Per offer of `arr`, for `need` GPUs: the instances, whether its free capacity,
+        quota and spot discount allow them, their expected cost and price per hour, and
+        the option once made; shared by the batch's requests for as many GPUs."""
+        got = self._sizes.get((gpu, m, need))
+        if got is None:
+            inst = -(-need // arr.gpus)
+            paid = inst * arr.gpus
+            fits = (arr.free >= inst) & (arr.quota >= paid) & arr.disc_ok
+            cost = paid * arr.eff
+            idle = self.policy.scoring.idle_gpu_weight
+            if idle:
+                cost = cost + idle * (paid - need) * arr.ppg
+            got = self._sizes[(gpu, m, need)] = (inst, fits, cost, paid * arr.ppg,
+                                                 [None] * len(arr.offers))
+        return got
+
+    def _scan(self, ask: Ask, c: Constraints) -> _Scan:
+        """What the candidates of a request that has none say about why (large batches)."""
+        import numpy as np
+
+        scan = _Scan()
+        for gpu in c.gpus:
+            for m in c.markets:
+                arr = self._arrays(gpu, m)
+                if not arr.offers:
+                    continue
+                own, allowed = self._regions(gpu, m, arr, ask, c)
                 matching = own & allowed
                 scan.policy_excluded += int(np.count_nonzero(own & ~allowed))
                 scan.matching += int(np.count_nonzero(matching))
                 if matching.any():
                     scan.cheapest_ppg = min(scan.cheapest_ppg, float(arr.ppg[matching].min()))
-                under = matching if cap is None else matching & (arr.ppg <= cap)
+                under = matching if c.cap is None else matching & (arr.ppg <= c.cap)
                 scan.under_cap += int(np.count_nonzero(under))
-                inst = -(-need // arr.gpus)
-                ok = under & (arr.free >= inst) & (arr.quota >= inst * arr.gpus) & arr.disc_ok
-                idx = np.flatnonzero(ok)
-                paid = inst[idx] * arr.gpus[idx]
-                cost = paid * arr.eff[idx]
-                if idle:
-                    cost = cost + idle * (paid - need) * arr.ppg[idx]
-                costs.append(cost)
-                picks.append((arr, idx, inst[idx]))
-        if not costs:
-            return
-        cost = np.concatenate(costs)
-        part = np.concatenate([np.full(len(c_), p) for p, c_ in enumerate(costs)])
-        pos = np.concatenate([np.arange(len(c_)) for c_ in costs])
-        exclude = ask.exclude
-        # The cheapest few by partial sort (most groups read no further), then the rest.
-        head = min(len(cost), 4 * self.k)
-        first = np.argpartition(cost, head - 1)[:head] if head < len(cost) else \
-            np.arange(len(cost))
-        first = first[np.argsort(cost[first], kind="stable")]
-        rest = np.ones(len(cost), dtype=bool)
-        rest[first] = False
-        for order in (first, None):
-            if order is None:
-                left = np.flatnonzero(rest)
-                order = left[np.argsort(cost[left], kind="stable")]
-            for lo in range(0, len(order), 256):  # plain Python numbers, a chunk at a time
-                chunk = order[lo:lo + 256]
-                parts = part[chunk]
-                at = pos[chunk]
-                rows = [picks[p][1][a] for p, a in zip(parts.tolist(), at.tolist(),
-                                                       strict=True)]
-                insts = [picks[p][2][a] for p, a in zip(parts.tolist(), at.tolist(),
-                                                        strict=True)]
-                for p, row, n, co in zip(parts.tolist(), rows, insts, cost[chunk].tolist(),
-                                         strict=True):
-                    offer = picks[p][0].offers[int(row)]
-                    if exclude and offer.pool in exclude:
-                        continue
-                    yield co, self._option(offer, int(n), need)
+        return scan
+
+    def live_room(self) -> Any:
+        """`room` while the solver's resources only shrink (its greedy phase, when the
+        problem has `live` resources): what it found used up stays used up. None
+        otherwise. Each greedy phase (its own `live`) starts from a clean `room`."""
+        live = self.problem.live if self.problem is not None else None
+        if live is None or self.room is None:
+            return None
+        if live is not self._room_of:
+            self.room[:] = math.inf
+            self._room_of = live
+        return self.room
+
+    def used_up(self, slot: int, o: solver.Option) -> None:
+        """Record, while resources only shrink, that the offer in `room` slot `slot` has
+        room for fewer instances than `o` takes: how many its pool and quota have left."""
+        assert self.problem is not None and self.problem.live is not None
+        live, limits = self.problem.live, self.limits
+        n = o.ref[1]
+        room = math.inf
+        for key, amount in o.uses:
+            left = live.get(key)
+            if left is None:
+                left = limits.get(key)
+            if left is not None and amount > 0:
+                room = min(room, left * n / amount)
+        if room < self.room[slot]:
+            self.room[slot] = room
 
     def _plain(self, gpu: str, m: Market) -> Iterator[tuple[float, Offer, float, int | None]]:
         view, stale, cooling = self.view, self.stale, self.cooling
@@ -520,7 +656,7 @@ class _Builder:
                         if min_discount and not spot_discount_ok(offer, view, min_discount):
                             continue
                         # The cost first: most offers walked never make the list.
-                        cost = expected_cost(offer, instances, policy)
+                        cost = expected_cost(offer, instances, policy, hazard=view.hazard)
                         if idle:
                             cost += idle * (instances * offer.gpus - need) * ppg
                         if keep is not None and len(heap) == keep and cost >= -heap[0][0]:
@@ -568,11 +704,12 @@ class _Arrays:
         codes: dict[tuple[str, str], int] = {}
         eff, ppg, gpus, free, quota, region, disc = [], [], [], [], [], [], []
         min_discount = policy.scoring.spot_min_discount
+        hazard = view.hazard
         for p, offer, _, _ in entries:
             key = offer.pool
             f = None if offer.capacity is None else offer.capacity - view.held(key)
             a.offers.append(offer)
-            eff.append(expected_cost(offer, 1, policy) / offer.gpus)
+            eff.append(expected_cost(offer, 1, policy, hazard=hazard) / offer.gpus)
             ppg.append(p)
             gpus.append(offer.gpus)
             free.append(math.inf if f is None else f)
@@ -595,47 +732,156 @@ class _Arrays:
     quota: Any
     region: Any
     disc_ok: Any
+    base: int = 0  # where its offers start in the builder's `room`
+
+
+class _Ranked:
+    """A group's candidates, each offer `row` of `arrays[part]` with `inst` instances at
+    expected `cost` and `price` per hour (`slot`: the offer's place in the builder's
+    `room`), in `order` of cost: the cheapest few are sorted up front (most groups read
+    no further), the rest once a read gets to them."""
+
+    def __init__(self, arrays: list[_Arrays], made: list[list[solver.Option | None]],
+                 parts: list[Any], rows: list[Any], insts: list[Any], costs: list[Any],
+                 prices: list[Any], slots: list[Any], head: int) -> None:
+        import numpy as np
+
+        def join(xs: list[Any], dtype: Any) -> Any:
+            if len(xs) == 1:
+                return xs[0]
+            return np.concatenate(xs) if xs else np.zeros(0, dtype=dtype)
+
+        self.arrays = arrays
+        self.made = made  # per part, its offers' options for the request's GPUs, once made
+        self.part, self.row = join(parts, np.int64), join(rows, np.int64)
+        self.inst, self.cost = join(insts, np.int64), join(costs, float)
+        self.price, self.slot = join(prices, float), join(slots, np.int64)
+        n = len(self.cost)
+        head = min(n, head)
+        first = np.argpartition(self.cost, head - 1)[:head] if head < n else np.arange(n)
+        self.order = first[np.argsort(self.cost[first], kind="stable")]
+        # The rest, once a read gets to it; till then its lowest price is at least the
+        # lowest of all.
+        self._first: Any = first if head < n else None
+        self._rest: Any = None
+        self._rest_price = float(self.price.min()) if head < n else math.inf
+
+    def read(self, start: int, size: int) -> Any:
+        """Candidates from `start` on in the order, at most `size`: those sorted already,
+        or when there are none, the next part of the rest, at least `size` and as many
+        as are sorted (a group that keeps running out reads ever more at a time)."""
+        import numpy as np
+
+        if self._first is not None:
+            if start < len(self.order):
+                return self.order[start:start + size]
+            rest = np.ones(len(self.cost), dtype=bool)
+            rest[self._first] = False
+            self._first, self._rest = None, np.flatnonzero(rest)
+        if self._rest is not None and start >= len(self.order):
+            self._sort_more(max(size, len(self.order)))
+        return self.order[start:start + size]
+
+    def _sort_more(self, m: int) -> None:
+        """Move the cheapest `m` of the rest, and any that tie with the last of them, to
+        the end of the order, sorted (so the order is the same as sorting the whole
+        rest at once)."""
+        import numpy as np
+
+        rest = self._rest
+        cost = self.cost[rest]
+        nxt, left = rest, None
+        if m < len(rest):
+            take = cost <= np.partition(cost, m - 1)[m - 1]
+            if not take.all():
+                nxt, left = rest[take], rest[~take]
+        self.order = np.concatenate([self.order, nxt[np.argsort(self.cost[nxt], kind="stable")]])
+        self._rest = left
+        self._rest_price = math.inf if left is None else float(self.price[left].min())
+
+    def price_floor(self, start: int) -> float:
+        """No candidate from `start` on in the order has a lower price per hour (less a
+        rounding margin: prices here are per GPU-hour times GPUs)."""
+        low = float(self.price[self.order[start:]].min()) if start < len(self.order) \
+            else math.inf
+        return min(low, self._rest_price) * (1 - 1e-9)
 
 
 class _Source:
-    """A group's options read lazily from a `_Builder._stream`, with one item of
-    look-ahead (whose cost bound is the group's `upto`). Options the heuristic found
-    used up are dropped as they are read; the LP's request for everything under a
-    bound then reads a fresh stream."""
+    """A group's options, made lazily from its `_Ranked` candidates, cheapest first
+    (`upto`: the cost of the next one unread).
 
-    def __init__(self, start: Callable[[], Iterator[tuple[float, solver.Option]]]) -> None:
-        self._start = start
-        self._it = start()
-        self._next: tuple[float, solver.Option] | None = None
-        self._done = False
-        self._dropped = False
+    While the heuristic places, resources only shrink: an option it finds used up
+    records in the builder's `room` how many instances its offer still has room for,
+    and every group then skips, a chunk at a time, the candidates that need more,
+    without making their options. Options dropped as used up are read again, from
+    the start, when the LP asks for everything under a bound."""
+
+    CHUNK = 256
+
+    def __init__(self, builder: _Builder, ranked: _Ranked, need: int,
+                 exclude: frozenset[PoolKey]) -> None:
+        self.builder = builder
+        self.ranked = ranked
+        self.need = need
+        self.exclude = exclude
+        self.at = 0  # the candidates before it in order are read
+        self.dropped = False
         self.group: solver.Group | None = None
-
-    def _peek(self) -> tuple[float, solver.Option] | None:
-        if self._next is None and not self._done:
-            self._next = next(self._it, None)
-            self._done = self._next is None
-        return self._next
 
     def more(self, k: int | None, below: float | None, alive: solver.Alive | None
              ) -> tuple[list[solver.Option], float]:
-        out = list(self.group.options) if self.group is not None else []
-        if alive is None and self._dropped:
-            self._it, self._next, self._done, self._dropped = self._start(), None, False, False
-            out = []
+        import numpy as np
+
+        g = self.group
+        out: list[solver.Option] = []
+        if alive is None and self.dropped:
+            self.at, self.dropped = 0, False
+        elif g is not None:
+            out = list(g.options)
+        builder, ranked, need, exclude = self.builder, self.ranked, self.need, self.exclude
+        room = builder.live_room() if alive is not None else None
         added = 0
-        while (nxt := self._peek()) is not None:
-            bound, o = nxt
-            if (k is not None and added >= k) or (below is not None and bound > below):
+        while k is None or added < k:
+            chunk = ranked.read(self.at, self.CHUNK)
+            if not len(chunk):
                 break
-            self._next = None
-            if alive is None or alive(o):
-                out.append(o)
-                added += 1
-            else:
-                self._dropped = True
-        nxt = self._peek()
-        return out, (math.inf if nxt is None else nxt[0])
+            cost = ranked.cost[chunk]
+            end = len(chunk) if below is None else \
+                int(np.searchsorted(cost, below, side="right"))
+            pick = np.arange(end)
+            if room is not None:
+                short = room[ranked.slot[chunk[:end]]] < ranked.inst[chunk[:end]] - 1e-6
+                if short.any():
+                    pick = np.flatnonzero(~short)
+                    self.dropped = True
+            sel = chunk[pick]
+            for n, p, row, inst, slot in zip(
+                    pick.tolist(), ranked.part[sel].tolist(), ranked.row[sel].tolist(),
+                    ranked.inst[sel].tolist(), ranked.slot[sel].tolist(), strict=True):
+                if k is not None and added >= k:
+                    end = n
+                    break
+                o = ranked.made[p][row]
+                if o is None:
+                    o = ranked.made[p][row] = builder._option(ranked.arrays[p].offers[row],
+                                                              inst, need)
+                if exclude and o.ref[0].pool in exclude:
+                    continue
+                if alive is None or alive(o):
+                    out.append(o)
+                    added += 1
+                else:
+                    self.dropped = True
+                    if room is not None:
+                        builder.used_up(slot, o)
+            self.at += end
+            if end < len(chunk):
+                break
+        if g is not None:
+            g.unlisted_price = ranked.price_floor(self.at)
+        nxt = ranked.read(self.at, 1)
+        return out, (float(ranked.cost[nxt[0]]) if len(nxt) else math.inf)
 
 
 def _unplaced(ask: Ask, problem: solver.Problem, why: tuple[str, Hashable | None],
@@ -735,6 +981,7 @@ def explain(ask: Ask, view: PoolView, policy: Policy, *, now: datetime, top: int
     out["verdict"] = describe_constraints(c)
     excluded: Counter[str] = Counter()
     stale, cooling = view.stale_slices(now), view.cooling(now)
+    hazard = view.hazard
     candidates: list[tuple[float, Offer, int, dict[str, float]]] = []
     models = list(dict.fromkeys([*c.gpus, *all_gpus]))
     for gpu in models:
@@ -773,8 +1020,8 @@ def explain(ask: Ask, view: PoolView, policy: Policy, *, now: datetime, top: int
                 excluded[reason] += 1
                 continue
             share = c.zone_share.get((key.cloud, key.zone), 0.0)
-            terms = cost_terms(offer, policy, share)
-            candidates.append((expected_cost(offer, instances, policy, share), offer,
+            terms = cost_terms(offer, policy, share, hazard)
+            candidates.append((expected_cost(offer, instances, policy, share, hazard), offer,
                                instances, terms))
     candidates.sort(key=lambda t: (t[0], t[1].pool))
     out["excluded"] = dict(excluded.most_common())
@@ -785,5 +1032,15 @@ def explain(ask: Ask, view: PoolView, policy: Policy, *, now: datetime, top: int
         "price_per_hour": round(n * o.price_per_hour, 6),  # type: ignore[operator]
         "terms": {k: round(v, 6) for k, v in terms.items()},
         "availability": o.availability, "interruption_rate": o.interruption_rate,
+        **_scored_with(o, policy, hazard),
     } for cost, o, n, terms in candidates[:top]]
     return out
+
+
+def _scored_with(offer: Offer, policy: Policy, hazard: HazardEstimator | None
+                 ) -> dict[str, Any]:
+    """The signals a candidate was scored with, when they are the hazard estimator's."""
+    rate, avail = signals(offer, policy, hazard)
+    if (rate, avail) == (offer.interruption_rate, offer.availability):
+        return {}
+    return {"expected_over_job": {"availability": avail, "interruption_rate": rate}}

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from broker.hazard import HazardEstimator
 from broker.model import Market, Offer, PoolKey, utcnow
 
 SliceId = tuple[str, str]
@@ -74,6 +75,9 @@ class ResourcePool:
         self._cooldown: dict[PoolKey, datetime] = {}
         self._listeners: list[Listener] = []
         self._stale_cache: tuple[datetime | None, set[SliceId]] = (None, set())
+        self.hazard: HazardEstimator | None = None
+        """The spot pools' history that placement scores with (`broker.hazard`), fed with
+        this pool's changes by `feed_hazard`; None: the offers' own signals."""
 
     # --- writing (the poller) -------------------------------------------------------
 
@@ -122,6 +126,17 @@ class ResourcePool:
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener)
+
+    def feed_hazard(self, hazard: HazardEstimator) -> Callable[[], None]:
+        """Feed `hazard` this pool's changes as they land, at the pool's clock's time
+        (placement scores with it once it is also this pool's `hazard`). Returns the
+        unsubscribe."""
+        clock = self._clock
+
+        def feed(change: PoolChange) -> None:
+            hazard.observe_change(change, clock().timestamp())
+
+        return self.subscribe(feed)
 
     # --- the broker's own holdings -----------------------------------------------------
 

@@ -31,6 +31,7 @@ import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 EPS = 1e-9
@@ -64,28 +65,32 @@ class Group:
     """Options shared by the requests that ask for the same thing, cheapest first.
     Every option cheaper per hour than `upto` is listed; `more` lists further ones.
     `dead` is the heuristic's cursor: options before it use a resource already used up
-    (resources only shrink while it places, so they stay dead)."""
+    (resources only shrink while it places, so they stay dead). `unlisted_price` is
+    kept by the owner of `more`: no option not listed yet has a lower price per hour
+    (0 when it cannot tell)."""
 
     options: list[Option]
     upto: float = math.inf
     more: More | None = None
     dead: int = 0
     filtered: bool = False  # grown with the heuristic's `alive` filter
-    _min_price: float | None = None
+    unlisted_price: float = 0.0
+    _lowest: list[float] = field(default_factory=list)  # price_floor per listed option
+    _lowest_of: list[Option] | None = None  # the options `_lowest` is for
 
     @property
     def complete(self) -> bool:
         return self.upto == math.inf
 
-    @property
-    def min_price(self) -> float:
-        """No option of the group, listed or not, is cheaper per hour than this (only
-        exact for a complete list; 0 otherwise)."""
-        if not self.complete or not self.options:
-            return 0.0
-        if self._min_price is None:
-            self._min_price = min(o.price for o in self.options)
-        return self._min_price
+    def price_floor(self, j: int = 0) -> float:
+        """No option from the `j`-th listed on, nor any not listed yet, has a lower price
+        per hour than this (a team's budget rules them all out below it)."""
+        if self._lowest_of is not self.options:
+            self._lowest = list(accumulate(reversed([o.price for o in self.options]), min))
+            self._lowest.reverse()
+            self._lowest_of = self.options
+        low = self._lowest[j] if j < len(self._lowest) else math.inf
+        return low if self.complete else min(low, self.unlisted_price)
 
     def grow(self, *, k: int | None = None, below: float | None = None,
              alive: Alive | None = None) -> bool:
@@ -93,11 +98,13 @@ class Group:
         True if any. Options left out as not alive must stay dead for good."""
         if self.complete or self.more is None:
             return False
+        before = self.options
         options, upto = self.more(k, below, alive)
-        grew = len(options) > len(self.options)
+        # A longer list has a new option; one as long or shorter may too (`more` may
+        # leave out listed options that are used up).
+        grew = len(options) > len(before) or bool(set(map(id, options)) - set(map(id, before)))
         self.options, self.upto, self.dead = options, max(upto, self.upto), 0
         self.filtered = self.filtered or alive is not None
-        self._min_price = None
         return grew
 
     def unfilter(self) -> None:
@@ -105,7 +112,7 @@ class Group:
         LP needs them all (what the heuristic used up is free at the batch's start)."""
         if self.filtered and self.more is not None:
             self.options, _ = self.more(None, self.upto, None)
-            self.dead, self.filtered, self._min_price = 0, False, None
+            self.dead, self.filtered = 0, False
 
 
 @dataclass(slots=True)
@@ -345,9 +352,11 @@ def heuristic(p: Problem, *, improve_rounds: int = 2) -> Solution:
         r = reqs[i]
         g = r.group
         t = st.teams.get(r.team) if r.team is not None else None
-        if t is not None and ((t.gpus_left is not None and t.gpus_left < r.min_gpus - EPS) or
-                              (t.budget_left is not None and t.budget_left < g.min_price - EPS)):
+        budget = t.budget_left if t is not None else None
+        if t is not None and t.gpus_left is not None and t.gpus_left < r.min_gpus - EPS:
             return None, r.penalty, r.penalty  # the team has no room for any option
+        limited = t is not None and (t.gpus_left is not None or budget is not None)
+        spread = t is not None and t.spreads
         while True:
             opts = g.options
             n = len(opts)
@@ -355,12 +364,19 @@ def heuristic(p: Problem, *, improve_rounds: int = 2) -> Solution:
             while k < n and not global_ok(opts[k]):
                 k += 1
             g.dead = k
+            if budget is not None and budget < g.price_floor(k) - EPS:
+                return None, r.penalty, r.penalty  # none left within the team's budget
             first: Option | None = None
             c1 = r.penalty
             for j in range(k, n):
                 o = opts[j]
-                if (j > k and not global_ok(o)) or not team_ok(i, o) or \
-                        not fits_spread(i, o):
+                # The spread limit first: where it binds, it rules out the most.
+                if (spread and not fits_spread(i, o)) or (j > k and not global_ok(o)) or \
+                        (limited and not team_ok(i, o)):
+                    if budget is not None and budget < o.price - EPS and \
+                            budget < g.price_floor(j) - EPS:
+                        # Nothing from here on, listed or not, is within the budget.
+                        return first, c1, r.penalty
                     continue
                 c = r.cost(o)
                 if first is None:

@@ -80,8 +80,10 @@ class Scoring(_Strict):
     """Expected cost per hour of a placement =
     price × (1 + restart_hours × interruption_rate
                 + availability_weight × (1 − availability)
-                + spread_weight × share of the team's GPUs already in that zone).
-    Unknown signals are taken at the `unknown_*` values."""
+                + spread_weight × share of the team's GPUs already in that zone)
+    + GPUs × interruption_cost_per_gpu × interruption_rate (spot).
+    Unknown signals are taken at the `unknown_*` values; a spot pool's signals are the
+    ones expected over a job from its history (`hazard_half_life_hours`)."""
 
     restart_hours: float = Field(default=1.0, ge=0)
     availability_weight: float = Field(default=0.25, ge=0)
@@ -94,6 +96,16 @@ class Scoring(_Strict):
     spot_min_discount: float = Field(default=0.0, ge=0, lt=1)
     """Take a spot pool only when it is at least this much cheaper than on-demand for the
     same instance type in the same zone (0.3 = 30 % cheaper)."""
+    interruption_cost_per_gpu: float = Field(default=0.0, ge=0)
+    """What an interruption costs beyond the work lost (`restart_hours`), in $ per GPU of
+    the lease: the hours of people and queues a restart takes. It adds GPUs ×
+    interruption_rate × this to a spot pool's expected cost per hour, the same for every
+    GPU model, so it trades price against the number of interruptions directly (unlike
+    `restart_hours`, which weighs an expensive GPU's interruptions more)."""
+    hazard_half_life_hours: float = Field(default=6.0, ge=0, le=24 * 30)
+    """Score a spot pool with the interruption rate and availability expected over a
+    job from its history (`broker.hazard`: moving averages with this half-life, blended
+    with the current values), not only the last poll's. 0: the last poll's."""
 
 
 class Triggers(_Strict):

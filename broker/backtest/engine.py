@@ -10,8 +10,11 @@ sleeping, no MQTT, no asyncio.
 market is the same for all, and feeding a pool is most of the work): each strategy reads
 it through its own `StrategyView`, whose holdings and cool-downs live in a `ResourcePool`
 of its own, and has its own lease book, jobs and events. Strategies share nothing else,
-so each run is what it would be alone. Events, in time order (and in this order at one
-instant):
+so each run is what it would be alone. A strategy whose policy keeps pool history
+(`scoring.hazard_half_life_hours` > 0: gpubroker's; the baselines' is 0) scores spot
+pools with a `broker.hazard.HazardEstimator` on its view, fed by the market pool as each
+step's rows land (as the daemon's is fed by its polls): it knows no row after the
+simulated present. Events, in time order (and in this order at one instant):
 
 1. **market**: the rows of one instant, applied slice by slice to the pool. Leases on a
    pool whose price changed pay the new price from then on. `failover.from_pool_change`
@@ -60,6 +63,7 @@ from broker import failover
 from broker.backtest.market import MarketTrace, SliceId
 from broker.backtest.strategies import Strategy, rid
 from broker.backtest.workload import Arrival, Workload
+from broker.hazard import HazardEstimator
 from broker.leases import LeaseBook
 from broker.model import (
     FailoverReason,
@@ -75,6 +79,7 @@ from broker.model import (
 from broker.placement import Ask, Decision
 from broker.pool import PoolChange, ResourcePool
 from policies.evaluate import Denied, evaluate
+from policies.model import Policy
 
 NEVER_STALE = 100 * 365 * 86400.0  # a trace row holds until its pool's next row
 _INTERRUPT, _COMPLETE, _PLACE = range(3)
@@ -153,9 +158,11 @@ class StrategyView:
     """One strategy's `placement.PoolView`: the market's offers from the shared pool; the
     strategy's own holdings and cool-downs from a `ResourcePool` that holds no offers."""
 
-    def __init__(self, market: ResourcePool, clock: Callable[[], datetime]) -> None:
+    def __init__(self, market: ResourcePool, clock: Callable[[], datetime],
+                 hazard: HazardEstimator | None = None) -> None:
         self.market = market
         self.own = ResourcePool(stale_after_seconds=NEVER_STALE, clock=clock)
+        self.hazard = hazard
 
     def by_gpu(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
         return self.market.by_gpu(gpu, market)
@@ -192,6 +199,9 @@ def simulate(market: MarketTrace, workload: Workload, strategies: Sequence[Strat
     now = [market.start]
     pool = ResourcePool(stale_after_seconds=NEVER_STALE, clock=lambda: now[0])
     runs = [Run(market, workload, s, schedule, settings, pool) for s in strategies]
+    estimators: dict[float, HazardEstimator] = {}
+    for run in runs:
+        run.pool.hazard = _estimator(run.policy, pool, estimators)
     slices: dict[SliceId, dict[PoolKey, Offer]] = {}
     end = market.seconds
     days = max(1, math.ceil(end / 86400 - 1e-9))
@@ -220,6 +230,21 @@ def simulate(market: MarketTrace, workload: Workload, strategies: Sequence[Strat
         run.advance(end)
         run.finish(end)
     return [run.tally for run in runs]
+
+
+def _estimator(policy: Policy, pool: ResourcePool, made: dict[float, HazardEstimator]
+               ) -> HazardEstimator | None:
+    """The hazard estimator a strategy's view scores with (None when its policy keeps no
+    history): one per half-life, fed by the market pool as each step's rows land, so it
+    never knows a row after the simulated present."""
+    hours = policy.scoring.hazard_half_life_hours
+    if hours <= 0:
+        return None
+    est = made.get(hours)
+    if est is None:
+        est = made[hours] = HazardEstimator(half_life_hours=hours)
+        pool.feed_hazard(est)
+    return est
 
 
 class Run:

@@ -59,7 +59,8 @@ def baseline_policy(policy: Policy) -> Policy:
     s = policy.scoring
     scoring = Scoring(restart_hours=0.0, availability_weight=0.0, spread_weight=0.0,
                       unknown_interruption_rate=s.unknown_interruption_rate,
-                      unknown_availability=s.unknown_availability, spot_min_discount=0.0)
+                      unknown_availability=s.unknown_availability, spot_min_discount=0.0,
+                      hazard_half_life_hours=0.0)
     return policy.model_copy(update={
         "scoring": scoring,
         "failover": policy.failover.model_copy(update={"ladder": [],

@@ -436,3 +436,53 @@ def test_a_comparison_reports_table_and_json() -> None:
     cmp.write_table(c, out)
     text = out.getvalue()
     assert "$/USEFUL GPU-H" in text and all(n in text for n in STRATEGIES)
+
+
+def test_gpubrokers_hazard_estimates_never_see_the_future() -> None:
+    from broker.backtest.strategies import Gpubroker
+    from broker.hazard import HazardEstimator
+
+    class Probe(Gpubroker):
+        """gpubroker, noting the estimate of SPOT its view holds at each placement."""
+
+        def __init__(self, policy: Policy) -> None:
+            super().__init__(policy)
+            self.seen: list[tuple[datetime, Any]] = []
+
+        def place(self, asks: Sequence[Ask], view: Any, now: datetime) -> Any:
+            assert view.hazard is not None
+            self.seen.append((now, view.hazard.estimate(SPOT)))
+            return super().place(asks, view, now)
+
+    def rows(turns_bad: bool) -> list[TraceRow]:
+        out = [row(0, OD, price=3.0)]
+        for n in range(6 * 20):
+            hours = n / 6
+            a = 0.7 + 0.1 * (n % 3)
+            if turns_bad and hours >= 10:
+                a = 0.2
+            out.append(row(hours, SPOT, availability=a, rate=0.01 + 0.29 * (1 - a) ** 2))
+        return out
+
+    w = workload(*(job(h, f"j{h}", duration=0.5) for h in (1, 3.05, 5, 7.5, 9.95, 11, 15)))
+    policy = Policy(scoring=Scoring(restart_hours=0.5, hazard_half_life_hours=6.0))
+    settings = Settings(step_seconds=STEP)
+    seen = {}
+    for bad in (False, True):
+        m = market(rows(bad), hours=20)
+        probe = Probe(policy)
+        simulate(m, w, [probe, build("cheapest_spot", policy)],
+                 hazard_schedule(m, seed=7, step_seconds=STEP, default_rate=0.05), settings)
+        seen[bad] = probe.seen
+        # Each estimate is what the rows at or before its time give, and no more.
+        for now, est in probe.seen:
+            alone = HazardEstimator(half_life_hours=6.0)
+            alone.observe_rows(r for r in rows(bad) if r.t <= now)
+            alone.refresh()
+            assert est == pytest.approx(alone.estimate(SPOT)), now
+    before = T0 + timedelta(hours=10)
+    early = [(t, e) for t, e in seen[False] if t < before]
+    assert len(early) >= 5
+    assert early == [(t, e) for t, e in seen[True] if t < before]
+    late = dict(seen[False])
+    assert any(e != late[t] for t, e in seen[True] if t >= before)

@@ -6,6 +6,7 @@ import itertools
 import math
 import random
 from collections.abc import Sequence
+from datetime import timedelta
 
 import pytest
 from factories import SLICE, T0, Clock, offer, pool_of, request
@@ -428,3 +429,101 @@ async def test_early_stop_matches_brute_force_on_the_simulated_market() -> None:
     models = sorted({o.gpu for o in offers})
     n = check_against_brute_force(rng, offers, pool, models, POLICY)
     assert n > 50
+
+
+# --- the pools' history ---------------------------------------------------------------------
+
+
+def _calm_now_stormy_before(hours: float = 24) -> tuple[ResourcePool, Clock, Offer, Offer]:
+    """Two spot pools polled every ten minutes for `hours`: `flaky` at availability 0.45
+    (0.1 interruptions an hour) all along but calm at the last poll; `steady`, 5 % dearer,
+    at 0.85 (0.02) throughout. The pool feeds a hazard estimator."""
+    from broker.hazard import HazardEstimator
+
+    clock = Clock(T0 - timedelta(hours=hours))
+    pool = ResourcePool(stale_after_seconds=300, clock=clock)
+    pool.hazard = HazardEstimator(half_life_hours=6.0)
+    pool.feed_hazard(pool.hazard)
+    steady = offer("us-east-1b", price=21.0, availability=0.85, interruption_rate=0.02)
+    for _ in range(int(hours * 6)):
+        flaky = offer("us-east-1a", price=20.0, availability=0.45, interruption_rate=0.1)
+        pool.replace(SLICE, [flaky, steady])
+        clock.advance(600)
+    flaky = offer("us-east-1a", price=20.0, availability=0.95, interruption_rate=0.01)
+    pool.replace(SLICE, [flaky, steady])
+    return pool, clock, flaky, steady
+
+
+@pytest.mark.parametrize("batch", [1, 70])  # per request, and the large-batch arrays
+def test_a_pool_calm_now_but_stormy_in_its_history_loses_to_a_steady_one(batch: int) -> None:
+    pool, clock, flaky, steady = _calm_now_stormy_before()
+    asks = [Ask(request(f"r{n}", gpus=8, market="spot")) for n in range(batch)]
+    on = Policy(scoring=Scoring(hazard_half_life_hours=6.0))
+    off = Policy(scoring=Scoring(hazard_half_life_hours=0.0))
+    # Enough capacity for everyone: the choice is the expected cost alone.
+    got_on = place(asks, pool, on, now=clock())
+    got_off = place(asks, pool, off, now=clock())
+    assert {decided(o).placement.pool for o in got_on} == {steady.pool}
+    assert {decided(o).placement.pool for o in got_off} == {flaky.pool}
+    # Without an estimator on the view, the policy's half-life changes nothing.
+    pool.hazard = None
+    assert {decided(o).placement.pool for o in place(asks, pool, on, now=clock())} == \
+        {flaky.pool}
+
+
+def test_explain_shows_the_signals_expected_over_a_job() -> None:
+    from broker.placement import explain
+
+    pool, clock, _, _ = _calm_now_stormy_before()
+    out = explain(Ask(request(gpus=8, market="spot")), pool, Policy(), now=clock())
+    cands = {c["placement"]["zone"]: c for c in out["candidates"]}
+    expected = cands["us-east-1a"]["expected_over_job"]
+    assert cands["us-east-1a"]["availability"] == 0.95
+    assert 0.45 < expected["availability"] < 0.7
+    assert 0.05 < expected["interruption_rate"] < 0.1
+    assert "expected_over_job" not in cands["us-east-1b"]  # steady: the same either way
+
+
+# --- a cost per interruption ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 70])  # per request, and the large-batch arrays
+def test_an_interruption_cost_per_gpu_prices_interruptions_alike_for_every_model(
+        batch: int) -> None:
+    from broker.placement import cost_terms, expected_cost
+
+    # Two cheap T4 pools and two dear H100 pools; in each, the stormy one is 10 % cheaper.
+    t4 = dict(instance_type="g4dn.xlarge", gpu="T4", gpus=1)
+    h100 = dict(instance_type="p5.48xlarge", gpu="H100-80GB", gpus=8)
+    offers = [
+        offer("us-east-1a", price=0.45, interruption_rate=0.2, **t4),  # type: ignore[arg-type]
+        offer("us-east-1b", price=0.50, interruption_rate=0.01, **t4),  # type: ignore[arg-type]
+        offer("us-east-1a", price=36.0, interruption_rate=0.2, **h100),  # type: ignore[arg-type]
+        offer("us-east-1b", price=40.0, interruption_rate=0.01, **h100),  # type: ignore[arg-type]
+    ]
+    pool = pool_of(offers)
+
+    def zones(policy: Policy, gpu: str, gpus: int) -> set[str]:
+        asks = [Ask(request(f"{gpu}-{n}", gpu=gpu, gpus=gpus, market="spot"))
+                for n in range(batch)]
+        return {decided(o).placement.pool.zone for o in place(asks, pool, policy, now=T0)}
+
+    # Weighed by lost work, a share of the price: both models choose alike, since each
+    # stormy pool is 10 % cheaper (0.9 × (1 + 0.3 × 0.2) < 1 + 0.3 × 0.01).
+    by_work = Policy(scoring=Scoring(restart_hours=0.3, availability_weight=0.0))
+    assert zones(by_work, "H100-80GB", 8) == {"us-east-1a"}
+    assert zones(by_work, "T4", 1) == {"us-east-1a"}
+    # $1 per GPU and interruption: 0.2/h × $1 is over the T4 pools' $0.05 gap, and
+    # 8 × 0.2 × $1 = $1.6/h is under the H100 pools' $4 gap, whatever restart_hours says.
+    per_gpu = Policy(scoring=Scoring(restart_hours=0.0, availability_weight=0.0,
+                                     interruption_cost_per_gpu=1.0))
+    assert zones(per_gpu, "T4", 1) == {"us-east-1b"}
+    assert zones(per_gpu, "H100-80GB", 8) == {"us-east-1a"}
+    # The figures: price + GPUs × rate × cost, and cost_terms' share says the same.
+    stormy_h100 = offers[2]
+    assert expected_cost(stormy_h100, 2, per_gpu) == pytest.approx(2 * (36.0 + 8 * 0.2))
+    terms = cost_terms(stormy_h100, per_gpu)
+    assert 36.0 * (1 + sum(terms.values())) == pytest.approx(36.0 + 8 * 0.2)
+    # On-demand pools carry no interruption risk.
+    od = offer(market="on_demand", price=40.0, interruption_rate=None)
+    assert expected_cost(od, 1, per_gpu) == pytest.approx(40.0)

@@ -8,14 +8,29 @@ test says otherwise, so an offer's expected cost per hour is `instances × price
 
 from __future__ import annotations
 
+import gc
+import math
+import random
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from factories import T0, offer, pool_of, request
 
+from broker import solver
 from broker.model import Market, Offer, PlaceRequest, RejectCode
-from broker.placement import Ask, BatchResult, Decision, Outcome, Rejection, Settings, solve
+from broker.placement import (
+    Ask,
+    BatchResult,
+    Decision,
+    Outcome,
+    Rejection,
+    Settings,
+    _Builder,
+    _Ranked,
+    solve,
+)
 from broker.pool import ResourcePool
 from policies.evaluate import Denied, TeamUsage, evaluate
 from policies.model import (
@@ -482,3 +497,95 @@ def test_a_team_over_its_share_does_not_keep_the_milp_from_other_teams() -> None
     r = run([*new, old], pool, policy)
     assert zones(r)[2] == "us-east-1b"
     assert set(zones(r)[:2]) == {"us-east-1a", "us-east-1b"}
+
+
+# --- large batches: the offer arrays --------------------------------------------------
+
+
+def test_an_offer_used_up_is_skipped_by_every_group_while_the_greedy_phase_runs() -> None:
+    # Four one-instance pools, four groups (their caps differ) listing one option each.
+    # With a and b taken (what the greedy phase's live resources say), the first group
+    # to list more looks at b, finds it used up and records it; the others skip it
+    # without a look. Once resources may be freed again, they look again; and so does
+    # a new greedy phase, which starts from what is free then.
+    offers = [offer(f"us-east-1{z}", price=10.0 + i, capacity=1) for i, z in enumerate("abcd")]
+    builder = _Builder(pool_of(offers), POLICY, T0, 1, indexed=True)
+    reqs = []
+    for n in range(4):
+        req = request(f"r{n}", max_price_per_gpu_hour=2.0 + n / 10)
+        c = evaluate(POLICY, req)
+        assert not isinstance(c, Denied)
+        r, _ = builder.request(Ask(req), c)
+        assert r is not None
+        reqs.append(r)
+    p = solver.Problem(reqs, builder.limits, builder.teams)
+    builder.problem = p
+    st = solver._State(p)
+    st.left[("pool", offers[0].pool)] = st.left[("pool", offers[1].pool)] = 0
+    p.live = st.left
+    looked: list[str] = []
+
+    def alive(o: solver.Option) -> bool:
+        looked.append(o.ref[0].pool.zone)
+        return st.global_ok(o)
+
+    def zones(g: solver.Group) -> list[str]:
+        return [o.ref[0].pool.zone for o in g.options]
+
+    assert reqs[0].group.grow(k=1, alive=alive)
+    assert looked == ["us-east-1b", "us-east-1c"]
+    assert zones(reqs[0].group) == ["us-east-1a", "us-east-1c"]
+    looked.clear()
+    assert reqs[1].group.grow(k=1, alive=alive)
+    assert looked == ["us-east-1c"]
+    assert zones(reqs[1].group) == ["us-east-1a", "us-east-1c"]
+    p.live = None
+    looked.clear()
+    assert reqs[2].group.grow(k=1, alive=alive)
+    assert looked == ["us-east-1b", "us-east-1c"]
+    st = solver._State(p)  # b free again (`alive` reads this state from here on)
+    p.live = st.left
+    looked.clear()
+    assert reqs[3].group.grow(k=1, alive=alive)
+    assert looked == ["us-east-1b"]
+    # The LP lists every option again, those dropped as used up too.
+    reqs[1].group.unfilter()
+    assert zones(reqs[1].group) == ["us-east-1a", "us-east-1b", "us-east-1c", "us-east-1d"]
+
+
+def test_a_group_reads_its_candidates_in_cost_order_a_growing_part_at_a_time() -> None:
+    rng = random.Random(7)
+    cost = [float(rng.randrange(40)) for _ in range(1000)]  # many ties
+    price = [rng.uniform(1, 100) for _ in cost]
+    n = len(cost)
+    ranked = _Ranked([], [], [np.zeros(n, dtype=np.int64)], [np.arange(n)],
+                     [np.ones(n, dtype=np.int64)], [np.array(cost)], [np.array(price)],
+                     [np.arange(n)], head=8)
+    got: list[int] = []
+    sizes: list[int] = []
+    while True:
+        assert ranked.price_floor(len(got)) <= min(
+            (price[j] for j in range(n) if j not in set(got)), default=math.inf)
+        chunk = ranked.read(len(got), 256).tolist()
+        if not chunk:
+            break
+        sizes.append(len(chunk))
+        got += chunk
+    assert sorted(got) == list(range(n))
+    assert [cost[j] for j in got] == sorted(cost)
+    # After the first few (a partial sort), the order is the stable sort's.
+    rest = [j for j in np.argsort(cost, kind="stable").tolist() if j not in set(got[:8])]
+    assert got[8:] == rest
+    assert sizes[0] == 8 and len(sizes) < 8
+
+
+def test_a_batch_leaves_the_garbage_collector_as_it_found_it() -> None:
+    pool = pool_of([offer("us-east-1a", price=10.0, capacity=1)])
+    was = gc.isenabled()
+    try:
+        for state in (True, False):
+            (gc.enable if state else gc.disable)()
+            run([request("r1"), request("r2")], pool, settings=HEURISTIC)
+            assert gc.isenabled() is state
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -401,8 +401,11 @@ def check_optimal(w: World, result: BatchResult) -> None:
 
 
 # Small batches read the pool's price index; large ones (`index_min_batch`) stream
-# options from an index by expected cost, built per batch: both ways, on small batches.
-PATHS = pytest.mark.parametrize("path", [{}, {"index_min_batch": 1}], ids=["plain", "indexed"])
+# options from an index by expected cost, built per batch: both ways, on small batches;
+# and the latter with one option listed up front, so that lists grow as they run out.
+PATHS = pytest.mark.parametrize(
+    "path", [{}, {"index_min_batch": 1}, {"index_min_batch": 1, "candidates": 1}],
+    ids=["plain", "indexed", "indexed-short"])
 
 
 @PATHS

@@ -366,3 +366,59 @@ async def test_zero_history_days_turns_recording_off(tmp_path: Path) -> None:
     assert daemon(0).recorder is None
     on = daemon(0.5).recorder
     assert on is not None and on.retention == timedelta(hours=12)
+
+
+async def _record_a_stormy_day(path: Path) -> Offer:
+    """Twelve hours, up to now, of a spot pool at availability 0.4 (0.11 interruptions an
+    hour), calm (0.95) at the last poll; recorded as the daemon records."""
+    from broker.model import utcnow
+
+    clock = Clock(utcnow() - timedelta(hours=12, minutes=20))  # the last poll 10 min ago
+    async with rig_at(path, clock) as rig:
+        for n in range(72):
+            a = 0.4 if n % 2 else 0.42
+            await rig.poll([offer("us-east-1a", availability=a, interruption_rate=0.11)],
+                           after=600)
+        calm = offer("us-east-1a", availability=0.95, interruption_rate=0.01)
+        await rig.poll([calm], after=600)
+    return calm
+
+
+async def test_a_restarted_daemon_warms_its_hazard_estimates_from_the_history(
+        tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    calm = await _record_a_stormy_day(path)
+    daemon = Daemon(Config(state=StateConfig(path=path), http=HttpConfig(listen=None)),
+                    adapters=[])
+    assert calm.pool not in daemon.hazard
+    await daemon.store.open()
+    try:
+        with capture_logs() as logs:
+            rows = await daemon.warm_hazard()
+    finally:
+        await daemon.store.close()
+    assert rows == 73
+    assert "hazard estimates warmed from the market history" in [e["event"] for e in logs]
+    assert daemon.pool.hazard is daemon.hazard
+    # The history, not the last poll: the pool is expected to be mostly unavailable.
+    est = daemon.hazard.estimate(calm.pool)
+    assert est is not None and est[0] is not None and est[1] is not None
+    assert 0.4 < est[1] < 0.7 and 0.05 < est[0] < 0.11
+    # Placement scores the pool with it (the offer itself says 0.95).
+    from broker.placement import signals
+
+    assert signals(calm, daemon.policy, daemon.pool.hazard) == est
+
+
+async def test_the_daemon_warms_the_estimates_at_start(start_daemon: StartDaemon,
+                                                       tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    calm = await _record_a_stormy_day(path)
+    rd = await start_daemon(state=path)
+    await asyncio.wait_for(rd.daemon.hazard_warm.wait(), 10)
+    assert rd.daemon.pool.hazard is rd.daemon.hazard
+    assert calm.pool in rd.daemon.hazard
+    avg = rd.daemon.hazard.average(calm.pool)
+    assert avg is not None and avg[1] is not None and avg[1] < 0.6
+    # The sim's own spot pools are fed as they are polled.
+    assert len(rd.daemon.hazard) > 1

@@ -494,3 +494,61 @@ def test_the_heuristic_bound_stays_below_its_objective_when_a_shared_group_grows
     h = solver.heuristic(p)
     assert h.objective == pytest.approx(11)
     assert h.bound <= h.objective
+
+
+# --- listing more options --------------------------------------------------------------
+
+
+def test_a_group_grows_when_its_source_leaves_out_the_listed_options_used_up() -> None:
+    # A and B are listed and get taken; the third request's `more` lists only what is
+    # alive (C): a shorter list than before, but a new option all the same, which the
+    # greedy phase places (no improvement rounds to make up for it).
+    full = [opt(5, ("A", 1)), opt(6, ("B", 1)), opt(7, ("C", 1))]
+    group = short_group(full, 2)
+    p = Problem([Request(group, 1.0, 100.0) for _ in range(3)],
+                limits={"A": 1, "B": 1, "C": 1})
+    h = solver.heuristic(p, improve_rounds=0)
+    assert [o.uses[0][0] if o else None for o in h.choice] == ["A", "B", "C"]
+    assert h.objective == pytest.approx(5 + 6 + 7)
+
+
+def test_a_team_short_of_budget_for_every_unlisted_option_lists_no_more() -> None:
+    # The group lists A; B and C, not listed yet, cost 20 and 30 an hour, and the group's
+    # source says so (`unlisted_price`). Team t has 15 an hour left: once A is taken,
+    # its request is unplaced without listing more.
+    full = [opt(10, ("A", 1)), opt(20, ("B", 1)), opt(30, ("C", 1))]
+    group = short_group(full, 1)
+    group.unlisted_price = 20.0
+    asked: list[int | None] = []
+    more = group.more
+    assert more is not None
+
+    def counted(k: int | None, below: float | None, alive: Callable[[Option], bool] | None
+                ) -> tuple[list[Option], float]:
+        asked.append(k)
+        return more(k, below, alive)
+
+    group.more = counted
+    teams = {"t": Team(budget_left=15.0)}
+    p = Problem([Request(group, 1.0, 100.0), Request(group, 1.0, 100.0, team="t")],
+                limits={"A": 1, "B": 1, "C": 1}, teams=teams)
+    h = solver.heuristic(p)
+    check_solution(p, h)
+    assert [o.uses[0][0] if o else None for o in h.choice] == ["A", None]
+    assert not asked
+    # Without the floor, the same answer after listing everything.
+    group = short_group(full, 1)
+    p = Problem([Request(group, 1.0, 100.0), Request(group, 1.0, 100.0, team="t")],
+                limits={"A": 1, "B": 1, "C": 1}, teams=teams)
+    assert solver.heuristic(p).objective == pytest.approx(h.objective)
+    assert group.complete
+
+
+def test_the_price_floor_covers_listed_and_unlisted_options() -> None:
+    group = Group([opt(10, price=12), opt(11, price=9), opt(12, price=14)], upto=13.0)
+    group.unlisted_price = 11.0
+    assert [group.price_floor(j) for j in range(4)] == [9, 9, 11, 11]
+    group.upto = math.inf  # complete: nothing unlisted
+    assert [group.price_floor(j) for j in range(4)] == [9, 9, 14, math.inf]
+    group.options = group.options[:1]  # a new list: the floor follows it
+    assert group.price_floor() == 12
