@@ -767,12 +767,16 @@ def report_gap(indent: str, sol: solver.Solution, b: Bound, p: solver.Problem) -
     if b.value is None:
         print(f"{indent}LP failed after {b.rounds} rounds ({b.seconds:.1f} s)")
         return
-    gap = (sol.objective - b.value) / b.value
+    # Every round's value is a valid lower bound (Farley's), however early it stopped,
+    # but an early one may be below the trivial bound, or negative: take the better.
+    lower = max(b.value, trivial)
+    gap = (sol.objective - lower) / lower if lower > 0 else math.inf
     print(f"{indent}heuristic objective {fmt(sol.objective)} (of which penalties "
           f"{fmt(pen)} for {len(unplaced)} unplaced); LP bound {fmt(b.value)} "
           f"({b.how}, {'proven' if b.proven else 'NOT proven: stopped early'}, {b.rounds} "
           f"rounds, {b.columns:,} columns, {b.seconds:.1f} s); trivial bound {fmt(trivial)}")
-    print(f"{indent}gap to the LP bound {gap:.2%} (goal ≤ 1 %: "
+    print(f"{indent}gap to the {'LP' if lower == b.value else 'trivial'} bound {gap:.2%} "
+          f"(goal ≤ 1 %: "
           f"{'met' if gap <= 0.01 else 'MISSED'})")
 
 

@@ -9,10 +9,13 @@ is larger than any option of that request, so the solvers place as much as they 
 and then place it as cheaply as they can.
 
 * `heuristic` — regret-based greedy (the request that would lose most by waiting goes
-  first; ties by arrival order, so nothing starves behind later requests) plus local
-  improvement (move a request to a cheaper option that has become free; re-try unplaced
-  requests, making room by moving one placed request elsewhere). Linear-ish in the
-  number of requests; used for every batch.
+  first; ties by arrival order, so nothing starves behind later requests; the requests
+  of a team short of GPUs or budget for the batch go before all others, most valuable
+  per GPU or $ first) plus local improvement (move a request to a cheaper option that
+  has become free; re-try unplaced requests, making room by moving the placed requests
+  in their way; in a team short of GPUs or budget, swap its least valuable placed
+  requests for a more valuable unplaced one). Linear-ish in the number of requests;
+  used for every batch.
 * `exact` — the mixed-integer program solved by HiGHS through `scipy.optimize`, with a
   time limit. Its LP relaxation is solved first by column generation over each request's
   options (cheapest first) until no left-out option could lower it: a valid lower bound
@@ -338,7 +341,7 @@ def why_unplaced(p: Problem, choice: Sequence[Option | None]
 # --- the heuristic ----------------------------------------------------------------------
 
 
-def heuristic(p: Problem, *, improve_rounds: int = 2) -> Solution:
+def heuristic(p: Problem, *, improve_rounds: int = 4) -> Solution:
     """Regret greedy, then local improvement. Never exceeds a resource or a limit."""
     started = time.perf_counter()
     bound = trivial_bound(p)  # before lists grow without what this answer used up
@@ -392,18 +395,19 @@ def heuristic(p: Problem, *, improve_rounds: int = 2) -> Solution:
                 return None, r.penalty, r.penalty
 
     p.live = st.left
-    heap: list[tuple[float, int]] = []
+    short = _short_teams(p)
+    heap: list[tuple[int, float, int]] = []
     for i in range(len(reqs)):
         first, c1, c2 = best_two(i)
         if first is not None:
-            heap.append((c1 - c2, i))
+            heap.append(_greedy_key(reqs[i], i, first, c1, c2, short))
     heapq.heapify(heap)
     while heap:
-        _, i = heapq.heappop(heap)
+        i = heapq.heappop(heap)[2]
         first, c1, c2 = best_two(i)
         if first is None:
             continue
-        key = (c1 - c2, i)  # minus the regret: the biggest regret pops first
+        key = _greedy_key(reqs[i], i, first, c1, c2, short)
         if heap and key > heap[0]:
             heapq.heappush(heap, key)  # others now stand to lose more: they go first
             continue
@@ -413,6 +417,37 @@ def heuristic(p: Problem, *, improve_rounds: int = 2) -> Solution:
     objective = st.objective()
     return Solution(st.choice, objective, bound, "heuristic", time.perf_counter() - started,
                     optimal=objective <= bound + EPS * max(1.0, bound))
+
+
+def _short_teams(p: Problem) -> dict[str, bool]:
+    """Teams whose requests, each at its cheapest option, would need more than the
+    team's `gpus_left` (True) or `budget_left` (False) in this batch."""
+    need_gpus: dict[str, float] = {}
+    need_price: dict[str, float] = {}
+    for r in p.requests:
+        if r.team is not None and r.options:
+            o = r.options[0]
+            need_gpus[r.team] = need_gpus.get(r.team, 0.0) + o.gpus
+            need_price[r.team] = need_price.get(r.team, 0.0) + o.price
+    out: dict[str, bool] = {}
+    for name, t in p.teams.items():
+        if t.gpus_left is not None and need_gpus.get(name, 0.0) > t.gpus_left + EPS:
+            out[name] = True
+        elif t.budget_left is not None and need_price.get(name, 0.0) > t.budget_left + EPS:
+            out[name] = False
+    return out
+
+
+def _greedy_key(r: Request, i: int, first: Option, c1: float, c2: float,
+                short: dict[str, bool]) -> tuple[int, float, int]:
+    """The greedy's order: requests of a team short of GPUs or budget first, most value
+    (penalty − cost) per GPU or $ first (the team's knapsack: its dual price would send
+    them to the cheap pools first); then the others, biggest regret first."""
+    by_gpus = short.get(r.team) if r.team is not None else None
+    if by_gpus is None:
+        return (1, c1 - c2, i)
+    unit = float(first.gpus) if by_gpus else first.price
+    return (0, -(r.penalty - c1) / max(unit, EPS), i)
 
 
 def _improve(st: _State, *, rounds: int,
@@ -461,8 +496,11 @@ def _improve(st: _State, *, rounds: int,
                 st.take(i, first)
                 moved += 1
                 continue
-            if _eject_one(st, i, users):
+            if _eject_one(st, i, users) or _make_room(st, i, users):
                 moved += 1
+        # 3. A team short of GPUs or budget: a request worth more per GPU (or $) than
+        #    the team's least valuable placed ones takes their room (a knapsack swap).
+        moved += _team_swaps(st)
         if not moved:
             return
 
@@ -479,6 +517,8 @@ def _eject_one(st: _State, i: int, users: dict[Hashable, list[int]], tries: int 
         gain = r.penalty - r.cost(o)
         if gain <= EPS:
             break
+        if not st.team_ok(i, o):
+            continue  # moving another team's request frees no room in i's own team
         for key, _ in o.uses:
             for j in users.get(key, ())[:per_key]:
                 oj = st.choice[j]
@@ -503,6 +543,130 @@ def _eject_one(st: _State, i: int, users: dict[Hashable, list[int]], tries: int 
                     st.take(i, o, -1)
                 st.take(j, oj)
     return False
+
+
+def _make_room(st: _State, i: int, users: dict[Hashable, list[int]], tries: int = 4,
+               per_key: int = 32, scan: int = 16) -> bool:
+    """Place unplaced request `i` on one of its cheapest options by moving as many placed
+    requests off the resources it lacks as it takes, each to its cheapest other option
+    that does not use that resource, while the moves together cost less than leaving
+    `i` unplaced. Undone unless `i` then fits. `users`: who used each resource when the
+    round began (checked before use)."""
+    p = st.p
+    r = p.requests[i]
+    for o in r.options[:tries]:
+        gain = r.penalty - r.cost(o)
+        if gain <= EPS:
+            break
+        if not st.team_ok(i, o):
+            continue  # moving other requests frees no room in i's own team
+        moves: list[tuple[int, Option, Option]] = []
+        spent = 0.0
+        for key, amount in o.uses:
+            while (have := st.left.get(key)) is not None and have < amount - EPS:
+                best: tuple[float, int, Option, Option] | None = None
+                for j in users.get(key, ())[:per_key]:
+                    oj = st.choice[j]
+                    if oj is None or all(k != key for k, _ in oj.uses):
+                        continue
+                    rj = p.requests[j]
+                    base = rj.cost(oj)
+                    st.take(j, oj, -1)
+                    opts = rj.options
+                    for alt in opts[rj.group.dead:rj.group.dead + scan]:
+                        delta = rj.cost(alt) - base
+                        if spent + delta >= gain or (best is not None and delta >= best[0]):
+                            break
+                        if alt is not oj and all(k != key for k, _ in alt.uses) and \
+                                st.fits(j, alt):
+                            best = (delta, j, oj, alt)
+                            break
+                    st.take(j, oj)
+                if best is None:
+                    break
+                delta, j, oj, alt = best
+                st.take(j, oj, -1)
+                st.take(j, alt)
+                moves.append((j, oj, alt))
+                spent += delta
+        if st.fits(i, o):
+            st.take(i, o)
+            if st.spread_holds(r.team) and all(st.spread_holds(p.requests[j].team)
+                                               for j, _, _ in moves):
+                for j, _, alt in moves:
+                    for k, _ in alt.uses:
+                        users.setdefault(k, []).append(j)
+                return True
+            st.take(i, o, -1)
+        for j, oj, alt in reversed(moves):
+            st.take(j, alt, -1)
+            st.take(j, oj)
+    return False
+
+
+def _team_swaps(st: _State) -> int:
+    """For each unplaced request of a team whose `gpus_left` or `budget_left` rules out
+    all its options, unplace the team's placed requests of lowest value per unit of that
+    limit (value: penalty − cost) until it fits, when what they are worth together is
+    less than what placing it gains. Returns how many requests it placed."""
+    p = st.p
+    reqs = p.requests
+    members: dict[str, list[int]] = {}
+    for j, oj in enumerate(st.choice):
+        team = reqs[j].team
+        if oj is not None and team is not None:
+            t = st.teams.get(team)
+            if t is not None and (t.gpus_left is not None or t.budget_left is not None):
+                members.setdefault(team, []).append(j)
+    if not members:
+        return 0
+
+    def size(t: Team, o: Option) -> float:
+        return float(o.gpus) if t.gpus_left is not None else o.price
+
+    ranked: dict[str, list[tuple[float, int, Option]]] = {}
+    for team, js in members.items():
+        t = st.teams[team]
+        rows = []
+        for j in js:
+            oj = st.choice[j]
+            assert oj is not None
+            rows.append(((reqs[j].penalty - reqs[j].cost(oj)) / max(size(t, oj), EPS), j, oj))
+        rows.sort(key=lambda x: (x[0], x[1]))
+        ranked[team] = rows
+    placed = 0
+    for i, cur in enumerate(st.choice):
+        r = reqs[i]
+        if cur is not None or r.team not in ranked:
+            continue
+        t = st.teams[r.team]
+        o = next((x for x in r.options[r.group.dead:] if st.global_ok(x)), None)
+        if o is None:
+            continue
+        gain = r.penalty - r.cost(o)
+        rows = ranked[r.team]
+        if not rows or gain / max(size(t, o), EPS) <= rows[0][0]:
+            continue  # worth no more per unit than the least valuable placed
+        removed: list[tuple[int, Option]] = []
+        loss = 0.0
+        for _, j, oj in rows:
+            if st.fits(i, o) or loss >= gain:
+                break
+            if st.choice[j] is not oj:
+                continue
+            loss += reqs[j].penalty - reqs[j].cost(oj)
+            st.take(j, oj, -1)
+            removed.append((j, oj))
+        if loss < gain - EPS and st.fits(i, o):
+            st.take(i, o)
+            if st.spread_holds(r.team):
+                placed += 1
+                ranked[r.team] = [row for row in ranked[r.team] if st.choice[row[1]] is row[2]]
+                continue
+            st.take(i, o, -1)
+        for j, oj in reversed(removed):
+            st.take(j, oj)
+    return placed
 
 
 # --- the exact solver ----------------------------------------------------------------

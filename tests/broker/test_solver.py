@@ -552,3 +552,76 @@ def test_the_price_floor_covers_listed_and_unlisted_options() -> None:
     assert [group.price_floor(j) for j in range(4)] == [9, 9, 14, math.inf]
     group.options = group.options[:1]  # a new list: the floor follows it
     assert group.price_floor() == 12
+
+
+# --- teams short of GPUs or budget, and making room ------------------------------------
+
+
+def test_a_team_short_of_budget_takes_the_cheap_pools_before_teams_without_limits() -> None:
+    # Team t may spend 20/h and asks for three placements of at least 10/h: two at most.
+    # A and B (10/h, one instance each) are the only ones within its budget; `other`
+    # has no limit and loses only 0.5 by going to D. By regret alone `other` (regret
+    # 0.5) would take A before t's requests (regret 0), and t could place only one.
+    ab = [opt(10, ("A", 1)), opt(10, ("B", 1)), opt(15, ("C", 1))]
+    p = Problem([req(opt(10, ("A", 1)), opt(10.5, ("D", 1)), penalty=1000),
+                 *(req(*ab, team="t", penalty=1000) for _ in range(3))],
+                limits={"A": 1, "B": 1, "C": 3, "D": 1}, teams={"t": Team(budget_left=20)})
+    want, _ = brute_force(p)
+    assert want == pytest.approx(10 + 10 + 10.5 + 1000)
+    for rounds in (0, 4):  # the greedy phase alone finds it; improvement keeps it
+        h = solver.heuristic(p, improve_rounds=rounds)
+        check_solution(p, h)
+        assert h.objective == pytest.approx(want)
+        assert h.choice[0] is not None and h.choice[0].uses[0][0] == "D"
+
+
+def test_a_team_swap_gives_its_gpus_to_the_request_worth_most_per_gpu() -> None:
+    # The team may hold 8 more GPUs; two 4-GPU requests worth 50 each hold them, an
+    # 8-GPU request worth 1000 is left out: a swap places it instead.
+    p = Problem([req(opt(10, gpus=4), team="t", penalty=50),
+                 req(opt(10, gpus=4), team="t", penalty=50),
+                 req(opt(20, gpus=8), team="t", penalty=1000)],
+                limits={}, teams={"t": Team(gpus_left=8)})
+    st = solver._State(p)
+    st.take(0, p.requests[0].options[0])
+    st.take(1, p.requests[1].options[0])
+    assert solver._team_swaps(st) == 1
+    assert [o is not None for o in st.choice] == [False, False, True]
+    assert st.teams["t"].gpus_left == 0
+    assert violations(p, st.choice) == []
+    # Not when the left-out request is worth less than those it would displace.
+    p.requests[2].penalty = 90
+    st = solver._State(p)
+    st.take(0, p.requests[0].options[0])
+    st.take(1, p.requests[1].options[0])
+    assert solver._team_swaps(st) == 0
+    assert [o is not None for o in st.choice] == [True, True, False]
+    # Through the heuristic: the brute-force optimum.
+    p.requests[2].penalty = 1000
+    want, _ = brute_force(p)
+    h = solver.heuristic(p)
+    check_solution(p, h)
+    assert h.objective == pytest.approx(want) == 20 + 100
+
+
+def test_making_room_moves_every_request_in_the_way() -> None:
+    # Pool A has two instances, held by two 1-instance requests that could go to B and
+    # C for 1 more each; the unplaced request needs both instances of A.
+    small = [req(opt(10, ("A", 1)), opt(11, ("B", 1))), req(opt(10, ("A", 1)), opt(11, ("C", 1)))]
+    big = req(opt(30, ("A", 2)), penalty=1000)
+    p = Problem([*small, big], limits={"A": 2, "B": 1, "C": 1})
+    st = solver._State(p)
+    for i in (0, 1):
+        st.take(i, p.requests[i].options[0])
+    users = {"A": [0, 1]}
+    assert solver._make_room(st, 2, users)
+    assert [o.uses[0][0] if o else None for o in st.choice] == ["B", "C", "A"]
+    assert violations(p, st.choice) == []
+    # When one of them has nowhere else to go, nothing moves.
+    p.limits["C"] = 0
+    st = solver._State(p)
+    for i in (0, 1):
+        st.take(i, p.requests[i].options[0])
+    assert not solver._make_room(st, 2, {"A": [0, 1]})
+    assert [o.uses[0][0] if o else None for o in st.choice] == ["A", "A", None]
+    assert st.left == {"A": 0, "B": 1, "C": 0}
