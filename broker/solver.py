@@ -481,8 +481,8 @@ def _improve(st: _State, *, rounds: int,
                     continue
                 st.take(i, better, -1)
             st.take(i, cur)
-        # 2. Unplaced requests: any option that fits, else make room by moving one
-        #    placed request off a resource the option needs.
+        # 2. Unplaced requests: any option that fits, else make room by moving the
+        #    placed requests off the resources the option lacks.
         users: dict[Hashable, list[int]] = {}
         for j, oj in enumerate(st.choice):
             if oj is not None:
@@ -496,53 +496,13 @@ def _improve(st: _State, *, rounds: int,
                 st.take(i, first)
                 moved += 1
                 continue
-            if _eject_one(st, i, users) or _make_room(st, i, users):
+            if _make_room(st, i, users):
                 moved += 1
         # 3. A team short of GPUs or budget: a request worth more per GPU (or $) than
         #    the team's least valuable placed ones takes their room (a knapsack swap).
         moved += _team_swaps(st)
         if not moved:
             return
-
-
-def _eject_one(st: _State, i: int, users: dict[Hashable, list[int]], tries: int = 4,
-               per_key: int = 8) -> bool:
-    """Place unplaced request `i` on one of its cheapest options by moving one placed
-    request that uses the same pool to another option of its own, when the move costs
-    less than leaving `i` unplaced. `users`: who used each resource when the round
-    began (checked before use)."""
-    p = st.p
-    r = p.requests[i]
-    for o in r.options[:tries]:
-        gain = r.penalty - r.cost(o)
-        if gain <= EPS:
-            break
-        if not st.team_ok(i, o):
-            continue  # moving another team's request frees no room in i's own team
-        for key, _ in o.uses:
-            for j in users.get(key, ())[:per_key]:
-                oj = st.choice[j]
-                if oj is None or all(k != key for k, _ in oj.uses):
-                    continue
-                rj = p.requests[j]
-                st.take(j, oj, -1)
-                if st.fits(i, o):
-                    st.take(i, o)
-                    opts = rj.options
-                    for n in range(rj.group.dead, len(opts)):
-                        alt = opts[n]
-                        if alt is oj:
-                            continue
-                        if rj.cost(alt) - rj.cost(oj) >= gain:
-                            break
-                        if st.fits(j, alt):
-                            st.take(j, alt)
-                            if st.spread_holds(rj.team) and st.spread_holds(r.team):
-                                return True
-                            st.take(j, alt, -1)
-                    st.take(i, o, -1)
-                st.take(j, oj)
-    return False
 
 
 def _make_room(st: _State, i: int, users: dict[Hashable, list[int]], tries: int = 4,
