@@ -141,8 +141,8 @@ class PlacementConfig(_Section):
     """How requests are batched and solved (README "Placement")."""
 
     batch_window_ms: float = Field(default=5, ge=0, le=1000)
-    """While requests keep coming, gather them for up to this long and place them
-    together; a request after a quiet spell is placed at once."""
+    """When a burst is waiting (broker.core.BURST requests or more), gather for up to
+    this long more and place them together; otherwise what is waiting goes at once."""
     max_batch: int = Field(default=256, ge=1, le=10_000)
     exact_max_batch: int = Field(default=200, ge=0, le=10_000)
     """Batches up to this size that the heuristic cannot prove optimal go to the MILP."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +42,9 @@ from policies.model import Policy
 from policies.residency import Residency
 
 log = structlog.get_logger("gpubroker.broker")
+
+BURST = 8
+"""Requests waiting, besides the one taken, that make a burst worth the batch window."""
 
 VERBS = ("place", "renew", "release", "report")
 OPS = "_ops"  # the reserved scheduler id of operations events (P/events/_ops/...)
@@ -133,16 +135,17 @@ class Broker:
     # --- loops -----------------------------------------------------------------------
 
     async def run_requests(self, ready: asyncio.Event) -> None:
-        """Take requests in batches: whatever has queued up, and — while requests keep
-        coming — what arrives within the batch window, at most `max_batch`. A request
-        after a quiet spell (nothing for a window) is placed at once."""
+        """Take requests in batches: whatever has queued up, and — when a burst is
+        waiting (`BURST` or more) — what arrives within the batch window, at most
+        `max_batch`. Otherwise the batch goes at once, so a steady stream is not held
+        back by the window (requests that arrive while a batch is placed make the next
+        one; waiting for a few would keep the loop waiting, batch after batch)."""
         await ready.wait()
         loop = asyncio.get_running_loop()
-        last = -math.inf
         while True:
             batch = [await self._requests.get()]
             start = loop.time()
-            busy = start - last < self._window
+            busy = self._requests.qsize() >= BURST
             while len(batch) < self._max_batch:
                 if not self._requests.empty():
                     batch.append(self._requests.get_nowait())
@@ -155,7 +158,6 @@ class Broker:
                         batch.append(await self._requests.get())
                 except TimeoutError:
                     break
-            last = loop.time()
             try:
                 await self.handle(batch)
             finally:

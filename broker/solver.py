@@ -297,11 +297,22 @@ class _State:
 
 
 def trivial_bound(p: Problem) -> float:
-    """Every request at its cheapest option, as if nothing were shared."""
+    """Every request at its cheapest option that fits on its own (in the pools, quotas
+    and team limits as they are before the batch; its spread limit too when it is
+    alone), as if nothing were shared. Options not listed yet cost at least `upto`."""
+    st = _State(p)
+    alone = len(p.requests) == 1
     total = 0.0
-    for r in p.requests:
-        opts = r.options if r.extra is not None else r.options[:1]
-        total += min([r.penalty, *(r.cost(o) for o in opts)])
+    for i, r in enumerate(p.requests):
+        best = r.penalty
+        for o in r.options:  # cheapest first (with `extra` too)
+            if st.fits_static(i, o) and (not alone or st.fits_spread(i, o)):
+                best = min(best, r.cost(o))
+                break
+        else:
+            if not r.group.complete:
+                best = min(best, r.horizon * r.group.upto)
+        total += best
     return total
 
 

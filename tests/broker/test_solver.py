@@ -625,3 +625,22 @@ def test_making_room_moves_every_request_in_the_way() -> None:
     assert not solver._make_room(st, 2, {"A": [0, 1]})
     assert [o.uses[0][0] if o else None for o in st.choice] == ["A", "A", None]
     assert st.left == {"A": 0, "B": 1, "C": 0}
+
+
+def test_the_trivial_bound_counts_only_options_that_fit_on_their_own() -> None:
+    # A's last instance is gone before the batch: the lone request's best is B, and
+    # the heuristic can say so without the LP (the daemon then skips the MILP).
+    p = Problem([req(opt(10, ("A", 1)), opt(12, ("B", 1)))], limits={"A": 0, "B": 1})
+    h = solver.heuristic(p)
+    assert h.objective == pytest.approx(12) and h.bound == pytest.approx(12) and h.optimal
+    # A team whose budget rules out the cheapest option: the same.
+    p = Problem([req(opt(10, price=30), opt(12, price=20), team="t")], limits={},
+                teams={"t": Team(budget_left=25)})
+    h = solver.heuristic(p)
+    assert h.objective == pytest.approx(12) and h.optimal
+    # Two requests: contention is not counted, so nothing is proven.
+    p = Problem([req(opt(10, ("A", 1)), opt(12, ("B", 1))),
+                 req(opt(10, ("A", 1)), opt(12, ("B", 1)))], limits={"A": 1, "B": 1})
+    h = solver.heuristic(p)
+    assert h.bound == pytest.approx(20) and h.objective == pytest.approx(22)
+    assert not h.optimal
