@@ -352,7 +352,7 @@ def why_unplaced(p: Problem, choice: Sequence[Option | None]
 # --- the heuristic ----------------------------------------------------------------------
 
 
-def heuristic(p: Problem, *, improve_rounds: int = 4) -> Solution:
+def heuristic(p: Problem, *, improve_rounds: int = 2) -> Solution:
     """Regret greedy, then local improvement. Never exceeds a resource or a limit."""
     started = time.perf_counter()
     bound = trivial_bound(p)  # before lists grow without what this answer used up
@@ -422,6 +422,9 @@ def heuristic(p: Problem, *, improve_rounds: int = 4) -> Solution:
         if heap and key > heap[0]:
             heapq.heappush(heap, key)  # others now stand to lose more: they go first
             continue
+        team = reqs[i].team
+        if team is not None and short.get(team) is False:
+            first = _thrifty(st, i, first)
         st.take(i, first)
     p.live = None  # from here on resources are freed as well as taken
     _improve(st, rounds=improve_rounds, best_two=best_two)
@@ -447,6 +450,23 @@ def _short_teams(p: Problem) -> dict[str, bool]:
         elif t.budget_left is not None and need_price.get(name, 0.0) > t.budget_left + EPS:
             out[name] = False
     return out
+
+
+def _thrifty(st: _State, i: int, first: Option, look: int = 8) -> Option:
+    """For a request of a team short of budget: of its cheapest `look` options that fit,
+    the one with the lowest price (the budget it leaves buys other requests' places)."""
+    r = st.p.requests[i]
+    best = first
+    seen = 0
+    for o in r.options[r.group.dead:]:
+        if seen >= look:
+            break
+        if o is first or not st.fits(i, o):
+            continue
+        seen += 1
+        if o.price < best.price - EPS:
+            best = o
+    return best
 
 
 def _greedy_key(r: Request, i: int, first: Option, c1: float, c2: float,

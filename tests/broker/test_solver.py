@@ -644,3 +644,17 @@ def test_the_trivial_bound_counts_only_options_that_fit_on_their_own() -> None:
     h = solver.heuristic(p)
     assert h.bound == pytest.approx(20) and h.objective == pytest.approx(22)
     assert not h.optimal
+
+
+def test_a_team_short_of_budget_takes_the_lower_price_when_it_places_more() -> None:
+    # A costs 10 (price 10), B costs 10.5 but its price is 6 (a cheaper machine whose
+    # expected cost carries more risk). With 20/h, A places two requests, B three.
+    opts = [opt(10, ("A", 1), price=10), opt(10.5, ("B", 1), price=6)]
+    p = Problem([req(*opts, team="t", penalty=1000) for _ in range(3)],
+                limits={"A": 3, "B": 3}, teams={"t": Team(budget_left=20)})
+    want, _ = brute_force(p)
+    assert want == pytest.approx(3 * 10.5)
+    h = solver.heuristic(p, improve_rounds=0)
+    check_solution(p, h)
+    assert h.objective == pytest.approx(want)
+    assert all(o is not None and o.uses[0][0] == "B" for o in h.choice)
