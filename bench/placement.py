@@ -146,6 +146,11 @@ def build(inst: Instance, settings: Settings = HEURISTIC) -> Built:
     return Built(problem, ids, rejected, t1 - t0, t2 - t1)
 
 
+def heuristic_as_solve(p: solver.Problem) -> solver.Solution:
+    """`solver.heuristic` as `placement.solve` runs it on a batch of this size."""
+    return solver.heuristic(p, chains=len(p.requests) <= HEURISTIC.chain_max_batch)
+
+
 @dataclass
 class Reference:
     """Per request of the batch's problem (built fresh): the penalty for leaving it
@@ -750,7 +755,7 @@ def part_b(args: argparse.Namespace, parts: set[str]) -> None:
         profile(inst)
     if "b" in parts:
         built = build(inst)
-        sol = solver.heuristic(built.problem)
+        sol = heuristic_as_solve(built.problem)
         print(f"   LP bound ({args.bound}) on the problem the heuristic just solved, up "
               f"to {args.lp_seconds:g} s:", flush=True)
         b = bound(args, built.problem, sol,
@@ -886,7 +891,7 @@ def ablation(args: argparse.Namespace) -> None:
     for name, make in variants:
         inst = make()
         built = build(inst)
-        sol = solver.heuristic(built.problem)
+        sol = heuristic_as_solve(built.problem)
         b = bound(args, built.problem, sol)
         unplaced = [i for i, o in enumerate(sol.choice) if o is None]
         pen = sum(built.problem.requests[i].penalty for i in unplaced)
@@ -897,7 +902,7 @@ def ablation(args: argparse.Namespace) -> None:
         if name == "as is" and args.bound == "class":
             check_built = build(inst)
             other = lp_bound(check_built.problem, time_limit=args.lp_seconds,
-                             incumbent=solver.heuristic(check_built.problem))
+                             incumbent=heuristic_as_solve(check_built.problem))
             cross = (f"      cross-check, as is: the solver's own LP ({other.how}) gives "
                      f"{fmt(other.value)} in {other.seconds:.1f} s with {other.columns:,} "
                      f"columns; the class LP {fmt(b.value)} with {b.columns:,}")

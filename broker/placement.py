@@ -198,12 +198,14 @@ class Settings:
     """How batches are solved. `candidates`: options listed per request up front (more
     are listed when they run out). Batches of at most `exact_max_batch` requests that
     the heuristic cannot prove optimal go to the MILP for at most `exact_time_limit`
-    seconds."""
+    seconds. Batches of at most `chain_max_batch` requests get the heuristic's costlier
+    improvement too (moving requests off a cheaper option another request wants)."""
 
     candidates: int = 8
     index_min_batch: int = 64
     exact_max_batch: int = 200
     exact_time_limit: float = 0.1
+    chain_max_batch: int = 2000
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +277,7 @@ def _solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime
                            0.0)
     problem = solver.Problem(requests, builder.limits, builder.teams)
     builder.problem = problem
-    sol = solver.heuristic(problem)
+    sol = solver.heuristic(problem, chains=len(problem.requests) <= settings.chain_max_batch)
     if not sol.optimal and len(requests) <= settings.exact_max_batch and \
             settings.exact_time_limit > 0:
         sol = solver.exact(problem, time_limit=settings.exact_time_limit, incumbent=sol)

@@ -352,7 +352,7 @@ def why_unplaced(p: Problem, choice: Sequence[Option | None]
 # --- the heuristic ----------------------------------------------------------------------
 
 
-def heuristic(p: Problem, *, improve_rounds: int = 2) -> Solution:
+def heuristic(p: Problem, *, improve_rounds: int = 2, chains: bool = True) -> Solution:
     """Regret greedy, then local improvement. Never exceeds a resource or a limit."""
     started = time.perf_counter()
     bound = trivial_bound(p)  # before lists grow without what this answer used up
@@ -427,7 +427,7 @@ def heuristic(p: Problem, *, improve_rounds: int = 2) -> Solution:
             first = _thrifty(st, i, first)
         st.take(i, first)
     p.live = None  # from here on resources are freed as well as taken
-    _improve(st, rounds=improve_rounds, best_two=best_two)
+    _improve(st, rounds=improve_rounds, best_two=best_two, chains=chains)
     objective = st.objective()
     return Solution(st.choice, objective, bound, "heuristic", time.perf_counter() - started,
                     optimal=objective <= bound + EPS * max(1.0, bound))
@@ -482,7 +482,8 @@ def _greedy_key(r: Request, i: int, first: Option, c1: float, c2: float,
 
 
 def _improve(st: _State, *, rounds: int,
-             best_two: Callable[[int], tuple[Option | None, float, float]]) -> None:
+             best_two: Callable[[int], tuple[Option | None, float, float]],
+             chains: bool = True) -> None:
     p = st.p
     reqs = p.requests
     for _ in range(rounds):
@@ -512,13 +513,29 @@ def _improve(st: _State, *, rounds: int,
                     continue
                 st.take(i, better, -1)
             st.take(i, cur)
-        # 2. Unplaced requests: any option that fits, else make room by moving the
-        #    placed requests off the resources the option lacks.
         users: dict[Hashable, list[int]] = {}
         for j, oj in enumerate(st.choice):
             if oj is not None:
                 for key, _ in oj.uses:
                     users.setdefault(key, []).append(j)
+        # 1b. A cheaper option held by others: move them on when that costs less
+        #     (`chains`: about 0.4 s at 10,000 requests, for 0.15 % there).
+        for i, cur in enumerate(st.choice):
+            if not chains:
+                break
+            if cur is None or reqs[i].options[0] is cur:
+                continue
+            st.take(i, cur, -1)
+            if _make_room(st, i, users, tries=2, per_key=8, worth=reqs[i].cost(cur)):
+                moved += 1
+                new = st.choice[i]
+                assert new is not None
+                for key, _ in new.uses:
+                    users.setdefault(key, []).append(i)
+            else:
+                st.take(i, cur)
+        # 2. Unplaced requests: any option that fits, else make room by moving the
+        #    placed requests off the resources the option lacks.
         for i, cur in enumerate(st.choice):
             if cur is not None:
                 continue
@@ -537,7 +554,7 @@ def _improve(st: _State, *, rounds: int,
 
 
 def _make_room(st: _State, i: int, users: dict[Hashable, list[int]], tries: int = 4,
-               per_key: int = 32, scan: int = 16) -> bool:
+               per_key: int = 32, scan: int = 16, worth: float | None = None) -> bool:
     """Place unplaced request `i` on one of its cheapest options by moving as many placed
     requests off the resources it lacks as it takes, each to its cheapest other option
     that does not use that resource, while the moves together cost less than leaving
@@ -545,8 +562,10 @@ def _make_room(st: _State, i: int, users: dict[Hashable, list[int]], tries: int 
     round began (checked before use)."""
     p = st.p
     r = p.requests[i]
+    if worth is None:
+        worth = r.penalty
     for o in r.options[:tries]:
-        gain = r.penalty - r.cost(o)
+        gain = worth - r.cost(o)
         if gain <= EPS:
             break
         if not st.team_ok(i, o):

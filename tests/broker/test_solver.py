@@ -658,3 +658,24 @@ def test_a_team_short_of_budget_takes_the_lower_price_when_it_places_more() -> N
     check_solution(p, h)
     assert h.objective == pytest.approx(want)
     assert all(o is not None and o.uses[0][0] == "B" for o in h.choice)
+
+
+@pytest.mark.parametrize("chains", [True, False])
+def test_a_request_takes_a_cheaper_pool_by_moving_its_holder_on(chains: bool) -> None:
+    # r0 sits in B (12) because r1 holds A's one instance; r1 loses 0.5 by moving to C,
+    # r0 gains 2 by taking A.
+    p = Problem([req(opt(10, ("A", 1)), opt(12, ("B", 1))),
+                 req(opt(10, ("A", 1)), opt(10.5, ("C", 1)))],
+                limits={"A": 1, "B": 1, "C": 1})
+    st = solver._State(p)
+    st.take(0, p.requests[0].options[1])
+    st.take(1, p.requests[1].options[0])
+
+    def no_unplaced(i: int) -> tuple[Option | None, float, float]:
+        raise AssertionError("nothing is unplaced")
+
+    solver._improve(st, rounds=1, best_two=no_unplaced, chains=chains)
+    where = [o.uses[0][0] if o else None for o in st.choice]
+    assert where == (["A", "C"] if chains else ["B", "A"])
+    assert violations(p, st.choice) == []
+    assert st.left == ({"A": 0, "B": 1, "C": 0} if chains else {"A": 0, "B": 0, "C": 1})
