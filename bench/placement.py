@@ -502,7 +502,7 @@ def lp_bound(p: solver.Problem, *, time_limit: float, max_rounds: int = 100,
             duals = lp.solve_relaxation()
             if duals is None:
                 break
-            grew = solver._price_out(p, groups, duals, slack=0.0)
+            grew, _ = solver._price_out(p, groups, duals, slack=0.0)
             if not grew or rounds >= max_rounds or \
                     time.perf_counter() - started > time_limit:
                 break

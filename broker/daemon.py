@@ -23,7 +23,7 @@ import structlog
 
 from adapters.base import CloudAdapter
 from adapters.errors import AdapterError
-from broker import capacity
+from broker import capacity, solver
 from broker.bus import Bus
 from broker.clouds import build_adapters
 from broker.config import Config
@@ -232,6 +232,8 @@ class Daemon:
             if (where := self.cfg.http.host_port) is not None:
                 http = await serve(self, *where)
                 log.info("http listening", listen=self.cfg.http.listen)
+            if self.cfg.placement.exact_max_batch > 0:
+                await asyncio.to_thread(solver.preload)
             now = utcnow()
             self.broker.restore(await self.store.leases(
                 ended_since=now - self.book.keep_ended))

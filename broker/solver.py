@@ -38,6 +38,8 @@ from itertools import accumulate
 from typing import Any
 
 EPS = 1e-9
+PRICE_STEP = 64
+"""Options a column-generation round lists at most per group (`_price_out`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -523,8 +525,8 @@ def _improve(st: _State, *, rounds: int,
         for i, cur in enumerate(st.choice):
             if not chains:
                 break
-            if cur is None or reqs[i].options[0] is cur:
-                continue
+            if cur is None or not reqs[i].options or reqs[i].options[0] is cur:
+                continue  # (a list regrown without used-up options may be empty)
             st.take(i, cur, -1)
             if _make_room(st, i, users, tries=2, per_key=8, worth=reqs[i].cost(cur)):
                 moved += 1
@@ -682,6 +684,15 @@ def _team_swaps(st: _State) -> int:
 # --- the exact solver ----------------------------------------------------------------
 
 
+def preload() -> None:
+    """Import what `exact` needs (scipy.optimize: about a quarter of a second), so that
+    the first batch to need the MILP does not wait for it. The daemon calls it, in a
+    thread, at start."""
+    import numpy  # noqa: F401
+    import scipy.optimize
+    import scipy.sparse  # noqa: F401
+
+
 def exact(p: Problem, *, time_limit: float = 1.0, incumbent: Solution | None = None,
           max_rounds: int = 20) -> Solution:
     """Optimal (or, when the time limit strikes, the best found and a valid bound) by
@@ -709,7 +720,7 @@ def exact(p: Problem, *, time_limit: float = 1.0, incumbent: Solution | None = N
         duals = lp.solve_relaxation(time_limit=left)
         if duals is None:
             break  # the LP failed to solve (numerics): no bound beyond the trivial one
-        grew = _price_out(p, groups, duals, slack=0.0)
+        grew, _ = _price_out(p, groups, duals, slack=0.0, step=PRICE_STEP)
         if not grew or rounds >= max_rounds or time.perf_counter() > deadline:
             break
     proven = lp is not None and lp.value is not None and duals is not None and not grew
@@ -720,9 +731,13 @@ def exact(p: Problem, *, time_limit: float = 1.0, incumbent: Solution | None = N
                         time.perf_counter() - started, optimal=True,
                         detail={"lp_rounds": rounds})
     # Reduced-cost fixing: an option whose reduced cost exceeds the gap is in no
-    # solution better than the incumbent; give the MILP all the others.
+    # solution better than the incumbent; give the MILP all the others (or, when there
+    # are more than PRICE_STEP more in a group, the cheapest: then its answer is the
+    # best of those, not proven optimal).
+    every = False
     if proven and duals is not None:
-        _price_out(p, groups, duals, slack=inc.objective - bound)
+        every = not _price_out(p, groups, duals, slack=inc.objective - bound,
+                               step=PRICE_STEP)[1]
     lp = _LP(p)
     remaining = deadline - time.perf_counter()
     if remaining <= 0.01:
@@ -746,18 +761,22 @@ def exact(p: Problem, *, time_limit: float = 1.0, incumbent: Solution | None = N
     mip_bound = getattr(res, "mip_dual_bound", None)
     if mip_bound is not None and math.isfinite(mip_bound):
         bound = max(bound, min(float(mip_bound), objective))
+    optimal = res.status == 0 and every
     if objective >= inc.objective - EPS:
         return Solution(inc.choice, inc.objective, bound, inc.solver, seconds,
-                        optimal=res.status == 0, detail=detail)
-    return Solution(choice, objective, bound, "milp", seconds, optimal=res.status == 0,
+                        optimal=optimal, detail=detail)
+    return Solution(choice, objective, bound, "milp", seconds, optimal=optimal,
                     detail=detail)
 
 
 def _price_out(p: Problem, groups: Sequence[Group], duals: _Duals, *,
-               slack: float) -> bool:
-    """List every left-out option whose reduced cost could be below `slack`; True if any
-    was added. A left-out option costs at least its group's `upto` per hour, and only
-    the team-total row can lower a reduced cost, by at most gpus × |its dual|."""
+               slack: float, step: int | None = None) -> tuple[bool, bool]:
+    """List every left-out option whose reduced cost could be below `slack` (at most
+    `step` more per group: the cheapest); returns whether any was added and whether
+    `step` left some out. A left-out option costs at least its group's `upto` per hour,
+    and only the team-total row can lower a reduced cost, by at most gpus × |its dual|.
+    (With large duals, "could be below" can mean a GPU model's every offer: `step`
+    keeps a small batch's column generation from listing thousands at once.)"""
     need: dict[int, float] = {}
     for i, r in enumerate(p.requests):
         g = r.group
@@ -768,12 +787,17 @@ def _price_out(p: Problem, groups: Sequence[Group], duals: _Duals, *,
         threshold = (duals.assign[i] - gmax * w + slack) / r.horizon
         if threshold >= g.upto - EPS:
             need[id(g)] = max(need.get(id(g), -math.inf), threshold)
-    grew = False
+    grew = short = False
     for g in groups:
         below = need.get(id(g))
-        if below is not None and g.grow(below=below + EPS):
-            grew = True
-    return grew
+        if below is None:
+            continue
+        if step is None:
+            grew = g.grow(below=below + EPS) or grew
+            continue
+        grew = g.grow(k=len(g.options) + step) or grew
+        short = short or (not g.complete and g.upto < below + EPS)
+    return grew, short
 
 
 @dataclass(slots=True)

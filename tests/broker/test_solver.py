@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from broker import solver
@@ -435,6 +435,10 @@ def test_exact_equals_brute_force_and_heuristic_is_feasible_and_no_better(spec: 
 
 @FAST
 @given(specs(max_requests=4, max_options=5))
+# Three requests sharing one list whose pool has one instance: regrown without what is
+# used up, the list is empty while a request sits on its last option.
+@example(Spec([([(5.0, (("p0", 1.0),), 1, 4.0, 0), (5.0, (("p0", 1.0),), 1, 4.0, 0)],
+                None, 1.0), (0, None, 1.0), (0, None, 1.0)], {"p0": 1.0}, {}))
 def test_column_generation_finds_options_beyond_the_listed_ones(spec: Spec) -> None:
     """Each group lists only its cheapest option; the LP must ask `more` for the
     others (an all-unplaced incumbent keeps the heuristic from listing them first)."""
