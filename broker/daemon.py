@@ -232,8 +232,6 @@ class Daemon:
             if (where := self.cfg.http.host_port) is not None:
                 http = await serve(self, *where)
                 log.info("http listening", listen=self.cfg.http.listen)
-            if self.cfg.placement.exact_max_batch > 0:
-                await asyncio.to_thread(solver.preload)
             now = utcnow()
             self.broker.restore(await self.store.leases(
                 ended_since=now - self.book.keep_ended))
@@ -255,6 +253,7 @@ class Daemon:
                     tg.create_task(self._prune()),
                     tg.create_task(self._mark_ready()),
                     tg.create_task(self.warm_hazard()),
+                    tg.create_task(self._preload_solver()),
                     *(tg.create_task(self._signals(a)) for a in self.adapters),
                 ]
                 workers.append(tg.create_task(self._systemd()))
@@ -302,14 +301,13 @@ class Daemon:
         hours = min(HAZARD_HISTORY_HALF_LIVES * self.hazard.half_life_hours,
                     self.cfg.state.market_history_days * 24.0)
         pending: list[tuple[PoolChange, float]] = []
-        keep = self.pool.subscribe(lambda change: pending.append(
-            (change, utcnow().timestamp())))
+        keep = self.pool.subscribe_timed(lambda change, t: pending.append((change, t)))
         started = time.perf_counter()
         rows = 0
         try:
             rows = await asyncio.to_thread(_read_history, self.store.path,
                                            until - timedelta(hours=hours), until, self.hazard)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             log.warning("market history not read for the hazard estimates",
                         error=type(exc).__name__, detail=str(exc))
         finally:
@@ -321,6 +319,12 @@ class Daemon:
                  pools=len(self.hazard), hours=round(hours, 2), polls_meanwhile=len(pending),
                  seconds=round(time.perf_counter() - started, 3))
         return rows
+
+    async def _preload_solver(self) -> None:
+        """Import the MILP solver in a thread while the first poll runs (placement starts
+        after it), not on the event loop when the first batch needs it."""
+        if self.cfg.placement.exact_max_batch > 0:
+            await asyncio.to_thread(solver.preload)
 
     def _use_hazard(self) -> None:
         self.pool.feed_hazard(self.hazard)

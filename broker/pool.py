@@ -127,16 +127,17 @@ class ResourcePool:
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener)
 
-    def feed_hazard(self, hazard: HazardEstimator) -> Callable[[], None]:
-        """Feed `hazard` this pool's changes as they land, at the pool's clock's time
-        (placement scores with it once it is also this pool's `hazard`). Returns the
-        unsubscribe."""
+    def subscribe_timed(self, listener: Callable[[PoolChange, float], None]
+                        ) -> Callable[[], None]:
+        """Like `subscribe`, with each change's time on the pool's clock (epoch seconds).
+        Returns the unsubscribe."""
         clock = self._clock
+        return self.subscribe(lambda change: listener(change, clock().timestamp()))
 
-        def feed(change: PoolChange) -> None:
-            hazard.observe_change(change, clock().timestamp())
-
-        return self.subscribe(feed)
+    def feed_hazard(self, hazard: HazardEstimator) -> Callable[[], None]:
+        """Feed `hazard` this pool's changes as they land (placement scores with it once
+        it is also this pool's `hazard`). Returns the unsubscribe."""
+        return self.subscribe_timed(hazard.observe_change)
 
     # --- the broker's own holdings -----------------------------------------------------
 
