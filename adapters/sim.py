@@ -5,8 +5,9 @@ Azure, Alibaba by default). It drives `gpubroker demo`, most tests and the bench
 it behaves like the real thing where the broker can tell the difference:
 
 * **Catalog.** Instance types, GPUs, vCPUs, RAM and on-demand list prices come from the
-  real price snapshot in `/work/shared/data` (`CATALOG` below names the file of every
-  number); Alibaba, which the snapshot lacks, uses approximate public list prices.
+  real price snapshot in `tests/fixtures/prices`, copied into this module (`CATALOG`
+  below names the file of every number); Alibaba, which the snapshot lacks, uses
+  approximate public list prices.
 * **Regions and zones.** Real region names per cloud (then synthesized ones, so a
   benchmark can ask for hundreds), real-looking zone names, a small fixed price multiplier
   per region, and a seeded subset (about 85%) of the catalog offered in each zone.

@@ -1,4 +1,4 @@
-"""Placement instances built from the real GPU price snapshot (`/work/shared/data`).
+"""Placement instances built from the real GPU price snapshot (`tests/fixtures/prices`).
 
 A clean function API, for the placement bench and for tests:
 
@@ -53,7 +53,12 @@ from broker.model import Market, Offer, PlaceRequest, PoolKey
 from broker.pool import ResourcePool
 from policies.model import Gpus, Policy, Scoring, Team
 
-DATA_DIR = Path(os.environ.get("GPUBROKER_PRICE_DATA", "/work/shared/data"))
+# the snapshot vendored with the tests (provenance: tests/fixtures/prices/README.md);
+# GPUBROKER_PRICE_DATA names another directory holding the same three CSVs
+DATA_DIR = Path(
+    os.environ.get("GPUBROKER_PRICE_DATA")
+    or Path(__file__).resolve().parents[1] / "tests/fixtures/prices"
+)
 _T = TypeVar("_T")
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 """The time every offer is observed at and every bench places at."""

@@ -38,13 +38,14 @@ region at all, so the fake uses, in order: a region named inside the request (an
 anonymous adapter polling several regions sees the default region's EC2 data for all
 of them; tests that tell regions apart must sign (the fixture sets fake credentials).
 
-Zone names. The price CSV has AZ *IDs* (``use1-az1``); EC2 spot history speaks zone
-*names*. The fake maps an ID to the name that moto's ``DescribeAvailabilityZones``
-reports for it in the same region, so the two APIs agree (as one real account's
-would). moto's table is irregular for some regions, like real accounts are:
-us-east-1 is a=az6, b=az1, c=az2, d=az4, e=az3, f=az5; us-west-2 is a=az2, b=az1,
-c=az3, d=az4; eu-west-1 a=az3, b=az1, c=az2 (see ``zone_name``/``zone_id``). Regions
-moto doesn't list specially use azN → the N-th letter (az1→a, az2→b ...).
+Zone names. The price CSV (``tests/fixtures/prices/gpu-prices-aws.csv``) has AZ *IDs*
+(``use1-az1``); EC2 spot history speaks zone *names*. The fake maps an ID to the name
+that moto's ``DescribeAvailabilityZones`` reports for it in the same region, so the two
+APIs agree (as one real account's would). moto's table is irregular for some regions,
+like real accounts are: us-east-1 is a=az6, b=az1, c=az2, d=az4, e=az3, f=az5;
+us-west-2 is a=az2, b=az1, c=az3, d=az4; eu-west-1 a=az3, b=az1, c=az2 (see
+``zone_name``/``zone_id``). Regions moto doesn't list specially use azN → the N-th
+letter (az1→a, az2→b ...).
 
 Spot price history follows the real API's time rule: with ``StartTime`` it returns the
 points with ``Timestamp >= StartTime`` (and ``<= EndTime`` if given) **plus, per
@@ -91,8 +92,8 @@ import pytest
 from aiohttp import web
 from fake_server import FakeServer
 
-# /work/shared/data/gpu-prices-aws.csv: the shared price snapshot next to the checkout
-DEFAULT_PRICES_CSV = Path(__file__).resolve().parents[2] / "shared/data/gpu-prices-aws.csv"
+# the price snapshot vendored with the tests (provenance: tests/fixtures/prices/README.md)
+DEFAULT_PRICES_CSV = Path(__file__).resolve().parent / "fixtures/prices/gpu-prices-aws.csv"
 
 ACCOUNT_ID = "123456789012"  # moto's default account
 EC2_NS = "http://ec2.amazonaws.com/doc/2016-11-15/"

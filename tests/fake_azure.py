@@ -33,8 +33,8 @@ shapes:
 Errors use ARM's shape ``{"error": {"code", "message"}}`` with the status given; an
 unknown subscription is ``404 SubscriptionNotFound``.
 
-Data. VM sizes, regions and prices come from the shared snapshot
-(``/work/shared/data/gpu-prices-azure.csv``: 8 US regions, prices per region). The
+Data. VM sizes, regions and prices come from the price snapshot
+(``tests/fixtures/prices/gpu-prices-azure.csv``: 8 US regions, prices per region). The
 snapshot has no vCPU family names, zones, quotas or eviction rates, so the fake adds them:
 family names as ARM spells them (``SIZES`` below), zones ``1``–``3`` in the regions that
 have availability zones (westus and northcentralus have none; ND sizes are in two of the
@@ -80,7 +80,8 @@ import pytest
 from aiohttp import web
 from fake_server import FakeServer
 
-DEFAULT_PRICES_CSV = Path(__file__).resolve().parents[2] / "shared/data/gpu-prices-azure.csv"
+# the price snapshot vendored with the tests (provenance: tests/fixtures/prices/README.md)
+DEFAULT_PRICES_CSV = Path(__file__).resolve().parent / "fixtures/prices/gpu-prices-azure.csv"
 SUBSCRIPTION_ID = "6f1c2d3e-0000-4000-8000-00000000cafe"
 SKUS_API = "2021-07-01"
 RETAIL_HOST_PATH = "/api/retail/prices"

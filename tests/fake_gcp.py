@@ -25,7 +25,7 @@ Errors are Google's JSON error bodies (``error.code``, ``message``, ``status``,
 ``errors[].reason`` for Compute Engine, an ``ErrorInfo`` detail), with ``Retry-After``
 when asked.
 
-**Data**, from the price snapshot ``/work/shared/data/gpu-prices-gcp.csv``:
+**Data**, from the price snapshot ``tests/fixtures/prices/gpu-prices-gcp.csv``:
 
 * zones: every zone a snapshot row names; each zone's machine types are its host rows
   (a2/a3/g2 with their built-in GPUs), ``a4-highgpu-8g`` where B200 rows are (the
@@ -91,8 +91,8 @@ import pytest
 from aiohttp import web
 from fake_server import FakeServer
 
-# /work/shared/data/gpu-prices-gcp.csv: the shared price snapshot next to the checkout
-DEFAULT_PRICES_CSV = Path(__file__).resolve().parents[2] / "shared/data/gpu-prices-gcp.csv"
+# the price snapshot vendored with the tests (provenance: tests/fixtures/prices/README.md)
+DEFAULT_PRICES_CSV = Path(__file__).resolve().parent / "fixtures/prices/gpu-prices-gcp.csv"
 COMPUTE_SERVICE = "6F81-5844-456A"
 PROJECT = "gpubroker-test"
 API = "https://www.googleapis.com/compute/v1"
