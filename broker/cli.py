@@ -126,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from broker import logs
     from broker.daemon import Daemon, install_signal_handlers
+    from broker.store import StoreFailed
 
     cfg = _config(args.config)
     logs.configure(json=True, level=logging.getLevelNamesMapping()[cfg.log_level.upper()])
@@ -138,6 +139,10 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(go())
+    except StoreFailed:
+        # Crash-only (broker.core): the broker has logged SQLite's error, once; systemd
+        # starts the daemon again, and it recovers from the store.
+        return EXIT_RUNTIME
     except (OSError, ExceptionGroup) as exc:
         first = exc.exceptions[0] if isinstance(exc, ExceptionGroup) else exc
         print(f"gpubroker: {type(first).__name__}: {first}", file=sys.stderr)

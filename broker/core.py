@@ -5,6 +5,31 @@ placement requests (in batches), renewals, releases, reports, expiries and failo
 Each change is committed to the state store together with the MQTT messages it causes
 (the outbox) before anything is published, so a crash never loses a decision and never
 publishes one that was not kept.
+
+The rule for state — crash-only, with recovery from the store. The store is the truth;
+the lease book and the pool's holdings in memory are a cache of it, changed under the
+lock and committed before the lock is let go. A commit the store refuses (`StoreFailed`:
+disk full, I/O error, a read-only file, `database is locked` after SQLite's 5 s busy
+timeout) leaves memory ahead of the store, so it is fatal:
+
+* nothing of the failed batch is published (rows reach the bus only once committed);
+  every HTTP caller waiting on it and every command still queued is answered at once
+  with `StoreFailed` (HTTP 503, "state store failed; not executed"); MQTT requests get
+  no answer, and schedulers send them again with the same `request_id`;
+* nothing more is committed: the loop whose commit failed raises `StoreFailed`, which
+  ends the daemon's task group, and every later change is refused (`_changing`,
+  `_commit`); `gpubroker run` logs the SQLite error once and exits 1, and systemd
+  starts it again;
+* at start the lease book and the outbox are loaded from the store: what was committed
+  is all there is, and nothing uncommitted ever left the process. The new boot has a new
+  `bootid` and counts `seq` from 1, so the numbers the failed batch took are never seen.
+
+Readers outside the lock that must see only committed state (the HTTP lease views) wait
+for `settled()` first.
+
+Nothing queued here grows without bound: requests wait in a bounded queue
+(back-pressure), failover triggers at most one per lease, and the anti-flap record of a
+lease holds only its moves within the window and goes when the lease ends.
 """
 
 from __future__ import annotations
@@ -13,7 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -36,7 +61,7 @@ from broker.model import (
     utcnow,
 )
 from broker.pool import PoolChange, ResourcePool
-from broker.store import OutboxRow, StateStore
+from broker.store import OutboxRow, StateStore, StoreFailed
 from policies.evaluate import Denied, evaluate, forbids
 from policies.model import Policy
 from policies.residency import Residency
@@ -100,7 +125,9 @@ class Broker:
         self.last_batch: placement.BatchResult | None = None
         self._lock = asyncio.Lock()
         self._requests: asyncio.Queue[Command] = asyncio.Queue(maxsize=10_000)
-        self._triggers: asyncio.Queue[failover.Trigger] = asyncio.Queue()
+        # Failover triggers: at most one per lease, in order of first arrival.
+        self._triggers: dict[str, failover.Trigger] = {}
+        self._triggered = asyncio.Event()
         self._expiry_changed = asyncio.Event()
         self.observers: list[Observer] = []
         self.batch_observers: list[Callable[[placement.BatchResult], None]] = []
@@ -108,23 +135,49 @@ class Broker:
         self.on_launch_failed: Callable[[PoolKey, str], None] | None = None
         self._resident = Residency(policy.residency.tags)
         self._reopt_next = 0  # where the next re-optimisation pass starts
-        self._moves: dict[str, list[datetime]] = {}  # lease_id -> failover times (anti-flap)
+        # lease_id -> its failover times within the anti-flap window (active leases only)
+        self._moves: dict[str, list[datetime]] = {}
+        self.failed: StoreFailed | None = None
+        """Set when the store refused a change: the broker has stopped for good."""
         pool.subscribe(self._on_pool_change)
 
     # --- inputs ----------------------------------------------------------------------
 
     async def submit(self, command: Command) -> None:
-        """Queue a scheduler's message; waits when the queue is full (back-pressure)."""
+        """Queue a scheduler's message; waits when the queue is full (back-pressure).
+        Once the broker has failed, an HTTP caller is refused at once (`StoreFailed` on
+        its answer) and an MQTT request is dropped: nothing would ever take it."""
+        if self.failed is not None:
+            _refuse(command, self.failed)
+            return
         await self._requests.put(command)
+        if self.failed is not None:  # failed while this one waited for room
+            self._refuse_queued()
 
     def signal(self, sig: CapacitySignal) -> None:
         """A cloud's push notice about a pool (spot interruption ...)."""
         for trigger in failover.from_signal(sig, self.book, self.policy.failover):
-            self._triggers.put_nowait(trigger)
+            self._trigger(trigger)
 
     def _on_pool_change(self, change: PoolChange) -> None:
         for trigger in failover.from_pool_change(change, self.book, self.policy.failover):
-            self._triggers.put_nowait(trigger)
+            self._trigger(trigger)
+
+    def _trigger(self, trigger: failover.Trigger) -> None:
+        """Queue a failover trigger. A lease has at most one waiting, which keeps its
+        place in the queue: a later trigger replaces it only when it supersedes it (a
+        newer epoch, or a lost capacity over a move by choice)."""
+        waiting = self._triggers.get(trigger.lease_id)
+        if waiting is None:
+            self._triggers[trigger.lease_id] = trigger
+            self._triggered.set()
+        elif failover.supersedes(trigger, waiting):
+            self._triggers[trigger.lease_id] = trigger
+
+    @property
+    def pending_failovers(self) -> int:
+        """Failover triggers waiting (at most one per lease)."""
+        return len(self._triggers)
 
     def restore(self, leases: Sequence[Lease]) -> None:
         """Load the lease book from the store at start-up."""
@@ -160,6 +213,9 @@ class Broker:
                     break
             try:
                 await self.handle(batch)
+            except StoreFailed as exc:
+                self._fail(exc, batch)
+                raise
             finally:
                 for _ in batch:
                     self._requests.task_done()
@@ -171,9 +227,15 @@ class Broker:
             pass
 
     async def run_failovers(self) -> None:
+        """Handle failover triggers, first come first served (one per lease: the one
+        waiting when its turn comes)."""
         while True:
-            trigger = await self._triggers.get()
-            async with self._lock:
+            await self._triggered.wait()
+            async with self._changing():
+                lease_id = next(iter(self._triggers))
+                trigger = self._triggers.pop(lease_id)
+                if not self._triggers:
+                    self._triggered.clear()
                 await self._fail_over(trigger)
 
     async def run_expiry(self) -> None:
@@ -209,7 +271,7 @@ class Broker:
         triggers = failover.reoptimize(chunk, self.pool, self.policy, self._resident,
                                        self._clock())
         for t in triggers:
-            self._triggers.put_nowait(t)
+            self._trigger(t)
         return triggers
 
     def check_health(self) -> list[failover.Trigger]:
@@ -225,7 +287,7 @@ class Broker:
                     f"{key.cloud} {key.region} has had no good poll for over "
                     f"{self.pool.stale_after.total_seconds():g}s"))
         for t in triggers:
-            self._triggers.put_nowait(t)
+            self._trigger(t)
         return triggers
 
     # --- policy --------------------------------------------------------------------
@@ -233,7 +295,7 @@ class Broker:
     async def apply_policy(self, policy: Policy, digest: str, source: str) -> int:
         """Swap in a validated policy, publish `policy.applied`, and fail over the leases
         it forbids (subject to the anti-flap limits). Returns how many were triggered."""
-        async with self._lock:
+        async with self._changing():
             self.policy = policy
             self._resident = Residency(policy.residency.tags)
             triggers = []
@@ -250,7 +312,7 @@ class Broker:
                 "teams": len(policy.teams), "leases_to_move": len(triggers)}, "policy"))
             await self._commit(b)
         for t in triggers:
-            self._triggers.put_nowait(t)
+            self._trigger(t)
         log.info("policy applied", hash=digest, file=source, leases_to_move=len(triggers))
         return len(triggers)
 
@@ -260,14 +322,14 @@ class Broker:
                   for p in problems]
         for p in problems:
             log.error("policy rejected; the running policy stays", problem=str(p))
-        async with self._lock:
+        async with self._changing():
             b = _Batch()
             self._emit(b, Event("policy.rejected", OPS, {"file": source, "errors": errors},
                                 "policy"))
             await self._commit(b)
 
     async def expire_due(self) -> list[Lease]:
-        async with self._lock:
+        async with self._changing():
             now = self._clock()
             b = _Batch()
             for lease in self.book.due(now):
@@ -495,7 +557,8 @@ class Broker:
         if isinstance(outcome, placement.Decision):
             moved = self.book.failover(lease.lease_id, outcome.placement, now)
             self.pool.hold(moved.placement.pool, moved.placement.instances)
-            self._moves.setdefault(moved.lease_id, []).append(now)
+            self._moves[moved.lease_id] = [*failover.recent(
+                self._moves.get(moved.lease_id, ()), now), now]
             b.leases[moved.lease_id] = moved
             self._emit(b, Event("lease.failover", moved.scheduler, {
                 "lease_id": moved.lease_id, "epoch": moved.epoch, "from": old.to_json(),
@@ -512,7 +575,6 @@ class Broker:
                      reason=trigger.reason.value, detail=outcome.detail)
         else:
             ended = self.book.end(lease.lease_id, LeaseState.FAILED, now)
-            self._moves.pop(ended.lease_id, None)
             self._ended(b, ended, "lease.failed", {
                 "lease_id": ended.lease_id, "reason": trigger.reason.value,
                 "detail": f"{trigger.detail}; no other placement: {outcome.detail}"})
@@ -524,6 +586,7 @@ class Broker:
     def _ended(self, b: _Batch, lease: Lease, kind: str, data: dict[str, Any],
                cmd: Command | None = None) -> None:
         self.pool.unhold(lease.placement.pool, lease.placement.instances)
+        self._moves.pop(lease.lease_id, None)
         b.leases[lease.lease_id] = lease
         self._emit(b, Event(kind, lease.scheduler, data, lease_subject(lease.lease_id),
                             lease.request_id), cmd)
@@ -541,10 +604,34 @@ class Broker:
         for observe in self.observers:
             observe(event.kind, event.data)
 
+    @contextlib.asynccontextmanager
+    async def _changing(self) -> AsyncIterator[None]:
+        """The lock, for a change; none once the broker has failed (its memory may be
+        ahead of the store: see the module docstring)."""
+        async with self._lock:
+            if self.failed is not None:
+                raise self.failed
+            yield
+
+    async def settled(self) -> None:
+        """Return when no change is being made or committed, so that the lease book, read
+        before the next await, holds only what is in the store. Raises `StoreFailed`
+        once the broker has failed."""
+        async with self._lock:
+            pass
+        if self.failed is not None:
+            raise self.failed
+
     async def _commit(self, b: _Batch) -> None:
+        if self.failed is not None:
+            raise self.failed
         if not b.leases and not b.rows:
             return
-        rows = await self.store.commit(b.leases.values(), b.rows)
+        try:
+            rows = await self.store.commit(b.leases.values(), b.rows)
+        except StoreFailed as exc:
+            self._fail(exc, [cmd for cmd, _ in b.answers])
+            raise
         self._publish(rows)
         done = time.monotonic()
         for cmd, payload in b.answers:
@@ -553,6 +640,30 @@ class Broker:
         if self.decision_latency is not None:
             for cmd, _ in b.decided:
                 self.decision_latency(done - cmd.received)
+
+    def _fail(self, exc: StoreFailed, commands: Iterable[Command]) -> None:
+        """The store refused a change: stop for good, and refuse at once the commands
+        in flight and every one still queued (none of them was executed)."""
+        if self.failed is None:
+            self.failed = exc
+            log.error("state store failed; nothing of the batch was kept or published; "
+                      "stopping (the next start loads the store)", error=str(exc))
+        for cmd in commands:
+            _refuse(cmd, self.failed)
+        self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        assert self.failed is not None
+        while not self._requests.empty():
+            cmd = self._requests.get_nowait()
+            self._requests.task_done()
+            _refuse(cmd, self.failed)
+
+
+def _refuse(cmd: Command, exc: StoreFailed) -> None:
+    """Answer a waiting HTTP caller with the store's failure (503, not executed)."""
+    if cmd.answer is not None and not cmd.answer.done():
+        cmd.answer.set_exception(exc)
 
 
 def _ms(now: datetime, then: datetime | None) -> float | None:

@@ -4,7 +4,9 @@ Start-up: state store → lease book and outbox restored → MQTT → adapters �
 requests are taken once the first round of polls is in. The market recorder listens to
 the pool from the start and writes on the store's thread. Shutdown (SIGTERM/SIGINT) runs
 in reverse: stop taking requests, finish the decisions in flight, flush the outbox,
-publish `offline`, disconnect, close the store and the adapters.
+publish `offline`, disconnect, close the store and the adapters. A commit the state
+store refuses ends the task group at once instead (crash-only, see `broker.core`):
+`run` raises `StoreFailed`, and the next start recovers from the store.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from broker.poller import Poller, PollResult
 from broker.pool import PoolChange, ResourcePool, SliceId
 from broker.recorder import HistoryReader, MarketRecorder
 from broker.sdnotify import Notifier, watchdog_seconds
-from broker.store import StateStore
+from broker.store import StateStore, StoreFailed
 from policies.loader import SourceError, load_policy, parse_policy, policy_hash
 from policies.model import Policy
 from policies.yamlsrc import Problem
@@ -91,7 +93,10 @@ class Daemon:
                              publish=self.bus.enqueue,
                              retry_after_seconds=cfg.poll.interval_seconds,
                              batching=cfg.placement)
-        self._polled: asyncio.Queue[SliceId] = asyncio.Queue()
+        # Slices whose capacity summaries are due, in poll order, each at most once: the
+        # publisher reads the slice when its turn comes, so a second poll adds nothing.
+        self._polled: dict[SliceId, None] = {}
+        self._polled_due = asyncio.Event()
         self.poller = Poller(self.pool, self.adapters,
                              interval_seconds=cfg.poll.interval_seconds,
                              timeout_seconds=cfg.poll.timeout_seconds,
@@ -120,6 +125,8 @@ class Daemon:
     def not_ready(self) -> list[str]:
         """Why the daemon is not ready to serve (empty: ready)."""
         reasons = []
+        if self.broker.failed is not None:
+            reasons.append("state store failed")
         if not self.bus.connected.is_set():
             reasons.append("MQTT not connected")
         if not self.poller.first_round.is_set():
@@ -221,8 +228,14 @@ class Daemon:
         self.metrics.polls.labels(adapter=adapter, region=region, result=outcome).inc()
         self.metrics.poll_seconds.labels(adapter=adapter, result=outcome).observe(
             result.seconds)
-        if result.change is not None:
-            self._polled.put_nowait(result.slice)
+        if result.change is not None and result.slice not in self._polled:
+            self._polled[result.slice] = None
+            self._polled_due.set()
+
+    @property
+    def capacity_pending(self) -> int:
+        """Slices whose capacity summaries wait to be published (each at most once)."""
+        return len(self._polled)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set, then shut down in order."""
@@ -277,6 +290,16 @@ class Daemon:
                                 outbox=self.bus.outbox_depth)
                 await self.bus.goodbye()
                 bus.cancel()
+        except BaseExceptionGroup as eg:
+            failed = self.broker.failed
+            if failed is None:
+                raise
+            # Crash-only (broker.core): the store refused a commit. The broker has logged
+            # it and refused what was waiting; end with that error, not with the group.
+            _, rest = eg.split(StoreFailed)
+            if rest is not None:
+                log.error("failed as well while stopping", exc_info=rest)
+            raise failed from None
         finally:
             if http is not None:
                 await http.cleanup()
@@ -386,8 +409,12 @@ class Daemon:
     async def _publish_capacity(self) -> None:
         expiry = int(3 * self.cfg.poll.interval_seconds)
         while True:
-            slice_id = await self._polled.get()
+            await self._polled_due.wait()
             await self.bus.connected.wait()
+            slice_id = next(iter(self._polled))
+            del self._polled[slice_id]
+            if not self._polled:
+                self._polled_due.clear()
             now = utcnow()
             offers = self.pool.slice_offers(slice_id)
             for (cloud, region, gpu), summary in capacity.summaries(offers, self.pool,

@@ -47,6 +47,8 @@ from policies.residency import Residency
 
 DISCRETIONARY = frozenset({FailoverReason.PRICE_ABOVE_CAP, FailoverReason.CLOUD_UNHEALTHY,
                            FailoverReason.POLICY_CHANGED, FailoverReason.REOPTIMIZED})
+FLAP_WINDOW = timedelta(hours=1)
+"""The anti-flap window: `max_failovers_per_hour` counts a lease's moves within it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,20 @@ def from_pool_change(change: PoolChange, book: LeaseBook, policy: Failover | Non
     return out
 
 
+def supersedes(new: Trigger, waiting: Trigger) -> bool:
+    """Whether `new` should replace the trigger `waiting` for the same lease: it is for a
+    newer epoch (`waiting` is stale), or for the same one and the lease's capacity is
+    gone where `waiting` was a move by choice. Otherwise the first one stays."""
+    if new.epoch != waiting.epoch:
+        return new.epoch > waiting.epoch
+    return waiting.reason in DISCRETIONARY and new.reason not in DISCRETIONARY
+
+
+def recent(moves: Sequence[datetime], now: datetime) -> list[datetime]:
+    """The failover times within the anti-flap window (older ones no longer count)."""
+    return [t for t in moves if now - t < FLAP_WINDOW]
+
+
 def held_back(trigger: Trigger, lease: Lease, policy: Failover, moves: Sequence[datetime],
               now: datetime) -> str | None:
     """Why the anti-flap limits hold a discretionary move back, or None."""
@@ -137,9 +153,9 @@ def held_back(trigger: Trigger, lease: Lease, policy: Failover, moves: Sequence[
     if age < policy.min_lease_age_seconds:
         return f"lease is {age:.0f}s old, under min_lease_age_seconds"
     if policy.max_failovers_per_hour is not None:
-        recent = [t for t in moves if now - t < timedelta(hours=1)]
-        if len(recent) >= policy.max_failovers_per_hour:
-            return f"{len(recent)} failovers in the last hour (max_failovers_per_hour)"
+        moved = recent(moves, now)
+        if len(moved) >= policy.max_failovers_per_hour:
+            return f"{len(moved)} failovers in the last hour (max_failovers_per_hour)"
     return None
 
 

@@ -7,7 +7,8 @@
 * `GET /v1/offers`: the pool, cheapest per GPU-hour first; filters `gpu`, `cloud`,
   `region`, `market`, `fresh=1`, `limit`.
 * `GET /v1/leases`, `GET /v1/leases/{id}`: leases in memory (active and recently
-  ended); filters `state`, `scheduler`.
+  ended), as committed (a change being committed is waited for); filters `state`,
+  `scheduler`.
 * `POST /v1/requests/{S}/place`: a placement request, same body and answer as MQTT;
   bearer token required.
 * `GET /v1/policy`: the policy in force and its hash.
@@ -15,7 +16,9 @@
 The answer to a POST is the CloudEvents envelope the scheduler also gets on MQTT: 200 for
 `placement.decided` and `placement.rejected`, 422 for `request.invalid`. Bodies over
 64 KiB get 413; a missing or wrong token 401 (compared in constant time); with no token
-file configured, the endpoint answers 403.
+file configured, the endpoint answers 403. When the state store refuses a commit the
+broker stops (`broker.core`): a request waiting for its answer, or arriving after, gets
+503 "state store failed; not executed" at once, as do the lease views.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from broker.core import Command
 from broker.model import SCHEDULER_ID, Market, utcnow
+from broker.store import StoreFailed
 
 if TYPE_CHECKING:
     from broker.daemon import Daemon
@@ -46,6 +50,10 @@ def _daemon(request: web.Request) -> Daemon:
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(data, separators=(",", ":")), status=status,
                         content_type="application/json")
+
+
+def _store_failed() -> web.Response:
+    return _json({"error": "state store failed; not executed"}, 503)
 
 
 async def livez(_: web.Request) -> web.Response:
@@ -87,6 +95,10 @@ async def offers(request: web.Request) -> web.Response:
 async def leases(request: web.Request) -> web.Response:
     d = _daemon(request)
     q = request.query
+    try:
+        await d.broker.settled()
+    except StoreFailed:
+        return _store_failed()
     rows = [le for le in d.book.all()
             if (not q.get("state") or le.state.value == q["state"])
             and (not q.get("scheduler") or le.scheduler == q["scheduler"])]
@@ -95,7 +107,12 @@ async def leases(request: web.Request) -> web.Response:
 
 
 async def lease(request: web.Request) -> web.Response:
-    found = _daemon(request).book.get(request.match_info["lease_id"])
+    d = _daemon(request)
+    try:
+        await d.broker.settled()
+    except StoreFailed:
+        return _store_failed()
+    found = d.book.get(request.match_info["lease_id"])
     if found is None:
         return _json({"error": "no such lease"}, 404)
     return _json(found.to_json())
@@ -134,6 +151,8 @@ async def place(request: web.Request) -> web.Response:
     except TimeoutError:
         return _json({"error": "no decision in time; ask again with the same request_id"},
                      504)
+    except StoreFailed:
+        return _store_failed()
     kind = json.loads(envelope)["type"]
     status = 422 if kind == "gpubroker.request.invalid.v1" else 200
     return web.Response(body=envelope, status=status, content_type="application/json")

@@ -41,7 +41,9 @@ class LeaseBook:
         self._leases: dict[str, Lease] = {}
         self._by_request: dict[tuple[str, str], str] = {}
         self._by_pool: dict[PoolKey, set[str]] = {}
-        self._expiry: list[tuple[datetime, str]] = []  # lazy heap: stale entries skipped
+        # A lazy heap: a renewal pushes a new entry and leaves the old one, skipped when it
+        # comes up; compacted when stale entries outnumber the leases (`_put`).
+        self._expiry: list[tuple[datetime, str]] = []
         self._teams: dict[str, _TeamTally] = {}
 
     def load(self, leases: Iterable[Lease]) -> None:
@@ -177,7 +179,15 @@ class LeaseBook:
             self._by_pool.setdefault(lease.placement.pool, set()).add(lease.lease_id)
             if old is None or old.expires_at != lease.expires_at:
                 heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
+                if len(self._expiry) > 2 * len(self._leases) + 64:
+                    self._compact_expiry()
         return lease
+
+    def _compact_expiry(self) -> None:
+        """Keep one heap entry per active lease (renewals leave stale ones behind)."""
+        self._expiry = [(le.expires_at, le.lease_id) for le in self._leases.values()
+                        if le.state is LeaseState.ACTIVE]
+        heapq.heapify(self._expiry)
 
     def _tally(self, lease: Lease, sign: int) -> None:
         team = lease.request.team
@@ -190,6 +200,8 @@ class LeaseBook:
         t.by_zone[(p.pool.cloud, p.pool.zone)] += sign * p.total_gpus
         if t.by_zone[(p.pool.cloud, p.pool.zone)] <= 0:
             del t.by_zone[(p.pool.cloud, p.pool.zone)]
+        if t.gpus <= 0 and not t.by_zone:
+            del self._teams[team]  # team names come from requests: keep only those holding
 
 
 @dataclass(slots=True)

@@ -8,6 +8,10 @@ WAL mode; `synchronous=NORMAL` by default, which survives a killed process (the
 daemon's crash mode) but may lose the last transactions on power loss. Set
 `state.synchronous: full` to survive that too, at the cost of an fsync per commit.
 
+A commit or a lease lookup that SQLite refuses (disk full, I/O error, a read-only file,
+`database is locked` after the 5 s busy timeout) raises `StoreFailed`: the broker cannot
+keep its state, and stops (`broker.core` says how).
+
 The market history (`market_pools`, `market_changes`, `market_snapshots`) is written
 and read by `broker.recorder`; its tables are created here with the rest of the schema.
 They were added without a schema version bump: an older gpubroker ignores them.
@@ -16,6 +20,7 @@ They were added without a schema version bump: an older gpubroker ignores them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sqlite3
 from collections.abc import Callable, Iterable, Sequence
@@ -83,6 +88,11 @@ CREATE TABLE IF NOT EXISTS market_changes (
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS market_snapshots (t INTEGER PRIMARY KEY);
 """
+
+
+class StoreFailed(Exception):
+    """SQLite refused a commit or a read of the lease book; the message names the file
+    and SQLite's error. Fatal to the broker: its memory may be ahead of the store."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,11 +180,22 @@ class StateStore:
                                          cur.lastrowid))
                 db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                # SQLite may have rolled back already (SQLITE_FULL, SQLITE_IOERR ...); a
+                # second ROLLBACK would fail and hide the error that matters.
+                if db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        db.execute("ROLLBACK")
                 raise
             return out
 
-        return await self._run(tx)
+        try:
+            return await self._run(tx)
+        except sqlite3.Error as exc:
+            raise self._failed("commit", exc) from exc
+
+    def _failed(self, what: str, exc: sqlite3.Error) -> StoreFailed:
+        name = getattr(exc, "sqlite_errorname", None)
+        return StoreFailed(f"{self.path}: {what} failed: {exc}" + (f" ({name})" if name else ""))
 
     async def ack(self, ids: Sequence[int]) -> None:
         """Forget outbox rows the MQTT server has acknowledged."""
@@ -233,7 +254,10 @@ class StateStore:
                     out[(lease.scheduler, lease.request_id)] = lease
             return out
 
-        return await self._run(q)
+        try:
+            return await self._run(q)
+        except sqlite3.Error as exc:
+            raise self._failed("lease lookup", exc) from exc
 
     async def find_lease(self, scheduler: str, request_id: str) -> Lease | None:
         def q(db: sqlite3.Connection) -> Lease | None:

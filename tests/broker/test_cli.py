@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -277,3 +278,40 @@ async def test_policy_diff_shows_what_a_new_policy_would_move(tmp_path: Path) ->
     same = await asyncio.to_thread(gpubroker, "policy", "diff", str(old), str(old),
                                    "--config", str(config))
     assert "0 forbidden" in same.stdout
+
+
+@pytest.mark.slow
+async def test_a_refused_commit_exits_1_with_one_line_naming_the_store_error(
+        tmp_path: Path, mosquitto: Mosquitto, probe_factory: ProbeFactory,
+        procs: list[Proc]) -> None:
+    """Crash-only: another process holds the state file's write lock past SQLite's 5 s
+    busy timeout, so the next commit fails; the daemon logs that once and exits 1 for
+    systemd to start it again."""
+    config = write_config(tmp_path, mosquitto)
+    probe = await probe_factory([f"{PREFIX}/status", f"{PREFIX}/events/#"])
+    proc = Proc(config, tmp_path / "daemon.log")
+    procs.append(proc)
+    await wait_online(probe, 0)
+    await place(probe, "job-before")
+    db = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
+    try:
+        # Its outbox rows acknowledged and deleted (a condition in another process, with
+        # nothing to wait on but the file), so only the next commit meets the lock.
+        async with asyncio.timeout(10):
+            while db.execute("SELECT count(*) FROM outbox").fetchone()[0]:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        db.execute("BEGIN IMMEDIATE")
+        await probe.publish(f"{PREFIX}/requests/s1/place",
+                            {"request_id": "job-locked", "gpu": "L4", "gpus": 1})
+        code = await asyncio.to_thread(proc.p.wait, 30)
+    finally:
+        db.close()
+    assert code == 1
+    text = proc.log.read_text()
+    logs = [json.loads(line) for line in text.splitlines() if line.strip()]
+    [error] = [e for e in logs if e["level"] == "error"]
+    assert error["event"].startswith("state store failed")
+    assert error["error"].endswith("commit failed: database is locked (SQLITE_BUSY)")
+    assert "Traceback" not in text
+    assert not any(e.get("data", {}).get("request_id") == "job-locked"
+                   for e in map(payload_json, probe.messages) if "data" in e)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -9,11 +11,11 @@ from typing import Any
 import pytest
 from factories import SLICE, Clock, offer, pool_of, request
 
-from broker.core import Broker
+from broker.core import Broker, Command
 from broker.events import Envelopes, Messages, Topics
 from broker.leases import LeaseBook
-from broker.model import FailoverReason, PoolKey
-from broker.store import OutboxRow, StateStore
+from broker.model import CapacitySignal, FailoverReason, PoolKey, SignalKind
+from broker.store import OutboxRow, StateStore, StoreFailed
 from policies.model import Policy
 
 
@@ -139,3 +141,169 @@ async def test_requests_queued_together_are_placed_as_one_batch(setup: Any) -> N
             await task
     assert [len(r.outcomes) for r in observed] == [2]
     assert _decisions(broker) == {"r1": "us-east-1b", "r2": "us-east-1a"}
+
+
+# --- a commit the store refuses: crash-only --------------------------------------------
+
+
+def fill_up(db: Any) -> None:
+    """Make the state file as full as it may get (a real SQLITE_FULL on the next commit
+    that needs a page): no free pages, no room to grow. The limit is this connection's."""
+    db.execute("VACUUM")
+    pages = db.execute("PRAGMA page_count").fetchone()[0]
+    db.execute(f"PRAGMA max_page_count = {pages}")
+
+
+BIG_LABELS = {f"label-{i}": "x" * 250 for i in range(40)}  # ~10 KB: new pages in the store
+
+
+def _answered(request_id: str, **fields: Any) -> Any:
+    import asyncio
+
+    cmd = _place_cmd(request_id, **fields)
+    return dataclasses.replace(cmd, answer=asyncio.get_running_loop().create_future())
+
+
+async def test_a_refused_commit_stops_the_broker_and_keeps_nothing_of_the_batch(
+        setup: Any) -> None:
+    broker, _, sink = setup
+    await broker.handle([_place_cmd("r1")])
+    kept = broker.book.find("sched-a", "r1")
+    published = list(sink.rows)
+    await broker.store.call(fill_up)
+
+    doomed = _answered("r2", labels=BIG_LABELS)
+    queued = _answered("r3")
+    await broker.submit(queued)  # waiting in the queue when the commit fails
+    with pytest.raises(StoreFailed, match="database or disk is full"):
+        await broker.handle([doomed])
+
+    assert sink.rows == published  # nothing of the failed batch reached the bus
+    assert broker.failed is not None
+    for cmd in (doomed, queued):  # answered at once, not left to time out
+        assert isinstance(cmd.answer.exception(), StoreFailed)
+    late = _answered("r4")
+    await broker.submit(late)
+    assert isinstance(late.answer.exception(), StoreFailed)
+    # Nothing more changes or is committed.
+    with pytest.raises(StoreFailed):
+        await broker.expire_due()
+    with pytest.raises(StoreFailed):
+        await broker.settled()
+    # The store holds what was committed before the failure, and only that.
+    again = StateStore(broker.store.path)
+    await again.open()
+    try:
+        assert await again.leases() == [kept]
+        assert [r.payload for r in await again.pending()] == [r.payload for r in published]
+    finally:
+        await again.close()
+
+
+async def test_run_requests_ends_with_the_store_error_and_refuses_the_batch(
+        setup: Any) -> None:
+    import asyncio
+
+    broker, _, sink = setup
+    await broker.store.call(fill_up)
+    cmds = [_answered("r1", labels=BIG_LABELS), _answered("r2", labels=BIG_LABELS)]
+    for cmd in cmds:
+        await broker.submit(cmd)
+    ready = asyncio.Event()
+    ready.set()
+    async with asyncio.timeout(10):
+        with pytest.raises(StoreFailed):
+            await broker.run_requests(ready)
+    assert all(isinstance(cmd.answer.exception(), StoreFailed) for cmd in cmds)
+    assert sink.rows == []
+    async with asyncio.timeout(1):
+        await broker.idle()  # every queued command was taken off the queue
+
+
+# --- queues that only grow -----------------------------------------------------------------
+
+
+async def test_a_lease_has_at_most_one_failover_waiting(setup: Any) -> None:
+    broker, clock, _ = setup
+    await broker.handle([_place_cmd("r1")])
+    lease = broker.book.find("sched-a", "r1")
+    clock.advance(301)  # the region goes stale: every health check asks for a move
+    for _ in range(1000):
+        broker.check_health()
+    assert broker.pending_failovers == 1
+    [waiting] = broker._triggers.values()
+    assert waiting.reason is FailoverReason.CLOUD_UNHEALTHY
+    # The capacity is gone: that is more urgent than a move by choice, and replaces it.
+    broker.signal(CapacitySignal(lease.placement.pool, SignalKind.INTERRUPTED, clock()))
+    assert broker.pending_failovers == 1
+    [waiting] = broker._triggers.values()
+    assert waiting.reason is FailoverReason.INTERRUPTED
+    # ... and a move by choice does not replace it back.
+    broker.check_health()
+    assert [t.reason for t in broker._triggers.values()] == [FailoverReason.INTERRUPTED]
+
+
+async def test_failovers_are_taken_in_order_of_first_arrival(setup: Any) -> None:
+    import asyncio
+
+    from broker import failover
+
+    broker, _, _ = setup
+    await broker.handle([_place_cmd("r1")])
+    await broker.handle([_place_cmd("r2")])
+    first, second = (broker.book.find("sched-a", r) for r in ("r1", "r2"))
+    assert first is not None and second is not None
+    broker._trigger(failover.Trigger(first.lease_id, 1, FailoverReason.POLICY_CHANGED, "a"))
+    broker._trigger(failover.Trigger(second.lease_id, 1, FailoverReason.POLICY_CHANGED, "b"))
+    broker._trigger(failover.Trigger(first.lease_id, 1, FailoverReason.REPORTED, "c"))
+    assert list(broker._triggers) == [first.lease_id, second.lease_id]
+    # The pools go away: neither lease can stay; the first lease is handled first.
+    broker.pool.replace(SLICE, [])
+    handled: list[str] = []
+    done = asyncio.Event()
+
+    def observe(kind: str, data: dict[str, Any]) -> None:
+        handled.append(data["lease_id"])
+        if len(handled) == 2:
+            done.set()
+
+    broker.observers.append(observe)
+    task = asyncio.create_task(broker.run_failovers())
+    try:
+        async with asyncio.timeout(10):
+            await done.wait()
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert handled == [first.lease_id, second.lease_id]
+    assert broker.pending_failovers == 0
+
+
+async def test_the_anti_flap_record_keeps_the_window_and_goes_with_the_lease(
+        setup: Any) -> None:
+    from broker import failover
+
+    broker, clock, _ = setup
+    await broker.handle([_place_cmd("r1")])
+    lease = broker.book.find("sched-a", "r1")
+    assert lease is not None
+
+    async def move() -> None:
+        current = broker.book.get(lease.lease_id)
+        assert current is not None
+        await broker._fail_over(failover.Trigger(current.lease_id, current.epoch,
+                                                 FailoverReason.REPORTED, "test"))
+        moved = broker.book.get(lease.lease_id)
+        assert moved is not None and moved.epoch == current.epoch + 1
+
+    await move()
+    assert broker._moves[lease.lease_id] == [clock()]
+    clock.advance(3601)  # past the anti-flap window
+    broker.pool.replace(SLICE, list(broker.pool))  # fresh offers
+    await move()
+    assert broker._moves[lease.lease_id] == [clock()]  # the old move no longer counts
+    release = Command("sched-a", "release", json.dumps({"lease_id": lease.lease_id}).encode(),
+                      "p/requests/sched-a/release")
+    await broker.handle([release])
+    assert lease.lease_id not in broker._moves

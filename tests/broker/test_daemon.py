@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 from typing import Any
 
-from daemon_helpers import PREFIX, StartDaemon
+from daemon_helpers import PREFIX, StartDaemon, daemon_config
 from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, payload_json, publish_properties
 
+from broker.daemon import Daemon
 from broker.model import PoolKey
 
 S = "sched-1"
@@ -388,3 +390,23 @@ async def test_clean_stop_publishes_offline(start_daemon: StartDaemon,
     await rd.stop()
     offline = payload_json(await probe.wait_for(f"{PREFIX}/status", since=mark))
     assert offline["state"] == "offline" and offline["boot_id"] == rd.daemon.boot_id
+
+
+async def test_a_polled_slice_waits_for_its_capacity_summaries_once(mosquitto: Mosquitto,
+                                                                     tmp_path: Path) -> None:
+    """The publisher reads a slice when its turn comes, so a slice already waiting is not
+    queued again: what waits is bounded by the slices, however often they are polled."""
+    # Not run, so nothing publishes: the publisher is as blocked as it gets.
+    daemon = Daemon(daemon_config(mosquitto, tmp_path / "state.db"))
+    sim = daemon.adapter("sim")
+    try:
+        first, second = sim.regions()[:2]
+        for _ in range(100):
+            await daemon.poller.poll_once(sim, first)
+        assert daemon.capacity_pending == 1
+        await daemon.poller.poll_once(sim, second)
+        await daemon.poller.poll_once(sim, first)
+        assert daemon.capacity_pending == 2
+    finally:
+        for adapter in daemon.adapters:
+            await adapter.close()

@@ -249,3 +249,33 @@ def test_remember_brings_back_an_ended_lease_without_overwriting() -> None:
     assert book.leased_pools() == set()
     book.remember(replace(ended, epoch=99))
     assert book.get(lease.lease_id) == ended
+
+
+# --- nothing grows without bound -----------------------------------------------------------
+
+
+def test_renewals_do_not_grow_the_expiry_heap() -> None:
+    book = LeaseBook()
+    leases = [new(book, f"r{i}") for i in range(10)]
+    for n in range(1, 1001):
+        for lease in leases:
+            book.renew(lease.lease_id, "sched-a", T0 + secs(n))
+    assert len(book._expiry) <= 2 * 10 + 64
+    assert book.next_expiry() == T0 + secs(1000 + 60)
+    assert book.due(T0 + secs(1000 + 59)) == []
+    assert {le.lease_id for le in book.due(T0 + secs(1000 + 60))} == \
+        {le.lease_id for le in leases}
+
+
+def test_a_team_that_holds_nothing_is_forgotten() -> None:
+    # Team names come from the requests: a tally per name ever seen would only grow.
+    book = LeaseBook()
+    for i in range(1000):
+        lease = book.create(request(f"r{i}", team=f"team-{i}"), A, lease_seconds=60,
+                            cap=None, now=T0)
+        book.end(lease.lease_id, LeaseState.RELEASED, T0)
+    held = book.create(request("held", team="research"), A, lease_seconds=60, cap=None,
+                       now=T0)
+    assert list(book._teams) == ["research"]
+    assert book.team_usage("research").gpus == held.placement.total_gpus
+    assert book.team_usage("team-1").gpus == 0

@@ -17,7 +17,7 @@ from factories import T0, offer, placement, request
 
 from broker.leases import LeaseBook
 from broker.model import Lease, LeaseState, Market
-from broker.store import OutboxRow, StateStore
+from broker.store import OutboxRow, StateStore, StoreFailed
 
 
 def lease(request_id: str = "r1", *, scheduler: str = "sched-a", at: float = 0,
@@ -140,8 +140,9 @@ async def test_lease_and_rows_commit_together(store: StateStore) -> None:
     await store.commit([le], [OutboxRow("t/ok", b"1")])
     # a clash on (scheduler, request_id) under another lease_id fails the whole commit
     clash = replace(lease(), lease_id="L-other")
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(StoreFailed, match="commit failed: UNIQUE constraint failed") as err:
         await store.commit([clash], [OutboxRow("t/lost", b"2")])
+    assert isinstance(err.value.__cause__, sqlite3.IntegrityError)
     assert [r.topic for r in await store.pending()] == ["t/ok"]
     assert await store.leases() == [le]
 
@@ -149,13 +150,37 @@ async def test_lease_and_rows_commit_together(store: StateStore) -> None:
 async def test_a_failing_row_rolls_back_the_lease(store: StateStore) -> None:
     le = lease()
     bad = OutboxRow("t/bad", object())  # type: ignore[arg-type]
-    with pytest.raises(sqlite3.Error):
+    with pytest.raises(StoreFailed) as err:
         await store.commit([le], [OutboxRow("t/good", b"1"), bad])
+    assert isinstance(err.value.__cause__, sqlite3.Error)
     assert await store.leases() == []
     assert await store.pending() == []
     # and the store still works afterwards
     await store.commit([le], [])
     assert await store.leases() == [le]
+
+
+async def test_a_full_disk_fails_the_commit_naming_sqlites_error(store: StateStore) -> None:
+    """A real SQLITE_FULL in WAL mode: SQLite rolls the transaction back itself, and the
+    error that reaches the caller is that one (not a failed second ROLLBACK)."""
+    kept = lease("r1")
+    await store.commit([kept], [OutboxRow("t/ok", b"1")])
+    await store.call(fill_up)
+    with pytest.raises(StoreFailed, match=r"commit failed: database or disk is full "
+                                          r"\(SQLITE_FULL\)") as err:
+        await store.commit([lease("r2")], [OutboxRow("t/big", b"x" * 20_000)])
+    assert isinstance(err.value.__cause__, sqlite3.OperationalError)
+    assert str(store.path) in str(err.value)
+    assert await store.leases() == [kept]
+    assert [r.topic for r in await store.pending()] == ["t/ok"]
+
+
+def fill_up(db: sqlite3.Connection) -> None:
+    """Make the file as full as it may get: no free pages, no room to grow (the limit is
+    this connection's, so a reopened store has room again)."""
+    db.execute("VACUUM")
+    pages = db.execute("PRAGMA page_count").fetchone()[0]
+    db.execute(f"PRAGMA max_page_count = {pages}")
 
 
 # --- durability --------------------------------------------------------------------------
