@@ -37,11 +37,11 @@ from broker.config import MqttConfig
 from broker.core import OPS, Command
 from broker.events import Topics, dumps
 from broker.model import SCHEDULER_ID, iso, utcnow
+from broker.ratelimit import Every
 from broker.store import OutboxRow, StateStore
 
 log = structlog.get_logger("gpubroker.bus")
 
-MAX_PAYLOAD = 64 * 1024
 ACK_BATCH = 512
 ACK_COALESCE_SECONDS = 0.05
 
@@ -68,6 +68,7 @@ class Bus:
         self.reconnects = 0
         self.last_ack = time.monotonic()
         self.v5 = cfg.protocol == "5"
+        self._dropped = Every(30.0)  # one warning per 30 s about invalid scheduler ids
 
     # --- the outbox ------------------------------------------------------------------
 
@@ -263,14 +264,13 @@ class Bus:
                 continue
             scheduler, verb = parsed
             if not SCHEDULER_ID.match(scheduler) or scheduler == OPS:
-                log.warning("request from an invalid or reserved scheduler id dropped",
-                            topic=topic)
+                if dropped := self._dropped.hit():
+                    log.warning("request from an invalid or reserved scheduler id dropped",
+                                topic=topic, dropped=dropped)
                 continue
             payload = message.payload
             if not isinstance(payload, bytes | bytearray):
                 payload = str(payload or "").encode()
-            if len(payload) > MAX_PAYLOAD:
-                payload = b'{"__too_large__": true}'
             reply = None
             response_topic = getattr(message.properties, "ResponseTopic", None)
             if response_topic:

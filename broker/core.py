@@ -38,7 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -74,6 +74,9 @@ BURST = 8
 VERBS = ("place", "renew", "release", "report")
 OPS = "_ops"  # the reserved scheduler id of operations events (P/events/_ops/...)
 REPEATED = "repeated request: the lease it already has"
+INTERNAL = {"field": "", "message": "internal error handling this request; it was not "
+            "executed (the daemon logged the error)"}
+MAX_ERRORS = 20  # per request.invalid answer: an answer must stay far below a packet's limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,42 +346,82 @@ class Broker:
     async def handle(self, batch: Sequence[Command]) -> None:
         async with self._lock:
             b = _Batch()
-            parsed = {i: requests.parse_place(cmd.scheduler, cmd.payload)
+            parsed = {i: self._parse_place(cmd)
                       for i, cmd in enumerate(batch) if cmd.verb == "place"}
             await self._recall([p for p in parsed.values() if isinstance(p, PlaceRequest)])
             asks: dict[tuple[str, str], tuple[Command, PlaceRequest]] = {}
             repeats: list[tuple[Command, PlaceRequest]] = []
             for i, cmd in enumerate(batch):
-                if cmd.verb == "place":
-                    req = parsed[i]
-                    if isinstance(req, requests.Invalid):
-                        self._invalid(b, cmd, req.request_id, req.errors)
-                        continue
-                    key = (req.scheduler, req.request_id)
-                    lease = self.book.find(*key)
-                    if lease is not None:
-                        self._decided(b, lease, cmd, REPEATED, ())
-                    elif key in asks:  # repeated within this batch: placed once
-                        repeats.append((cmd, req))
+                with self._guard(b, cmd, getattr(parsed.get(i), "request_id", None)):
+                    if cmd.verb == "place":
+                        req = parsed[i]
+                        if isinstance(req, requests.Invalid):
+                            self._invalid(b, cmd, req.request_id, req.errors)
+                            continue
+                        key = (req.scheduler, req.request_id)
+                        lease = self.book.find(*key)
+                        if lease is not None:
+                            self._decided(b, lease, cmd, REPEATED, ())
+                        elif key in asks:  # repeated within this batch: placed once
+                            repeats.append((cmd, req))
+                        else:
+                            asks[key] = (cmd, req)
+                    elif cmd.verb in ("renew", "release"):
+                        self._lease_verb(b, cmd)
+                    elif cmd.verb == "report":
+                        await self._report(b, cmd)
                     else:
-                        asks[key] = (cmd, req)
-                elif cmd.verb in ("renew", "release"):
-                    self._lease_verb(b, cmd)
-                elif cmd.verb == "report":
-                    await self._report(b, cmd)
-                else:
-                    self._invalid(b, cmd, None, [{
-                        "field": "", "message": f"unknown verb {cmd.verb!r}; "
-                        f"expected one of {', '.join(VERBS)}"}])
+                        self._invalid(b, cmd, None, [{
+                            "field": "", "message": f"unknown verb {cmd.verb!r}; "
+                            f"expected one of {', '.join(VERBS)}"}])
             rejected: dict[tuple[str, str], placement.Rejection] = {}
-            self._place(b, list(asks.values()), rejected)
+            try:
+                self._place(b, list(asks.values()), rejected)
+            except Exception:
+                # The last resort for the batch: what it decided stands, the rest is
+                # answered (below, with the repeats of the same requests).
+                log.exception("internal error placing a batch; its undecided requests "
+                              "answered request.invalid", requests=len(asks))
+            for key, (cmd, req) in asks.items():
+                if key not in b.answered and key not in rejected:
+                    self._invalid(b, cmd, req.request_id, [INTERNAL])
             for cmd, req in repeats:
                 key = (req.scheduler, req.request_id)
-                if key in rejected:
-                    self._rejected(b, cmd, req, rejected[key])
-                else:
-                    self._decided(b, b.answered[key], cmd, REPEATED, ())
+                with self._guard(b, cmd, req.request_id):
+                    if key in rejected:
+                        self._rejected(b, cmd, req, rejected[key])
+                    elif key in b.answered:
+                        self._decided(b, b.answered[key], cmd, REPEATED, ())
+                    else:
+                        self._invalid(b, cmd, req.request_id, [INTERNAL])
             await self._commit(b)
+
+    def _parse_place(self, cmd: Command) -> PlaceRequest | requests.Invalid:
+        try:
+            return requests.parse_place(cmd.scheduler, cmd.payload)
+        except Exception:
+            log.exception("internal error parsing a request; answered request.invalid",
+                          scheduler=cmd.scheduler, topic=cmd.topic, size=len(cmd.payload))
+            return requests.Invalid([INTERNAL])
+
+    @contextlib.contextmanager
+    def _guard(self, b: _Batch, cmd: Command, request_id: str | None) -> Iterator[None]:
+        """The last resort around one command: if handling it raises (a bug), what it
+        had queued is dropped, it is answered `request.invalid`, and the batch goes on.
+        Cancellation passes; the commit is not guarded here."""
+        marks = len(b.rows), len(b.answers), len(b.decided)
+        try:
+            yield
+        except Exception:
+            log.exception("internal error handling a request; answered request.invalid",
+                          scheduler=cmd.scheduler, topic=cmd.topic, verb=cmd.verb,
+                          size=len(cmd.payload))
+            del b.rows[marks[0]:], b.answers[marks[1]:], b.decided[marks[2]:]
+            try:
+                self._invalid(b, cmd, request_id, [INTERNAL])
+            except Exception:
+                log.exception("could not answer a request after an internal error",
+                              scheduler=cmd.scheduler, topic=cmd.topic)
 
     async def _recall(self, reqs: Sequence[PlaceRequest]) -> None:
         """Bring leases of these requests that ended long ago back from the store, in one
@@ -517,6 +560,11 @@ class Broker:
 
     def _invalid(self, b: _Batch, cmd: Command, request_id: str | None,
                  errors: list[dict[str, str]]) -> None:
+        if len(errors) > MAX_ERRORS:
+            errors = [*errors[:MAX_ERRORS - 1], {
+                "field": "", "message": f"and {len(errors) - MAX_ERRORS + 1} more errors"}]
+        # Fields and messages can quote what was sent (a key, a verb): keep them short.
+        errors = [{"field": e["field"][:200], "message": e["message"][:500]} for e in errors]
         data: dict[str, Any] = {"errors": errors, "topic": cmd.topic}
         if request_id is not None:
             data = {"request_id": request_id, **data}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import uuid
 from collections.abc import Callable
 from datetime import datetime
@@ -19,7 +20,17 @@ from broker.store import OutboxRow
 
 
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    """Compact UTF-8 JSON. Never fails on text: a lone surrogate (a `str` can hold one;
+    UTF-8 cannot) becomes U+FFFD, so every message is valid UTF-8 and valid JSON for any
+    subscriber."""
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text).encode()
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 class Topics:

@@ -3,12 +3,23 @@
 Anything a scheduler sends is untrusted: bad JSON, wrong types and out-of-range values
 come back as a list of `{"field", "message"}` errors, never as an exception that could
 reach the daemon's loops. Unknown fields are ignored.
+
+The decoder is total: every payload, whatever its bytes, gives a value or an `Invalid`.
+Before `json` sees a payload it is checked for size (`MAX_PAYLOAD`), strict UTF-8 and
+nesting depth (`MAX_DEPTH`, so the recursive decoder cannot run out of stack). Numbers
+may have at most `MAX_DIGITS` digits in a row (CPython refuses to convert an integer of
+more than 4,300 digits, with an exception); `NaN` and `Infinity` are not JSON (a number
+too large for a float, such as `1e400`, is refused by the fields that take numbers).
+Decoded text must be valid Unicode: a lone surrogate escape such as `"\\ud800"` decodes
+to a Python string that cannot be encoded again, in an event or in SQLite.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
@@ -68,13 +79,197 @@ class Report:
     detail: str | None
 
 
+MAX_PAYLOAD = 64 * 1024
+"""Largest request accepted, in bytes (SPEC §3); larger ones are answered "too large"."""
+MAX_DEPTH = 32
+"""Deepest nesting of arrays and objects accepted (a valid request needs 2)."""
+MAX_DIGITS = 64
+"""Most digits in a row a number may have."""
+
+
+class _Refused(ValueError):
+    """A JSON value the decoder does not accept (raised by its hooks)."""
+
+
+class _Bad:
+    """A refused value, left in place by the careful decoder to name its field."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+_RUNS = re.compile(r"[0-9]+")
+
+
+def _digits(literal: str) -> None:
+    run = max(map(len, _RUNS.findall(literal)), default=0)
+    if run > MAX_DIGITS:
+        raise _Refused(f"a number with {run} digits in a row (at most {MAX_DIGITS})")
+
+
+def _int(literal: str) -> int:
+    if len(literal) > MAX_DIGITS:
+        _digits(literal)
+    return int(literal)
+
+
+def _float(literal: str) -> float:
+    if len(literal) > MAX_DIGITS:
+        _digits(literal)
+    return float(literal)
+
+
+def _constant(literal: str) -> float:
+    raise _Refused(f"{literal} is not a JSON number")
+
+
+# Numbers converted by `json`'s C code: the common case, when the payload has no run of
+# more than MAX_DIGITS digits anywhere (then no number is too long for `int`, which
+# refuses more than 4,300 digits with an exception). `NaN` and `Infinity` are refused.
+_PLAIN = json.JSONDecoder(parse_constant=_constant)
+_DIGIT_RUN = b"0" * (MAX_DIGITS + 1)
+_DIGITS_ONLY = bytes(48 if 48 <= c <= 57 else 32 for c in range(256))  # digit -> "0"
+
+
+def _careful(text: str) -> tuple[Any, bool]:
+    """Every number checked by a hook; a refused one is left in place as `_Bad` (no
+    exception ends the decoding), so that the error can name where it is. Returns the
+    value and whether something was refused."""
+    refused: list[_Bad] = []
+
+    def marking(hook: Any) -> Any:
+        def mark(literal: str) -> Any:
+            try:
+                return hook(literal)
+            except _Refused as exc:
+                refused.append(bad := _Bad(str(exc)))
+                return bad
+        return mark
+
+    decoder = json.JSONDecoder(parse_int=marking(_int), parse_float=marking(_float),
+                               parse_constant=marking(_constant))
+    return decoder.decode(text), bool(refused)
+
+
+_NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'"[]{}')
+_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_TOO_MANY_OPEN = b"[" * (MAX_DEPTH + 1)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _too_deep(payload: bytes) -> str | None:
+    """Why the payload's arrays and objects cannot be decoded safely: nested deeper than
+    `MAX_DEPTH`, or not matched. No recursion; C-speed passes over bytes."""
+    if payload.count(b"[") + payload.count(b"{") <= MAX_DEPTH:
+        return None  # cannot be deeper than that: the common case
+    # The brackets outside string literals. Drop the escapes that could hide a string's
+    # end (`\\`, then `\"`) and keep only quotes and brackets (`{` as `[`, `}` as `]`:
+    # depth does not depend on which; `json` reports a mismatch before it goes deeper).
+    # Two quotes side by side enclose no bracket, whether they open and close a string
+    # or close one and open the next; then what lies between a quote and the next is in
+    # a string.
+    if b"\\" in payload:
+        payload = payload.replace(b"\\\\", b"").replace(b'\\"', b"")
+    skeleton = payload.translate(_BRACKETS, _NOT_STRUCTURE).replace(b'""', b"")
+    if b'"' in skeleton:
+        skeleton = b"".join(skeleton.split(b'"')[::2])
+    # Remove the innermost pairs, one level a pass (`replace` does not look again at
+    # what it joined); more than MAX_DEPTH openers in a row is too deep at once.
+    for _ in range(MAX_DEPTH):
+        if not skeleton:
+            return None
+        if _TOO_MANY_OPEN in skeleton:
+            break
+        shorter = skeleton.replace(b"[]", b"")
+        if len(shorter) == len(skeleton):
+            return "not valid JSON: brackets do not match"
+        skeleton = shorter
+    return None if not skeleton else f"nested deeper than {MAX_DEPTH} levels"
+
+
+def _first_bad(data: Any) -> FieldError | None:
+    """The first refused value or lone surrogate in the decoded value. An iterative walk
+    (the depth check bounds the nesting, the size check the number of nodes); an entry
+    is (value, key, parent entry), the path is built only for what is found."""
+    stack: list[tuple[Any, Any, Any]] = [(data, None, None)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        entry = value, _, _ = pop()
+        kind = type(value)
+        if kind is str:
+            if not value.isascii() and (m := _SURROGATE.search(value)) is not None:
+                return {"field": _path(entry), "message":
+                        f"contains a lone surrogate (U+{ord(m.group()):04X}): "
+                        "not valid Unicode"}
+        elif kind is dict:
+            for key, item in value.items():
+                if not key.isascii() and (m := _SURROGATE.search(key)) is not None:
+                    return {"field": _path(entry), "message":
+                            f"has a key with a lone surrogate (U+{ord(m.group()):04X}): "
+                            "not valid Unicode"}
+                push((item, key, entry))
+        elif kind is list:
+            stack.extend(zip(value, range(len(value)), repeat(entry)))
+        elif kind is _Bad:
+            return {"field": _path(entry), "message": f"not accepted: {value.why}"}
+    return None
+
+
+def _path(entry: tuple[Any, Any, Any]) -> str:
+    parts: list[str] = []
+    while entry[2] is not None:
+        key = str(entry[1])
+        parts.append(key if len(key) <= 64 else key[:64] + "...")
+        entry = entry[2]
+    return ".".join(reversed(parts))
+
+
+def _rid(data: Any) -> str | None:
+    """The request_id to echo in an answer: only a valid one."""
+    rid = data.get("request_id") if isinstance(data, dict) else None
+    if isinstance(rid, str) and 0 < len(rid) <= 128 and _SURROGATE.search(rid) is None:
+        return rid
+    return None
+
+
+def _not_json(message: str) -> Invalid:
+    return Invalid([{"field": "", "message": message}])
+
+
 def _decode(payload: bytes) -> dict[str, Any] | Invalid:
+    """The payload as a JSON object, or why not; never raises."""
+    if len(payload) > MAX_PAYLOAD:
+        return _not_json(f"too large: {len(payload)} bytes (at most {MAX_PAYLOAD})")
     try:
-        data = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return Invalid([{"field": "", "message": f"not valid JSON: {exc}"}])
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return _not_json(f"not valid JSON: not UTF-8 ({exc.reason} at byte {exc.start})")
+    if text.startswith("\ufeff"):
+        return _not_json("not valid JSON: starts with a byte order mark")
+    deep = _too_deep(payload)
+    if deep is not None:
+        return _not_json(deep)
+    careful = _DIGIT_RUN in payload.translate(_DIGITS_ONLY)
+    try:
+        if careful:
+            data, careful = _careful(text)
+        else:
+            try:
+                data = _PLAIN.decode(text)
+            except _Refused:  # NaN or Infinity: again, to name its field
+                data, careful = _careful(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        return _not_json(f"not valid JSON: {exc}")
+    # Only a `\uD800`-`\uDFFF` escape can make a surrogate (strict UTF-8 has none).
+    if careful or (b"\\" in payload and _SURROGATE_ESCAPE.search(payload) is not None):
+        bad = _first_bad(data)
+        if bad is not None:
+            return Invalid([bad], _rid(data))
     if not isinstance(data, dict):
-        return Invalid([{"field": "", "message": "expected a JSON object"}])
+        return _not_json("expected a JSON object")
     return data
 
 
@@ -100,12 +295,10 @@ def parse_place(scheduler: str, payload: bytes) -> PlaceRequest | Invalid:
     data = _decode(payload)
     if isinstance(data, Invalid):
         return data
-    rid = data.get("request_id")
-    rid = rid if isinstance(rid, str) and len(rid) <= 128 else None
     try:
         p = _Place.model_validate(data)
     except ValidationError as err:
-        return Invalid(_errors(err), rid)
+        return Invalid(_errors(err), _rid(data))
     return PlaceRequest(
         scheduler=scheduler,
         request_id=p.request_id,

@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
+import warnings
 from dataclasses import replace
 from typing import Any
 
 import pytest
 from factories import T0, Clock, offer, placement, request
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
-from broker.events import Envelopes, Messages, Topics, lease_subject, request_subject
+from broker.events import (
+    Envelopes,
+    Messages,
+    Topics,
+    dumps,
+    lease_subject,
+    request_subject,
+)
 from broker.leases import LeaseBook
 from broker.model import Event, Lease, LeaseState, parse_iso
+
+# See tests/broker/test_placement_properties.py: keeps a failing example readable.
+with contextlib.suppress(ImportError), warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import hypothesis.extra._patching  # noqa: F401
 
 P = "gpubroker/v1"
 BOOT = "5f0c6a52-8f3e-4c43-9a3d-4d1e1b7f9a10"
@@ -178,3 +194,50 @@ def test_subjects() -> None:
     assert lease_subject("L-1") == "lease/L-1"
     assert request_subject("job-1") == "request/job-1"
     assert request_subject(None) == "request"
+
+
+# --- any text encodes ----------------------------------------------------------------------
+
+FUZZ = settings(max_examples=300, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow])
+TEXT = st.text(st.characters(codec=None))  # lone surrogates included
+LEAVES = st.none() | st.booleans() | st.integers() | TEXT \
+    | st.floats(allow_nan=False, allow_infinity=False)
+TREES = st.recursive(LEAVES, lambda kids: st.lists(kids, max_size=4)
+                     | st.dictionaries(TEXT, kids, max_size=4), max_leaves=20)
+
+
+def has_surrogate(text: str) -> bool:
+    return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+
+
+def test_dumps_replaces_lone_surrogates() -> None:
+    out = dumps({"request_id": "\ud800", "k\udfff": ["ok \u00fc", "\ud83d\ude00"]})
+    assert json.loads(out.decode("utf-8")) == {
+        "request_id": "\ufffd", "k\ufffd": ["ok \u00fc", "\ufffd\ufffd"]}
+    assert dumps({"a": "ü"}) == '{"a":"ü"}'.encode()  # the fast path: plain UTF-8
+
+
+@FUZZ
+@given(TREES)
+@example({"request_id": "\ud800"})
+@example(["\udc00\ud800", {"\udfff": "x"}])
+def test_dumps_never_fails_and_is_utf8_json(tree: Any) -> None:
+    out = dumps(tree)
+    text = out.decode("utf-8")  # strict: raises on anything but UTF-8
+    back = json.loads(text)
+    if not has_surrogate(json.dumps(tree, ensure_ascii=False)):
+        assert back == tree
+
+
+@FUZZ
+@given(TEXT, TEXT, TREES)
+def test_every_event_message_is_utf8_json(scheduler: str, request_id: str, data: Any) -> None:
+    event = Event("request.invalid", "sched-a", {"request_id": request_id, "data": data,
+                                                  "errors": [{"field": scheduler,
+                                                              "message": request_id}]},
+                  request_subject(request_id), request_id)
+    reply = {"response_topic": f"{P}/replies/sched-a/1", "correlation_data": "00"}
+    for row in messages().event(event, reply):
+        env = json.loads(row.payload.decode("utf-8"))
+        assert env["type"] == "gpubroker.request.invalid.v1"
