@@ -24,13 +24,15 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from datetime import datetime
 from typing import Any
 
 import aiomqtt
 import structlog
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from broker import __version__
 from broker.config import MqttConfig
@@ -42,19 +44,42 @@ from broker.store import OutboxRow, StateStore
 
 log = structlog.get_logger("gpubroker.bus")
 
+MAX_PACKET = 128 * 1024
+"""The MQTT 5 Maximum Packet Size announced on connect: the server never forwards the
+daemon a larger message (SPEC §3), so one huge publish can neither wedge the session nor
+fill the daemon's memory."""
+RESTORE_WINDOW = 64
+RESTORE_YIELD_EVERY = 32
+
+RetainedRead = Callable[[], Awaitable[bytes | None]]
+RetainedSource = Callable[[], Iterable[tuple[str, RetainedRead, int | None]]]
+"""What the retained topics should hold: (topic, read, message expiry seconds or None).
+`read()` returns the payload as it is when the message is sent (None: nothing to send)
+and must not yield to the event loop after reading, so that the read and the publish
+are one step: a newer state committed meanwhile is always published after it."""
 ACK_BATCH = 512
 ACK_COALESCE_SECONDS = 0.05
 
 
+class Unpublishable(Exception):
+    """A message no MQTT server would take (a bad topic, a payload over the limit): an
+    error of the message, not of the session."""
+
+
 class Bus:
     def __init__(self, cfg: MqttConfig, topics: Topics, store: StateStore, *, client_id: str,
-                 boot_id: str, on_command: Callable[[Command], Awaitable[None]]) -> None:
+                 boot_id: str, on_command: Callable[[Command], Awaitable[None]],
+                 retained: RetainedSource | None = None) -> None:
         self.cfg = cfg
         self.topics = topics
         self.store = store
         self.client_id = client_id
         self.boot_id = boot_id
         self._on_command = on_command
+        self._retained = retained
+        self._farewell = False  # `offline` retained by goodbye(): a clean disconnect is due
+        self.restored = asyncio.Event()  # set each time the retained state was restored
+        self.lost_at: datetime | None = None  # when the last connection was lost
         self._pending: dict[int, OutboxRow] = {}
         self._queue: deque[int] = deque()
         self._new = asyncio.Event()
@@ -117,6 +142,7 @@ class Bus:
         if self.v5:
             props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
             props.SessionExpiryInterval = cfg.session_expiry_seconds
+            props.MaximumPacketSize = MAX_PACKET
             kwargs["clean_start"] = False
         else:
             kwargs["clean_session"] = False
@@ -134,37 +160,94 @@ class Bus:
         return client
 
     async def run(self) -> None:
-        """Stay connected until cancelled."""
+        """Stay connected until cancelled.
+
+        Every way a session can end — a lost connection, a refused or unacknowledged
+        publish, an exception group of those in any nesting, an error nobody foresaw —
+        ends that session only: the next one starts after a jittered backoff. Only a
+        deliberate stop (cancellation) ends the loop. On that way out the connection is
+        closed cleanly only after `goodbye()` has retained `offline`; otherwise it is
+        dropped without a DISCONNECT, so the MQTT server publishes the will."""
         failures = 0
         ack_task = asyncio.create_task(self._ack_loop())
         try:
             while True:
                 try:
-                    async with self._client_for() as client:
-                        self._client = client
-                        await self._session(client)
-                except (aiomqtt.MqttError, OSError) as exc:
+                    await self._connection()
+                except Exception as exc:  # any session failure means: reconnect
+                    if _stopping():
+                        raise asyncio.CancelledError from exc
                     self._client = None
                     was = self.connected.is_set()
                     self.connected.clear()
                     failures = 1 if was else failures + 1
                     if was:
                         self.reconnects += 1
-                        log.warning("mqtt connection lost", error=str(exc))
-                    elif failures == 1:
-                        log.warning("mqtt not reachable, retrying", url=self.cfg.url,
-                                    error=str(exc))
+                        self.lost_at = utcnow()
+                    self._log_failure(exc, was=was, first=failures == 1)
                     delay = min(30.0, 0.25 * 2 ** min(failures, 7)) * random.uniform(0.5, 1.0)
                     await asyncio.sleep(delay)
         finally:
+            self._client = None
+            self.connected.clear()
             ack_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ack_task
             await self._flush_acks()
 
+    def _log_failure(self, exc: Exception, *, was: bool, first: bool) -> None:
+        expected = _only(exc, (aiomqtt.MqttError, OSError))
+        detail = _describe(exc)
+        if not expected:
+            # Not a network or protocol failure: a bug. Reconnecting keeps the daemon
+            # serving; the traceback says where to look.
+            log.error("mqtt session failed unexpectedly; reconnecting", error=detail,
+                      exc_info=exc)
+        elif was:
+            log.warning("mqtt connection lost", error=detail)
+        elif first:
+            log.warning("mqtt not reachable, retrying", url=self.cfg.url, error=detail)
+
+    async def _connection(self) -> None:
+        """One connection: connect, run a session until it fails or the task is
+        cancelled, then close it the way the SPEC asks for that way out."""
+        client = self._client_for()
+        await client.__aenter__()
+        clean = True
+        try:
+            self._client = client
+            await self._session(client)
+        except asyncio.CancelledError:
+            clean = self._farewell
+            raise
+        finally:
+            self._client = None
+            await self._close(client, clean=clean)
+
+    async def _close(self, client: aiomqtt.Client, *, clean: bool) -> None:
+        """Leave the connection. `clean=False`: the process is going away without having
+        retained `offline` (an error, not an orderly stop) — drop the socket without a
+        DISCONNECT so the server sends the will. Never raises; bounded in time."""
+        if not clean:
+            _drop(client)
+        with contextlib.suppress(Exception, TimeoutError):
+            async with asyncio.timeout(2.0):
+                await client.__aexit__(None, None, None)
+        _settle(client)
+
     async def _session(self, client: aiomqtt.Client) -> None:
+        options = None
+        if self.v5:
+            # No replay of retained requests on subscribe; a live publish keeps its retain
+            # flag, so a retained request is recognised and refused (SPEC §3).
+            options = SubscribeOptions(qos=1, retainHandling=2,
+                                       retainAsPublished=True)
         async with asyncio.timeout(10):
-            await client.subscribe(self.topics.requests, qos=1, timeout=math.inf)
+            if options is not None:
+                await client.subscribe(self.topics.requests, options=options,
+                                       timeout=math.inf)
+            else:
+                await client.subscribe(self.topics.requests, qos=1, timeout=math.inf)
         await self._publish(client, self.topics.status, self._status("online"), retain=True,
                             timeout=10)
         self._queue = deque(self._pending)  # everything not acknowledged, in order
@@ -172,12 +255,47 @@ class Bus:
         self.connected.set()
         log.info("mqtt connected", url=self.cfg.url, outbox=len(self._pending),
                  protocol=self.cfg.protocol)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._send(client))
+            if self._retained is not None:
+                tg.create_task(self._restore_retained(client, self._retained))
+            await self._receive(client)
+        raise aiomqtt.MqttError("the MQTT server ended the session")
+
+    async def _restore_retained(self, client: aiomqtt.Client, source: RetainedSource) -> None:
+        """Make the retained topics true again after a (re)connect: a server that
+        restarted without persistence has lost them, one with persistence may hold
+        states that changed while it was down. Paced (a bounded window of
+        acknowledgements, a yield every few messages) so requests keep flowing."""
+        started = time.monotonic()
+        window = asyncio.Semaphore(RESTORE_WINDOW)
+        sent = 0
+        async with asyncio.TaskGroup() as tg:
+            for topic, read, expiry in source():
+                await window.acquire()
+                tg.create_task(self._restore_one(client, topic, read, expiry, window))
+                sent += 1
+                if sent % RESTORE_YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+        self.restored.set()
+        log.info("retained state restored", messages=sent,
+                 seconds=round(time.monotonic() - started, 3))
+
+    async def _restore_one(self, client: aiomqtt.Client, topic: str, read: RetainedRead,
+                           expiry: int | None, window: asyncio.Semaphore) -> None:
         try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._send(client))
-                await self._receive(client)
-        except* aiomqtt.MqttError as eg:
-            raise eg.exceptions[0] from None
+            payload = await read()
+            if payload is None:
+                return
+            props = None
+            if expiry is not None and self.v5:
+                props = self._props({"message_expiry": expiry})
+            await self._publish(client, topic, payload, retain=True, properties=props)
+        except Unpublishable as exc:
+            log.error("retained message cannot be published; skipped", topic=topic[:200],
+                      error=str(exc))
+        finally:
+            window.release()
 
     async def _send(self, client: aiomqtt.Client) -> None:
         window = asyncio.Semaphore(200)
@@ -200,6 +318,11 @@ class Bus:
             props = self._props(row.props) if row.props and self.v5 else None
             await self._publish(client, row.topic, row.payload, qos=row.qos,
                                 retain=row.retain, properties=props)
+        except Unpublishable as exc:
+            # Sending it again would fail again, after every reconnect: drop it, loudly,
+            # rather than let one bad row stop the outbox for good.
+            log.error("outbox message cannot be published; dropped", topic=row.topic[:200],
+                      error=str(exc))
         finally:
             window.release()
         assert row.id is not None
@@ -226,6 +349,9 @@ class Bus:
                                      properties=properties, timeout=math.inf)
         except TimeoutError:
             raise aiomqtt.MqttError(f"no acknowledgement within {timeout:g}s") from None
+        except (ValueError, TypeError) as exc:
+            # paho checks topic and payload before sending (wildcards, size, encoding)
+            raise Unpublishable(f"{type(exc).__name__}: {exc}") from exc
 
     @staticmethod
     def _props(p: dict[str, Any]) -> Properties:
@@ -256,7 +382,9 @@ class Bus:
             if not self._receiving:
                 continue
             topic = str(message.topic)
-            if message.retain:
+            if message.retain and not self.v5:
+                # MQTT 3.1.1 marks only the replay on subscribe (a persistent session's
+                # subscription is not re-made, so that is rare); ignore it.
                 log.info("ignored retained request", topic=topic)
                 continue
             parsed = self.topics.parse_request(topic)
@@ -285,7 +413,10 @@ class Bus:
                     log.warning("ResponseTopic outside the scheduler's replies tree ignored",
                                 scheduler=scheduler, response_topic=str(response_topic),
                                 allowed=self.topics.replies(scheduler) + "/#")
-            await self._on_command(Command(scheduler, verb, bytes(payload), topic, reply))
+            # On MQTT 5 a retained request keeps its flag (Retain-As-Published): the
+            # broker answers it request.invalid and does not act on it.
+            await self._on_command(Command(scheduler, verb, bytes(payload), topic, reply,
+                                           retained=bool(message.retain)))
 
     # --- direct (non-durable) publishing ----------------------------------------------
 
@@ -307,6 +438,10 @@ class Bus:
                                 timeout=10)
         except aiomqtt.MqttError:
             return False
+        except Unpublishable as exc:
+            log.error("message cannot be published; skipped", topic=topic[:200],
+                      error=str(exc))
+            return False
         return True
 
     async def goodbye(self, timeout: float = 5.0) -> None:
@@ -317,3 +452,55 @@ class Bus:
         with contextlib.suppress(aiomqtt.MqttError):
             await self._publish(client, self.topics.status, self._status("offline"),
                                 retain=True, timeout=timeout)
+            self._farewell = True
+
+
+def _stopping() -> bool:
+    """Whether the current task was asked to stop (a cancellation is pending or being
+    handled): then a session error raised on the way out must not start a reconnect."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _only(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
+    """Whether `exc`, or every leaf of it when it is an exception group (nested to any
+    depth), is one of `kinds`."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only(e, kinds) for e in exc.exceptions)
+    return isinstance(exc, kinds)
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for the log: the first leaf of an exception group, and how many more."""
+    leaves: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(reversed(e.exceptions))
+        else:
+            leaves.append(e)
+    if not leaves:
+        return type(exc).__name__
+    first = f"{type(leaves[0]).__name__}: {leaves[0]}"
+    return first if len(leaves) == 1 else f"{first} (and {len(leaves) - 1} more)"
+
+
+def _drop(client: aiomqtt.Client) -> None:
+    """Cut the connection without an MQTT DISCONNECT: the server then publishes the
+    will (`offline`), as it would after a crash. aiomqtt has no public way to leave
+    without a DISCONNECT, hence the reach into its paho client."""
+    paho = getattr(client, "_client", None)
+    sock = paho.socket() if paho is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+def _settle(client: aiomqtt.Client) -> None:
+    """Mark an unexpected-disconnection error as seen. aiomqtt stores it in a future
+    that nobody awaits when the session already ended for another reason, and asyncio
+    would log "Future exception was never retrieved" for it."""
+    fut = getattr(client, "_disconnected", None)
+    if isinstance(fut, asyncio.Future) and fut.done() and not fut.cancelled():
+        fut.exception()

@@ -77,6 +77,8 @@ REPEATED = "repeated request: the lease it already has"
 INTERNAL = {"field": "", "message": "internal error handling this request; it was not "
             "executed (the daemon logged the error)"}
 MAX_ERRORS = 20  # per request.invalid answer: an answer must stay far below a packet's limit
+RETAINED = {"field": "retain", "message": "a request published with the retain flag is "
+            "never acted on; publish it without the retain flag"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,7 @@ class Command:
     topic: str
     reply: dict[str, Any] | None = None  # MQTT 5 response_topic + correlation_data
     answer: asyncio.Future[bytes] | None = None  # an HTTP caller waiting for the answer
+    retained: bool = False  # published with the retain flag: refused, never acted on
     received: float = field(default_factory=time.monotonic)
 
 
@@ -344,7 +347,7 @@ class Broker:
     # --- requests --------------------------------------------------------------------
 
     async def handle(self, batch: Sequence[Command]) -> None:
-        async with self._lock:
+        async with self._changing():
             b = _Batch()
             parsed = {i: self._parse_place(cmd)
                       for i, cmd in enumerate(batch) if cmd.verb == "place"}
@@ -352,6 +355,10 @@ class Broker:
             asks: dict[tuple[str, str], tuple[Command, PlaceRequest]] = {}
             repeats: list[tuple[Command, PlaceRequest]] = []
             for i, cmd in enumerate(batch):
+                if cmd.retained:
+                    req = parsed.get(i)
+                    self._invalid(b, cmd, getattr(req, "request_id", None), [RETAINED])
+                    continue
                 with self._guard(b, cmd, getattr(parsed.get(i), "request_id", None)):
                     if cmd.verb == "place":
                         req = parsed[i]
@@ -664,9 +671,11 @@ class Broker:
     async def settled(self) -> None:
         """Return when no change is being made or committed, so that the lease book, read
         before the next await, holds only what is in the store. Raises `StoreFailed`
-        once the broker has failed."""
-        async with self._lock:
-            pass
+        once the broker has failed. Returns at once, without yielding to the event loop,
+        when no change is under way."""
+        if self._lock.locked():
+            async with self._lock:
+                pass
         if self.failed is not None:
             raise self.failed
 

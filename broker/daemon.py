@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import structlog
 from adapters.base import CloudAdapter
 from adapters.errors import AdapterError
 from broker import capacity, solver
-from broker.bus import Bus
+from broker.bus import Bus, RetainedRead
 from broker.clouds import build_adapters
 from broker.config import Config
 from broker.core import Broker, Command
@@ -35,7 +36,7 @@ from broker.hazard import HazardEstimator
 from broker.http import serve
 from broker.leases import LeaseBook
 from broker.metrics import Metrics, state_gauges
-from broker.model import Market, PoolKey, utcnow
+from broker.model import LeaseState, Market, PoolKey, utcnow
 from broker.poller import Poller, PollResult
 from broker.pool import PoolChange, ResourcePool, SliceId
 from broker.recorder import HistoryReader, MarketRecorder
@@ -48,6 +49,10 @@ from policies.yamlsrc import Problem
 log = structlog.get_logger("gpubroker.daemon")
 
 SHUTDOWN_GRACE_SECONDS = 10.0
+RETAINED_ENDED_MARGIN = timedelta(hours=1)
+"""After a reconnect, retained states are cleared again for leases that ended up to this
+long before the connection was lost: an MQTT server restored from a save of that age may
+still hold them (mosquitto's default autosave interval is 30 minutes)."""
 HAZARD_HISTORY_HALF_LIVES = 4.0
 """How much recorded history warms the hazard estimator at start (older rows weigh
 under 2^-4 of its averages)."""
@@ -87,7 +92,8 @@ class Daemon:
         self.book = LeaseBook(keep_ended=timedelta(hours=cfg.state.keep_ended_hours))
         self.messages = Messages(self.topics, Envelopes(cfg.site, self.boot_id))
         self.bus = Bus(cfg.mqtt, self.topics, self.store, client_id=cfg.client_id,
-                       boot_id=self.boot_id, on_command=self._submit)
+                       boot_id=self.boot_id, on_command=self._submit,
+                       retained=self._retained_state)
         self.broker = Broker(pool=self.pool, book=self.book, store=self.store,
                              messages=self.messages, policy=self.policy,
                              publish=self.bus.enqueue,
@@ -399,9 +405,12 @@ class Daemon:
                     async for sig in it:
                         failures = 0
                         self.broker.signal(sig)
-            except AdapterError as exc:
+            except Exception as exc:  # a bad notice must not end the daemon
                 failures += 1
-                if failures == 1:
+                if not isinstance(exc, AdapterError):
+                    log.error("capacity signals failed unexpectedly", adapter=adapter.name,
+                              exc_info=exc)
+                elif failures == 1:
                     log.warning("capacity signals failing", adapter=adapter.name,
                                 error=type(exc).__name__, detail=str(exc))
                 await asyncio.sleep(min(60.0, 2.0 ** failures))
@@ -422,10 +431,43 @@ class Daemon:
                 await self.bus.publish_now(self.topics.capacity(cloud, region, gpu),
                                            dumps(summary), retain=True, expiry_seconds=expiry)
 
+    def _retained_state(self) -> Iterator[tuple[str, RetainedRead, int | None]]:
+        """What the retained topics hold when they are true (SPEC §3): every active
+        lease's state; an empty payload for each lease that ended since shortly before
+        the connection was lost (a server restored from an older save may still hold
+        it); the capacity summaries of every slice of the pool. Lease states are read
+        when sent, and only once committed. `P/status` is published by the bus."""
+        now = utcnow()
+        since = min(self.bus.lost_at or now, now) - RETAINED_ENDED_MARGIN
+        for lease in self.book.all():
+            if lease.state is LeaseState.ACTIVE or lease.updated_at >= since:
+                yield (self.topics.lease(lease.scheduler, lease.lease_id),
+                       functools.partial(self._committed_lease_state, lease.lease_id), None)
+        expiry = int(3 * self.cfg.poll.interval_seconds)
+        for health in self.pool.health():
+            offers = self.pool.slice_offers(health.slice)
+            for (cloud, region, gpu), summary in capacity.summaries(offers, self.pool,
+                                                                     utcnow()).items():
+                yield (self.topics.capacity(cloud, region, gpu),
+                       functools.partial(_ready, dumps(summary)), expiry)
+
+    async def _committed_lease_state(self, lease_id: str) -> bytes | None:
+        """A lease's retained payload as committed now (None once the store failed)."""
+        try:
+            await self.broker.settled()
+        except StoreFailed:
+            return None
+        lease = self.book.get(lease_id)
+        return None if lease is None else self.messages.lease_state(lease).payload
+
     async def _prune(self) -> None:
         while True:
             await asyncio.sleep(3600)
             self.book.prune(utcnow())
+
+
+async def _ready(payload: bytes) -> bytes:
+    return payload
 
 
 def _hazard_estimator(policy: Policy, hazard: HazardEstimator | None) -> HazardEstimator:

@@ -16,6 +16,7 @@ import random
 import socket
 import sys
 import tempfile
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,7 @@ def _config(url: str, protocol: str, state: Path, seed: int) -> Config:
         site="demo",
         state=StateConfig(path=state),
         mqtt=MqttConfig(url=url, protocol=protocol,  # type: ignore[arg-type]
-                        client_id=f"gpubroker-demo-{random.randrange(1 << 32):08x}"),
+                        client_id=f"gpubroker-demo-{uuid.uuid4().hex[:12]}"),
         poll=PollConfig(interval_seconds=2, stale_after_seconds=10, timeout_seconds=5),
         http=HttpConfig(listen=f"127.0.0.1:{_free_port()}"),
         clouds=CloudsConfig(sim=SimConfig(seed=seed, preempt_rate_multiplier=400,
@@ -152,7 +153,9 @@ async def _schedulers(cfg: Config, seed: int) -> None:
     rng = random.Random(seed)
     leases: dict[str, tuple[str, float]] = {}  # lease_id -> (scheduler, release_at)
     host, port = cfg.mqtt.host, cfg.mqtt.port
-    async with aiomqtt.Client(host, port, identifier=f"demo-schedulers-{rng.randrange(1 << 32)}"
+    # Client ids are unique per process: a server kicks off the older of two clients
+    # with one id, so two demos on one server would end each other's sessions.
+    async with aiomqtt.Client(host, port, identifier=f"demo-schedulers-{uuid.uuid4().hex[:12]}"
                               ) as client:
         await client.subscribe(f"{topics.prefix}/events/+/+", qos=1)
         loop = asyncio.get_running_loop()

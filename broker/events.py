@@ -69,8 +69,10 @@ class Topics:
 
 
 def _level(name: str) -> str:
-    """A topic level from a name a cloud chose: no separators or wildcards."""
-    return "".join("_" if c in "/+#" else c for c in name) or "_"
+    """A topic level from a name a cloud chose (untrusted): no separators, wildcards,
+    control characters or lone surrogates, at most 128 characters."""
+    return "".join("_" if c in "/+#" or not c.isprintable() or "\ud800" <= c <= "\udfff"
+                   else c for c in name[:128]) or "_"
 
 
 class Envelopes:

@@ -74,7 +74,14 @@ class Poller:
                         raise CloudUnavailable(
                             f"poll timed out after {self.timeout:g}s", cloud=adapter.name,
                             region=region) from None
-        except AdapterError as exc:
+        except Exception as exc:
+            if not isinstance(exc, AdapterError):
+                # An adapter that did not expect an answer (a bug, or a cloud's garbled
+                # reply): a failed poll of this slice, never the end of the daemon.
+                log.error("poll failed unexpectedly", adapter=adapter.name, region=region,
+                          exc_info=exc)
+                exc = CloudUnavailable(f"unexpected {type(exc).__name__}: {exc}",
+                                       cloud=adapter.name, region=region)
             result = PollResult(slice_id, None, exc, loop.time() - started)
             if self.pool.mark_failed(slice_id, f"{type(exc).__name__}: {exc}"):
                 log.warning("poll failing", adapter=adapter.name, region=region,
