@@ -87,6 +87,7 @@ async def place_mqtt(probe: MqttProbe, request_id: str) -> dict[str, Any]:
 async def test_a_refused_commit_stops_the_daemon_and_a_restart_recovers(
         config: Config, running: list[RunningDaemon], probe_factory: ProbeFactory) -> None:
     probe = await probe_factory([f"{PREFIX}/events/#"])
+    status_probe = await probe_factory([f"{PREFIX}/status"])
     base = f"http://{config.http.listen}"
     first = await start(config, running)
     kept = (await place_mqtt(probe, "kept"))["data"]
@@ -119,6 +120,9 @@ async def test_a_refused_commit_stops_the_daemon_and_a_restart_recovers(
         with pytest.raises(StoreFailed, match=r"database or disk is full \(SQLITE_FULL\)"):
             await first.task
     assert first.daemon.broker.failed is not None
+    # Not an orderly stop: the connection was dropped, and the will says `offline`.
+    offline = await status_probe.wait_for(lambda m: payload_json(m)["state"] == "offline")
+    assert payload_json(offline)["boot_id"] == first.daemon.boot_id
 
     # A restart on the same file: the lease book is what was committed, no more.
     second = await start(config, running)
