@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import signal
 import sqlite3
@@ -21,6 +22,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -245,6 +247,7 @@ class Daemon:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set, then shut down in order."""
+        _quiet_closed_socket_callbacks(asyncio.get_running_loop())
         await self.store.open()
         http = None
         try:
@@ -464,6 +467,29 @@ class Daemon:
         while True:
             await asyncio.sleep(3600)
             self.book.prune(utcnow())
+
+
+def _quiet_closed_socket_callbacks(loop: asyncio.AbstractEventLoop) -> None:
+    """paho, under aiomqtt, asks the loop from its own callbacks to watch a socket that
+    may be closed by the time the request runs (the MQTT server just went away); asyncio
+    would log that with a traceback although nothing is wrong: the session is already
+    ending and reconnects. Only that case is quietened; everything else goes to the
+    handler that was there."""
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        handle = repr(context.get("handle", ""))
+        if isinstance(exc, OSError) and exc.errno == errno.EBADF and (
+                "add_writer" in handle or "add_reader" in handle):
+            log.debug("socket watch on a closed MQTT connection skipped", handle=handle)
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
 
 
 async def _ready(payload: bytes) -> bytes:

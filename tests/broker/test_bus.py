@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import json
 import logging
@@ -23,6 +24,7 @@ from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, payload_json
 
 from broker.bus import Bus, _describe, _only
 from broker.config import MqttConfig
+from broker.daemon import _quiet_closed_socket_callbacks
 from broker.events import Topics
 from broker.store import OutboxRow, StateStore
 
@@ -258,3 +260,26 @@ async def test_a_message_no_server_would_take_does_not_stop_the_outbox(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await store.close()
+
+
+async def test_a_socket_watch_on_a_closed_connection_is_not_logged_as_an_error() -> None:
+    """paho may ask the loop to watch a socket that closed meanwhile (the server just
+    went away): asyncio's traceback for that is quietened; any other error is not."""
+    loop = asyncio.get_running_loop()
+    seen: list[dict[str, Any]] = []
+    before = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: seen.append(context))
+    try:
+        _quiet_closed_socket_callbacks(loop)
+        handler = loop.get_exception_handler()
+        assert handler is not None
+        closed = OSError(errno.EBADF, "Bad file descriptor")
+        handler(loop, {"message": "Exception in callback", "exception": closed,
+                       "handle": "<Handle BaseSelectorEventLoop.add_writer(10, <fn>)>"})
+        assert seen == []
+        other = {"message": "Exception in callback", "exception": ValueError("bug"),
+                 "handle": "<Handle something>"}
+        handler(loop, other)
+        assert seen == [other]
+    finally:
+        loop.set_exception_handler(before)
