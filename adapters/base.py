@@ -2,8 +2,10 @@
 
 A cloud adapter is deliberately small. It reports what its cloud offers; it does not
 filter, rank or place (availability is a field of an offer, not a missing row). It does
-not retry, time out, cache across failures or count metrics either: the daemon wraps
-every adapter with those at its composition root, the same way for every cloud.
+not time out a poll or count metrics either: the daemon does that around every adapter,
+the same way for every cloud. The one thing that retries is each call at the SDK seam
+(`adapters.common.RetryPolicy`): a throttle, a 5xx, a timeout or a garbled body is
+retried with backoff within the poll's deadline; nothing above it retries again.
 
 Rules every adapter follows:
 
@@ -20,6 +22,7 @@ Rules every adapter follows:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from concurrent.futures import Executor
@@ -95,9 +98,9 @@ class CloudAdapter(ABC):
 async def run_blocking(
     executor: Executor | None, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
 ) -> T:
-    """Run a blocking SDK call on `executor`, off the event loop."""
+    """Run a blocking SDK call on `executor`, off the event loop, in a copy of the
+    caller's context (so the call sees the poll's deadline: `adapters.common`)."""
     loop = asyncio.get_running_loop()
-    if kwargs:
-        return await loop.run_in_executor(executor, lambda: fn(*args, **kwargs))
-    return await loop.run_in_executor(executor, fn, *args)
+    ctx = contextvars.copy_context()
+    return await loop.run_in_executor(executor, lambda: ctx.run(fn, *args, **kwargs))
 

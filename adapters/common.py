@@ -6,9 +6,12 @@
   starts failing and once when it recovers (not on every poll).
 * `gather_all` — `asyncio.gather` that waits for every call before raising, so that SDK
   calls running on threads are not orphaned (and do not go on retrying) when one fails.
-* `RetryPolicy` — the SDK seams' retries: `RateLimited` / `CloudUnavailable` (any
-  `AdapterError` that is `retryable`) with jittered exponential backoff, never sooner
-  than the cloud's `RateLimited.retry_after` up to the backoff cap.
+* `RetryPolicy` — the one retry layer: each SDK seam retries a call that failed with a
+  transient error (`RateLimited`, `CloudUnavailable`: throttles, 5xx, timeouts, garbled
+  bodies — any `AdapterError` that is `retryable`) with jittered exponential backoff,
+  never sooner than the cloud's `RateLimited.retry_after`, and never past the poll's
+  deadline (`poll_deadline`), which the poller sets and executor threads inherit. The
+  poller itself does not retry: a poll is many calls, and a call is what fails.
 * `import_sdk` — a heavy SDK imported lazily; a missing one raises `SdkMissing` naming
   the extra to install.
 
@@ -19,8 +22,11 @@ that every adapter may import it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import importlib
-from collections.abc import Awaitable, Callable, Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from types import ModuleType
@@ -34,8 +40,9 @@ from tenacity import (
     stop_after_attempt,
     wait_exponential_jitter,
 )
+from tenacity.stop import stop_base
 
-from adapters.errors import AdapterError, RateLimited, SdkMissing
+from adapters.errors import AdapterError, CloudUnavailable, RateLimited, SdkMissing
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -90,18 +97,52 @@ async def gather_all(calls: Iterable[Awaitable[T]]) -> list[T]:
 
 # --- retries -------------------------------------------------------------------------
 
+POLL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "gpubroker_poll_deadline", default=None)
+"""`time.monotonic()` by which the current poll must be done (None: no deadline). Set by
+the poller for the task that polls; tasks it starts and executor threads started through
+`adapters.base.run_blocking` see it too."""
+
+
+def remaining() -> float | None:
+    """Seconds left before the current poll's deadline (None: no deadline)."""
+    deadline = POLL_DEADLINE.get()
+    return None if deadline is None else deadline - time.monotonic()
+
+
+@contextlib.contextmanager
+def poll_deadline(seconds: float) -> Iterator[None]:
+    """Give the calls made inside this block `seconds` to finish, retries included."""
+    token = POLL_DEADLINE.set(time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        POLL_DEADLINE.reset(token)
+
+
+class _stop_at_deadline(stop_base):
+    """Stop when the next wait would end past the poll's deadline."""
+
+    def __call__(self, state: RetryCallState) -> bool:
+        left = remaining()
+        return left is not None and (state.upcoming_sleep or 0.0) >= left
+
+
 class RetryPolicy:
     """Attempts and jittered exponential backoff (0.25 s doubling, ± 0.25 s, at most
     `max_backoff`) for any `AdapterError` that is `retryable`; a wait is never shorter
-    than a `RateLimited.retry_after`, up to `max_backoff`.
+    than a `RateLimited.retry_after`, up to `max_backoff`. Within a poll, attempts stop
+    when the next wait would end past the poll's deadline (`poll_deadline`), and no
+    attempt starts after it: the last error goes up, and a thread of a poll that timed
+    out stops retrying.
 
     `long_hint` says what to do with a `retry_after` beyond `max_backoff`: ``"raise"``
     (the default) does not retry, so the `RateLimited` goes up to the poller, which
-    waits it out; ``"cap"`` retries after `max_backoff`.
+    waits it out before the next poll; ``"cap"`` retries after `max_backoff`.
 
     The attributes may be changed after construction (tests shorten `max_backoff`)."""
 
-    def __init__(self, attempts: int = 4, max_backoff: float = 8.0, *,
+    def __init__(self, attempts: int = 8, max_backoff: float = 8.0, *,
                  long_hint: Literal["raise", "cap"] = "raise") -> None:
         self.attempts = attempts
         self.max_backoff = max_backoff
@@ -125,13 +166,15 @@ class RetryPolicy:
 
     def sync(self) -> Retrying:
         """A tenacity `Retrying` for blocking calls (re-raises the last error)."""
-        return Retrying(stop=stop_after_attempt(self.attempts), wait=self.wait,
-                        retry=retry_if_exception(self.retryable), reraise=True)
+        return Retrying(stop=stop_after_attempt(self.attempts) | _stop_at_deadline(),
+                        wait=self.wait, retry=retry_if_exception(self.retryable),
+                        reraise=True)
 
     def async_(self) -> AsyncRetrying:
         """A tenacity `AsyncRetrying` for coroutines (re-raises the last error)."""
-        return AsyncRetrying(stop=stop_after_attempt(self.attempts), wait=self.wait,
-                             retry=retry_if_exception(self.retryable), reraise=True)
+        return AsyncRetrying(stop=stop_after_attempt(self.attempts) | _stop_at_deadline(),
+                             wait=self.wait, retry=retry_if_exception(self.retryable),
+                             reraise=True)
 
     def call(self, fn: Callable[[], T], translate: Callable[[Exception], AdapterError],
              on_attempt: Callable[[], None] | None = None) -> T:
@@ -140,6 +183,9 @@ class RetryPolicy:
         cloud's error table, which re-raises what it does not know)."""
         for attempt in self.sync():
             with attempt:
+                left = remaining()
+                if left is not None and left <= 0:
+                    raise CloudUnavailable("the poll's deadline passed; no more attempts")
                 if on_attempt is not None:
                     on_attempt()
                 try:

@@ -1,9 +1,10 @@
 """Polling: each adapter's regions, on an interval, into the resource pool.
 
 The poller owns the pool's data (Home Assistant's DataUpdateCoordinator pattern): one
-task per adapter region polls with a timeout and a few retries for transient errors,
-replaces that slice of the pool, and logs only on state changes ("failing" once,
-"recovered" once). A slow or failing cloud never holds up the others.
+task per adapter region polls within a deadline (the adapters' SDK seams retry each
+failed call within it; the poller does not retry again), replaces that slice of the
+pool, and logs only on state changes ("failing" once, "recovered" once). A slow or
+failing cloud never holds up the others.
 """
 
 from __future__ import annotations
@@ -14,14 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
-from tenacity import (
-    AsyncRetrying,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_exponential_jitter,
-)
 
 from adapters.base import CloudAdapter
+from adapters.common import poll_deadline
 from adapters.errors import AdapterError, CloudUnavailable, RateLimited
 from broker.pool import PoolChange, ResourcePool, SliceId
 
@@ -36,19 +32,19 @@ class PollResult:
     seconds: float
 
 
-def _retryable(exc: BaseException) -> bool:
-    return isinstance(exc, AdapterError) and exc.retryable
+DEADLINE_GRACE = 2.0
+"""Seconds past the poll's deadline before the poll is cancelled: the seams stop retrying
+at the deadline, and a call on the wire may take a moment to end."""
 
 
 class Poller:
     def __init__(self, pool: ResourcePool, adapters: Sequence[CloudAdapter], *,
-                 interval_seconds: float, timeout_seconds: float, attempts: int = 3,
+                 interval_seconds: float, timeout_seconds: float,
                  on_result: Callable[[PollResult], None] | None = None) -> None:
         self.pool = pool
         self.adapters = list(adapters)
         self.interval = interval_seconds
         self.timeout = timeout_seconds
-        self.attempts = attempts
         self.on_result = on_result
         self.first_round = asyncio.Event()
         self._first_pending = {(a.name, r) for a in self.adapters for r in a.regions()}
@@ -62,18 +58,17 @@ class Poller:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            async for attempt in AsyncRetrying(
-                stop=stop_after_attempt(self.attempts),
-                wait=_wait, retry=retry_if_exception(_retryable), reraise=True,
-            ):
-                with attempt:
-                    try:
-                        async with asyncio.timeout(self.timeout):
-                            offers = await adapter.poll(region)
-                    except TimeoutError:
-                        raise CloudUnavailable(
-                            f"poll timed out after {self.timeout:g}s", cloud=adapter.name,
-                            region=region) from None
+            # The seams retry each failed call within this deadline; a poll is not
+            # retried as a whole (one retry layer). The timeout is the backstop for an
+            # adapter that overruns it.
+            with poll_deadline(self.timeout):
+                try:
+                    async with asyncio.timeout(self.timeout + DEADLINE_GRACE):
+                        offers = await adapter.poll(region)
+                except TimeoutError:
+                    raise CloudUnavailable(
+                        f"poll timed out after {self.timeout:g}s", cloud=adapter.name,
+                        region=region) from None
         except Exception as exc:
             if not isinstance(exc, AdapterError):
                 # An adapter that did not expect an answer (a bug, or a cloud's garbled
@@ -121,16 +116,3 @@ class Poller:
             if isinstance(result.error, RateLimited) and result.error.retry_after:
                 delay = max(delay, result.error.retry_after)
             await asyncio.sleep(max(0.0, delay) * random.uniform(0.95, 1.05))
-
-
-def _wait(retry_state: object) -> float:
-    """Exponential backoff with jitter, but never shorter than a RateLimited hint."""
-    base: float = _backoff(retry_state)  # type: ignore[arg-type]
-    outcome = getattr(retry_state, "outcome", None)
-    exc = outcome.exception() if outcome is not None and outcome.failed else None
-    if isinstance(exc, RateLimited) and exc.retry_after:
-        return max(base, exc.retry_after)
-    return base
-
-
-_backoff = wait_exponential_jitter(multiplier=0.5, max=10, jitter=0.5)

@@ -11,6 +11,17 @@ aiohttp app), `_astart`/`_astop` (extra set-up and teardown on the server's loop
 Knobs: ``url`` (after ``start()``), ``latency = (lo, hi)`` seconds per call (`_delay`),
 ``calls`` (a Counter of the fake's own call keys) and the list of faults ``_faults``,
 each counting down its ``remaining`` uses (`_take`; ``None``: until ``clear_faults()``).
+
+Random faults, the way real clouds misbehave: ``chaos = Chaos(rate=0.3, seed=1)`` makes
+that share of HTTP calls fail with one of the kinds below (an HTTP middleware, so every
+route of every fake gets it); ``faulted`` counts them by kind.
+
+* ``throttle`` — the cloud's own throttling answer (`_throttled`, which each fake writes
+  in its cloud's error shape), with ``Retry-After: 1``;
+* ``5xx`` — a 500 or a 503 (`_server_error`, also the cloud's shape);
+* ``timeout`` — the answer comes only after ``Chaos.hang_seconds`` (set it beyond the
+  client's read timeout);
+* ``truncated`` — a 200 whose body is cut off halfway (mid-JSON or mid-XML).
 """
 
 from __future__ import annotations
@@ -19,7 +30,8 @@ import asyncio
 import random
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Generic, Protocol, Self, TypeVar
 
@@ -35,6 +47,32 @@ class Fault(Protocol):
     remaining: int | None
 
 
+CHAOS_KINDS = ("throttle", "5xx", "timeout", "truncated")
+
+
+@dataclass
+class Chaos:
+    """Random faults on a share `rate` of calls, drawn from `kinds` with a seeded RNG."""
+
+    rate: float = 0.3
+    kinds: tuple[str, ...] = CHAOS_KINDS
+    hang_seconds: float = 3.0
+    seed: int = 0
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.kinds) - set(CHAOS_KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {CHAOS_KINDS}")
+        self.rng = random.Random(self.seed)
+
+    def draw(self) -> str | None:
+        """The fault for the next call, or None."""
+        if self.rate <= 0 or self.rng.random() >= self.rate:
+            return None
+        return self.rng.choice(self.kinds)
+
+
 class FakeServer(Generic[K]):
     thread_name = "fake"
 
@@ -42,6 +80,8 @@ class FakeServer(Generic[K]):
         self.url = ""
         self.latency: tuple[float, float] | None = None
         self.calls: Counter[K] = Counter()
+        self.chaos: Chaos | None = None
+        self.faulted: Counter[str] = Counter()  # random faults answered, by kind
         self._lock = threading.RLock()
         self._faults: list[Any] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -87,6 +127,7 @@ class FakeServer(Generic[K]):
 
     async def _astart(self) -> str:
         app = self._application()
+        app.middlewares.append(self._chaos_middleware)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         # A short shutdown timeout: in-flight calls of a finished test (a long-polling
         # receive) must not hold up the next one.
@@ -115,6 +156,52 @@ class FakeServer(Generic[K]):
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         raise NotImplementedError
+
+    # ---------------------------------------------------------- random faults
+    @web.middleware
+    async def _chaos_middleware(self, request: web.Request,
+                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                                ) -> web.StreamResponse:
+        chaos = self.chaos
+        if chaos is None or not self._chaos_applies(request):
+            return await handler(request)
+        with self._lock:
+            kind = chaos.draw()
+            if kind is not None:
+                self.faulted[kind] += 1
+        if kind is None:
+            return await handler(request)
+        if kind == "throttle":
+            return self._throttled(request)
+        if kind == "5xx":
+            return self._server_error(request, 503 if chaos.rng.random() < 0.5 else 500)
+        if kind == "timeout":
+            await asyncio.sleep(chaos.hang_seconds)
+            return await handler(request)
+        response = await handler(request)
+        body = getattr(response, "body", None)
+        if response.status != 200 or not isinstance(body, bytes) or len(body) < 2:
+            return response
+        cut = web.Response(status=200, body=body[:len(body) // 2],
+                           content_type=response.content_type)
+        for name in ("x-amzn-RequestId", "x-acs-request-id", "x-ms-request-id"):
+            if name in response.headers:
+                cut.headers[name] = response.headers[name]
+        return cut
+
+    def _chaos_applies(self, request: web.Request) -> bool:
+        """Whether random faults may hit this call (a fake may spare, say, its token
+        endpoint, which the SDK does not retry as a cloud call)."""
+        return True
+
+    def _throttled(self, request: web.Request) -> web.StreamResponse:
+        """The cloud's throttling answer; each fake writes its cloud's shape."""
+        return web.Response(status=429, headers={"Retry-After": "1"},
+                            text="Too Many Requests")
+
+    def _server_error(self, request: web.Request, status: int) -> web.StreamResponse:
+        """The cloud's 5xx answer; each fake writes its cloud's shape."""
+        return web.Response(status=status, text="Service Unavailable")
 
     def __enter__(self) -> Self:
         return self.start()

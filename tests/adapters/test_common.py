@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 
 import pytest
 from structlog.testing import capture_logs
 
-from adapters.common import Cached, RetryPolicy, gather_all, import_sdk, note_optional
+from adapters.base import run_blocking
+from adapters.common import (
+    Cached,
+    RetryPolicy,
+    gather_all,
+    import_sdk,
+    note_optional,
+    poll_deadline,
+)
 from adapters.errors import AdapterError, AuthFailed, CloudUnavailable, RateLimited, SdkMissing
 
 
@@ -59,6 +68,47 @@ def test_a_long_retry_after_goes_up_or_is_capped() -> None:
     capped = RetryPolicy(attempts=3, max_backoff=0.01, long_hint="cap")
     assert capped.call(fn, same) == "ok"
     assert len(calls) == 2
+
+
+def test_retries_stop_at_the_polls_deadline() -> None:
+    """A call that keeps failing is retried only while the poll has time left: no
+    attempt would end past the deadline, and the last error goes up."""
+    policy = RetryPolicy(attempts=100, max_backoff=0.05)
+    calls, fn = flaky(*[CloudUnavailable("5xx")] * 100)
+    t = time.monotonic()
+    with poll_deadline(0.5), pytest.raises(CloudUnavailable):
+        policy.call(fn, same)
+    took = time.monotonic() - t
+    assert 2 < len(calls) < 100
+    assert took < 0.6
+
+
+def test_a_retry_after_beyond_the_deadline_is_not_waited_out() -> None:
+    calls, fn = flaky(RateLimited("slow down", retry_after=5))
+    with poll_deadline(1.0), pytest.raises(RateLimited):
+        RetryPolicy(attempts=3, max_backoff=10).call(fn, same)
+    assert len(calls) == 1
+
+
+async def test_threads_of_a_timed_out_poll_stop_retrying() -> None:
+    """The deadline reaches executor threads (`run_blocking` copies the context): when
+    the poll is given up, its calls stop being retried."""
+    policy = RetryPolicy(attempts=1000, max_backoff=0.02)
+    calls, fn = flaky(*[CloudUnavailable("5xx")] * 1000)
+    ended = threading.Event()
+
+    def call() -> str:
+        try:
+            return policy.call(fn, same)
+        finally:
+            ended.set()
+
+    with poll_deadline(0.3), pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.1):
+            await run_blocking(None, call)
+    assert not ended.is_set()  # the poll gave up; its thread is still retrying
+    assert await asyncio.to_thread(ended.wait, 5)  # ... until the deadline
+    assert len(calls) < 1000
 
 
 def test_optional_failures_are_logged_once_and_recovery_once() -> None:
