@@ -153,6 +153,9 @@ class _CloudBase(_Section):
     regions: list[_Region] = Field(default_factory=list)
     endpoint: str | None = None
     anonymous: bool = False
+    call_timeout_seconds: float = Field(default=10, gt=0, le=300)
+    """How long one API call may take (connect + read) before it counts as a timeout,
+    which the SDK seam retries within the poll's deadline (`poll.timeout_seconds`)."""
 
     @model_validator(mode="after")
     def _anon(self) -> _CloudBase:
