@@ -281,12 +281,16 @@ class Broker:
         return triggers
 
     def check_health(self) -> list[failover.Trigger]:
-        stale = self.pool.stale_slices(self._clock())
+        now = self._clock()
+        stale = self.pool.stale_slices(now)
+        grace = self.pool.in_grace(now)
         triggers = []
         for key in self.book.leased_pools():
             slice_id = self.pool.slice_of(key)
             if slice_id is not None and slice_id not in stale:
                 continue
+            if slice_id is None and grace:
+                continue  # not polled yet since the start: unknown, not unhealthy
             for le in self.book.on_pool(key):
                 triggers.append(failover.Trigger(
                     le.lease_id, le.epoch, FailoverReason.CLOUD_UNHEALTHY,

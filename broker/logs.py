@@ -39,7 +39,10 @@ def configure(*, json: bool = True, level: int = logging.INFO) -> None:
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        # One write per line (PrintLogger writes the line and its newline separately):
+        # records of the standard library's handler, written from SDK threads, must
+        # never land between the two and break a JSON line.
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=True,
     )
     # Libraries log through the standard library (SDK credential chains, botocore,
@@ -52,5 +55,16 @@ def configure(*, json: bool = True, level: int = logging.INFO) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(level, logging.WARNING))
-    for noisy in ("azure", "azure.identity", "msal", "urllib3", "botocore", "google"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    # The cloud SDKs report a failed credential probe or a retried call with warnings
+    # and tracebacks (one `gpubroker offers` without Alibaba credentials printed over a
+    # thousand lines); the adapter says what went wrong in one line of its own. Their
+    # warnings show only when the user asked for debug, and their own debug output
+    # (request headers, signatures) never.
+    sdk_level = logging.WARNING if level <= logging.DEBUG else logging.CRITICAL + 1
+    for noisy in SDK_LOGGERS:
+        logging.getLogger(noisy).setLevel(sdk_level)
+
+
+SDK_LOGGERS = ("azure", "msal", "urllib3", "botocore", "boto3", "s3transfer", "google",
+               "google_auth_httplib2", "alibabacloud_credentials", "alibabacloud",
+               "alibabacloud_tea_openapi", "Tea", "aiohttp.client")

@@ -11,6 +11,7 @@ capacity, and pools in a cool-down after a failure.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,12 @@ _STALE_CACHE = timedelta(seconds=1)
 
 def _priced(o: Offer) -> bool:
     return o.price_per_hour is not None and o.gpus > 0
+
+
+def same_state(a: Offer, b: Offer) -> bool:
+    """Whether two readings of a pool say the same: every field but `observed_at` (a
+    cloud that stamps each reading, as AWS does every spot price, changes nothing)."""
+    return dataclasses.replace(a, observed_at=b.observed_at) == b
 
 
 def _order(o: Offer) -> tuple[float, PoolKey]:
@@ -61,6 +68,7 @@ class ResourcePool:
                  clock: Callable[[], datetime] = utcnow) -> None:
         self.stale_after = timedelta(seconds=stale_after_seconds)
         self._clock = clock
+        self.started_at = clock()
         self._offers: dict[PoolKey, Offer] = {}
         self._slice_of: dict[PoolKey, SliceId] = {}
         self._slices: dict[SliceId, set[PoolKey]] = {}
@@ -95,7 +103,11 @@ class ResourcePool:
             self._unindex(gone)
         for key, offer in new.items():
             prev = self._offers.get(key)
-            if prev != offer:
+            if prev is not None and same_state(prev, offer):
+                # Only re-read (a new observed_at): not a change; the index keeps its
+                # place and takes the newer reading.
+                self._swap(prev, offer)
+            elif prev != offer:
                 updated[key] = prev
                 if prev is not None:
                     self._keys_by_gpu[prev.gpu].discard(key)
@@ -236,6 +248,14 @@ class ResourcePool:
             for index in self._views(offer):
                 bisect.insort(index, offer, key=_order)
 
+    def _swap(self, old: Offer, new: Offer) -> None:
+        """Put `new` where `old` is in the indexes (both sort the same)."""
+        if _priced(old):
+            for index in self._views(old):
+                i = bisect.bisect_left(index, _order(old), key=_order)
+                if i < len(index) and index[i] is old:
+                    index[i] = new
+
     def _unindex(self, offer: Offer) -> None:
         if _priced(offer):
             for index in self._views(offer):
@@ -250,9 +270,16 @@ class ResourcePool:
         if cached_at is not None and timedelta(0) <= now - cached_at < _STALE_CACHE:
             return cached
         stale = {s for s, h in self._health.items()
-                 if h.last_ok_at is None or now - h.last_ok_at > self.stale_after}
+                 if (now - h.last_ok_at > self.stale_after if h.last_ok_at is not None
+                     else not self.in_grace(now))}
         self._stale_cache = (now, stale)
         return stale
+
+    def in_grace(self, now: datetime) -> bool:
+        """Whether the pool is younger than `stale_after`: a slice that has not had a
+        good poll yet is unknown, not stale, until then (a restarted daemon must not
+        judge a cloud whose first poll is still on its way)."""
+        return now - self.started_at <= self.stale_after
 
     def cooling(self, now: datetime) -> set[PoolKey]:
         """Pools in a cool-down now."""

@@ -15,6 +15,7 @@ from broker.core import Broker, Command
 from broker.events import Envelopes, Messages, Topics
 from broker.leases import LeaseBook
 from broker.model import CapacitySignal, FailoverReason, PoolKey, SignalKind
+from broker.pool import ResourcePool
 from broker.store import OutboxRow, StateStore, StoreFailed
 from policies.model import Policy
 
@@ -57,6 +58,31 @@ async def test_leases_on_a_stale_cloud_region_are_flagged_unhealthy(setup: Any) 
     assert "no good poll" in trigger.detail
     broker.pool.replace(SLICE, list(broker.pool))  # the region recovers
     assert broker.check_health() == []
+
+
+async def test_a_lease_on_a_cloud_not_polled_yet_waits_out_the_start_up_grace(
+        tmp_path: Path) -> None:
+    """A restarted daemon restores a lease on a slice whose first poll has not arrived:
+    unknown is not unhealthy until `stale_after` has passed since the start."""
+    clock = Clock()
+    store = StateStore(tmp_path / "state.db")
+    await store.open()
+    try:
+        pool = ResourcePool(stale_after_seconds=300, clock=clock)
+        pool.replace(("gcp", "us-central1"), [offer("us-central1-a", cloud="gcp",
+                                                    region="us-central1")])
+        broker = Broker(pool=pool, book=LeaseBook(), store=store,
+                        messages=Messages(Topics("p"), Envelopes("t", "boot", clock=clock)),
+                        policy=Policy(), publish=Sink(), retry_after_seconds=60, clock=clock)
+        lease = broker.book.create(request(), _placement(offer()), lease_seconds=3600,
+                                   cap=None, now=clock())
+        broker.restore([lease])
+        assert broker.check_health() == []
+        clock.advance(301)  # still no poll of the lease's region
+        [trigger] = broker.check_health()
+        assert trigger.reason is FailoverReason.CLOUD_UNHEALTHY
+    finally:
+        await store.close()
 
 
 def _placement(o: Any) -> Any:

@@ -159,6 +159,20 @@ def test_unchanged_leased_pool_is_no_trigger() -> None:
                             book) == []
 
 
+def test_a_rereading_of_a_pool_over_the_cap_is_no_new_trigger() -> None:
+    """A lease over its cap is moved once; polls that read the same price again (with a
+    new observed_at, as AWS stamps them) do not ask for the move again."""
+    clock = Clock()
+    over = replace(LEASED, price_per_hour=32.0)
+    pool = pool_of([LEASED], clock=clock)
+    book, _ = book_with(3.5)
+    [t] = from_pool_change(pool.replace(SLICE, [over]), book)
+    assert t.reason is FailoverReason.PRICE_ABOVE_CAP
+    for _ in range(3):
+        reread = replace(over, observed_at=clock.advance(60))
+        assert from_pool_change(pool.replace(SLICE, [reread]), book) == []
+
+
 def test_lease_that_failed_over_is_watched_on_its_new_pool() -> None:
     clock = Clock()
     pool = pool_of([LEASED, OTHER], clock=clock)

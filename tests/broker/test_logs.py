@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from mqtt_helpers import Mosquitto, ProbeFactory, free_port, payload_json
 
@@ -67,3 +68,27 @@ def test_fields_named_like_secrets_are_masked() -> None:
     event = {"event": "x", "password": "p", "api_token": "t", "aws_secret": "s", "ok": 1}
     assert redact(None, "info", event) == {"event": "x", "password": "***",
                                            "api_token": "***", "aws_secret": "***", "ok": 1}
+
+
+def test_cloud_sdk_loggers_speak_only_at_debug(capsys: pytest.CaptureFixture[str]) -> None:
+    """An SDK's credential-probe warnings and tracebacks are not shown at the levels a
+    user normally runs with; at debug its warnings are, its own debug output never."""
+    import logging
+
+    from broker import logs
+
+    try:
+        logs.configure(json=False, level=logging.WARNING)
+        for name in ("alibabacloud_credentials", "botocore.credentials", "azure.identity"):
+            logging.getLogger(name).error("probe failed", exc_info=RuntimeError("no creds"))
+        logging.getLogger("gpubroker.test").warning("ours still shows")
+        err = capsys.readouterr().err
+        assert "probe failed" not in err and "Traceback" not in err
+        assert "ours still shows" in err
+        logs.configure(json=False, level=logging.DEBUG)
+        logging.getLogger("alibabacloud_credentials").warning("probe warning")
+        logging.getLogger("botocore.endpoint").debug("request headers")
+        err = capsys.readouterr().err
+        assert "probe warning" in err and "request headers" not in err
+    finally:
+        logs.configure(json=False, level=logging.WARNING)

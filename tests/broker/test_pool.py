@@ -247,3 +247,31 @@ def test_pool_keys_of_each_market_are_distinct() -> None:
     pool = pool_of([spot, od])
     assert len(pool) == 2
     assert [o.pool.market for o in pool.by_gpu("H100-80GB")] == [Market.SPOT, Market.ON_DEMAND]
+
+
+def test_a_new_reading_of_the_same_state_is_not_a_change() -> None:
+    """AWS stamps every spot price with the time it was read: a poll that reads the same
+    price again changes nothing, but the pool keeps the newer reading."""
+    clock = Clock()
+    first = offer("us-east-1a", price=24.0)
+    pool = pool_of([first], clock=clock)
+    assert pool.by_gpu("H100-80GB") == [first]
+    again = replace(first, observed_at=clock.advance(60))
+    change = pool.replace(SLICE, [again])
+    assert change.updated == {} and change.removed == {}
+    assert pool.get(first.pool) is again
+    assert pool.by_gpu("H100-80GB")[0] is again
+    assert pool.by_gpu("H100-80GB", Market.SPOT)[0] is again
+    dearer = replace(again, price_per_hour=30.0, observed_at=clock.advance(60))
+    assert pool.replace(SLICE, [dearer]).updated == {first.pool: again}
+
+
+def test_a_slice_not_polled_yet_is_unknown_not_stale_during_the_start_up_grace() -> None:
+    clock = Clock()
+    pool = ResourcePool(stale_after_seconds=300, clock=clock)
+    pool.mark_failed(("aws", "us-west-2"), "CloudUnavailable: first poll failed")
+    assert pool.in_grace(clock())
+    assert pool.stale_slices(clock()) == set()
+    clock.advance(301)
+    assert not pool.in_grace(clock())
+    assert pool.stale_slices(clock()) == {("aws", "us-west-2")}
