@@ -33,6 +33,27 @@ shapes:
 Errors use ARM's shape ``{"error": {"code", "message"}}`` with the status given; an
 unknown subscription is ``404 SubscriptionNotFound``.
 
+Random faults (``chaos = Chaos(...)``, see ``fake_server``) answer as each service does:
+
+* a throttle — Resource SKUs and usages (the Compute resource provider behind ARM): half
+  of them ARM's own (429, ``Retry-After: 1``, ``{"error": {"code": "TooManyRequests"}}``,
+  ``x-ms-ratelimit-remaining-subscription-reads: 0``), half the resource provider's as
+  Azure's "Troubleshooting API throttling errors" page shows it (429, ``Retry-After: 1``,
+  a bare ``{"code": "OperationNotAllowed", "details": [{"code": "TooManyRequests",
+  "target": "HighCostGet3Min"}]}`` — the code that on another status means a quota);
+  Resource Graph: 429 ``RateLimiting`` with ``x-ms-user-quota-remaining: 0`` and
+  ``x-ms-user-quota-resets-after: 00:00:01`` and no ``Retry-After``, as its throttling
+  guidance describes; the Retail Prices API: 429, ``Retry-After: 1`` and a text body
+  (Microsoft documents no error shape for that API, so the fake gives a client nothing
+  but the status and the header to go by);
+* a 5xx — ARM's ``{"error": {"code": "InternalServerError" | "ServiceUnavailable"}}``
+  for ARM and Resource Graph, a text body for the Retail Prices API.
+
+``chaos_repeats = N`` spares a request from random faults once the same request (method
+and URL) has been sent N times: a seeded draw over concurrent requests is not
+reproducible, and a test that must not fail by bad luck (8 attempts at 50 % faults fail
+one call in 256) sets it below the client's attempts.
+
 Data. VM sizes, regions and prices come from the price snapshot
 (``tests/fixtures/prices/gpu-prices-azure.csv``: 8 US regions, prices per region). The
 snapshot has no vCPU family names, zones, quotas or eviction rates, so the fake adds them:
@@ -70,6 +91,7 @@ import hashlib
 import json
 import random
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,6 +320,8 @@ class FakeAzure(FakeServer[tuple[str, str]]):
         self.authorized = 0
         self.page_size = {"skus": 10, "usages": 8, "prices": 50, "graph": 20}
         self.link_base: str | None = None  # paging links on this host (None: the fake's)
+        self.chaos_repeats: int | None = None  # see the module doc
+        self._chaos_seen: Counter[tuple[str, str]] = Counter()
         self._faults: list[_Fault] = []
         # (region, size) -> [on-demand, spot] USD per hour (Linux)
         self._prices: dict[tuple[str, str], list[float | None]] = {}
@@ -421,6 +445,7 @@ class FakeAzure(FakeServer[tuple[str, str]]):
         with self._lock:
             super().reset_calls()
             self.authorized = 0
+            self._chaos_seen.clear()
 
     def call_count(self, api: str | None = None, region: str | None = None) -> int:
         with self._lock:
@@ -458,7 +483,10 @@ class FakeAzure(FakeServer[tuple[str, str]]):
                              f"No route for {request.method} {path} (fake)")
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+        try:
+            body = await request.read()
+        except ConnectionResetError:  # the client gave up (a timeout fault): nobody to answer
+            return web.Response(status=499)
         try:
             api, region, handler, args = self._route(request)
             payload: dict[str, Any] = {}
@@ -483,6 +511,65 @@ class FakeAzure(FakeServer[tuple[str, str]]):
         except FakeAzureError as err:
             return web.json_response({"error": {"code": err.code, "message": err.message}},
                                      status=err.status, headers=err.headers)
+
+    # ------------------------------------------------------------ random faults
+    def _chaos_applies(self, request: web.Request) -> bool:
+        if self.chaos_repeats is None:
+            return True
+        key = (request.method, request.path_qs)
+        with self._lock:
+            seen = self._chaos_seen[key]
+            self._chaos_seen[key] += 1
+        return seen < self.chaos_repeats
+
+    def _api_of(self, request: web.Request) -> str:
+        try:
+            return self._route(request)[0]
+        except FakeAzureError:
+            return ""
+
+    def _coin(self) -> bool:
+        return (self.chaos.rng if self.chaos is not None else random).random() < 0.5
+
+    def _throttled(self, request: web.Request) -> web.StreamResponse:
+        api = self._api_of(request)
+        request_id = {"x-ms-request-id": _guid(random.random())}
+        if api == "prices":
+            return web.Response(status=429, text="Too Many Requests",
+                                headers={"Retry-After": "1"})
+        if api == "graph":
+            return web.json_response(
+                {"error": {"code": "RateLimiting",
+                           "message": "Client application has been throttled; retry after "
+                                      "the time in x-ms-user-quota-resets-after (fake)."}},
+                status=429, headers={**request_id, "x-ms-user-quota-remaining": "0",
+                                     "x-ms-user-quota-resets-after": "00:00:01"})
+        if self._coin():  # ARM's own limit of reads for the subscription
+            return web.json_response(
+                {"error": {"code": "TooManyRequests",
+                           "message": "Too many read requests for this subscription; "
+                                      "retry after the time in Retry-After (fake)."}},
+                status=429, headers={**request_id, "Retry-After": "1",
+                                     "x-ms-ratelimit-remaining-subscription-reads": "0"})
+        # The Compute resource provider's own throttle: OperationNotAllowed, unwrapped.
+        detail = json.dumps({"operationGroup": "HighCostGet3Min", "allowedRequestCount": 240,
+                             "measuredRequestCount": 241})
+        return web.json_response(
+            {"code": "OperationNotAllowed",
+             "message": "Rejected: too many requests for this subscription (fake).",
+             "details": [{"code": "TooManyRequests", "target": "HighCostGet3Min",
+                          "message": detail}]},
+            status=429, headers={**request_id, "Retry-After": "1",
+                                 "x-ms-ratelimit-remaining-resource":
+                                     "Microsoft.Compute/HighCostGet3Min;0"})
+
+    def _server_error(self, request: web.Request, status: int) -> web.StreamResponse:
+        if self._api_of(request) == "prices":
+            return web.Response(status=status, text=f"{status} Server Error")
+        code = "ServiceUnavailable" if status == 503 else "InternalServerError"
+        return web.json_response(
+            {"error": {"code": code, "message": f"{code} (injected by the fake)"}},
+            status=status, headers={"x-ms-request-id": _guid(random.random())})
 
     def _take_fault(self, api: str, region: str) -> None:
         f = self._take(self._faults, lambda f: f.api == api and f.region in (None, region))

@@ -1,13 +1,15 @@
 """Tests of the fake Azure endpoint (`tests/fake_azure.py`) with a plain HTTP client: the
-shapes and the refusals a client relies on."""
+shapes and the refusals a client relies on, and its random faults."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import aiohttp
 import pytest
 from fake_azure import SUBSCRIPTION_ID, FakeAzure, fake_azure_fixture  # noqa: F401
+from fake_server import Chaos
 
 SKUS = f"/subscriptions/{SUBSCRIPTION_ID}/providers/Microsoft.Compute/skus"
 
@@ -60,3 +62,69 @@ async def test_faults_count_down_and_carry_retry_after(fake_azure: FakeAzure) ->
     assert fake_azure.call_count("prices") == 3
     with pytest.raises(ValueError, match="unknown api"):
         fake_azure.fail("compute")
+
+
+# --- random faults ----------------------------------------------------------------------
+
+GRAPH_QUERY = {"query": "SpotResources | where type =~ "
+                        "'microsoft.compute/skuspotevictionrate/location'"}
+
+
+async def send(http: aiohttp.ClientSession, method: str, url: str, **kw: Any
+               ) -> tuple[int, dict[str, str], str]:
+    async with http.request(method, url, **kw) as resp:
+        return resp.status, dict(resp.headers), await resp.text()
+
+
+async def test_random_throttles_answer_as_each_service_does(fake_azure: FakeAzure) -> None:
+    fake_azure.chaos = Chaos(rate=1.0, kinds=("throttle",), seed=3)
+    skus = fake_azure.url + SKUS + "?api-version=2021-07-01"
+    async with aiohttp.ClientSession() as http:
+        codes = set()
+        for _ in range(12):
+            status, headers, text = await send(http, "GET", skus)
+            assert (status, headers["Retry-After"]) == (429, "1")
+            body = json.loads(text)
+            if "error" in body:  # ARM's own limit
+                codes.add(body["error"]["code"])
+                assert headers["x-ms-ratelimit-remaining-subscription-reads"] == "0"
+            else:  # the Compute resource provider's, unwrapped
+                codes.add(body["code"])
+                assert body["details"][0]["code"] == "TooManyRequests"
+        assert codes == {"TooManyRequests", "OperationNotAllowed"}
+        status, headers, text = await send(
+            http, "POST", fake_azure.url + "/providers/Microsoft.ResourceGraph/resources"
+            "?api-version=2021-03-01", json=GRAPH_QUERY)
+        assert (status, json.loads(text)["error"]["code"]) == (429, "RateLimiting")
+        assert headers["x-ms-user-quota-resets-after"] == "00:00:01"
+        assert "Retry-After" not in headers
+        status, headers, text = await send(http, "GET", fake_azure.url + "/api/retail/prices")
+        assert (status, headers["Retry-After"], text) == (429, "1", "Too Many Requests")
+    assert fake_azure.faulted == {"throttle": 14}
+    assert fake_azure.call_count() == 0  # no answer came from the handlers
+
+
+async def test_random_server_errors_answer_as_each_service_does(fake_azure: FakeAzure
+                                                                ) -> None:
+    fake_azure.chaos = Chaos(rate=1.0, kinds=("5xx",), seed=3)
+    async with aiohttp.ClientSession() as http:
+        status, _, text = await send(http, "GET", fake_azure.url + SKUS)
+        assert status in (500, 503)
+        assert json.loads(text)["error"]["code"] in ("InternalServerError",
+                                                     "ServiceUnavailable")
+        status, _, text = await send(http, "GET", fake_azure.url + "/api/retail/prices")
+        assert status in (500, 503) and text == f"{status} Server Error"
+
+
+async def test_chaos_repeats_spares_a_request_sent_that_often(fake_azure: FakeAzure) -> None:
+    fake_azure.chaos = Chaos(rate=1.0, kinds=("truncated",))
+    fake_azure.chaos_repeats = 2
+    url = fake_azure.url + "/api/retail/prices"
+    async with aiohttp.ClientSession() as http:
+        bodies = [(await send(http, "GET", url))[2] for _ in range(3)]
+        other = (await send(http, "GET", url + "?$skip=50"))[2]
+    assert [len(b) for b in bodies[:2]] == [len(bodies[2]) // 2] * 2
+    json.loads(bodies[2])  # whole
+    with pytest.raises(ValueError):
+        json.loads(other)  # another request: faulted again
+    assert fake_azure.faulted == {"truncated": 3}

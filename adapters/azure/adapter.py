@@ -10,28 +10,39 @@ so a poll takes as long as the slowest of them):
   hour; required. A region for which ARM lists no SKU at all is not an Azure region
   (`InvalidConfig`).
 * prices — the Retail Prices API, `Consumption` meters of `Standard_N*` sizes in the
-  region (paged by `NextPageLink`); every hour; on failure the last good copy is kept
-  (without any copy the offers are listed unpriced).
+  region (paged by `NextPageLink`); every hour; required until the first answer, then
+  the last good copy is kept when a refresh fails.
 * quota headroom — `usage.list(<region>)`: per-family vCPUs and `cores` for on-demand,
-  `lowPriorityCores` for spot; every 10 min; last good copy kept.
+  `lowPriorityCores` for spot; every 10 min; optional (last good copy kept; without
+  one, `quota_headroom` is None).
 * Spot eviction rates — Resource Graph, `SpotResources`
-  (`microsoft.compute/skuspotevictionrate/location`) for the region; every hour; last
-  good copy kept (`interruption_rate` None until one arrives).
+  (`microsoft.compute/skuspotevictionrate/location`) for the region; every hour;
+  optional (last good copy kept; `interruption_rate` None until one arrives).
 
 Between refreshes a poll asks Azure nothing: Azure's answers change more slowly than the
 poll interval, and the cached ones are returned.
 
-A poll that fails raises a typed error: the poller marks the region unhealthy and its
+Faults. Every call is retried on its own at the SDK seam (`sdk.py`): a throttle (after
+its `Retry-After`), a 5xx, a timeout (`call_timeout` seconds to connect or to wait for
+the answer) and an answer cut off or garbled are retried with backoff within the poll's
+deadline; credentials, permissions and configuration are not. A required answer still
+missing after that fails the poll with a typed error naming it (`Resource SKUs: ...`,
+`retail prices: ...`): the poller marks the region unhealthy with that reason and its
 offers age until stale — which is not "no capacity", so an API that blinks causes no
-failovers. Azure gives no capacity signal for a pool (`availability` and `capacity` are
-None), and no push channel the broker could read: Spot eviction notices (Scheduled
-Events) reach only the VM itself, so `signals()` never yields. How names, prices,
-restrictions, quotas and eviction bands are read: `pricing.py`.
+failovers. So an offer's `price_per_hour` is None only where Azure lists a size without a
+price, never because the price call failed; `quota_headroom` and `interruption_rate` are
+None (unknown) while their optional answers have never arrived.
+
+Azure gives no capacity signal for a pool (`availability` and `capacity` are None), and
+no push channel the broker could read: Spot eviction notices (Scheduled Events) reach
+only the VM itself, so `signals()` never yields. How names, prices, restrictions, quotas
+and eviction bands are read: `pricing.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +56,7 @@ from adapters.azure import pricing
 from adapters.azure.sdk import CLOUD, AzureSdk, RetailPrices, check_region
 from adapters.base import CloudAdapter, run_blocking
 from adapters.common import Cached, note_optional
-from adapters.errors import InvalidConfig
+from adapters.errors import AdapterError, InvalidConfig
 from broker.model import Market, Offer, PoolKey, utcnow
 
 log = structlog.get_logger("gpubroker.azure")
@@ -78,7 +89,7 @@ class AzureAdapter(CloudAdapter):
     def __init__(self, *, subscription_id: str | None, regions: Sequence[str],
                  endpoint: str | None = None, anonymous: bool = False,
                  refresh: Refresh | None = None, max_workers: int = 16,
-                 attempts: int = 4, max_backoff: float = 8.0,
+                 attempts: int = 8, max_backoff: float = 8.0, call_timeout: float = 10.0,
                  clock: Callable[[], datetime] = utcnow,
                  monotonic: Callable[[], float] = time.monotonic,
                  on_call: Callable[[str, str], None] | None = None) -> None:
@@ -96,9 +107,10 @@ class AzureAdapter(CloudAdapter):
         self._mono = monotonic
         self.sdk = AzureSdk(subscription_id=subscription_id.strip(), endpoint=endpoint,
                             anonymous=anonymous, attempts=attempts, max_backoff=max_backoff,
-                            on_call=on_call)
+                            call_timeout=call_timeout, on_call=on_call)
         self.retail = RetailPrices(endpoint=endpoint, attempts=attempts,
-                                   max_backoff=max_backoff, on_call=on_call)
+                                   max_backoff=max_backoff, call_timeout=call_timeout,
+                                   on_call=on_call)
         self._executor = ThreadPoolExecutor(max_workers=max_workers,
                                             thread_name_prefix="azure")
         self._state = {r: _RegionState() for r in self._regions}
@@ -119,20 +131,28 @@ class AzureAdapter(CloudAdapter):
                                 region=region)
         now, mono = self._clock(), self._mono()
         rf = self._refresh
-        required: list[Coroutine[Any, Any, None]] = []
-        if st.sizes.older_than(rf.skus, mono):
-            required.append(self._sizes(region, st, mono, now))
+        # Required answers: without them (and without an earlier copy) there is no
+        # honest offer to make. Optional ones keep their last good copy.
+        required: list[tuple[str, Coroutine[Any, Any, None]]] = []
         optional: list[tuple[str, str, Coroutine[Any, Any, None]]] = []
+        if st.sizes.older_than(rf.skus, mono):
+            required.append(("Resource SKUs", self._sizes(region, st, mono, now)))
         if st.prices.older_than(rf.prices, mono):
-            optional.append(("prices", "prices", self._prices(region, st, mono, now)))
+            if st.prices.read_at is None:
+                required.append(("retail prices", self._prices(region, st, mono, now)))
+            else:
+                optional.append(("prices", "prices", self._prices(region, st, mono, now)))
         if st.quotas.older_than(rf.quotas, mono):
             optional.append(("quotas", "quotas", self._quotas(region, st, mono, now)))
         if st.evictions.older_than(rf.evictions, mono):
             optional.append(("spot eviction rates", "evictions",
                              self._evictions(region, st, mono, now)))
-        results = await asyncio.gather(*required, *(c for _, _, c in optional),
+        results = await asyncio.gather(*(c for _, c in required),
+                                       *(c for _, _, c in optional),
                                        return_exceptions=True)
-        for r in results[:len(required)]:
+        for (what, _), r in zip(required, results, strict=False):
+            if isinstance(r, AdapterError):
+                raise _naming(what, r) from r
             if isinstance(r, BaseException):
                 raise r
         for (what, attr, _), r in zip(optional, results[len(required):], strict=True):
@@ -212,7 +232,16 @@ class AzureAdapter(CloudAdapter):
         self.sdk.close()  # closes sockets and the credential: no network, no waiting
 
 
+def _naming(what: str, err: AdapterError) -> AdapterError:
+    """`err` (same type, cloud, region, `retry_after`) with a message that names the
+    answer that is missing: the reason an unhealthy region shows."""
+    named = copy.copy(err)
+    named.args = (f"{what}: {err}",)
+    return named
+
+
 def from_config(section: Any, **kwargs: Any) -> AzureAdapter:
     """Build the adapter from the daemon configuration's `clouds.azure` section."""
+    kwargs.setdefault("call_timeout", section.call_timeout_seconds)
     return AzureAdapter(subscription_id=section.subscription_id, regions=section.regions,
                         endpoint=section.endpoint, anonymous=section.anonymous, **kwargs)

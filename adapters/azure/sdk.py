@@ -13,10 +13,15 @@ the typed errors of `adapters.errors`:
   credential: the API takes none).
 
 Azure's error codes, HTTP statuses and the SDKs' exceptions are translated here, once
-(`translate`, `classify`); throttling and 5xx are retried here with jittered exponential
-backoff, never sooner than the service's `Retry-After` (a `Retry-After` longer than the
-backoff cap is not waited out here: the `RateLimited` goes up to the poller, which
-honours it). The SDK's own retry policy is switched off so that every cloud retries alike.
+(`translate`, `classify`). What can heal by itself is retryable: a throttle (`RateLimited`,
+with the service's `Retry-After`), a 5xx, a connection failure, a call that took longer
+than `call_timeout` seconds (connect, or waiting for the answer) and an answer that cannot
+be read (cut off, garbled: not the JSON it should be) are `CloudUnavailable`. Each call is
+retried here, alone, by `adapters.common.RetryPolicy` (the one retry layer: jittered
+backoff, never sooner than `Retry-After`, never past the poll's deadline; a `Retry-After`
+longer than the backoff cap goes up to the poller, which honours it). What cannot heal
+(credentials, permissions, a subscription or region that does not exist, a request ARM
+refuses) is permanent and never retried. The SDK's own retry policy is switched off.
 
 `endpoint` replaces every Azure host: ARM (`management.azure.com`, which also serves
 Resource Graph) and the Retail Prices API (`prices.azure.com`); paging links the
@@ -55,7 +60,7 @@ from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 import aiohttp
 
-from adapters.common import RetryPolicy, import_sdk
+from adapters.common import RetryPolicy, import_sdk, remaining
 from adapters.errors import (
     AdapterError,
     AuthFailed,
@@ -129,14 +134,18 @@ def retry_after_of(headers: Mapping[str, str] | None, now: datetime | None = Non
 
 def classify(status: int, code: str, message: str, *, region: str = "",
              retry_after: float | None = None) -> AdapterError:
-    """The one table from Azure's (HTTP status, error code) onto typed errors."""
+    """The one table from Azure's (HTTP status, error code) onto typed errors.
+
+    A 429 is a throttle whatever its code: the Compute resource provider throttles with
+    429 and code `OperationNotAllowed` (details `TooManyRequests`), which on any other
+    status means a quota."""
     msg = f"{code or status}: {message}".strip().rstrip(":")
+    if code in _THROTTLE or status == 429:
+        return RateLimited(msg, retry_after=retry_after, cloud=CLOUD, region=region)
     if code in _CAPACITY:
         return CapacityUnavailable(msg, cloud=CLOUD, region=region)
     if code in _QUOTA:
         return QuotaExceeded(msg, cloud=CLOUD, region=region)
-    if code in _THROTTLE or status == 429:
-        return RateLimited(msg, retry_after=retry_after, cloud=CLOUD, region=region)
     if code in _AUTH or status in (401, 403):
         return AuthFailed(msg, cloud=CLOUD, region=region)
     if code in _CONFIG:
@@ -147,12 +156,32 @@ def classify(status: int, code: str, message: str, *, region: str = "",
 
 
 def translate(exc: BaseException, region: str = "") -> AdapterError:
-    """Map an azure-core or aiohttp exception onto the typed errors of the adapter
-    contract. Anything else is re-raised: it is a bug, not a cloud failure."""
+    """Map an azure-core, aiohttp or JSON exception onto the typed errors of the adapter
+    contract; the one table, in order:
+
+    ======================================================  ================================
+    ``ClientAuthenticationError`` (no credential; a 401)    `AuthFailed`
+    ``DecodeError`` (a 2xx whose body is not JSON: cut      `CloudUnavailable` (garbled)
+    off, garbled; ``IncompleteReadError``),
+    ``DeserializationError`` (JSON that is not ARM's shape)
+    ``HttpResponseError`` (an error status)                 `classify` (status, ARM code)
+    ``ServiceRequestError``, ``ServiceResponseError``       `CloudUnavailable`
+    (connection failures, ``…TimeoutError``: connect or
+    read took longer than the call timeout)
+    any other ``AzureError``                                `AdapterError` (permanent)
+    aiohttp ``ContentTypeError``, ``json.JSONDecodeError``  `CloudUnavailable` (garbled)
+    aiohttp ``ClientError`` (connection, a body cut off     `CloudUnavailable`
+    mid-stream), ``TimeoutError``
+    ======================================================  ================================
+
+    Anything else is re-raised: it is a bug, not a cloud failure."""
     if isinstance(exc, AdapterError):
         return exc
     _azure()
     from azure.core import exceptions as az
+
+    def unavailable(what: str) -> CloudUnavailable:
+        return CloudUnavailable(what, cloud=CLOUD, region=region)
 
     if isinstance(exc, az.ClientAuthenticationError):
         if exc.response is None:
@@ -164,9 +193,10 @@ def translate(exc: BaseException, region: str = "") -> AdapterError:
         code = str(getattr(exc.error, "code", "") or "")
         return AuthFailed(f"{code or exc.status_code}: {exc.reason or 'unauthorized'}",
                           cloud=CLOUD, region=region)
-    if isinstance(exc, az.DecodeError):
-        return AdapterError(f"unreadable answer from Azure: {exc.message}", cloud=CLOUD,
-                            region=region)
+    if isinstance(exc, az.DecodeError | az.DeserializationError):
+        message = exc.message if isinstance(exc, az.AzureError) else str(exc)
+        return unavailable(f"garbled answer from Azure ({type(exc).__name__}): "
+                           f"{message.splitlines()[0] if message else ''}")
     if isinstance(exc, az.HttpResponseError):
         error = exc.error
         headers = getattr(exc.response, "headers", None)
@@ -174,16 +204,15 @@ def translate(exc: BaseException, region: str = "") -> AdapterError:
                         str(getattr(error, "message", "") or exc.reason or ""),
                         region=region, retry_after=retry_after_of(headers))
     if isinstance(exc, az.ServiceRequestError | az.ServiceResponseError):
-        return CloudUnavailable(f"{type(exc).__name__}: {exc.message}", cloud=CLOUD,
-                                region=region)
+        return unavailable(f"{type(exc).__name__}: {exc.message}")
     if isinstance(exc, az.AzureError):
         return AdapterError(f"{type(exc).__name__}: {exc.message}", cloud=CLOUD,
                             region=region)
     if isinstance(exc, aiohttp.ContentTypeError | json.JSONDecodeError):
-        return AdapterError(f"unreadable answer from Azure: {exc}", cloud=CLOUD,
-                            region=region)
+        return unavailable(f"garbled answer from Azure ({type(exc).__name__}): {exc}")
     if isinstance(exc, aiohttp.ClientError | TimeoutError):
-        return CloudUnavailable(f"{type(exc).__name__}: {exc}", cloud=CLOUD, region=region)
+        return unavailable(f"{type(exc).__name__}: {exc}" if str(exc)
+                           else f"{type(exc).__name__}: no answer within the call timeout")
     raise exc
 
 
@@ -238,8 +267,8 @@ class AzureSdk:
     retried. Thread-safe (azure-core clients are)."""
 
     def __init__(self, *, subscription_id: str, endpoint: str | None = None,
-                 anonymous: bool = False, attempts: int = 4, max_backoff: float = 8.0,
-                 max_connections: int = 32,
+                 anonymous: bool = False, attempts: int = 8, max_backoff: float = 8.0,
+                 call_timeout: float = 10.0, max_connections: int = 32,
                  on_call: Callable[[str, str], None] | None = None) -> None:
         compute = _azure()
         import requests
@@ -255,6 +284,7 @@ class AzureSdk:
                                 "true (Azure credentials are never sent over plain http)",
                                 cloud=CLOUD)
         self.retry = RetryPolicy(attempts, max_backoff)
+        self.call_timeout = call_timeout
         self._on_call = on_call
         self._credential: Any = None
         extra: dict[str, Any] = {}
@@ -270,8 +300,11 @@ class AzureSdk:
         pool = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=max_connections)
         session.mount("https://", pool)
         session.mount("http://", pool)
+        # One call's limit (`call_timeout_seconds`): to connect, and between bytes of the
+        # answer; a call over it is a ServiceRequest/ResponseTimeoutError, retried.
         transport = RequestsTransport(session=session, session_owner=True,
-                                      connection_timeout=5, read_timeout=30)
+                                      connection_timeout=call_timeout,
+                                      read_timeout=call_timeout)
         self.client: Any = compute.ComputeManagementClient(
             credential, subscription_id, base_url=self.endpoint or ARM_HOST,
             retry_policy=CoreRetryPolicy.no_retries(), transport=transport, **extra)
@@ -341,7 +374,11 @@ class AzureSdk:
                     "POST", f"{GRAPH_PATH}?api-version={GRAPH_API}",
                     json={"query": query, "options": options}))
                 response.raise_for_status()
-                body: dict[str, Any] = response.json()
+                body = response.json()
+                if not isinstance(body, dict):
+                    raise CloudUnavailable("garbled answer from Resource Graph: a JSON "
+                                           f"{type(body).__name__}, not an object",
+                                           cloud=CLOUD, region=region)
                 return body
 
             page = self._call(region, "resource_graph", one)
@@ -369,18 +406,22 @@ class AzureSdk:
 class RetailPrices:
     """The public Azure Retail Prices API (no credential), over aiohttp."""
 
-    def __init__(self, *, endpoint: str | None = None, attempts: int = 4,
-                 max_backoff: float = 8.0,
+    def __init__(self, *, endpoint: str | None = None, attempts: int = 8,
+                 max_backoff: float = 8.0, call_timeout: float = 10.0,
                  on_call: Callable[[str, str], None] | None = None) -> None:
         self.endpoint = endpoint.rstrip("/") if endpoint else None
         self.retry = RetryPolicy(attempts, max_backoff)
+        self.call_timeout = call_timeout
         self._on_call = on_call
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:  # created inside the running loop, on first use
+            # As for ARM: `call_timeout` to connect and between bytes of the answer
+            # (a whole answer may take longer; the poll's deadline bounds it).
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=30, connect=5),
+                timeout=aiohttp.ClientTimeout(total=None, connect=self.call_timeout,
+                                              sock_read=self.call_timeout),
                 connector=aiohttp.TCPConnector(limit=32))
         return self._session
 
@@ -389,6 +430,10 @@ class RetailPrices:
 
         async for attempt in self.retry.async_():
             with attempt:
+                left = remaining()
+                if left is not None and left <= 0:
+                    raise CloudUnavailable("the poll's deadline passed; no more attempts",
+                                           cloud=CLOUD, region=region)
                 if self._on_call is not None:
                     self._on_call("retail_prices", region)
                 try:
@@ -396,7 +441,12 @@ class RetailPrices:
                         if resp.status != 200:
                             raise _http_error(resp.status, await resp.text(), resp.headers,
                                               region)
-                        body: dict[str, Any] = await resp.json()
+                        body = await resp.json()
+                        if not isinstance(body, dict):
+                            raise CloudUnavailable(
+                                "garbled answer from the Retail Prices API: a JSON "
+                                f"{type(body).__name__}, not an object", cloud=CLOUD,
+                                region=region)
                         return body
                 except Exception as exc:  # translated here; anything unknown re-raised
                     raise translate(exc, region) from exc

@@ -1,9 +1,11 @@
 """The Azure adapter with the real azure-mgmt-compute (and its aiohttp price client)
 against the fake Azure endpoint: sizes, zones, restrictions, prices, quotas, eviction
-rates, caching, failures, the command line."""
+rates, caching, failures, random faults, the command line."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -11,16 +13,19 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from fake_azure import FakeAzure, fake_azure_fixture  # noqa: F401
+from fake_server import CHAOS_KINDS, Chaos
 from pydantic import ValidationError
 
 from adapters.azure import pricing
 from adapters.azure.adapter import AzureAdapter, Refresh, from_config
+from adapters.common import poll_deadline
 from adapters.errors import AuthFailed, CloudUnavailable, InvalidConfig, RateLimited
 from broker.config import AzureConfig
 from broker.model import Market, Offer, PoolKey
@@ -198,9 +203,9 @@ async def test_a_long_retry_after_goes_to_the_poller(fake_azure: FakeAzure,
 async def test_an_api_that_stays_down_fails_the_poll_typed(fake_azure: FakeAzure,
                                                            adapter: AzureAdapter) -> None:
     fake_azure.fail("skus", status=503, times=None)
-    with pytest.raises(CloudUnavailable):
+    with pytest.raises(CloudUnavailable, match=r"^Resource SKUs: ServiceUnavailable"):
         await adapter.poll(REGION)
-    assert fake_azure.call_count("skus") == 4  # attempts
+    assert fake_azure.call_count("skus") == 8  # attempts
     fake_azure.clear_faults()
     fake_azure.reset_calls()
     fake_azure.fail("skus", status=403, code="AuthorizationFailed", times=None)
@@ -223,18 +228,124 @@ async def test_optional_answers_keep_the_last_good_copy(fake_azure: FakeAzure) -
                     again[key].interruption_rate, again[key].observed_at) == (
                 offer.price_per_hour, offer.quota_headroom, offer.interruption_rate,
                 offer.observed_at)
-        assert fake_azure.call_count("prices") == pages + 4  # then 4 attempts of page 1
+        assert fake_azure.call_count("prices") == pages + 8  # then 8 attempts of page 1
     finally:
         await a.close()
 
 
-async def test_without_any_copy_offers_are_listed_unpriced_and_unknown(
+async def test_a_first_poll_without_prices_fails_naming_them(fake_azure: FakeAzure,
+                                                             adapter: AzureAdapter) -> None:
+    # No earlier copy: no offers without a price because the price call failed; the
+    # region is unhealthy, and the reason says what is missing.
+    fake_azure.fail("prices", status=503, times=None)
+    with pytest.raises(CloudUnavailable, match=r"^retail prices: ServiceUnavailable"):
+        await adapter.poll(REGION)
+    assert fake_azure.call_count("prices") == 8  # attempts
+    fake_azure.clear_faults()
+    assert all(o.price_per_hour is not None for o in await adapter.poll(REGION)
+               if o.pool.instance_type != "Standard_NC128lds_xl_RTXPRO6000BSE_v6")
+
+
+async def test_without_optional_answers_quotas_and_rates_are_unknown(
         fake_azure: FakeAzure, adapter: AzureAdapter) -> None:
-    for api in ("prices", "usages", "graph"):
+    for api in ("usages", "graph"):
         fake_azure.fail(api, status=503, times=None)
     offers = await adapter.poll(REGION)
-    assert offers and all(o.price_per_hour is None and o.quota_headroom is None
-                          and o.interruption_rate is None for o in offers)
+    assert offers and all(o.quota_headroom is None and o.interruption_rate is None
+                          for o in offers)
+    assert find(offers, "Standard_NC24ads_A100_v4", Market.SPOT)[0].price_per_hour == \
+        fake_azure.spot_price(REGION, "Standard_NC24ads_A100_v4")
+
+
+async def test_retries_stop_at_the_polls_deadline(fake_azure: FakeAzure) -> None:
+    a = make(fake_azure, max_backoff=1.0)
+    try:
+        fake_azure.fail("skus", status=500, times=None)
+        started = time.monotonic()
+        with poll_deadline(1.0), pytest.raises(CloudUnavailable, match="Resource SKUs"):
+            await a.poll(REGION)
+        assert time.monotonic() - started < 1.5
+        assert 2 <= fake_azure.call_count("skus") < 8  # cut short by the deadline
+    finally:
+        await a.close()
+
+
+# --- random faults: throttles, 5xx, timeouts, truncated bodies -------------------------
+
+FAULTS = [pytest.param(0.5, (kind,), id=f"{kind}-50%") for kind in CHAOS_KINDS] + [
+    pytest.param(0.3, CHAOS_KINDS, id="mixed-30%")]
+FAULT_REGIONS = [REGION, "westus"]  # zones, and none
+CALL_TIMEOUT = 1.0
+EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+
+
+def comparable(offers: list[Offer]) -> dict[PoolKey, Offer]:
+    """The offers by pool, `observed_at` (when the prices were read) set aside."""
+    return {o.pool: dataclasses.replace(o, observed_at=EPOCH) for o in offers}
+
+
+async def fault_free(fake: FakeAzure) -> dict[PoolKey, Offer]:
+    a = make(fake, regions=FAULT_REGIONS)
+    try:
+        polls = await asyncio.gather(*(a.poll(r) for r in FAULT_REGIONS))
+    finally:
+        await a.close()
+    fake.reset_calls()
+    return comparable([o for offers in polls for o in offers])
+
+
+def inject(fake: FakeAzure, rate: float, kinds: tuple[str, ...]) -> None:
+    """Random faults from now on. A timeout answers after 1.5 s (the client waits 1 s);
+    no request is faulted more than 3 times of its 8 attempts (FakeAzure.chaos_repeats).
+    At 50 % each API answers in one page, so that a test takes seconds, not a minute;
+    the mixed faults at 30 % hit the fake's pages (several per API)."""
+    fake.chaos = Chaos(rate=rate, kinds=kinds, hang_seconds=1.5, seed=15)
+    fake.chaos_repeats = 3
+    if rate >= 0.5:
+        fake.page_size.update(skus=1000, usages=1000, prices=1000, graph=1000)
+
+
+@pytest.mark.parametrize(("rate", "kinds"), FAULTS)
+async def test_random_faults_leave_the_offers_as_without_them(
+        fake_azure: FakeAzure, rate: float, kinds: tuple[str, ...]) -> None:
+    want = await fault_free(fake_azure)
+    inject(fake_azure, rate, kinds)
+    a = make(fake_azure, regions=FAULT_REGIONS, max_backoff=1.0, call_timeout=CALL_TIMEOUT)
+    try:
+        with poll_deadline(30):
+            polls = await asyncio.gather(*(a.poll(r) for r in FAULT_REGIONS))
+    finally:
+        await a.close()
+    assert comparable([o for offers in polls for o in offers]) == want
+    assert set(fake_azure.faulted) == set(kinds)
+
+
+@pytest.mark.parametrize(("rate", "kinds"), FAULTS)
+async def test_offers_command_under_random_faults_lists_the_same_offers(
+        fake_azure: FakeAzure, tmp_path: Path, rate: float, kinds: tuple[str, ...]) -> None:
+    want = {key: {k: v for k, v in o.to_json().items() if k != "observed_at"}
+            for key, o in (await fault_free(fake_azure)).items()}
+    inject(fake_azure, rate, kinds)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump({"clouds": {"azure": {
+        "subscription_id": fake_azure.subscription_id, "regions": FAULT_REGIONS,
+        "endpoint": fake_azure.url, "anonymous": True,
+        "call_timeout_seconds": CALL_TIMEOUT}}}))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "broker.cli", "offers", "--config", str(cfg), "--cloud",
+        "azure", "--format", "json", stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=dict(os.environ))
+    async with asyncio.timeout(50):
+        out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert "Traceback" not in err.decode(), err.decode()
+    rows = [json.loads(line) for line in out.decode().splitlines()]
+    got = {(r["region"], r["zone"], r["instance_type"], r["market"]):
+           {k: v for k, v in r.items() if k != "observed_at"} for r in rows}
+    assert len(got) == len(rows)
+    assert got == {(k.region, k.zone, k.instance_type, k.market.value): v
+                   for k, v in want.items()}
+    assert set(fake_azure.faulted) == set(kinds)
 
 
 async def test_an_unknown_region_is_a_config_error(fake_azure: FakeAzure) -> None:
@@ -259,6 +370,24 @@ def test_from_config_and_the_keys_it_needs(fake_azure: FakeAzure) -> None:
     with pytest.raises(InvalidConfig, match=r"clouds\.azure\.regions"):
         from_config(AzureConfig(subscription_id="s", regions=[], endpoint=fake_azure.url,
                                 anonymous=True))
+
+
+async def test_call_timeout_seconds_reaches_both_clients(fake_azure: FakeAzure) -> None:
+    a = from_config(AzureConfig(subscription_id=fake_azure.subscription_id,
+                                regions=[REGION], endpoint=fake_azure.url, anonymous=True,
+                                call_timeout_seconds=0.5))
+    try:
+        assert (a.sdk.call_timeout, a.retail.call_timeout) == (0.5, 0.5)
+        assert (a.sdk.retry.attempts, a.retail.retry.attempts) == (8, 8)
+        # An answer 1 s late is a timeout after 0.5 s, for ARM and the price API alike.
+        fake_azure.chaos = Chaos(rate=1.0, kinds=("timeout",), hang_seconds=1.0)
+        a.sdk.retry.attempts = a.retail.retry.attempts = 1
+        started = time.monotonic()
+        with pytest.raises(CloudUnavailable, match="Timeout"):
+            await a.poll(REGION)
+        assert time.monotonic() - started < 0.9
+    finally:
+        await a.close()
 
 
 async def test_anonymous_mode_sends_no_credentials(fake_azure: FakeAzure,

@@ -1,15 +1,18 @@
 """The Azure SDK seam: the real ComputeManagementClient and the aiohttp price client
-against the fake Azure endpoint — paging, error translation, retries, credentials."""
+against the fake Azure endpoint — paging, error translation, retries, timeouts, garbled
+answers, credentials."""
 
 from __future__ import annotations
 
 import math
 import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 
 import pytest
 from fake_azure import FakeAzure, fake_azure_fixture  # noqa: F401
+from fake_server import Chaos
 
 from adapters.azure import pricing
 from adapters.azure.sdk import AzureSdk, RetailPrices, rebase, retry_after_of
@@ -109,6 +112,7 @@ async def test_retail_prices_follow_next_page_link(fake_azure: FakeAzure,
     (409, "OperationNotAllowed", QuotaExceeded),
     (429, "TooManyRequests", RateLimited),
     (429, "SubscriptionRequestsThrottled", RateLimited),
+    (429, "OperationNotAllowed", RateLimited),  # the Compute RP's throttle
     (401, "InvalidAuthenticationToken", AuthFailed),
     (403, "AuthorizationFailed", AuthFailed),
     (404, "SubscriptionNotFound", InvalidConfig),
@@ -146,7 +150,7 @@ async def test_retail_errors_are_translated_by_status(fake_azure: FakeAzure,
     fake_azure.fail("prices", status=503, times=None)
     with pytest.raises(CloudUnavailable):
         await retail.vm_prices(REGION)
-    assert fake_azure.call_count("prices") == 4  # attempts
+    assert fake_azure.call_count("prices") == 8  # attempts
     fake_azure.clear_faults()
     fake_azure.fail("prices", status=400, code="BadRequest", times=None)
     with pytest.raises(AdapterError) as info:
@@ -166,6 +170,98 @@ async def test_connection_errors_are_cloud_unavailable(retail: RetailPrices) -> 
             await r.vm_prices(REGION)
     finally:
         s.close()
+        await r.close()
+
+
+# --- random faults: each kind is transient, and retried ------------------------------
+
+def once(fake: FakeAzure, kind: str, hang_seconds: float = 1.0) -> None:
+    """Every request's first send gets the fault `kind`; its second goes through."""
+    fake.chaos = Chaos(rate=1.0, kinds=(kind,), hang_seconds=hang_seconds)
+    fake.chaos_repeats = 1
+
+
+@pytest.mark.parametrize("kind", ["throttle", "5xx", "timeout", "truncated"])
+def test_each_fault_kind_on_arm_is_retried(fake_azure: FakeAzure, kind: str) -> None:
+    fake_azure.page_size.update(skus=20, graph=1000)  # pages of SKUs, one of rows
+    want = AzureSdk(subscription_id=fake_azure.subscription_id, endpoint=fake_azure.url,
+                    anonymous=True)
+    try:
+        skus, rows = want.resource_skus(REGION), want.eviction_rates(REGION)
+    finally:
+        want.close()
+    pages = fake_azure.call_count()
+    assert pages >= 3  # two pages of SKUs at least
+    once(fake_azure, kind)
+    s = AzureSdk(subscription_id=fake_azure.subscription_id, endpoint=fake_azure.url,
+                 anonymous=True, max_backoff=1.0, call_timeout=0.5)
+    try:
+        assert s.resource_skus(REGION) == skus
+        assert s.eviction_rates(REGION) == rows
+    finally:
+        s.close()
+    assert fake_azure.faulted[kind] == pages  # each page once, then again
+
+
+@pytest.mark.parametrize("kind", ["throttle", "5xx", "timeout", "truncated"])
+async def test_each_fault_kind_on_retail_prices_is_retried(fake_azure: FakeAzure,
+                                                           kind: str) -> None:
+    fake_azure.page_size["prices"] = 1000
+    r = RetailPrices(endpoint=fake_azure.url)
+    try:
+        want = await r.vm_prices(REGION)
+    finally:
+        await r.close()
+    once(fake_azure, kind)
+    r = RetailPrices(endpoint=fake_azure.url, max_backoff=1.0, call_timeout=0.5)
+    try:
+        assert await r.vm_prices(REGION) == want
+    finally:
+        await r.close()
+    assert fake_azure.faulted[kind] == 1
+
+
+@pytest.mark.parametrize(("kind", "typed", "match"), [
+    ("throttle", RateLimited, "TooManyRequests|OperationNotAllowed|RateLimiting"),
+    ("5xx", CloudUnavailable, "ServiceUnavailable|InternalServerError"),
+    ("timeout", CloudUnavailable, "ServiceResponseTimeoutError"),
+    ("truncated", CloudUnavailable, "garbled answer from Azure .DecodeError.: JSON is invalid"),
+])
+def test_each_fault_kind_on_arm_is_transient(fake_azure: FakeAzure, kind: str,
+                                             typed: type[AdapterError], match: str) -> None:
+    once(fake_azure, kind, hang_seconds=0.6)
+    s = AzureSdk(subscription_id=fake_azure.subscription_id, endpoint=fake_azure.url,
+                 anonymous=True, attempts=1, call_timeout=0.3)
+    try:
+        with pytest.raises(typed, match=match) as info:
+            s.resource_skus(REGION)
+        assert info.value.retryable
+        if kind == "throttle":
+            assert isinstance(info.value, RateLimited) and info.value.retry_after == 1
+        with pytest.raises(typed, match=match):
+            s.eviction_rates(REGION)
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(("kind", "typed", "match"), [
+    ("throttle", RateLimited, "429"),
+    ("5xx", CloudUnavailable, "50[03]"),
+    ("timeout", CloudUnavailable, "no answer within the call timeout|Timeout"),
+    ("truncated", CloudUnavailable, "garbled answer from Azure .JSONDecodeError."),
+])
+async def test_each_fault_kind_on_retail_prices_is_transient(
+        fake_azure: FakeAzure, kind: str, typed: type[AdapterError], match: str) -> None:
+    once(fake_azure, kind, hang_seconds=0.6)
+    r = RetailPrices(endpoint=fake_azure.url, attempts=1, call_timeout=0.3)
+    try:
+        started = time.monotonic()
+        with pytest.raises(typed, match=match) as info:
+            await r.vm_prices(REGION)
+        assert info.value.retryable and time.monotonic() - started < 0.6
+        if kind == "throttle":
+            assert isinstance(info.value, RateLimited) and info.value.retry_after == 1
+    finally:
         await r.close()
 
 
