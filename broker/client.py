@@ -295,6 +295,12 @@ class Lease:
         return self.state is LeaseState.ACTIVE
 
     @property
+    def keeping_alive(self) -> bool:
+        """Whether a keep-alive renews this lease."""
+        task = self._keep_alive
+        return task is not None and not task.done() and not task.cancelling()
+
+    @property
     def seconds_left(self) -> float:
         """Seconds until the lease expires unless renewed (local clock, skew-free)."""
         return self._deadline - asyncio.get_running_loop().time()
@@ -498,6 +504,7 @@ class _Waiter:
     token: bytes = field(default_factory=lambda: uuid.uuid4().bytes)
     answer: Mapping[str, Any] | None = None
     lease: Lease | None = None  # a placement.decided answer's lease
+    error: str | None = None  # an answer that could not be read
     kick: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -731,6 +738,8 @@ class BrokerClient:
                                    rid) from None
         env = answer.answer
         assert env is not None
+        if answer.error is not None:
+            raise BrokerError(f"placement {rid}: {answer.error}")
         kind, data = _full_kind(env), env["data"]
         if kind == "placement.rejected":
             retry = data.get("retry_after_seconds")
@@ -1126,8 +1135,7 @@ class BrokerClient:
             try:
                 waiter.lease = self._adopt(env)
             except (KeyError, ValueError, TypeError) as exc:
-                log.warning("malformed placement.decided ignored: %s", exc)
-                return
+                waiter.error = f"unreadable placement.decided ({type(exc).__name__}: {exc})"
         waiter.answer = env
         waiter.kick.set()
 

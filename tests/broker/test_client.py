@@ -178,11 +178,9 @@ async def test_keep_alive_renews_before_expiry_and_stops_on_release(
         assert datetime.now(UTC) > first_expiry
         held = rd.daemon.book.get(lease.lease_id)
         assert held is not None and held.state is LeaseState.ACTIVE
-        keeper = lease._keep_alive
-        assert keeper is not None and not keeper.done()
+        assert lease.keeping_alive
         await lease.release()
-        await asyncio.wait({keeper}, timeout=1)  # ended with the lease
-        assert keeper.done()
+        assert not lease.keeping_alive  # stopped with the lease
 
 
 async def test_an_unrenewed_lease_expires_and_calls_on_end(start_daemon: StartDaemon,
