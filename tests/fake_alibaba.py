@@ -49,6 +49,16 @@ delayed by ``latency = (lo, hi)`` seconds (an ``asyncio.sleep`` in the handler: 
 stay concurrent) and failed with ``fail(...)`` in Alibaba's error shape (throttling,
 5xx, stock-out, auth, quota codes, with an optional ``x-acs-retry-after``).
 
+Random faults (``chaos = Chaos(...)``, `fake_server`) answer as Alibaba does: a throttle is
+``Throttling.User`` (HTTP 400, with ``x-acs-retry-after: chaos_retry_after_ms``, which the
+Tea SDK turns into a ``ThrottlingException``), ``Throttling.Api`` (HTTP 400, no hint) or
+``Throttling`` (HTTP 429, no hint), in turn; a 5xx is ``InternalError`` (500) or
+``ServiceUnavailable`` (503); all in the JSON error shape above. ``chaos_spare_after = n``
+bounds the bad luck of one request: the same call (action and parameters) repeated
+within ``chaos_window`` seconds of its first try is spared from its (n+1)-th try on, so
+that a client that retries at least n times always gets through (tests that compare
+offers exactly; None, the default: every call takes its chances).
+
 Usage::
 
     from fake_alibaba import fake_alibaba_fixture  # noqa: F401 (the ``fake_alibaba`` fixture)
@@ -68,6 +78,7 @@ import hmac
 import json
 import random
 import re
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -261,7 +272,9 @@ class FakeAlibaba(FakeServer[tuple[str, str]]):
     parameters, in order), ``latency``, ``now`` (``None`` = real
     time), ``currency`` (``"CNY"`` or ``"USD"``), ``discount`` (the account's discount on
     pay-as-you-go instance prices, 0..1), ``page_size`` (per-action cap on items per
-    page), ``access_keys``, ``accept_unknown_keys``, ``revoked_keys``.
+    page), ``access_keys``, ``accept_unknown_keys``, ``revoked_keys``; random faults:
+    ``chaos``, ``faulted`` (`fake_server`), ``chaos_retry_after_ms``,
+    ``chaos_spare_after``, ``chaos_window`` (module doc).
     """
 
     thread_name = "fake-alibaba"
@@ -280,6 +293,11 @@ class FakeAlibaba(FakeServer[tuple[str, str]]):
         self.accept_unknown_keys = True
         self.revoked_keys: set[str] = set()
         self.host = ""
+        self.chaos_retry_after_ms = 1000
+        self.chaos_spare_after: int | None = None
+        self.chaos_window = 30.0
+        self._chaos_tries: dict[tuple[str, str], tuple[float, int]] = {}
+        self._chaos_throttles = 0
         self._now: datetime | None = None
         self._faults: list[_Fault] = []
         self.snapshot_time = snapshot_time or (
@@ -473,19 +491,40 @@ class FakeAlibaba(FakeServer[tuple[str, str]]):
             with self._lock:
                 answer: dict[str, Any] = handler(params)
         except FakeAlibabaError as err:
-            headers = {"x-acs-request-id": request_id}
-            if err.retry_after_ms:
-                headers["x-acs-retry-after"] = str(err.retry_after_ms)
-            return web.json_response({
-                "RequestId": request_id,
-                "HostId": f"ecs.{region or 'aliyuncs'}.aliyuncs.com",
-                "Code": err.code,
-                "Message": err.message,
-                "Recommend": f"https://api.aliyun.com/troubleshoot?q={err.code}&product=Ecs"
-                             f"&requestId={request_id}",
-            }, status=err.status, headers=headers)
+            return _error_answer(err, region, request_id)
         return web.json_response({"RequestId": request_id, **answer},
                                  headers={"x-acs-request-id": request_id})
+
+    # --------------------------------------------------------- random faults
+    def _chaos_applies(self, request: web.Request) -> bool:
+        if self.chaos_spare_after is None:
+            return True
+        key = (request.headers.get("x-acs-action", ""), request.query_string)
+        now = time.monotonic()
+        with self._lock:
+            first, tries = self._chaos_tries.get(key, (now, 0))
+            if now - first > self.chaos_window:
+                first, tries = now, 0
+            self._chaos_tries[key] = (first, tries + 1)
+        return tries < self.chaos_spare_after
+
+    def _throttled(self, request: web.Request) -> web.StreamResponse:
+        with self._lock:
+            turn = self._chaos_throttles % 3
+            self._chaos_throttles += 1
+        if turn == 0:
+            err = FakeAlibabaError("Throttling.User",
+                                   retry_after_ms=self.chaos_retry_after_ms or None)
+        elif turn == 1:
+            err = FakeAlibabaError("Throttling.Api")
+        else:
+            err = FakeAlibabaError("Throttling", status=429)
+        return _error_answer(err, request.query.get("RegionId", ""))
+
+    def _server_error(self, request: web.Request, status: int) -> web.StreamResponse:
+        err = FakeAlibabaError("ServiceUnavailable" if status == 503 else "InternalError",
+                               status=status)
+        return _error_answer(err, request.query.get("RegionId", ""))
 
     def _authorize(self, request: web.Request, body: bytes) -> None:
         auth = request.headers.get("Authorization", "")
@@ -679,6 +718,24 @@ class FakeAlibaba(FakeServer[tuple[str, str]]):
                 "Value": value, "Count": 1, "ZoneId": "", "InstanceChargeType": charge,
                 "InstanceType": "", "ExpiredTime": "", "DiskCategory": ""}]}})
         return {"AccountAttributeItems": {"AccountAttributeItem": items}}
+
+
+def _error_answer(err: FakeAlibabaError, region: str, request_id: str | None = None
+                  ) -> web.Response:
+    """An error as Alibaba answers it: JSON ``{"RequestId", "HostId", "Code", "Message",
+    "Recommend"}`` with the error's HTTP status (and ``x-acs-retry-after``, if any)."""
+    request_id = request_id or str(uuid.uuid4()).upper()
+    headers = {"x-acs-request-id": request_id}
+    if err.retry_after_ms:
+        headers["x-acs-retry-after"] = str(err.retry_after_ms)
+    return web.json_response({
+        "RequestId": request_id,
+        "HostId": f"ecs.{region or 'aliyuncs'}.aliyuncs.com",
+        "Code": err.code,
+        "Message": err.message,
+        "Recommend": f"https://api.aliyun.com/troubleshoot?q={err.code}&product=Ecs"
+                     f"&requestId={request_id}",
+    }, status=err.status, headers=headers)
 
 
 def _band(pct: float) -> str:

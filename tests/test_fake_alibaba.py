@@ -10,8 +10,15 @@ from typing import Any
 
 import pytest
 from alibabacloud_ecs20140526 import models
-from alibabacloud_tea_openapi.exceptions import ClientException, ThrottlingException
+from alibabacloud_tea_openapi.exceptions import (
+    AlibabaCloudException,
+    ClientException,
+    ServerException,
+    ThrottlingException,
+)
 from fake_alibaba import CATALOG, REGIONS, FakeAlibaba, fake_alibaba_fixture  # noqa: F401
+from fake_server import Chaos
+from Tea.exceptions import UnretryableException
 
 REGION = "cn-hangzhou"
 
@@ -169,3 +176,45 @@ def test_latency_keeps_calls_concurrent(fake_alibaba: FakeAlibaba) -> None:
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda c: c.describe_account_attributes(request), clients))
     assert time.perf_counter() - started < 0.6
+
+
+def test_random_faults_answer_as_alibaba_does(fake_alibaba: FakeAlibaba) -> None:
+    ecs = fake_alibaba.client()
+    request = models.DescribeAccountAttributesRequest(region_id=REGION)
+    fake_alibaba.chaos = Chaos(rate=1.0, kinds=("throttle",))
+    throttles = []
+    for _ in range(3):
+        with pytest.raises(AlibabaCloudException) as raised:
+            ecs.describe_account_attributes(request)
+        err = raised.value
+        assert set(err.data) >= {"RequestId", "HostId", "Code", "Message", "Recommend"}
+        throttles.append((type(err), err.code, err.status_code,
+                          getattr(err, "retry_after", None)))
+    assert throttles == [(ThrottlingException, "Throttling.User", 400, 1000),
+                         (ClientException, "Throttling.Api", 400, None),
+                         (ClientException, "Throttling", 429, None)]
+    fake_alibaba.chaos = Chaos(rate=1.0, kinds=("5xx",), seed=3)
+    errors = set()
+    for _ in range(8):
+        with pytest.raises(ServerException) as failed:
+            ecs.describe_account_attributes(request)
+        errors.add((failed.value.code, failed.value.status_code))
+    assert errors == {("InternalError", 500), ("ServiceUnavailable", 503)}
+    assert fake_alibaba.faulted == {"throttle": 3, "5xx": 8}
+    assert fake_alibaba.call_count() == 0  # the API itself never saw them
+
+
+def test_chaos_spares_a_request_after_its_bad_luck_runs_out(fake_alibaba: FakeAlibaba
+                                                             ) -> None:
+    ecs = fake_alibaba.client()
+    fake_alibaba.chaos = Chaos(rate=1.0, kinds=("truncated",))
+    fake_alibaba.chaos_spare_after = 2
+    one = models.DescribeAccountAttributesRequest(region_id=REGION)
+    other = models.DescribeAccountAttributesRequest(region_id="cn-beijing")
+    for _ in range(2):
+        with pytest.raises(UnretryableException, match="Failed to parse the value as json format"):
+            ecs.describe_account_attributes(one)
+    assert body(ecs.describe_account_attributes(one))["AccountAttributeItems"]  # spared
+    with pytest.raises(UnretryableException, match="Failed to parse"):
+        ecs.describe_account_attributes(other)  # other parameters: its own luck
+    assert fake_alibaba.faulted == {"truncated": 3}

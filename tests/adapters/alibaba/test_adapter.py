@@ -8,7 +8,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +16,12 @@ import pytest
 import structlog
 import yaml
 from fake_alibaba import TYPES, FakeAlibaba, fake_alibaba_fixture  # noqa: F401
+from fake_server import CHAOS_KINDS, Chaos
 
 from adapters.alibaba import pricing
 from adapters.alibaba.adapter import AlibabaAdapter, Refresh, from_config
-from adapters.alibaba.sdk import ANONYMOUS_KEY_ID
-from adapters.errors import AuthFailed, CloudUnavailable, InvalidConfig
+from adapters.alibaba.sdk import ANONYMOUS_KEY_ID, NO_CREDENTIALS
+from adapters.errors import AuthFailed, CloudUnavailable, InvalidConfig, RateLimited
 from broker.config import AlibabaConfig
 from broker.model import Market, Offer, PoolKey
 
@@ -228,7 +229,8 @@ async def test_an_api_that_stays_down_fails_the_poll_typed(fake_alibaba: FakeAli
     fake_alibaba.fail("DescribeAvailableResource", "InternalError", times=None)
     with pytest.raises(CloudUnavailable, match="InternalError"):
         await adapter.poll(REGION)
-    assert fake_alibaba.call_count("DescribeAvailableResource") == 2 * 4  # 4 attempts each
+    attempts = adapter.sdk.retry.attempts
+    assert fake_alibaba.call_count("DescribeAvailableResource") == 2 * attempts
     fake_alibaba.clear_faults()
     fake_alibaba.fail("DescribeAvailableResource", "Forbidden.RAM", times=None)
     fake_alibaba.reset_calls()
@@ -245,44 +247,110 @@ async def test_an_api_that_stays_down_fails_the_poll_typed(fake_alibaba: FakeAli
         await bad.close()
 
 
-async def test_optional_answers_keep_the_last_good_copy_and_log_once(
+async def test_failed_refreshes_keep_each_types_last_good_copy_and_log_once(
         fake_alibaba: FakeAlibaba) -> None:
-    a = adapter_on(fake_alibaba, refresh=Refresh(on_demand=0, spot_advice=0, quotas=0))
+    a = adapter_on(fake_alibaba, refresh=Refresh(instance_types=0, spot_prices=0, on_demand=0,
+                                                 spot_advice=0, quotas=0))
     try:
         good = by_key(await a.poll(REGION))
-        for action in ("DescribePrice", "DescribeSpotAdvice", "DescribeAccountAttributes"):
+        for action in ("DescribeInstanceTypes", "DescribeSpotPriceHistory", "DescribePrice",
+                       "DescribeSpotAdvice", "DescribeAccountAttributes"):
             fake_alibaba.fail(action, "ServiceUnavailable", times=None)
         with structlog.testing.capture_logs() as logs:
             await a.poll(REGION)
             again = by_key(await a.poll(REGION))  # does not raise
             fake_alibaba.clear_faults()
-            await a.poll(REGION)
+            fresh = by_key(await a.poll(REGION))
+        assert set(again) == set(fresh) == set(good)
         for k, offer in good.items():
+            # The last good copy, with the time it was read.
             assert again[k].price_per_hour == offer.price_per_hour
+            assert again[k].observed_at == offer.observed_at < fresh[k].observed_at
             assert again[k].interruption_rate == offer.interruption_rate
             assert again[k].quota_headroom == offer.quota_headroom
         failing = [e["what"] for e in logs if e["event"].startswith("alibaba partial poll "
                                                                      "failure")]
         recovered = [e["what"] for e in logs if e["event"] == "alibaba partial poll recovered"]
         assert sorted(failing) == sorted(recovered) == [
-            "on-demand prices", "quotas", "spot release rates"]
+            "instance types", "on-demand prices", "quotas", "spot prices",
+            "spot release rates"]
     finally:
         await a.close()
 
 
-async def test_without_any_price_copy_pools_are_listed_unpriced(
+async def test_a_first_poll_without_prices_fails_and_names_what_is_missing(
         fake_alibaba: FakeAlibaba) -> None:
     a = adapter_on(fake_alibaba)
     fake_alibaba.fail("DescribePrice", "InternalError", times=None)
+    fake_alibaba.fail("DescribeSpotAdvice", "Throttling", times=None)
     fake_alibaba.fail("DescribeAccountAttributes", "Throttling", times=None)
+    sold_od = sorted({t for (_, t) in fake_alibaba.sells(REGION, "postpaid")
+                      if TYPES[t].gpus})
     try:
+        # Never an offer without its price because the price call failed: the poll
+        # fails, and says which prices are missing.
+        with pytest.raises(CloudUnavailable) as raised:
+            await a.poll(REGION)
+        message = str(raised.value)
+        assert f"on-demand prices of {len(sold_od)} types ({', '.join(sold_od[:4])}, " \
+               f"+{len(sold_od) - 4} more)" in message
+        assert "spot prices" not in message and "InternalError" in message
+        assert raised.value.region == REGION
+        assert fake_alibaba.call_count("DescribePrice") == len(sold_od) * a.sdk.retry.attempts
+        # What was read is kept: the next poll asks only for the missing prices. Release
+        # rates and quotas are optional: unknown until read.
+        fake_alibaba.clear_faults()
+        fake_alibaba.fail("DescribeSpotAdvice", "Throttling", times=None)
+        fake_alibaba.fail("DescribeAccountAttributes", "Throttling", times=None)
+        fake_alibaba.reset_calls()
         offers = await a.poll(REGION)
+        asked = {action for action, _ in fake_alibaba.calls}
+        assert asked == {"DescribeAvailableResource", "DescribePrice", "DescribeSpotAdvice",
+                         "DescribeAccountAttributes"}
+        assert all(o.price_per_hour is not None for o in offers
+                   if o.pool.market is Market.ON_DEMAND)
+        assert all(o.interruption_rate is None and o.quota_headroom is None for o in offers)
     finally:
         await a.close()
-    od = [o for o in offers if o.pool.market is Market.ON_DEMAND]
-    assert od and all(o.price_per_hour is None and o.quota_headroom is None for o in od)
-    assert all(o.price_per_hour is not None for o in offers if o.pool.market is Market.SPOT
-               and fake_alibaba.spot_price(REGION, o.pool.zone, o.pool.instance_type))
+
+
+async def test_prices_still_throttled_fail_the_poll_as_rate_limited_with_the_hint(
+        fake_alibaba: FakeAlibaba, adapter: AlibabaAdapter) -> None:
+    # A hint beyond the backoff cap is not waited out at the seam: the poller waits.
+    fake_alibaba.fail("DescribeSpotPriceHistory", "Throttling.User", times=None,
+                      retry_after_ms=5000)
+    with pytest.raises(RateLimited, match=r"spot prices of \d+ types") as raised:
+        await adapter.poll(REGION)
+    assert raised.value.retry_after == 5.0
+    sold_spot = {t for (_, t) in fake_alibaba.sells(REGION, "spot") if TYPES[t].gpus}
+    assert fake_alibaba.call_count("DescribeSpotPriceHistory") == len(sold_spot)
+
+
+async def test_a_type_alibaba_will_not_price_is_listed_unpriced_once_logged(
+        fake_alibaba: FakeAlibaba) -> None:
+    a = adapter_on(fake_alibaba, refresh=Refresh(on_demand=0))
+    fake_alibaba.fail("DescribePrice", "InvalidInstanceType.ValueNotSupported", times=None)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            first = await a.poll(REGION)
+            second = await a.poll(REGION)
+    finally:
+        await a.close()
+    for offers in (first, second):
+        od = [o for o in offers if o.pool.market is Market.ON_DEMAND]
+        assert od and all(o.price_per_hour is None for o in od)
+        assert all(o.price_per_hour is not None for o in offers
+                   if o.pool.market is Market.SPOT)
+    refused = [e for e in logs if e["event"].startswith("alibaba will not give")]
+    assert {e["instance_type"] for e in refused} == {o.pool.instance_type for o in od}
+    assert len(refused) == len({o.pool.instance_type for o in od})  # once per type
+
+
+async def test_prices_the_account_may_not_read_fail_the_poll_as_auth(
+        fake_alibaba: FakeAlibaba, adapter: AlibabaAdapter) -> None:
+    fake_alibaba.fail("DescribePrice", "Forbidden.RAM", times=None)
+    with pytest.raises(AuthFailed, match=r"describe_price: Forbidden\.RAM"):
+        await adapter.poll(REGION)
 
 
 async def test_release_rate_band_is_used_when_the_rate_is_missing(
@@ -350,16 +418,27 @@ async def test_from_config_takes_the_config_section(fake_alibaba: FakeAlibaba) -
 # The chain reads its environment variables once, when first imported, so these run the
 # real command line in a child process with the environment under test.
 
-def offers_command(fake: FakeAlibaba, tmp_path: Path, env: dict[str, str]
-                   ) -> subprocess.CompletedProcess[str]:
+def offers_command(fake: FakeAlibaba | None, tmp_path: Path, env: dict[str, str], *,
+                   section: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
+                   metadata: bool = False) -> subprocess.CompletedProcess[str]:
+    """`gpubroker offers --cloud alibaba --format json` in a child process: the config's
+    `clouds.alibaba` is REGION on `fake` (if any) plus `section`, with `config`'s other
+    sections; HOME is `tmp_path` (no credential files), no ALIBABA_CLOUD_* variables but
+    `env`, the ECS metadata service probed only if `metadata`."""
+    alibaba: dict[str, Any] = {"regions": [REGION]}
+    if fake is not None:
+        alibaba["endpoint"] = fake.url
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(yaml.safe_dump({"clouds": {"alibaba": {"regions": [REGION],
-                                                          "endpoint": fake.url}}}))
+    cfg.write_text(yaml.safe_dump({**(config or {}),
+                                   "clouds": {"alibaba": {**alibaba, **(section or {})}}}))
     base = {k: v for k, v in os.environ.items() if not k.startswith("ALIBABA_CLOUD_")}
-    base.update(HOME=str(tmp_path), ALIBABA_CLOUD_ECS_METADATA_DISABLED="true", **env)
+    base["HOME"] = str(tmp_path)
+    if not metadata:
+        base["ALIBABA_CLOUD_ECS_METADATA_DISABLED"] = "true"
+    base.update(env)
     return subprocess.run([sys.executable, "-m", "broker.cli", "offers", "--config", str(cfg),
-                           "--format", "json"], capture_output=True, text=True, timeout=60,
-                          env=base, check=False)
+                           "--cloud", "alibaba", "--format", "json"], capture_output=True,
+                          text=True, timeout=60, env=base, check=False)
 
 
 def test_offers_command_signs_with_the_default_chains_key(fake_alibaba: FakeAlibaba,
@@ -377,8 +456,7 @@ def test_offers_command_signs_with_the_default_chains_key(fake_alibaba: FakeAlib
 
 
 @pytest.mark.parametrize(("env", "message"), [
-    ({}, "AuthFailed: describe_.*: no usable Alibaba Cloud credentials in the SDK's default "
-         "chain"),
+    ({}, "AuthFailed: no usable Alibaba Cloud credentials in the SDK's default chain"),
     ({"ALIBABA_CLOUD_ACCESS_KEY_ID": "LTAI-env-key",
       "ALIBABA_CLOUD_ACCESS_KEY_SECRET": "wrong"}, "AuthFailed: .*SignatureDoesNotMatch"),
 ])
@@ -393,3 +471,90 @@ def test_credentials_that_fail_are_one_clear_auth_error(
     assert lines[0].startswith("gpubroker: poll failed: alibaba cn-hangzhou: ")
     assert re.search(message, lines[0]), lines[0]
     assert "env-secret" not in r.stderr and "wrong" not in lines[0].split("AuthFailed")[0]
+
+
+@pytest.mark.parametrize(("env", "metadata"), [
+    pytest.param({}, True, id="ecs-metadata-service"),
+    pytest.param({"ALIBABA_CLOUD_CREDENTIALS_URI": "http://127.0.0.1:9/credentials"}, False,
+                 id="credentials-uri"),
+])
+def test_without_credentials_offers_says_so_in_one_line_without_tracebacks(
+        tmp_path: Path, env: dict[str, str], metadata: bool) -> None:
+    # The chain's providers that fail (no ECS metadata service here; nothing on the URI)
+    # log a warning and a traceback per probe on a stderr handler of their own.
+    r = offers_command(None, tmp_path, env, metadata=metadata)
+    assert r.returncode == 1  # no offers, a cloud failed: as for any cloud
+    assert "Traceback" not in r.stderr and "credentials" not in r.stdout
+    lines = r.stderr.splitlines()
+    assert len(lines) <= 3, r.stderr  # ours, and the poller's "poll failing"
+    ours = [line for line in lines if line.startswith("gpubroker:")]
+    assert len(ours) == 1, r.stderr
+    assert ours[0].endswith("alibaba cn-hangzhou: AuthFailed: " + NO_CREDENTIALS), ours
+
+
+# --- random faults: throttles, 5xx, timeouts and cut-off answers heal ------------------
+
+CHAOS = [
+    pytest.param(("throttle",), 0.5, id="throttle"),
+    pytest.param(("5xx",), 0.5, id="5xx"),
+    pytest.param(("timeout",), 0.5, id="timeout"),
+    pytest.param(("truncated",), 0.5, id="truncated"),
+    pytest.param(CHAOS_KINDS, 0.3, id="mixed"),
+]
+
+
+def comparable(rows: Iterable[dict[str, Any]]) -> dict[tuple[str, ...], dict[str, Any]]:
+    """Offers as `to_json` rows by pool, without `observed_at` (the time of the read)."""
+    return {(r["region"], r["zone"], r["instance_type"], r["market"]):
+            {k: v for k, v in r.items() if k != "observed_at"} for r in rows}
+
+
+async def fault_free(fake: FakeAlibaba) -> dict[tuple[str, ...], dict[str, Any]]:
+    """The offers of a poll of REGION without faults, comparable. Makes `fake` page its
+    instance types in two pages (paging under faults, but fewer calls in a row)."""
+    fake.page_size["DescribeInstanceTypes"] = 8
+    a = adapter_on(fake)
+    try:
+        return comparable(o.to_json() for o in await a.poll(REGION))
+    finally:
+        await a.close()
+
+
+@pytest.mark.parametrize(("kinds", "rate"), CHAOS)
+async def test_random_faults_change_no_offer(fake_alibaba: FakeAlibaba,
+                                             kinds: tuple[str, ...], rate: float) -> None:
+    expected = await fault_free(fake_alibaba)
+    # One request fails at most 3 times in a row, so that the seam's retries (8
+    # attempts) always get through and the offers can be compared exactly.
+    fake_alibaba.chaos_spare_after = 3
+    fake_alibaba.chaos_retry_after_ms = 200
+    fake_alibaba.chaos = Chaos(rate=rate, kinds=kinds, hang_seconds=0.6, seed=11)
+    a = adapter_on(fake_alibaba, call_timeout=0.3)
+    a.sdk.retry.max_backoff = 0.2  # at least the hint: a throttle is waited out, not raised
+    try:
+        with structlog.testing.capture_logs() as logs:
+            offers = await a.poll(REGION)
+    finally:
+        await a.close()
+    assert comparable(o.to_json() for o in offers) == expected
+    assert fake_alibaba.faulted and set(fake_alibaba.faulted) <= set(kinds)
+    assert not [e for e in logs if e["log_level"] != "info"]  # nothing kept, nothing lost
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kinds", "rate"), CHAOS)
+async def test_random_faults_change_no_offer_on_the_command_line(
+        fake_alibaba: FakeAlibaba, tmp_path: Path, kinds: tuple[str, ...], rate: float
+        ) -> None:
+    expected = await fault_free(fake_alibaba)
+    # The seam's own backoff (0.25 s doubling): at most 2 faults in a row per request
+    # keeps the run to a few seconds.
+    fake_alibaba.chaos_spare_after = 2
+    fake_alibaba.chaos_retry_after_ms = 200
+    fake_alibaba.chaos = Chaos(rate=rate, kinds=kinds, hang_seconds=1.0, seed=12)
+    r = offers_command(fake_alibaba, tmp_path, {},
+                       section={"anonymous": True, "call_timeout_seconds": 0.5})
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and not r.stderr.strip(), r.stderr
+    assert comparable(json.loads(line) for line in r.stdout.splitlines()) == expected
+    assert fake_alibaba.faulted and set(fake_alibaba.faulted) <= set(kinds)

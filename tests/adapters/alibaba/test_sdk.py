@@ -10,8 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 from fake_alibaba import FakeAlibaba, fake_alibaba_fixture  # noqa: F401
+from fake_server import Chaos
 
 from adapters.alibaba.sdk import AlibabaSdk, parse_endpoint, translate
+from adapters.common import poll_deadline
 from adapters.errors import (
     AdapterError,
     AuthFailed,
@@ -38,6 +40,8 @@ def sdk(fake_alibaba: FakeAlibaba) -> Iterator[AlibabaSdk]:
     ("Throttling", None, RateLimited),
     ("Throttling.User", None, RateLimited),
     ("Throttling.Api", None, RateLimited),
+    ("Throttling", 429, RateLimited),
+    ("SomethingNew", 429, RateLimited),
     ("InvalidAccessKeyId.NotFound", None, AuthFailed),
     ("InvalidAccessKeyId", 404, AuthFailed),
     ("SignatureDoesNotMatch", None, AuthFailed),
@@ -45,6 +49,7 @@ def sdk(fake_alibaba: FakeAlibaba) -> Iterator[AlibabaSdk]:
     ("Forbidden.SomethingNew", 403, AuthFailed),
     ("ServiceUnavailable", None, CloudUnavailable),
     ("InternalError", None, CloudUnavailable),
+    ("ServiceUnavailable.Busy", 400, CloudUnavailable),
     ("SomethingBroke", 502, CloudUnavailable),
     ("QuotaExceed.ElasticQuota", None, QuotaExceeded),
     ("InvalidInstanceType.ValueUnauthorized", None, QuotaExceeded),
@@ -72,15 +77,26 @@ def test_the_retry_after_hint_is_kept_in_seconds(fake_alibaba: FakeAlibaba,
     assert raised.value.retry_after == 2.5
 
 
-def test_retries_wait_at_least_the_hint(fake_alibaba: FakeAlibaba) -> None:
-    s = AlibabaSdk(endpoint=fake_alibaba.url, anonymous=True, attempts=2, max_backoff=0.01)
-    fake_alibaba.fail("DescribeAccountAttributes", "Throttling", retry_after_ms=5000)
+def test_a_hint_within_the_cap_is_waited_and_a_longer_one_goes_up(
+        fake_alibaba: FakeAlibaba) -> None:
+    s = AlibabaSdk(endpoint=fake_alibaba.url, anonymous=True, max_backoff=0.5)
     try:
+        fake_alibaba.fail("DescribeAccountAttributes", "Throttling", retry_after_ms=300)
         started = time.perf_counter()
         assert s.account_attributes(REGION, ["max-spot-instance-vcpu-count"])
-        # the 5 s hint is capped at max_backoff: a retry, but no long sleep
-        assert time.perf_counter() - started < 1.0
+        assert time.perf_counter() - started >= 0.3
         assert fake_alibaba.call_count("DescribeAccountAttributes") == 2
+        # Beyond the cap: not retried here; the poller waits it out before the next poll.
+        fake_alibaba.fail("DescribeAccountAttributes", "Throttling", retry_after_ms=5000)
+        with pytest.raises(RateLimited) as raised:
+            s.account_attributes(REGION, ["max-spot-instance-vcpu-count"])
+        assert raised.value.retry_after == 5.0
+        assert fake_alibaba.call_count("DescribeAccountAttributes") == 3
+        # Within the cap but beyond the poll's deadline: the same.
+        fake_alibaba.fail("DescribeAccountAttributes", "Throttling", retry_after_ms=400)
+        with poll_deadline(0.2), pytest.raises(RateLimited):
+            s.account_attributes(REGION, ["max-spot-instance-vcpu-count"])
+        assert fake_alibaba.call_count("DescribeAccountAttributes") == 4
     finally:
         s.close()
 
@@ -93,6 +109,39 @@ def test_a_refused_connection_is_cloud_unavailable() -> None:
     try:
         with pytest.raises(CloudUnavailable, match="connection failed"):
             sdk.gpu_instance_types(REGION)
+    finally:
+        sdk.close()
+
+
+@pytest.mark.parametrize(("kind", "match"), [
+    ("truncated", r"garbled answer \(cut off, or not the JSON it should be\): Failed to "
+                  r"parse the value as json format"),
+    ("timeout", r"connection failed or no answer in time: .*[Rr]ead timed out"),
+    ("5xx", r"(InternalError|ServiceUnavailable): .*\(HTTP 50[03]"),
+])
+def test_faults_that_heal_are_cloud_unavailable_and_tried_once_per_attempt(
+        fake_alibaba: FakeAlibaba, kind: str, match: str) -> None:
+    fake_alibaba.chaos = Chaos(rate=1.0, kinds=(kind,), hang_seconds=0.6)
+    sdk = AlibabaSdk(endpoint=fake_alibaba.url, anonymous=True, attempts=1,
+                     call_timeout=0.2)
+    try:
+        started = time.perf_counter()
+        with pytest.raises(CloudUnavailable, match=match) as raised:
+            sdk.price(REGION, "ecs.gn7i-c8g1.2xlarge")
+        assert raised.value.retryable
+        assert time.perf_counter() - started < 0.6  # the call timeout, not the hang
+        # One attempt at the seam is one call at the cloud: the SDK's own retries are off.
+        assert fake_alibaba.faulted[kind] == 1
+    finally:
+        sdk.close()
+
+
+def test_the_call_timeout_reaches_the_tea_client(fake_alibaba: FakeAlibaba) -> None:
+    sdk = AlibabaSdk(endpoint=fake_alibaba.url, anonymous=True, call_timeout=2.5)
+    try:
+        client = sdk.client(REGION)
+        assert (client._connect_timeout, client._read_timeout) == (2500, 2500)
+        assert client._retry_options is not None and not client._retry_options.retryable
     finally:
         sdk.close()
 
