@@ -13,6 +13,17 @@ the poll that refreshes spot prices (every 5 minutes; the bench moves the adapte
 clock instead of waiting).
 
     python bench/alibaba_poll.py [--regions 3] [--latency 0.05 0.15] [--workers 64] [--json]
+
+With ``--faults RATE`` it measures instead what random faults cost the command a user
+runs: per run, one ``gpubroker offers --cloud alibaba --format json`` (a child process,
+the real adapter and SDK with the seam's default retries) against the fake without
+faults, then one with RATE of the HTTP calls faulted (throttles, 5xx, timeouts and
+cut-off answers, mixed; ``tests/fake_server.py`` `Chaos`, every call taking its chances);
+it prints the HTTP calls the fake answered and the wall time of each, whether the two
+runs listed the same offers (every field but ``observed_at``), the exit code and the
+stderr lines of the faulted run.
+
+    python bench/alibaba_poll.py --faults 0.3 [--regions 3] [--call-timeout 1] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -20,8 +31,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,8 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import structlog  # noqa: E402
+import yaml  # noqa: E402
 from _poll_common import Timings, medians, one_poll, print_table  # noqa: E402
 from fake_alibaba import FakeAlibaba  # noqa: E402
+from fake_server import CHAOS_KINDS, Chaos  # noqa: E402
 
 from adapters.alibaba.adapter import AlibabaAdapter, Refresh  # noqa: E402
 
@@ -95,6 +112,81 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def http_calls(fake: FakeAlibaba) -> int:
+    """Every HTTP call the fake answered: those its API handled (timeouts and cut-off
+    answers included) and the throttles and 5xx its fault middleware answered alone."""
+    return sum(fake.calls.values()) + fake.faulted["throttle"] + fake.faulted["5xx"]
+
+
+def offers_run(fake: FakeAlibaba, config: Path, home: Path) -> dict[str, Any]:
+    """One `gpubroker offers --cloud alibaba --format json` against `fake`."""
+    fake.reset_calls()
+    fake.faulted.clear()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALIBABA_CLOUD_")}
+    env.update(HOME=str(home), PYTHONPATH=str(ROOT))
+    started = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "broker.cli", "offers", "--config", str(config),
+                        "--cloud", "alibaba", "--format", "json"], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=600, check=False)
+    wall = time.perf_counter() - started
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    offers = {(o["region"], o["zone"], o["instance_type"], o["market"]):
+              {k: v for k, v in o.items() if k != "observed_at"} for o in rows}
+    return {"wall_s": wall, "calls": http_calls(fake), "faulted": dict(fake.faulted),
+            "offers": offers, "exit": r.returncode, "stderr": r.stderr.splitlines()}
+
+
+def run_faults(args: argparse.Namespace) -> dict[str, Any]:
+    regions = REGIONS[:args.regions]
+    out: dict[str, Any] = {"regions": regions, "latency_s": args.latency,
+                           "faults": args.faults, "call_timeout_s": args.call_timeout,
+                           "runs": []}
+    with FakeAlibaba(seed=args.seed) as fake, tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "config.yaml"
+        config.write_text(yaml.safe_dump({"clouds": {"alibaba": {
+            "regions": regions, "endpoint": fake.url, "anonymous": True,
+            "call_timeout_seconds": args.call_timeout}}}))
+        fake.latency = (args.latency[0], args.latency[1])
+        for i in range(args.repeat):
+            fake.chaos = None
+            clean = offers_run(fake, config, Path(tmp))
+            fake.chaos = Chaos(rate=args.faults, kinds=CHAOS_KINDS,
+                               hang_seconds=args.call_timeout + 0.5, seed=args.seed + i)
+            faulted = offers_run(fake, config, Path(tmp))
+            out["runs"].append({
+                "offers": len(clean["offers"]), "wall_clean_s": clean["wall_s"],
+                "calls_clean": clean["calls"], "wall_faults_s": faulted["wall_s"],
+                "calls_faults": faulted["calls"], "faulted": faulted["faulted"],
+                "equal": faulted["offers"] == clean["offers"] and clean["exit"] == 0,
+                "exit_faults": faulted["exit"], "stderr_lines": len(faulted["stderr"]),
+                "tracebacks": sum("Traceback" in line for line in faulted["stderr"]),
+                "stderr": faulted["stderr"][:5]})
+        out["median"] = {k: statistics.median(r[k] for r in out["runs"])
+                         for k in ("wall_clean_s", "calls_clean", "wall_faults_s",
+                                   "calls_faults")}
+    return out
+
+
+def print_faults(out: dict[str, Any]) -> None:
+    print(f"gpubroker offers --cloud alibaba: {len(out['regions'])} regions "
+          f"({', '.join(out['regions'])}), {out['latency_s'][0] * 1000:.0f}-"
+          f"{out['latency_s'][1] * 1000:.0f} ms per call, call timeout "
+          f"{out['call_timeout_s']:g} s; {out['faults']:.0%} of calls faulted "
+          f"(throttle, 5xx, timeout, truncated)")
+    print(f"{'run':>4} {'offers':>7} {'clean s':>8} {'calls':>6} {'faults s':>9} {'calls':>6} "
+          f"{'equal':>6} {'exit':>5} {'stderr':>7}  faulted")
+    for i, r in enumerate(out["runs"], 1):
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(r["faulted"].items()))
+        print(f"{i:>4} {r['offers']:>7} {r['wall_clean_s']:8.2f} {r['calls_clean']:6d} "
+              f"{r['wall_faults_s']:9.2f} {r['calls_faults']:6d} {r['equal']!s:>6} "
+              f"{r['exit_faults']:>5} {r['stderr_lines']:>7}  {kinds}")
+        for line in r["stderr"]:
+            print(f"      stderr: {line[:150]}")
+    m = out["median"]
+    print(f"{'med':>4} {'':>7} {m['wall_clean_s']:8.2f} {m['calls_clean']:6.0f} "
+          f"{m['wall_faults_s']:9.2f} {m['calls_faults']:6.0f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--regions", type=int, default=3, choices=range(1, len(REGIONS) + 1))
@@ -103,7 +195,18 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--faults", type=float, metavar="RATE",
+                   help="measure `gpubroker offers` with this share of calls faulted")
+    p.add_argument("--call-timeout", type=float, default=1.0,
+                   help="call_timeout_seconds in the --faults runs' config")
     args = p.parse_args()
+    if args.faults is not None:
+        faults = run_faults(args)
+        if args.json:
+            print(json.dumps(faults, indent=2, default=str))
+        else:
+            print_faults(faults)
+        return
     out = asyncio.run(run(args))
     if args.json:
         print(json.dumps(out, indent=2))
