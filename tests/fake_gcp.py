@@ -44,15 +44,64 @@ when asked.
   region's G2 (else A2, A3) price ratio to us-central1. Where us-central1, us-east1 and
   us-west1 share a price, it is one multi-regional SKU "... running in Americas", as the
   catalog does. Decoys priced absurdly (commitments, sole tenancy, custom, reserved,
-  virtual-workstation and DWS GPUs, storage, network, licences; in ``DECOY_REGIONS``)
-  are shuffled in among the real SKUs.
+  virtual-workstation, DWS and Calendar-mode GPUs, TPUs, storage, network, licences; in
+  ``DECOY_REGIONS``) are shuffled in among the real SKUs.
+
+**SKU descriptions** are worded as the real catalog words them, every documented
+variant mixed in (each region and GPU gets one, chosen by a hash of the two: the same
+on every run), so that the adapter is tested against the catalog's naming, not ours:
+
+* Spot GPUs: mostly ``Nvidia Tesla A100 GPU attached to Spot Preemptible VMs running in
+  Americas`` (usageType ``Preemptible``), some ``Spot Preemptible Nvidia ... GPU running
+  in ...``. Sources: SKU ``39D4-516A-0317`` (that description, Preemptible, us-central1),
+  the Cloud Billing API reference's example ``Nvidia Tesla K80 GPU attached to Spot
+  Preemptible VMs running in Warsaw`` and the Catalog how-to's ``L4 GPU attached to Spot
+  Preemptible VMs running in Hong Kong``; the prefix form: issue #15 ("only a few use the
+  prefix form").
+* B200 (A4): ``A4 Nvidia B200 (1 gpu slice) running in ...``, one GPU slice priced with
+  its share of the VM (A4 has no vCPU/RAM SKUs); its Spot SKUs read ``Spot Preemptible A4
+  Nvidia B200 (1 gpu slice) running in ...``, in some regions with usageType
+  ``OnDemand`` (skypilot-org/skypilot#8125: "Some B200 spot SKUs ... have
+  usageType='OnDemand' even though the description says Spot Preemptible"; the a4
+  pricing: the same PR and dstackai/gpuhunt#176).
+* ``H200 141GB GPU running in ...`` (no "Nvidia"), A3 Mega as ``Nvidia H100 80GB Mega
+  GPU``, ``Nvidia H100 Mega 80GB GPU`` or ``Nvidia H100 80GB Plus GPU`` by region, the
+  A100 80GB as ``Nvidia Tesla A100 80GB GPU`` or ``Nvidia A100 80GB GPU`` (skypilot's
+  `fetch_gcp.py`, which matches exactly these names); ``NVIDIA L4 GPU`` in capitals
+  in some regions (a public SKU classifier's test data).
+* Spot vCPU/RAM: ``Spot Preemptible A2 Instance Core running in Americas`` (SKUs
+  ``3178-715E-CFB6`` and ``65A3-16DB-D57A`` for Core and Ram); N1 either ``Preemptible N1
+  Predefined Instance Core running in Virginia`` (the older wording, still in public
+  price parsers' test data) or ``Spot Preemptible N1 Predefined Instance ...``
+  (infracost/cloud-pricing-api#246: Google moved descriptions to "Spot Preemptible").
+* Regions as the catalog names them: ``running in Iowa``, ``running in Virginia``
+  (us-east4), ``running in Israel`` (me-west1), ``running in Americas``.
+* Never a VM's price: ``Nvidia Tesla A100 GPU attached to DWS Defined Duration VMs``,
+  ``DWS Defined Duration A2 Core`` (flex-start), ``Reserved Nvidia Tesla A100 80GB GPU in
+  ...`` priced $0 (a reservation placeholder), ``Commitment v1: ... for 1 Year``,
+  TPU SKUs (``TpuV6e attached to Spot Preemptible VMs``, ``Capacity Optimized TpuV6e``,
+  ``Reserved V6e TPU in ... in Calendar Mode``), all from public catalog parsers' test
+  data and notes.
 * quotas: in each region 16 of each GPU model it has, on demand and ``PREEMPTIBLE_``,
   none used; ``GPUS_ALL_REGIONS`` 64 for the project. ``set_quota`` /
   ``set_project_quota`` change them.
 
 Every call is counted in ``calls`` (a Counter of ``(op, where)``, ``where`` a region,
-a zone or ``global``), can be delayed by ``latency = (lo, hi)`` seconds (an
-``asyncio.sleep``: calls stay concurrent) and failed with ``fail(...)``.
+a zone or ``global``; random faults included), can be delayed by ``latency = (lo, hi)``
+seconds (an ``asyncio.sleep``: calls stay concurrent) and failed with ``fail(...)``.
+
+Random faults (``chaos``, `fake_server`) answer in Google's shapes: a throttle of the
+Billing Catalog is HTTP 429 ``RESOURCE_EXHAUSTED`` with an ``ErrorInfo`` reason
+``RATE_LIMIT_EXCEEDED`` and a ``RetryInfo`` ``retryDelay`` of 1 s (AIP-193's shape);
+Compute Engine's throttles alternate between its documented 403 ``rateLimitExceeded``
+(domain ``usageLimits``, "Rate Limit Exceeded": the "API rate limits" page) and a 429
+"Quota exceeded for quota metric 'Read requests' ..." with reason ``rateLimitExceeded``;
+5xx are 503 ``UNAVAILABLE`` / 500 ``INTERNAL`` with reason ``backendError``. The OAuth
+``/token`` endpoint is spared (google-auth retries a token grant itself; its failures
+reach the adapter as a retryable ``RefreshError``). ``spare_every = n`` spares every
+n-th arrival of the same request (method, path and query) as well: no call then meets
+more than n - 1 faults in a row, so a test of healing at a high fault rate does not
+depend on the odds of a call failing every one of its attempts.
 ``require_auth = True`` answers 401 to calls without a bearer token;
 ``authorizations`` records each call's ``Authorization`` header ("" if none).
 
@@ -80,7 +129,7 @@ import random
 import re
 import threading
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,21 +149,26 @@ CREATED = "2015-01-16T09:25:43.000-08:00"
 AMERICAS = ("us-central1", "us-east1", "us-west1")  # the multi-regional SKUs' regions
 DECOY_REGIONS = (*AMERICAS, "us-east4", "europe-west4")
 
-# snapshot GPU name -> (accelerator type, description, quota metric, catalog GPU name)
-GPUS: MappingProxyType[str, tuple[str, str, str, str]] = MappingProxyType({
-    "T4": ("nvidia-tesla-t4", "NVIDIA T4", "NVIDIA_T4_GPUS", "Tesla T4"),
-    "V100": ("nvidia-tesla-v100", "NVIDIA V100", "NVIDIA_V100_GPUS", "Tesla V100"),
-    "P100": ("nvidia-tesla-p100", "NVIDIA P100", "NVIDIA_P100_GPUS", "Tesla P100"),
-    "P4": ("nvidia-tesla-p4", "NVIDIA P4", "NVIDIA_P4_GPUS", "Tesla P4"),
-    "A100": ("nvidia-tesla-a100", "NVIDIA A100 40GB", "NVIDIA_A100_GPUS", "Tesla A100"),
+# snapshot GPU name -> (accelerator type, description, quota metric, catalog names: the
+# GPU part of the Billing Catalog's descriptions; where there are several, regions differ)
+GPUS: MappingProxyType[str, tuple[str, str, str, tuple[str, ...]]] = MappingProxyType({
+    "T4": ("nvidia-tesla-t4", "NVIDIA T4", "NVIDIA_T4_GPUS", ("Nvidia Tesla T4 GPU",)),
+    "V100": ("nvidia-tesla-v100", "NVIDIA V100", "NVIDIA_V100_GPUS", ("Nvidia Tesla V100 GPU",)),
+    "P100": ("nvidia-tesla-p100", "NVIDIA P100", "NVIDIA_P100_GPUS", ("Nvidia Tesla P100 GPU",)),
+    "P4": ("nvidia-tesla-p4", "NVIDIA P4", "NVIDIA_P4_GPUS", ("Nvidia Tesla P4 GPU",)),
+    "A100": ("nvidia-tesla-a100", "NVIDIA A100 40GB", "NVIDIA_A100_GPUS",
+             ("Nvidia Tesla A100 GPU",)),
     "A100-80GB": ("nvidia-a100-80gb", "NVIDIA A100 80GB", "NVIDIA_A100_80GB_GPUS",
-                  "A100 80GB"),
-    "L4": ("nvidia-l4", "NVIDIA L4", "NVIDIA_L4_GPUS", "L4"),
-    "H100": ("nvidia-h100-80gb", "NVIDIA H100 80GB", "NVIDIA_H100_GPUS", "H100 80GB"),
+                  ("Nvidia Tesla A100 80GB GPU", "Nvidia A100 80GB GPU")),
+    "L4": ("nvidia-l4", "NVIDIA L4", "NVIDIA_L4_GPUS", ("Nvidia L4 GPU", "NVIDIA L4 GPU")),
+    "H100": ("nvidia-h100-80gb", "NVIDIA H100 80GB", "NVIDIA_H100_GPUS",
+             ("Nvidia H100 80GB GPU",)),
     "H100-MEGA": ("nvidia-h100-mega-80gb", "NVIDIA H100 80GB MEGA", "NVIDIA_H100_MEGA_GPUS",
-                  "H100 80GB Mega"),
-    "H200": ("nvidia-h200-141gb", "NVIDIA H200 141GB", "NVIDIA_H200_GPUS", "H200 141GB"),
-    "B200": ("nvidia-b200", "NVIDIA B200", "NVIDIA_B200_GPUS", "B200"),
+                  ("Nvidia H100 80GB Mega GPU", "Nvidia H100 Mega 80GB GPU",
+                   "Nvidia H100 80GB Plus GPU")),
+    "H200": ("nvidia-h200-141gb", "NVIDIA H200 141GB", "NVIDIA_H200_GPUS", ("H200 141GB GPU",)),
+    "B200": ("nvidia-b200", "NVIDIA B200", "NVIDIA_B200_GPUS",
+             ("A4 Nvidia B200 (1 gpu slice)",)),
 })
 SERIES_SKU = {"a2": "A2 Instance", "a3": "A3 Instance", "g2": "G2 Instance",
               "n1": "N1 Predefined Instance"}
@@ -128,10 +182,10 @@ LOCATIONS = {
     "australia-southeast1": "Sydney", "europe-central2": "Warsaw", "europe-north1": "Finland",
     "europe-west1": "Belgium", "europe-west2": "London", "europe-west3": "Frankfurt",
     "europe-west4": "Netherlands", "europe-west6": "Zurich", "europe-west8": "Milan",
-    "europe-west9": "Paris", "me-central2": "Dammam", "me-west1": "Tel Aviv",
+    "europe-west9": "Paris", "me-central2": "Dammam", "me-west1": "Israel",
     "northamerica-northeast1": "Montreal", "northamerica-northeast2": "Toronto",
     "southamerica-east1": "Sao Paulo", "us-central1": "Iowa", "us-east1": "South Carolina",
-    "us-east4": "Northern Virginia", "us-east5": "Columbus", "us-south1": "Dallas",
+    "us-east4": "Virginia", "us-east5": "Columbus", "us-south1": "Dallas",
     "us-west1": "Oregon", "us-west2": "Los Angeles", "us-west3": "Salt Lake City",
     "us-west4": "Las Vegas",
 }
@@ -157,11 +211,15 @@ class FakeGCPError(Exception):
     """An error the fake answers in Google's JSON error shape."""
 
     def __init__(self, status: int, message: str, reason: str | None = None,
-                 retry_after: float | None = None) -> None:
+                 retry_after: float | None = None, *, retry_delay: str | None = None,
+                 domain: str = "global", legacy: bool = False) -> None:
         super().__init__(message)
         self.status, self.message = status, message
         self.reason = reason or STATUS.get(status, ("unknown", "UNKNOWN"))[0]
-        self.retry_after = retry_after
+        self.retry_after = retry_after  # the Retry-After header, if any
+        self.retry_delay = retry_delay  # a google.rpc.RetryInfo detail's delay, if any
+        self.domain = domain  # of the Compute Engine `errors[]` entry
+        self.legacy = legacy  # Compute Engine's older body: `errors[]` only
 
 
 @dataclass
@@ -306,21 +364,36 @@ def sku_json(description: str, *, group: str, usage: str, regions: list[str], us
     }
 
 
-def _describe(market: str, kind: str, name: str, where: str) -> tuple[str, str]:
-    """(description, resource group) of the SKU pricing `kind` of `name` in `where`."""
+def _pick(n: int, *key: str) -> int:
+    """A stable choice among `n` variants for `key` (the same on every run)."""
+    return int(hashlib.sha256("|".join(key).encode()).hexdigest(), 16) % n
+
+
+def _describe(market: str, kind: str, name: str, where: str) -> tuple[str, str, str]:
+    """(description, resource group, usage type) of the SKU pricing `kind` of `name` in
+    `where`, worded as the real catalog words it (see the module doc)."""
     spot = market == "spot"
     if kind == "gpu":
-        gpu = next(g[3] for g in GPUS.values() if g[0] == name)
-        if spot and name == "nvidia-l4":
-            return (f"Spot Preemptible Nvidia L4 GPU attached to Spot Preemptible VMs "
-                    f"running in {where}"), "GPU"
-        return f"{'Spot Preemptible ' if spot else ''}Nvidia {gpu} GPU running in {where}", "GPU"
+        names = next(g[3] for g in GPUS.values() if g[0] == name)
+        gpu = names[_pick(len(names), name, where)]
+        if not spot:
+            return f"{gpu} running in {where}", "GPU", "OnDemand"
+        if name == "nvidia-b200":  # some of them tagged OnDemand (skypilot#8125)
+            usage = "OnDemand" if _pick(2, "b200-usage", where) else "Preemptible"
+            return f"Spot Preemptible {gpu} running in {where}", "GPU", usage
+        if _pick(4, "gpu-spot-form", name, where) == 0:  # the few with the prefix
+            return f"Spot Preemptible {gpu} running in {where}", "GPU", "Preemptible"
+        return (f"{gpu} attached to Spot Preemptible VMs running in {where}", "GPU",
+                "Preemptible")
     part = "Core" if kind == "core" else "Ram"
     stem = SERIES_SKU[name]
+    usage = "Preemptible" if spot else "OnDemand"
     if name == "n1":
-        return f"{'Preemptible ' if spot else ''}{stem} {part} running in {where}", "N1Standard"
+        prefix = ("Preemptible " if _pick(2, "n1-spot-form", where) else
+                  "Spot Preemptible ") if spot else ""
+        return f"{prefix}{stem} {part} running in {where}", "N1Standard", usage
     group = "CPU" if kind == "core" else "RAM"
-    return f"{'Spot Preemptible ' if spot else ''}{stem} {part} running in {where}", group
+    return f"{'Spot Preemptible ' if spot else ''}{stem} {part} running in {where}", group, usage
 
 
 def _decoys(region: str) -> list[dict[str, Any]]:
@@ -335,6 +408,28 @@ def _decoys(region: str) -> list[dict[str, Any]]:
         (f"Spot Preemptible Nvidia Tesla T4 Virtual Workstation GPU running in {loc}", "GPU",
          "Preemptible", 9.0, "h", "Compute"),
         (f"Nvidia L4 GPU (DWS Flex Start) running in {loc}", "GPU", "OnDemand", 9.0, "h",
+         "Compute"),
+        (f"Nvidia Tesla A100 GPU attached to DWS Defined Duration VMs running in {loc}",
+         "GPU", "OnDemand", 9.0, "h", "Compute"),
+        (f"DWS Defined Duration A2 Core running in {loc}", "CPU", "OnDemand", 9.0, "h",
+         "Compute"),
+        (f"Reserved Nvidia Tesla A100 80GB GPU in {loc}", "GPU", "OnDemand", 0.0, "h",
+         "Compute"),
+        (f"Commitment v1: A4 Nvidia B200 (1 gpu slice) in {loc} for 1 Year", "GPU",
+         "Commit1Yr", 9.0, "h", "Compute"),
+        (f"Commitment v1: Nvidia H100 80GB Mega GPU running in {loc} for 3 Years", "GPU",
+         "Commit3Yr", 9.0, "h", "Compute"),
+        (f"Nvidia Tesla K80 GPU attached to Spot Preemptible VMs running in {loc}", "GPU",
+         "Preemptible", 0.0, "h", "Compute"),
+        (f"Spot Preemptible Custom Instance Core running in {loc}", "N1Standard",
+         "Preemptible", 0.0, "h", "Compute"),
+        (f"TpuV6e attached to Spot Preemptible VMs running in {loc}", "TPU", "Preemptible",
+         0.0, "h", "Compute"),
+        (f"DWS Defined Duration V6e running in {loc}", "TPU", "OnDemand", 0.0, "h",
+         "Compute"),
+        (f"Capacity Optimized TpuV6e running in {loc}", "TPU", "OnDemand", 0.0, "h",
+         "Compute"),
+        (f"Reserved V6e TPU in {loc} in Calendar Mode", "TPU", "OnDemand", 0.0, "h",
          "Compute"),
         (f"Sole Tenancy Instance Core running in {loc}", "CPU", "OnDemand", 9.0, "h", "Compute"),
         (f"Custom Instance Core running in {loc}", "N1Standard", "OnDemand", 9.0, "h",
@@ -404,6 +499,9 @@ class FakeGCP(FakeServer[tuple[str, str]]):
             "GPUS_ALL_REGIONS": [64.0, 0.0], "CPUS_ALL_REGIONS": [4800.0, 0.0],
             "SNAPSHOTS": [10000.0, 0.0], "NETWORKS": [15.0, 1.0]}
         self._faults: list[_Fault] = []
+        self.spare_every: int | None = None  # see the module doc
+        self._arrivals: Counter[tuple[str, str]] = Counter()
+        self._throttles = 0
         self._gates: dict[str, tuple[asyncio.Event, threading.Event]] = {}
         self._transports: weakref.WeakSet[asyncio.Transport] = weakref.WeakSet()
 
@@ -425,6 +523,11 @@ class FakeGCP(FakeServer[tuple[str, str]]):
         `region` and `market` ("on_demand"/"spot")."""
         with self._lock:
             return self._prices.get((region, market, kind, name))
+
+    def price_keys(self) -> list[PriceKey]:
+        """Every (region, market, kind, name) the catalog holds a price for."""
+        with self._lock:
+            return sorted(self._prices)
 
     def set_unit_price(self, region: str, market: str, kind: str, name: str,
                        usd: float | None) -> None:
@@ -568,6 +671,59 @@ class FakeGCP(FakeServer[tuple[str, str]]):
         return None if f is None else FakeGCPError(f.status, f.message, f.reason,
                                                    f.retry_after)
 
+    # ---------------------------------------------------------- random faults
+    def _chaos_applies(self, request: web.Request) -> bool:
+        if request.path == "/token":
+            return False  # google-auth's, which retries a token grant on its own
+        if self.spare_every is None:
+            return True
+        with self._lock:
+            key = (request.method, request.path_qs)
+            self._arrivals[key] += 1
+            return self._arrivals[key] % self.spare_every != 0
+
+    def _count(self, request: web.Request) -> bool:
+        """Count a call the chaos middleware answers itself; whether it is a Billing one."""
+        match = request.match_info
+        if request.path.startswith("/v1/services/"):
+            op, where = "skus.list", "global"
+        elif "zone" in match:
+            op, where = f"{request.path.rsplit('/', 1)[-1]}.list", match["zone"]
+        elif "region" in match:
+            op, where = "regions.get", match["region"]
+        else:
+            op, where = "projects.get", "global"
+        with self._lock:
+            self.calls[(op, where)] += 1
+            self.authorizations.append(request.headers.get("Authorization", ""))
+        return op == "skus.list"
+
+    def _throttled(self, request: web.Request) -> web.StreamResponse:
+        if self._count(request):  # the Billing Catalog: AIP-193's shape
+            return _error(FakeGCPError(
+                429, "Quota exceeded for quota metric 'Read requests' and limit 'Read "
+                     "requests per minute' of service 'cloudbilling.googleapis.com' for "
+                     "consumer 'project_number:4711471147114711'.",
+                reason="RATE_LIMIT_EXCEEDED", retry_delay="1s"), True)
+        with self._lock:
+            self._throttles += 1
+            legacy = self._throttles % 2 == 1
+        if legacy:  # Compute Engine's documented answer
+            return _error(FakeGCPError(403, "Rate Limit Exceeded", reason="rateLimitExceeded",
+                                       domain="usageLimits", legacy=True), False)
+        return _error(FakeGCPError(
+            429, "Quota exceeded for quota metric 'Read requests' and limit 'Read requests "
+                 "per minute' of service 'compute.googleapis.com' for consumer "
+                 "'project_number:4711471147114711'.", reason="rateLimitExceeded",
+            domain="usageLimits"), False)
+
+    def _server_error(self, request: web.Request, status: int) -> web.StreamResponse:
+        billing = self._count(request)
+        message = ("The service is currently unavailable." if status == 503 else
+                   "Internal error. Please try again or contact Google Support. "
+                   "(Code: '-4711471147114711')")
+        return _error(FakeGCPError(status, message, reason="backendError"), billing)
+
     async def _project(self, request: web.Request) -> web.Response:
         def answer() -> dict[str, Any]:
             with self._lock:
@@ -685,13 +841,14 @@ class FakeGCP(FakeServer[tuple[str, str]]):
         for (market, kind, name, usd), regions in by_what.items():
             shared = sorted(r for r in regions if r in AMERICAS)
             if len(shared) == len(AMERICAS):
-                desc, group = _describe(market, kind, name, "Americas")
-                skus.append(_price_sku(desc, group, market, kind, shared, usd))
+                skus.append(_price_sku(*_describe(market, kind, name, "Americas"), kind,
+                                       shared, usd))
             for region in sorted(regions):
                 if len(shared) == len(AMERICAS) and region in AMERICAS:
                     continue
-                desc, group = _describe(market, kind, name, LOCATIONS.get(region, region))
-                skus.append(_price_sku(desc, group, market, kind, [region], usd))
+                skus.append(_price_sku(*_describe(market, kind, name,
+                                                  LOCATIONS.get(region, region)),
+                                       kind, [region], usd))
         for region in DECOY_REGIONS:
             skus.extend(_decoys(region))
         skus.append(sku_json("Licensing Fee for Windows Server 2022 Datacenter Edition "
@@ -711,10 +868,10 @@ class FakeGCP(FakeServer[tuple[str, str]]):
                                         "on this server (fake)."), False)
 
 
-def _price_sku(desc: str, group: str, market: str, kind: str, regions: list[str],
+def _price_sku(desc: str, group: str, usage: str, kind: str, regions: list[str],
                usd: float) -> dict[str, Any]:
-    return sku_json(desc, group=group, usage="Preemptible" if market == "spot" else "OnDemand",
-                    regions=regions, usd=usd, unit="GiBy.h" if kind == "ram" else "h")
+    return sku_json(desc, group=group, usage=usage, regions=regions, usd=usd,
+                    unit="GiBy.h" if kind == "ram" else "h")
 
 
 def _bounded(request: web.Request, param: str, most: int) -> int:
@@ -772,17 +929,24 @@ def _accel_json(project: str, zone: str, name: str, desc: str, most: int,
 
 
 def _error(err: FakeGCPError, billing: bool) -> web.Response:
-    """Google's JSON error body. Compute Engine adds the legacy `errors[]` list."""
+    """Google's JSON error body. Compute Engine adds the legacy `errors[]` list (and its
+    older answers, `legacy`, have nothing else)."""
     status = STATUS.get(err.status, ("unknown", "UNKNOWN"))[1]
-    body: dict[str, Any] = {"code": err.status, "message": err.message, "status": status}
+    body: dict[str, Any] = {"code": err.status, "message": err.message}
     if not billing:
-        body["errors"] = [{"message": err.message, "domain": "global", "reason": err.reason}]
+        body["errors"] = [{"message": err.message, "domain": err.domain, "reason": err.reason}]
+    if err.legacy:
+        return web.json_response({"error": body}, status=err.status)
+    body["status"] = status
     info_reason = (err.reason if err.reason.isupper()
                    else re.sub(r"(?<!^)(?=[A-Z])", "_", err.reason).upper())
     body["details"] = [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
                         "reason": info_reason, "domain": "googleapis.com",
                         "metadata": {"service": ("cloudbilling" if billing else "compute")
                                      + ".googleapis.com"}}]
+    if err.retry_delay is not None:
+        body["details"].append({"@type": "type.googleapis.com/google.rpc.RetryInfo",
+                                "retryDelay": err.retry_delay})
     headers = {}
     if err.retry_after is not None:
         headers["Retry-After"] = f"{err.retry_after:g}"

@@ -8,6 +8,7 @@ import csv
 import pytest
 import requests
 from fake_gcp import DEFAULT_PRICES_CSV, GPUS, FakeGCP, fake_gcp_fixture  # noqa: F401
+from fake_server import Chaos
 
 
 def test_host_skus_reproduce_every_snapshot_host_price(fake_gcp: FakeGCP) -> None:
@@ -65,3 +66,47 @@ def test_errors_paging_and_filters_answer_like_compute_engine(fake_gcp: FakeGCP)
         assert err["details"][0]["reason"] == "RATE_LIMIT_EXCEEDED"
         assert http.get(f"{base}/regions/us-central1").status_code == 200
     assert fake_gcp.call_count("regions.get", "us-central1") == 2
+
+
+def test_random_faults_answer_in_googles_shapes(fake_gcp: FakeGCP) -> None:
+    base = f"{fake_gcp.url}/compute/v1/projects/{fake_gcp.project}"
+    skus = f"{fake_gcp.url}/v1/services/6F81-5844-456A/skus"
+    with requests.Session() as http:
+        fake_gcp.chaos = Chaos(rate=1.0, kinds=("throttle",))
+        r = http.get(skus)  # the Billing Catalog: AIP-193's RESOURCE_EXHAUSTED
+        err = r.json()["error"]
+        assert r.status_code == 429 and err["status"] == "RESOURCE_EXHAUSTED"
+        assert "errors" not in err
+        assert {d["@type"].rsplit(".", 1)[1]: d.get("reason", d.get("retryDelay"))
+                for d in err["details"]} == {"ErrorInfo": "RATE_LIMIT_EXCEEDED",
+                                             "RetryInfo": "1s"}
+        legacy = http.get(f"{base}/regions/us-central1")  # Compute Engine: 403, then 429
+        assert legacy.status_code == 403 and legacy.json() == {"error": {
+            "code": 403, "message": "Rate Limit Exceeded", "errors": [{
+                "message": "Rate Limit Exceeded", "domain": "usageLimits",
+                "reason": "rateLimitExceeded"}]}}
+        r = http.get(f"{base}/regions/us-central1")
+        assert r.status_code == 429
+        assert r.json()["error"]["errors"][0]["reason"] == "rateLimitExceeded"
+        assert http.post(f"{fake_gcp.url}/token").status_code == 200  # spared
+        fake_gcp.chaos = Chaos(rate=1.0, kinds=("5xx",))
+        for _ in range(4):
+            r = http.get(f"{base}/zones/us-central1-a/machineTypes")
+            err = r.json()["error"]
+            assert (r.status_code, err["status"]) in {(500, "INTERNAL"), (503, "UNAVAILABLE")}
+            assert err["errors"][0]["reason"] == "backendError"
+        fake_gcp.chaos = Chaos(rate=1.0, kinds=("truncated",))
+        r = http.get(f"{base}/regions/us-central1")
+        assert r.status_code == 200 and r.text.startswith('{"kind": "compute#region"')
+        with pytest.raises(requests.exceptions.JSONDecodeError):
+            r.json()
+        fake_gcp.chaos = Chaos(rate=1.0, kinds=("throttle",))
+        fake_gcp.spare_every = 2  # every second arrival of the same request is spared
+        codes = [http.get(f"{base}/regions/europe-west4").status_code for _ in range(4)]
+        assert codes[1] == codes[3] == 200 and codes[0] in (403, 429)
+    # Calls the faults answered are counted like the others.
+    assert fake_gcp.call_count("skus.list") == 1
+    assert fake_gcp.call_count("regions.get", "us-central1") == 3
+    assert fake_gcp.call_count("machineTypes.list", "us-central1-a") == 4
+    assert fake_gcp.call_count("regions.get", "europe-west4") == 4
+    assert fake_gcp.faulted == {"throttle": 5, "5xx": 4, "truncated": 1}

@@ -13,12 +13,17 @@ adapter's own thread pool, so one slow API never blocks the event loop):
   region call.
 * prices — `CloudCatalogClient.list_skus` for Compute Engine (`6F81-5844-456A`, paged);
   every 6 h; shared by all regions (one read at a time, on a task of its own that a
-  poll's timeout does not cancel); optional: while a copy exists a poll never waits for
-  a new read, the very first read is waited for at most 20 s, and a failed read keeps
-  the last good copy. Offers the catalog cannot price are listed with
-  `price_per_hour=None`.
+  poll's timeout does not cancel); required until the first read has succeeded, then
+  kept: while a copy exists a poll never waits for a new read, and a failed refresh
+  keeps the last good copy. A poll before any copy exists waits for the first read
+  (`Refresh.first_catalog_wait`, default: as long as the poll may take) and, if the read
+  failed or is still going, fails typed (the read's own error, or `CloudUnavailable`):
+  a catalog that could not be read never yields offers without prices. Offers of a copy
+  that has no SKU for some part of a VM (a Spot B200 where the catalog lists none) are
+  listed with `price_per_hour=None`, as the contract says.
 * the project's `GPUS_ALL_REGIONS` quota — `ProjectsClient.get`; at most every 30 s,
-  shared by all regions; optional.
+  shared by all regions; optional (a failed read keeps the last good copy; none yet:
+  the regional quota alone, else `quota_headroom=None`).
 
 So the first poll of a region costs one region call, two paged lists per zone and (once
 for all regions) the catalog pages and one project call; a steady-state poll costs one
@@ -36,9 +41,14 @@ with `note_stockout` / `note_launch_failure`: availability 0, recovering over th
 hour (`pricing.StockoutDecay`). `quota_headroom` is the smaller of the regional
 per-model and the project-wide GPU headroom (`pricing.quota_headroom`).
 
-A poll that fails raises a typed error: the poller marks the region unhealthy and its
-offers age until stale — which is not "no capacity", so an API that blinks causes no
-failovers.
+**Faults.** Every call is made by `GcpSdk`, which retries throttles, 5xx, timeouts
+(`call_timeout`, `clouds.gcp.call_timeout_seconds`) and garbled or cut-off answers
+within the poll's deadline, page by page; the adapter does not retry again. Whatever is
+required and still missing after that — the region, a zone's machine or accelerator
+types, the first catalog read — fails the poll with a typed error: the poller marks the
+region unhealthy with that reason and its offers age until stale — which is not "no
+capacity", so an API that blinks causes no failovers. Only the optional answers
+(project quotas, stock-outs) may be unknown in a poll that succeeds.
 """
 
 from __future__ import annotations
@@ -54,8 +64,8 @@ from typing import Any, Generic, TypeVar
 import structlog
 
 from adapters.base import CloudAdapter, run_blocking
-from adapters.common import Cached, gather_all, note_optional
-from adapters.errors import AdapterError, InvalidConfig
+from adapters.common import Cached, RetryPolicy, gather_all, note_optional
+from adapters.errors import AdapterError, CloudUnavailable, InvalidConfig, RateLimited
 from adapters.gcp import pricing
 from adapters.gcp.pricing import PriceIndex, Shape, StockoutDecay
 from adapters.gcp.sdk import GcpSdk, Quota, RegionInfo, is_stockout
@@ -76,7 +86,9 @@ class Refresh:
     project_quotas: float = 30.0  # GPUS_ALL_REGIONS: once per poll round
     inventory: float = 6 * 3600  # machine types and accelerator types, per zone
     catalog: float = 6 * 3600  # Billing Catalog SKUs
-    first_catalog_wait: float = 20.0  # how long a poll waits for the very first catalog
+    # How long a poll waits for the very first catalog read (None: as long as the poll
+    # may take; it fails when no copy exists at the end of the wait).
+    first_catalog_wait: float | None = None
 
 
 @dataclass(slots=True)
@@ -88,12 +100,16 @@ class _RegionState:
 class _Shared(Generic[V]):
     """An answer every region's poll shares (the catalog, the project's quotas): read by
     one task at a time, on a task of its own so that a poll that times out does not
-    cancel it. A failed read keeps the last good copy and is logged once."""
+    cancel it. A failed read keeps the last good copy and is logged once — unless the
+    answer is `required` and there is no copy yet: then the polls fail with `error`, and
+    the poller logs that."""
 
     def __init__(self, what: str, empty: V, mono: Callable[[], float],
-                 clock: Callable[[], datetime]) -> None:
+                 clock: Callable[[], datetime], *, required: bool = False) -> None:
         self.what = what
+        self.required = required
         self.cache: Cached[V] = Cached(empty)
+        self.error: AdapterError | None = None  # why the last read failed (None: it did not)
         self._task: asyncio.Task[None] | None = None
         self._mono = mono
         self._clock = clock
@@ -110,10 +126,13 @@ class _Shared(Generic[V]):
         try:
             value = await fetch()
         except AdapterError as exc:
-            note_optional(log, "gcp", ALL_REGIONS, self.what, self.cache, exc)
+            self.error = exc
+            if not self.required or self.cache.read_at is not None:
+                note_optional(log, "gcp", ALL_REGIONS, self.what, self.cache, exc)
         else:
             note_optional(log, "gcp", ALL_REGIONS, self.what, self.cache, value)
             self.cache = Cached(value, self._mono(), self._clock())
+            self.error = None
         finally:
             self._task = None
 
@@ -130,8 +149,8 @@ class GcpAdapter(CloudAdapter):
     def __init__(self, *, regions: Sequence[str], project: str | None = None,
                  endpoint: str | None = None, anonymous: bool = False,
                  refresh: Refresh | None = None, stockout: StockoutDecay | None = None,
-                 max_workers: int | None = None, attempts: int = 4,
-                 max_backoff: float = 8.0,
+                 max_workers: int | None = None, retry: RetryPolicy | None = None,
+                 call_timeout: float = 10.0,
                  clock: Callable[[], datetime] = utcnow,
                  monotonic: Callable[[], float] = time.monotonic,
                  on_call: Callable[[str, str], None] | None = None) -> None:
@@ -148,13 +167,14 @@ class GcpAdapter(CloudAdapter):
         self._clock = clock
         self._mono = monotonic
         self.sdk = GcpSdk(project=project, endpoint=endpoint, anonymous=anonymous,
-                          attempts=attempts, max_backoff=max_backoff, on_call=on_call)
+                          retry=retry, call_timeout=call_timeout, on_call=on_call)
         # SDK calls wait on the network: a region's first poll runs two list calls per
         # zone at once (up to ~5 zones), beside the region call and the shared reads.
         workers = max_workers or min(96, 12 * len(self._regions) + 4)
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcp")
         self._state = {r: _RegionState() for r in self._regions}
-        self._catalog: _Shared[PriceIndex] = _Shared("prices", {}, monotonic, clock)
+        self._catalog: _Shared[PriceIndex] = _Shared("prices", {}, monotonic, clock,
+                                                     required=True)
         self._project: _Shared[dict[str, Quota]] = _Shared("project quotas", {}, monotonic,
                                                            clock)
         self._stockouts: dict[PoolKey, datetime] = {}
@@ -176,8 +196,8 @@ class GcpAdapter(CloudAdapter):
         waits: list[asyncio.Future[None]] = []
         catalog = self._catalog.start(self._read_catalog, rf.catalog)
         if catalog is not None and self._catalog.cache.read_at is None:
-            # no copy yet: wait for the first, a while
-            waits.append(asyncio.ensure_future(self._first_prices(catalog)))
+            # no copy yet: the prices are required, wait for the first read
+            waits.append(asyncio.ensure_future(self._first_prices(catalog, region)))
         project = self._project.start(self._read_project, rf.project_quotas)
         if project is not None:
             waits.append(asyncio.shield(project))
@@ -222,23 +242,43 @@ class GcpAdapter(CloudAdapter):
             st.zones[zone] = Cached(tuple(pricing.shapes(machines, accelerators)),
                                      self._mono(), self._clock())
 
-    async def _first_prices(self, read: asyncio.Task[None]) -> None:
+    async def _first_prices(self, read: asyncio.Task[None], region: str) -> None:
+        """Wait for the first catalog read (shielded: other polls share it); raise a typed
+        error if there is still no copy after it, or after `first_catalog_wait`."""
+        wait = self._refresh.first_catalog_wait
         try:
-            async with asyncio.timeout(self._refresh.first_catalog_wait):
+            async with asyncio.timeout(wait):
                 await asyncio.shield(read)
         except TimeoutError:
-            log.info("gcp price catalog still loading: offers unpriced until it is")
+            raise CloudUnavailable(f"no prices yet: the Billing Catalog's first read is "
+                                   f"still going after {wait:g}s", cloud="gcp",
+                                   region=region) from None
+        if self._catalog.cache.read_at is None:
+            err = self._catalog.error
+            detail = f"{type(err).__name__}: {err}" if err is not None else "no answer"
+            text = f"no prices yet: the Billing Catalog could not be read ({detail})"
+            if isinstance(err, RateLimited):
+                raise RateLimited(text, retry_after=err.retry_after, cloud="gcp",
+                                  region=region)
+            raise (type(err) if err is not None else CloudUnavailable)(
+                text, cloud="gcp", region=region)
 
     async def _read_catalog(self) -> PriceIndex:
         skus = await self._run(self.sdk.skus)
-        return await self._run(pricing.index_skus, skus)
+        index = await self._run(pricing.index_skus, skus)
+        if not index:
+            # Every page came back, yet nothing prices a VM: not a catalog to keep.
+            raise CloudUnavailable(f"the Billing Catalog listed {len(skus)} Compute Engine "
+                                   f"SKUs and none prices a vCPU, RAM or GPU", cloud="gcp")
+        return index
 
     async def _read_project(self) -> dict[str, Quota]:
         return await self._run(self.sdk.project_quotas)
 
     async def refresh_prices(self) -> None:
         """Read the Billing Catalog now, or wait for the read in flight. Never raises an
-        AdapterError: a failed read keeps the last good copy."""
+        AdapterError: a failed read keeps the last good copy (if any; `poll` says when
+        there is none)."""
         task = self._catalog.start(self._read_catalog, 0.0)
         if task is not None:
             await asyncio.shield(task)
@@ -319,4 +359,5 @@ class GcpAdapter(CloudAdapter):
 def from_config(section: Any, **kwargs: Any) -> GcpAdapter:
     """Build the adapter from the daemon configuration's `clouds.gcp` section."""
     return GcpAdapter(regions=section.regions, project=section.project,
-                      endpoint=section.endpoint, anonymous=section.anonymous, **kwargs)
+                      endpoint=section.endpoint, anonymous=section.anonymous,
+                      call_timeout=section.call_timeout_seconds, **kwargs)

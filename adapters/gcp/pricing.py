@@ -15,11 +15,28 @@ type is ``<machine type>+<accelerator type>x<count>``, e.g.
 **What it costs.** The Cloud Billing Catalog prices a VM by its parts: a vCPU SKU per
 vCPU-hour and a RAM SKU per GiB-hour of the machine series (`A2 Instance Core running in
 Iowa`, `N1 Predefined Instance Ram running in Americas` ...) plus a GPU SKU per GPU-hour
-(`Nvidia Tesla A100 GPU running in ...`), each `OnDemand` or `Preemptible` (= Spot), each
-valid in the regions of its `serviceRegions`. A VM's price is the sum of the three for its
-region and market; if any part has no SKU the price is unknown (`None`) and the offer is
-still listed. SKUs for commitments, sole tenancy, custom shapes, reservations, virtual
-workstations and DWS are never matched: only descriptions of the exact shapes below are.
+(`Nvidia Tesla A100 GPU running in ...`), each valid in the regions of its
+`serviceRegions`. A VM's price is the sum of the three for its region and market; if any
+part has no SKU the price is unknown (`None`) and the offer is still listed. A4 (B200) is
+the exception: it has no vCPU/RAM SKUs, its `A4 Nvidia B200 (1 gpu slice)` SKU prices one
+GPU with its share of the VM, so an A4 VM costs that times its GPUs.
+
+**Which market.** The SKU's `category.usageType` says it: `OnDemand`, or `Preemptible`
+(= Spot); `Commit1Yr` and the like are never a VM's hourly price. The description's
+wording varies and does not decide: most Spot GPU SKUs read `Nvidia Tesla A100 GPU
+attached to Spot Preemptible VMs running in Americas`, a few `Spot Preemptible Nvidia ...`,
+Spot vCPU/RAM SKUs `Spot Preemptible A2 Instance Core ...` or, older, `Preemptible N1
+Predefined Instance Core ...`; all are read. One contradiction is settled the safe way: a
+description that names the Spot market on a SKU tagged `OnDemand` (some `Spot Preemptible
+A4 Nvidia B200 (1 gpu slice)` SKUs, skypilot-org/skypilot#8125) is a Spot price — taking
+it for the on-demand one would price on-demand VMs at the Spot rate.
+
+**What is never matched.** SKUs for commitments, sole tenancy, custom shapes,
+reservations (some priced at $0), virtual workstations, DWS (flex-start, "Defined
+Duration"), Calendar mode and "Capacity Optimized" capacity: only descriptions of the
+exact shapes below are. The GPU names (`GPU_SKU_NAMES`) and region wording (`running in
+Iowa`, `running in Americas`, also `in Iowa`) follow the real catalog's variants: `Nvidia`
+or `NVIDIA` or no vendor (`H200 141GB GPU`), a series prefix (`A4 Nvidia B200 ...`).
 """
 
 from __future__ import annotations
@@ -95,10 +112,11 @@ GPU_SKU_NAMES: Mapping[str, str] = {
 HOST_SKU_STEMS: Mapping[str, str] = {
     "a2": "A2 Instance",
     "a3": "A3 Instance",
-    "a4": "A4 Instance",
     "g2": "G2 Instance",
     "n1": "N1 Predefined Instance",
 }
+# Series priced per GPU "slice" (the GPU with its share of the VM): no vCPU/RAM SKUs.
+SLICE_SERIES = frozenset({"a4"})
 GPU_SERIES = ("a2", "a3", "a4", "g2")  # series whose machine types carry their GPUs
 
 N1_ATTACHABLE = frozenset({"nvidia-tesla-t4", "nvidia-tesla-v100", "nvidia-tesla-p100",
@@ -186,26 +204,35 @@ def gpu_of(accelerator: str) -> tuple[str, float | None, bool]:
 
 # --- Billing Catalog SKUs -------------------------------------------------------------------
 
-PriceKey = tuple[str, Market, str, str]  # (region, market, "core"|"ram"|"gpu", stem|accelerator)
+# (region, market, "core"|"ram"|"gpu"|"slice", stem|accelerator)
+PriceKey = tuple[str, Market, str, str]
 PriceIndex = dict[PriceKey, float]
 
 _USAGE = {"OnDemand": Market.ON_DEMAND, "Preemptible": Market.SPOT}
-_SPOT_PREFIXES = ("Spot Preemptible ", "Preemptible ")
+# The Spot wording: a prefix ("Spot Preemptible A2 Instance Core", the older "Preemptible
+# N1 Predefined Instance Core") or, on most Spot GPU SKUs, a phrase ("Nvidia Tesla A100
+# GPU attached to Spot Preemptible VMs running in Americas").
+_SPOT_PREFIX = re.compile(r"^(?:Spot )?Preemptible ", re.IGNORECASE)
+_SPOT_PHRASE = re.compile(r" attached to Spot Preemptible VMs\b", re.IGNORECASE)
 _EXCLUDED = re.compile(
     r"commit|sole tenan|custom|reserv|premium|virtual workstation|\bdws\b|flex|calendar|"
-    r"extended|licen[cs]", re.IGNORECASE)
-_HOST = re.compile(r"^(?P<stem>.+ Instance) (?P<part>Core|Ram) running in (?P<where>.+)$")
-_GPU = re.compile(r"^Nvidia (?P<name>.+?)(?: GPU)?(?: attached to Spot Preemptible VMs)?"
-                  r" running in (?P<where>.+)$")
-_GROUPS = {"core": ("CPU", "N1Standard"), "ram": ("RAM", "N1Standard"), "gpu": ("GPU",)}
-_UNITS = {"core": "h", "ram": "GiBy.h", "gpu": "h"}
+    r"defined duration|capacity optimi[sz]ed|extended|licen[cs]", re.IGNORECASE)
+_WHERE = r"(?: (?:running )?in (?P<where>.+))?"  # the region words; serviceRegions decide
+_HOST = re.compile(rf"^(?P<stem>.+ Instance) (?P<part>Core|Ram){_WHERE}$")
+# an optional machine series ("A4 Nvidia B200 ..."), an optional vendor ("H200 141GB GPU")
+_GPU = re.compile(rf"^(?:[AG]\d[A-Z]? )?(?:Nvidia )?(?P<name>.+?)(?: GPU)?{_WHERE}$",
+                  re.IGNORECASE)
+_SLICE = re.compile(r"\(1 gpu slice\)$", re.IGNORECASE)
+_GROUPS = {"core": ("CPU", "N1Standard"), "ram": ("RAM", "N1Standard"), "gpu": ("GPU",),
+           "slice": ("GPU",)}
+_UNITS = {"core": "h", "ram": "GiBy.h", "gpu": "h", "slice": "h"}
 _STEMS = frozenset(HOST_SKU_STEMS.values())
 
 
 @dataclass(frozen=True, slots=True)
 class SkuPrice:
     market: Market
-    kind: str  # core | ram | gpu
+    kind: str  # core | ram | gpu | slice (a GPU with its share of the VM)
     name: str  # the host SKU stem ("A2 Instance") or the accelerator type
     regions: tuple[str, ...]
     usd: float  # per vCPU-hour, GiB-hour or GPU-hour
@@ -214,7 +241,8 @@ class SkuPrice:
 def parse_sku(sku: Mapping[str, Any]) -> SkuPrice | None:
     """What a Billing Catalog SKU (its REST JSON shape) prices, or None for every SKU that
     is not the hourly OnDemand / Preemptible price of a vCPU, a GiB of RAM or a GPU of the
-    shapes this adapter offers."""
+    shapes this adapter offers. The market is the SKU's `usageType` (see the module doc:
+    Spot wording on an `OnDemand` SKU makes it Spot, never the reverse)."""
     category = sku.get("category") or {}
     if category.get("resourceFamily") != "Compute":
         return None
@@ -224,11 +252,10 @@ def parse_sku(sku: Mapping[str, Any]) -> SkuPrice | None:
     desc = " ".join(str(sku.get("description", "")).split())
     if _EXCLUDED.search(desc):
         return None
-    spot_prefix = next((p for p in _SPOT_PREFIXES if desc.startswith(p)), None)
-    if (spot_prefix is not None) != (market is Market.SPOT):
-        return None
-    desc = desc[len(spot_prefix or ""):]
-    kind, name = _what(desc)
+    plain = _SPOT_PHRASE.sub("", _SPOT_PREFIX.sub("", desc, count=1), count=1)
+    if plain != desc:
+        market = Market.SPOT
+    kind, name = _what(plain)
     if kind is None or name is None:
         return None
     if category.get("resourceGroup") not in _GROUPS[kind]:
@@ -247,7 +274,9 @@ def _what(desc: str) -> tuple[str | None, str | None]:
         return None, None
     if (m := _GPU.match(desc)) is not None:
         accel = GPU_SKU_NAMES.get(m["name"].lower())
-        return ("gpu", accel) if accel else (None, None)
+        if accel is None:
+            return None, None
+        return ("slice" if _SLICE.search(m["name"]) else "gpu"), accel
     return None, None
 
 
@@ -293,7 +322,11 @@ def index_skus(skus: Iterable[Mapping[str, Any]]) -> PriceIndex:
 def vm_price(index: Mapping[PriceKey, float], region: str, market: Market, shape: Shape
              ) -> float | None:
     """USD per hour of one instance of `shape`: vCPUs × core SKU + GiB × RAM SKU + GPUs ×
-    GPU SKU of the region and market; None if a part is not in the catalog."""
+    GPU SKU of the region and market (a slice-priced series: GPUs × slice SKU); None if a
+    part is not in the catalog."""
+    if series(shape.machine_type) in SLICE_SERIES:
+        per_slice = index.get((region, market, "slice", shape.accelerator))
+        return None if per_slice is None else per_slice * shape.gpus
     stem = HOST_SKU_STEMS.get(series(shape.machine_type))
     if stem is None:
         return None

@@ -3,12 +3,23 @@
 Everything the adapter asks of Google Cloud goes through `GcpSdk`: one method per
 question, each blocking (the adapter runs them on its own executor), each returning plain
 Python data, each raising only the typed errors of `adapters.errors`. The clients are the
-real `google-cloud-compute` and `google-cloud-billing` ones on their REST transport;
-Google's errors (`google.api_core.exceptions`, `google.auth.exceptions`, `requests`) are
-translated here, once (`translate`), and throttling and 5xx are retried here with jittered
-exponential backoff (`adapters.common.RetryPolicy`: never sooner than a
-`RateLimited.retry_after`; one beyond the backoff cap goes up to the poller). Paged lists
-are paged here, each page fetched (and retried) on its own.
+real `google-cloud-compute` and `google-cloud-billing` ones on their REST transport.
+
+**Errors** are translated here, once (`translate`, one table): a throttle (429, or
+Compute Engine's 403 `rateLimitExceeded`) is `RateLimited`, with the `Retry-After` header
+or the `google.rpc.RetryInfo` delay as `retry_after`; a 5xx, a deadline, a connection
+that fails or times out (`call_timeout` seconds, connect and read), and an answer that
+cannot be read — a body cut off or garbled, which the clients raise as protobuf's
+`ParseError`, `json.JSONDecodeError`, a `requests`/`urllib3` protocol or read error — is
+`CloudUnavailable`. Both heal on their own, and are retried. Only what cannot heal is
+permanent: no credentials or a refused refresh (`AuthFailed`), a denied permission
+(`AuthFailed`), an unknown region or project (`InvalidConfig`), a bad request.
+
+**Retries** happen here and nowhere else (`adapters.common.RetryPolicy`: jittered
+exponential backoff, never sooner than a `retry_after`, never past the poll's deadline;
+a `retry_after` beyond the backoff cap goes up to the poller). The client libraries' own
+retries are off (`retry=None` on every call). Paged lists are paged here, each page
+fetched, and retried, on its own: a failed page is asked again, not the whole list.
 
 The client libraries are imported lazily: gpubroker starts without them, and a missing
 one reads ``GCP support needs google-cloud-compute: pip install 'gpubroker[gcp]'``.
@@ -24,6 +35,8 @@ Billing Catalog (`/v1/services/...`); ``http://`` endpoints are used as given.
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import re
 import threading
 import time
@@ -95,8 +108,11 @@ class _Mods:
     core: Any  # google.api_core.exceptions
     auth: Any  # google.auth
     auth_exc: Any  # google.auth.exceptions
+    auth_transient: tuple[type[Exception], ...]  # its errors of a call that may pass
     anonymous: Any  # google.auth.credentials.AnonymousCredentials
     requests_exc: Any
+    urllib3_exc: Any
+    parse_error: Any  # google.protobuf.json_format.Error
 
 
 def _google() -> _Mods:
@@ -104,12 +120,19 @@ def _google() -> _Mods:
     def sdk(module: str, package: str = "google-cloud-compute") -> Any:
         return import_sdk(module, cloud="gcp", label="GCP", package=package)
 
+    auth_exc = sdk("google.auth.exceptions")
+    # TimeoutError and ResponseError are newer than some google-auth releases still in use
+    transient = tuple(getattr(auth_exc, name) for name in
+                      ("TransportError", "TimeoutError", "ResponseError")
+                      if hasattr(auth_exc, name))
     return _Mods(compute=sdk("google.cloud.compute_v1"),
                  billing=sdk("google.cloud.billing_v1", "google-cloud-billing"),
                  core=sdk("google.api_core.exceptions"), auth=sdk("google.auth"),
-                 auth_exc=sdk("google.auth.exceptions"),
+                 auth_exc=auth_exc, auth_transient=transient,
                  anonymous=sdk("google.auth.credentials").AnonymousCredentials,
-                 requests_exc=sdk("requests.exceptions"))
+                 requests_exc=sdk("requests.exceptions"),
+                 urllib3_exc=sdk("urllib3.exceptions"),
+                 parse_error=sdk("google.protobuf.json_format").Error)
 
 
 def _norm(code: str) -> str:
@@ -153,10 +176,29 @@ def is_stockout(text: str) -> bool:
 
 
 def translate(exc: BaseException, region: str = "") -> AdapterError:
-    """Map a Google client-library exception onto the typed errors of the contract."""
+    """Map what a call to Google raised onto the typed errors of the contract. The one
+    table, in order (the first row that matches wins):
+
+    * a Google API error (`google.api_core.exceptions`) → by its status and reasons
+      (`_api_error`: throttles `RateLimited`, 5xx/408/504 `CloudUnavailable` ...);
+    * google.auth: no credentials, or a refusal it cannot refresh → `AuthFailed`;
+    * google.auth: transport error, timeout, unreadable answer, or a token refresh refused
+      for a reason that may pass (`retryable`) → `CloudUnavailable`;
+    * google.auth: any other refused refresh → `AuthFailed`;
+    * an answer that cannot be read, cut off or garbled (protobuf's `ParseError`,
+      `JSONDecodeError`, `UnicodeDecodeError`, requests' `ChunkedEncodingError` /
+      `ContentDecodingError`, urllib3's `ProtocolError` / `DecodeError`, `http.client`'s
+      `IncompleteRead`) → `CloudUnavailable`;
+    * no connection, or no answer in time (requests' `ConnectionError` / `Timeout`,
+      urllib3's timeouts, `ConnectionError`, `TimeoutError`) → `CloudUnavailable`;
+    * any other Google client-library error → `AdapterError` (permanent);
+    * anything else is a bug, and re-raised.
+    """
     g = _google()
     if isinstance(exc, AdapterError):
         return exc
+    if isinstance(exc, g.core.GoogleAPICallError):
+        return _api_error(exc, region)
     if isinstance(exc, g.auth_exc.InvalidOperation):  # e.g. anonymous credentials and a 401
         return AuthFailed(f"the request was refused and the credentials cannot be "
                           f"refreshed: {exc}", cloud="gcp", region=region)
@@ -164,38 +206,58 @@ def translate(exc: BaseException, region: str = "") -> AdapterError:
         return AuthFailed("no usable Google credentials in google.auth.default()'s chain "
                           "(GOOGLE_APPLICATION_CREDENTIALS, gcloud application-default "
                           "login, the metadata server)", cloud="gcp", region=region)
+    if isinstance(exc, g.auth_transient) or (isinstance(exc, g.auth_exc.RefreshError)
+                                             and getattr(exc, "retryable", False)):
+        return CloudUnavailable(f"Google's token endpoint failed: {type(exc).__name__}: "
+                                f"{exc}", cloud="gcp", region=region)
     if isinstance(exc, g.auth_exc.RefreshError):
         return AuthFailed(f"Google credentials could not be refreshed: {exc}", cloud="gcp",
                           region=region)
-    if isinstance(exc, g.auth_exc.TransportError):
-        return CloudUnavailable(f"Google auth endpoint unreachable: {exc}", cloud="gcp",
+    if isinstance(exc, g.parse_error | json.JSONDecodeError | UnicodeDecodeError |
+                  g.requests_exc.ChunkedEncodingError | g.requests_exc.ContentDecodingError |
+                  g.urllib3_exc.ProtocolError | g.urllib3_exc.DecodeError |
+                  http.client.IncompleteRead):
+        return CloudUnavailable(f"an answer that cannot be read (cut off or garbled): "
+                                f"{type(exc).__name__}: {_short(exc)}", cloud="gcp",
                                 region=region)
-    if isinstance(exc, g.core.GoogleAPICallError):
-        codes = _codes(exc)
-        status = exc.code if isinstance(exc.code, int) else 0
-        text = str(exc.message or "")
-        msg = f"{status} {type(exc).__name__}: {text}".strip()
-        if codes & _STOCKOUT or _STOCKOUT_TEXT.search(text):
-            return CapacityUnavailable(msg, cloud="gcp", region=region)
-        if status == 429 or codes & _THROTTLE or isinstance(exc, g.core.ResourceExhausted):
-            return RateLimited(msg, retry_after=_retry_after(exc), cloud="gcp", region=region)
-        if codes & _QUOTA or _QUOTA_TEXT.search(text):
-            return QuotaExceeded(msg, cloud="gcp", region=region)
-        if status in (401, 403) or isinstance(exc, g.core.Unauthenticated |
-                                              g.core.PermissionDenied):
-            return AuthFailed(msg, cloud="gcp", region=region)
-        if status == 404 or isinstance(exc, g.core.NotFound):
-            return InvalidConfig(msg, cloud="gcp", region=region)
-        if status >= 500 or isinstance(exc, g.core.ServerError | g.core.ServiceUnavailable |
-                                       g.core.DeadlineExceeded):
-            return CloudUnavailable(msg, cloud="gcp", region=region)
-        return AdapterError(msg, cloud="gcp", region=region)
     if isinstance(exc, g.requests_exc.ConnectionError | g.requests_exc.Timeout |
-                  g.requests_exc.ChunkedEncodingError):
-        return CloudUnavailable(f"{type(exc).__name__}: {exc}", cloud="gcp", region=region)
-    if isinstance(exc, g.core.GoogleAPIError):
+                  g.urllib3_exc.TimeoutError | ConnectionError | TimeoutError):
+        return CloudUnavailable(f"no answer: {type(exc).__name__}: {_short(exc)}",
+                                cloud="gcp", region=region)
+    if isinstance(exc, g.core.GoogleAPIError | g.auth_exc.GoogleAuthError):
         return AdapterError(f"{type(exc).__name__}: {exc}", cloud="gcp", region=region)
     raise exc
+
+
+def _api_error(exc: Any, region: str) -> AdapterError:
+    """A Google API error (an HTTP status, with the reasons of its error body)."""
+    codes = _codes(exc)
+    status = exc.code if isinstance(exc.code, int) else 0
+    text = str(exc.message or "")
+    msg = f"{status} {type(exc).__name__}: {_short(text)}".strip()
+    core = _google().core
+    if codes & _STOCKOUT or _STOCKOUT_TEXT.search(text):
+        return CapacityUnavailable(msg, cloud="gcp", region=region)
+    if status == 429 or codes & _THROTTLE or isinstance(exc, core.ResourceExhausted):
+        return RateLimited(msg, retry_after=_retry_after(exc), cloud="gcp", region=region)
+    if codes & _QUOTA or _QUOTA_TEXT.search(text):
+        return QuotaExceeded(msg, cloud="gcp", region=region)
+    if status in (401, 403) or isinstance(exc, core.Unauthenticated | core.PermissionDenied):
+        return AuthFailed(msg, cloud="gcp", region=region)
+    if status == 404 or isinstance(exc, core.NotFound):
+        return InvalidConfig(msg, cloud="gcp", region=region)
+    if status == 501:  # the endpoint does not implement the method: it will not heal
+        return AdapterError(msg, cloud="gcp", region=region)
+    if status >= 500 or status == 408 or isinstance(
+            exc, core.ServerError | core.DeadlineExceeded):
+        return CloudUnavailable(msg, cloud="gcp", region=region)
+    return AdapterError(msg, cloud="gcp", region=region)
+
+
+def _short(exc: object, most: int = 300) -> str:
+    """An exception's text, at most `most` characters (a garbled body can be long)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= most else f"{text[:most]}..."
 
 
 def _region_of(location: str) -> str:
@@ -207,8 +269,8 @@ class GcpSdk:
     """Blocking Google Cloud calls, translated and retried. Thread-safe."""
 
     def __init__(self, *, project: str | None = None, endpoint: str | None = None,
-                 anonymous: bool = False, attempts: int = 4, max_backoff: float = 8.0,
-                 timeout: float = 30.0,
+                 anonymous: bool = False, retry: RetryPolicy | None = None,
+                 call_timeout: float = 10.0,
                  on_call: Callable[[str, str], None] | None = None) -> None:
         self._g = _google()
         self.endpoint = endpoint.rstrip("/") if endpoint else None
@@ -219,8 +281,8 @@ class GcpSdk:
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self.retry = RetryPolicy(attempts, max_backoff)
-        self._timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self._timeout = call_timeout  # one call's connect + read limit, in seconds
         self._on_call = on_call
 
     # --- credentials and clients ---------------------------------------------------

@@ -5,9 +5,12 @@ the price snapshot)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import subprocess
+import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -16,7 +19,9 @@ from typing import Any
 import pytest
 import yaml
 from fake_gcp import FakeGCP, fake_gcp_fixture  # noqa: F401
+from fake_server import CHAOS_KINDS, Chaos
 
+from adapters.common import RetryPolicy, poll_deadline
 from adapters.errors import (
     AdapterError,
     AuthFailed,
@@ -24,6 +29,7 @@ from adapters.errors import (
     InvalidConfig,
     RateLimited,
 )
+from adapters.gcp import pricing
 from adapters.gcp.adapter import GcpAdapter, Refresh, from_config
 from broker.clouds import build_adapters
 from broker.config import GcpConfig, parse_config
@@ -53,7 +59,8 @@ def make(fake: FakeGCP, clocks: Clocks, regions: list[str] | None = None,
          **kwargs: Any) -> GcpAdapter:
     opts: dict[str, Any] = {"project": fake.project, "endpoint": fake.url, "anonymous": True}
     opts.update(kwargs)
-    return GcpAdapter(regions=regions or [REGION, "europe-west4"], max_backoff=0.05,
+    opts.setdefault("retry", RetryPolicy(max_backoff=0.05))
+    return GcpAdapter(regions=regions or [REGION, "europe-west4"],
                       clock=lambda: clocks.now, monotonic=lambda: clocks.mono, **opts)
 
 
@@ -64,7 +71,7 @@ async def adapter(fake_gcp: FakeGCP, clocks: Clocks) -> AsyncIterator[GcpAdapter
     await a.close()
 
 
-def by_key(offers: list[Offer]) -> dict[PoolKey, Offer]:
+def by_key(offers: Iterable[Offer]) -> dict[PoolKey, Offer]:
     return {o.pool: o for o in offers}
 
 
@@ -134,10 +141,69 @@ async def test_poll_maps_machine_types_n1_shapes_and_prices(fake_gcp: FakeGCP, c
     names = {o.pool.instance_type for o in offers}
     assert not any("vws" in n or "k80" in n or n.startswith(("e2-", "n2-", "c2-"))
                    or n in ("n1-standard-8", "n1-highmem-8") for n in names)
-    # The B200 machine type has no host SKUs in the catalog: listed, unpriced.
-    a4 = [o for o in offers if o.pool.instance_type == "a4-highgpu-8g"]
-    assert a4 and all(o.price_per_hour is None and o.gpu == "B200" and o.gpus == 8 for o in a4)
-    assert {o.pool.market for o in a4} == {OD, SPOT}
+    # A4 has no vCPU/RAM SKUs: its "A4 Nvidia B200 (1 gpu slice)" SKU prices a GPU with
+    # its share of the VM (the snapshot's a4-highgpu-8g: 90.216 $/h). The snapshot has
+    # no Spot B200 price in us-central1: listed, unpriced.
+    a4 = by_key(o for o in offers if o.pool.instance_type == "a4-highgpu-8g")
+    a4_od, a4_spot = a4[pool("a4-highgpu-8g", zone=f"{REGION}-b")], a4[
+        pool("a4-highgpu-8g", SPOT, zone=f"{REGION}-b")]
+    assert (a4_od.gpu, a4_od.gpus) == ("B200", 8)
+    assert a4_od.price_per_hour == pytest.approx(90.216, abs=1e-6)
+    assert a4_spot.price_per_hour is None
+
+
+def catalog_price(fake: FakeGCP, o: Offer) -> float | None:
+    """What the fake's catalog says the offer's VM costs (None: a part is not in it)."""
+    machine, _, count = pricing.split_instance_type(o.pool.instance_type)
+    series = machine.split("-")[0]
+    accel = o.quota_group.split(":")[2]  # gcp:<region>:<accelerator type>:<market>
+    market = "spot" if o.pool.market is SPOT else "on_demand"
+    gpu = fake.unit_price(o.pool.region, market, "gpu", accel)
+    if series == "a4":  # priced by its GPU slices alone
+        return None if gpu is None else gpu * o.gpus
+    vcpus, mib = fake.machine(o.pool.zone, machine)
+    core = fake.unit_price(o.pool.region, market, "core", series)
+    ram = fake.unit_price(o.pool.region, market, "ram", series)
+    if core is None or ram is None or gpu is None:
+        return None
+    return core * vcpus + ram * mib / 1024 + gpu * (count or o.gpus)
+
+
+async def test_every_price_is_read_whatever_the_catalog_calls_it(fake_gcp: FakeGCP,
+                                                                clocks: Clocks) -> None:
+    # The fake words its SKUs as the real catalog does, every variant mixed in: most Spot
+    # GPU SKUs "... GPU attached to Spot Preemptible VMs", a few "Spot Preemptible Nvidia
+    # ...", B200 Spot SKUs tagged OnDemand, "H200 141GB GPU", "NVIDIA L4 GPU" ...
+    skus = fake_gcp.skus()
+    gpu_skus = [(s["description"], s["category"]["usageType"]) for s in skus
+                if s["category"]["resourceGroup"] == "GPU"]
+    assert any(" attached to Spot Preemptible VMs running in " in d and u == "Preemptible"
+               for d, u in gpu_skus)
+    assert any(d.startswith("Spot Preemptible Nvidia ") and u == "Preemptible"
+               for d, u in gpu_skus)
+    assert any(d.startswith("Spot Preemptible A4 Nvidia B200 (1 gpu slice)") and
+               u == "OnDemand" for d, u in gpu_skus)
+    assert any(d.startswith("H200 141GB GPU") for d, _ in gpu_skus)
+    assert any(d.startswith("NVIDIA L4 GPU") for d, _ in gpu_skus)
+    n1_spot_cores = {s["description"].split(" N1 ")[0] for s in skus
+                     if s["category"]["usageType"] == "Preemptible"
+                     and " N1 Predefined Instance Core " in s["description"]}
+    assert n1_spot_cores == {"Preemptible", "Spot Preemptible"}
+    regions = ["us-central1", "us-east4", "europe-west4", "asia-southeast1"]
+    a = make(fake_gcp, clocks, regions=regions)
+    try:
+        offers = [o for r in regions for o in await a.poll(r)]
+    finally:
+        await a.close()
+    spot_gpus = set()
+    for o in offers:  # every price is the catalog's, never a decoy's
+        assert o.price_per_hour == pytest.approx(catalog_price(fake_gcp, o), rel=1e-9), o.pool
+        if o.pool.market is SPOT and o.price_per_hour is not None:
+            spot_gpus.add((o.pool.region, o.gpu))
+    # Spot prices of every GPU model in every region the snapshot prices them in
+    assert {g for _, g in spot_gpus} >= {"A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB",
+                                         "L4", "T4", "V100-16GB", "B200"}
+    assert {r for r, _ in spot_gpus} == set(regions)
 
 
 async def test_lists_are_paged_and_the_catalog_is_read_once_for_all_regions(
@@ -211,13 +277,22 @@ async def test_prices_refresh_in_the_background_and_keep_the_last_good_copy(
     assert (kept.price_per_hour, kept.observed_at) == (after.price_per_hour, after.observed_at)
 
 
-async def test_without_any_catalog_copy_offers_are_listed_unpriced(
+async def test_without_any_catalog_copy_the_poll_fails_typed(
         fake_gcp: FakeGCP, clocks: Clocks, adapter: GcpAdapter) -> None:
+    # A catalog that cannot be read never yields offers without prices: the first poll
+    # fails with the read's own error (403: permanent, not retried) ...
     fake_gcp.fail("skus.list", 403, times=None)
-    offers = await adapter.poll(REGION)
-    assert offers and all(o.price_per_hour is None for o in offers)
-    assert all(o.observed_at == clocks.now for o in offers)
-    assert fake_gcp.call_count("skus.list") == 1  # 403 is not retried
+    with pytest.raises(AuthFailed, match="Billing Catalog") as err:
+        await adapter.poll(REGION)
+    assert err.value.region == REGION
+    assert fake_gcp.call_count("skus.list") == 1
+    # ... and so does one that stays down (503: retried first, page by page).
+    fake_gcp.clear_faults()
+    fake_gcp.fail("skus.list", 503, times=None)
+    clocks.advance(60)
+    with pytest.raises(CloudUnavailable, match="Billing Catalog"):
+        await adapter.poll(REGION)
+    assert fake_gcp.call_count("skus.list") == 1 + 8
     fake_gcp.clear_faults()
     clocks.advance(60)
     offers = await adapter.poll(REGION)  # a failed read is tried again at the next poll
@@ -225,13 +300,34 @@ async def test_without_any_catalog_copy_offers_are_listed_unpriced(
                if o.pool.instance_type != "a4-highgpu-8g")
 
 
-async def test_a_slow_first_catalog_read_does_not_hold_the_poll(fake_gcp: FakeGCP,
-                                                               clocks: Clocks) -> None:
+async def test_a_failed_catalog_page_is_asked_again_not_the_whole_list(
+        fake_gcp: FakeGCP, adapter: GcpAdapter) -> None:
+    pages = math.ceil(len(fake_gcp.skus()) / fake_gcp.page_size["skus.list"])
+    fake_gcp.fail("skus.list", 503, times=2)
+    offers = by_key(await adapter.poll(REGION))
+    assert offers[pool("a2-highgpu-1g", SPOT)].price_per_hour is not None
+    assert fake_gcp.call_count("skus.list") == pages + 2
+
+
+async def test_a_catalog_without_any_vm_price_is_not_a_copy(fake_gcp: FakeGCP,
+                                                             clocks: Clocks) -> None:
+    a = make(fake_gcp, clocks, retry=RetryPolicy(attempts=1))
+    try:
+        for key in fake_gcp.price_keys():
+            fake_gcp.set_unit_price(*key, usd=None)
+        with pytest.raises(CloudUnavailable, match="none prices a vCPU"):
+            await a.poll(REGION)
+    finally:
+        await a.close()
+
+
+async def test_a_slow_first_catalog_read_fails_the_poll_and_goes_on(fake_gcp: FakeGCP,
+                                                                     clocks: Clocks) -> None:
     a = make(fake_gcp, clocks, refresh=Refresh(first_catalog_wait=0.2))
     try:
         fake_gcp.hold("skus.list")
-        offers = await a.poll(REGION)
-        assert offers and all(o.price_per_hour is None for o in offers)
+        with pytest.raises(CloudUnavailable, match="still going"):
+            await a.poll(REGION)
         fake_gcp.release("skus.list")
         await a.refresh_prices()  # the same read, still going
         assert fake_gcp.call_count("skus.list") == math.ceil(
@@ -249,7 +345,7 @@ async def test_optional_project_quota_keeps_the_last_good_copy(
     fake_gcp.fail("projects.get", 503, times=None)
     clocks.advance(60)
     assert by_key(await adapter.poll(REGION))[pool("a2-highgpu-1g")].quota_headroom == 2
-    assert fake_gcp.call_count("projects.get") == 1 + 4  # retried, then given up
+    assert fake_gcp.call_count("projects.get") == 1 + 8  # retried, then given up
 
 
 async def test_throttling_is_retried_unless_asked_to_wait_longer(
@@ -270,7 +366,7 @@ async def test_an_api_that_stays_down_fails_the_poll_typed(fake_gcp: FakeGCP,
     fake_gcp.fail("machineTypes.list", 503, times=None, where=ZONE)
     with pytest.raises(CloudUnavailable):
         await adapter.poll(REGION)
-    assert fake_gcp.call_count("machineTypes.list", ZONE) == 4  # attempts
+    assert fake_gcp.call_count("machineTypes.list", ZONE) == 8  # attempts
     fake_gcp.clear_faults()
     fake_gcp.reset_calls()
     fake_gcp.fail("regions.get", 403, times=None)
@@ -369,6 +465,20 @@ async def test_no_credentials_is_one_clear_auth_error(
         await a.close()
 
 
+async def test_the_call_timeout_comes_from_the_config(fake_gcp: FakeGCP) -> None:
+    cfg = parse_config(yaml.safe_dump({"clouds": {"gcp": {
+        "project": fake_gcp.project, "regions": [REGION], "endpoint": fake_gcp.url,
+        "anonymous": True, "call_timeout_seconds": 0.2}}}))
+    adapters, _ = build_adapters(cfg)
+    fake_gcp.latency = (0.6, 0.6)
+    try:
+        with poll_deadline(1.5), pytest.raises(CloudUnavailable, match="Timeout"):
+            await adapters[0].poll(REGION)
+    finally:
+        await adapters[0].close()
+    assert fake_gcp.call_count("regions.get") >= 2  # timed out, then asked again
+
+
 def test_config_problems_are_named() -> None:
     with pytest.raises(InvalidConfig, match=r"clouds\.gcp\.project"):
         from_config(GcpConfig(regions=[REGION], endpoint="http://127.0.0.1:9", anonymous=True))
@@ -410,3 +520,80 @@ async def test_the_daemon_builds_it_from_its_config(fake_gcp: FakeGCP) -> None:
     assert {"a2-highgpu-1g", "a3-highgpu-8g", "g2-standard-4",
             "n1-standard-8+nvidia-tesla-t4x1"} <= types
     assert set(fake_gcp.authorizations) == {""}
+
+
+# --- random faults -----------------------------------------------------------------------
+
+FAULTS = [pytest.param((kind,), 0.5, id=f"{kind}-50%") for kind in CHAOS_KINDS] + [
+    pytest.param(CHAOS_KINDS, 0.3, id="mixed-30%")]
+# A "timeout" fault answers after HANG seconds; a call gives up after CALL_TIMEOUT.
+HANG, CALL_TIMEOUT = 1.0, 0.5
+
+
+def api_pages(fake: FakeGCP) -> None:
+    """The largest pages the adapter asks for, as the real APIs serve them (one page a
+    list: a test with timeouts stays short)."""
+    fake.page_size.update({"machineTypes.list": 500, "acceleratorTypes.list": 500,
+                           "skus.list": 5000})
+
+
+def comparable(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """Offers as JSON, without `observed_at` (the time the catalog was read), sorted."""
+    return sorted(json.dumps({k: v for k, v in row.items() if k != "observed_at"},
+                             sort_keys=True) for row in rows)
+
+
+async def fault_free(fake: FakeGCP, clocks: Clocks) -> list[str]:
+    a = make(fake, clocks, regions=[REGION])
+    try:
+        return comparable(o.to_json() for o in await a.poll(REGION))
+    finally:
+        await a.close()
+
+
+@pytest.mark.parametrize(("kinds", "rate"), FAULTS)
+async def test_random_faults_heal_within_the_poll(fake_gcp: FakeGCP, clocks: Clocks,
+                                                 kinds: tuple[str, ...], rate: float) -> None:
+    api_pages(fake_gcp)
+    expected = await fault_free(fake_gcp, clocks)
+    fake_gcp.reset_calls()
+    fake_gcp.chaos = Chaos(rate=rate, kinds=kinds, hang_seconds=HANG, seed=15)
+    # More attempts than the default 8: at a 50 % fault rate one call in 256 would meet 8
+    # faults in a row, and this test is about healing, not about those odds. Short waits
+    # (the Billing Catalog's RetryInfo of 1 s capped to 0.25 s) keep it quick.
+    a = make(fake_gcp, clocks, regions=[REGION], call_timeout=CALL_TIMEOUT,
+             retry=RetryPolicy(attempts=20, max_backoff=0.25, long_hint="cap"))
+    try:
+        with poll_deadline(60):
+            got = comparable(o.to_json() for o in await a.poll(REGION))
+    finally:
+        await a.close()
+    assert got == expected
+    assert sum(fake_gcp.faulted.values()) > 0 and set(fake_gcp.faulted) <= set(kinds)
+    assert sum(fake_gcp.calls.values()) > len(fake_gcp.calls)  # some calls asked again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kinds", "rate"), FAULTS)
+async def test_offers_command_with_random_faults_lists_the_fault_free_offers(
+        fake_gcp: FakeGCP, clocks: Clocks, tmp_path: Path, kinds: tuple[str, ...],
+        rate: float) -> None:
+    api_pages(fake_gcp)
+    expected = await fault_free(fake_gcp, clocks)
+    cfg = tmp_path / "gcp.yaml"
+    cfg.write_text(yaml.safe_dump({"poll": {"timeout_seconds": 60}, "clouds": {"gcp": {
+        "project": fake_gcp.project, "regions": [REGION], "endpoint": fake_gcp.url,
+        "anonymous": True, "call_timeout_seconds": CALL_TIMEOUT}}}))
+    fake_gcp.chaos = Chaos(rate=rate, kinds=kinds, hang_seconds=HANG, seed=15)
+    # The command retries as configured (8 attempts, waits up to 8 s); no call meets more
+    # than 2 faults in a row, so a pass neither hangs on the odds of 8 in a row nor waits
+    # through the longest backoffs (see fake_gcp).
+    fake_gcp.spare_every = 3
+    r = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "broker.cli", "offers", "--config", str(cfg),
+                         "--cloud", "gcp", "--format", "json"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "gpubroker:" not in r.stderr, r.stderr
+    assert comparable(json.loads(line) for line in r.stdout.splitlines()) == expected
+    assert sum(fake_gcp.faulted.values()) > 0 and set(fake_gcp.faulted) <= set(kinds)

@@ -23,52 +23,126 @@ def sku(desc: str, group: str = "CPU", usage: str = "OnDemand", unit: str = "h",
                     family=family)
 
 
+# Each description as the real Billing Catalog words it (where each comes from: the
+# docstring of tests/fake_gcp.py), and what it prices.
 @pytest.mark.parametrize(("desc", "group", "usage", "unit", "expect"), [
+    # on-demand vCPU and RAM
     ("A2 Instance Core running in Iowa", "CPU", "OnDemand", "h", (OD, "core", "A2 Instance")),
     ("A2 Instance Ram running in Iowa", "RAM", "OnDemand", "GiBy.h", (OD, "ram", "A2 Instance")),
-    ("Spot Preemptible A2 Instance Core running in Iowa", "CPU", "Preemptible", "h",
-     (SPOT, "core", "A2 Instance")),
+    ("A2 Instance Core running in Hong Kong", "CPU", "OnDemand", "h",
+     (OD, "core", "A2 Instance")),
     ("G2 Instance Ram running in Netherlands", "RAM", "OnDemand", "GiBy.h",
      (OD, "ram", "G2 Instance")),
-    ("A3 Instance Core running in Northern Virginia", "CPU", "OnDemand", "h",
-     (OD, "core", "A3 Instance")),
+    ("A3 Instance Core running in Virginia", "CPU", "OnDemand", "h", (OD, "core", "A3 Instance")),
     ("N1 Predefined Instance Core running in Americas", "N1Standard", "OnDemand", "h",
      (OD, "core", "N1 Predefined Instance")),
+    ("N1 Predefined Instance Ram running in Zurich", "N1Standard", "OnDemand", "GiBy.h",
+     (OD, "ram", "N1 Predefined Instance")),
+    ("A2 Instance Core in Iowa", "CPU", "OnDemand", "h", (OD, "core", "A2 Instance")),
+    ("A2 Instance Core", "CPU", "OnDemand", "h", (OD, "core", "A2 Instance")),
+    # Spot vCPU and RAM: the "Spot Preemptible" prefix, and N1's older "Preemptible"
+    ("Spot Preemptible A2 Instance Core running in Americas", "CPU", "Preemptible", "h",
+     (SPOT, "core", "A2 Instance")),
+    ("Spot Preemptible A2 Instance Ram running in Americas", "RAM", "Preemptible", "GiBy.h",
+     (SPOT, "ram", "A2 Instance")),
+    ("Spot Preemptible N1 Predefined Instance Core running in Americas", "N1Standard",
+     "Preemptible", "h", (SPOT, "core", "N1 Predefined Instance")),
+    ("Preemptible N1 Predefined Instance Core running in Virginia", "N1Standard",
+     "Preemptible", "h", (SPOT, "core", "N1 Predefined Instance")),
     ("Preemptible N1 Predefined Instance Ram running in Americas", "N1Standard", "Preemptible",
      "GiBy.h", (SPOT, "ram", "N1 Predefined Instance")),
+    ("Spot Preemptible E2 Instance Core running in Salt Lake City", "CPU", "Preemptible",
+     "h", None),  # a series without GPUs
+    # usageType decides: a Preemptible SKU without any Spot wording is Spot
+    ("A2 Instance Core running in Iowa", "CPU", "Preemptible", "h",
+     (SPOT, "core", "A2 Instance")),
+    ("Nvidia Tesla T4 GPU running in Americas", "GPU", "Preemptible", "h",
+     (SPOT, "gpu", "nvidia-tesla-t4")),
+    # on-demand GPUs, with the catalog's spellings
     ("Nvidia Tesla A100 GPU running in Americas", "GPU", "OnDemand", "h",
      (OD, "gpu", "nvidia-tesla-a100")),
+    ("Nvidia Tesla A100 80GB GPU running in Americas", "GPU", "OnDemand", "h",
+     (OD, "gpu", "nvidia-a100-80gb")),
     ("Nvidia A100 80GB GPU running in Iowa", "GPU", "OnDemand", "h",
      (OD, "gpu", "nvidia-a100-80gb")),
+    ("Nvidia L4 GPU running in Netherlands", "GPU", "OnDemand", "h", (OD, "gpu", "nvidia-l4")),
+    ("NVIDIA L4 GPU running in Virginia", "GPU", "OnDemand", "h", (OD, "gpu", "nvidia-l4")),
+    ("Nvidia H100 80GB GPU running in Americas", "GPU", "OnDemand", "h",
+     (OD, "gpu", "nvidia-h100-80gb")),
+    ("Nvidia H100 80GB Mega GPU running in Frankfurt", "GPU", "OnDemand", "h",
+     (OD, "gpu", "nvidia-h100-mega-80gb")),
+    ("Nvidia H100 Mega 80GB GPU running in Iowa", "GPU", "OnDemand", "h",
+     (OD, "gpu", "nvidia-h100-mega-80gb")),
+    ("Nvidia H100 80GB Plus GPU running in Americas", "GPU", "OnDemand", "h",
+     (OD, "gpu", "nvidia-h100-mega-80gb")),
+    ("H200 141GB GPU running in Belgium", "GPU", "OnDemand", "h",
+     (OD, "gpu", "nvidia-h200-141gb")),
+    ("Nvidia H200 141GB GPU running in Iowa", "GPU", "OnDemand", "h",
+     (OD, "gpu", "nvidia-h200-141gb")),
+    ("A4 Nvidia B200 (1 gpu slice) running in Americas", "GPU", "OnDemand", "h",
+     (OD, "slice", "nvidia-b200")),
+    ("Nvidia B200 GPU running in Iowa", "GPU", "OnDemand", "h", (OD, "gpu", "nvidia-b200")),
+    ("A100 80GB GPU running in Iowa", "GPU", "OnDemand", "h",  # not a series prefix
+     (OD, "gpu", "nvidia-a100-80gb")),
+    # Spot GPUs: mostly "attached to Spot Preemptible VMs", a few with the prefix
+    ("Nvidia Tesla A100 GPU attached to Spot Preemptible VMs running in Americas", "GPU",
+     "Preemptible", "h", (SPOT, "gpu", "nvidia-tesla-a100")),
+    ("Nvidia L4 GPU attached to Spot Preemptible VMs running in Hong Kong", "GPU",
+     "Preemptible", "h", (SPOT, "gpu", "nvidia-l4")),
+    ("Nvidia Tesla T4 GPU attached to Spot Preemptible VMs running in Americas", "GPU",
+     "Preemptible", "h", (SPOT, "gpu", "nvidia-tesla-t4")),
+    ("H200 141GB GPU attached to Spot Preemptible VMs running in Columbus", "GPU",
+     "Preemptible", "h", (SPOT, "gpu", "nvidia-h200-141gb")),
+    ("Spot Preemptible Nvidia Tesla A100 GPU running in Americas", "GPU", "Preemptible", "h",
+     (SPOT, "gpu", "nvidia-tesla-a100")),
+    ("Spot Preemptible NVIDIA L4 GPU running in Americas", "GPU", "Preemptible", "h",
+     (SPOT, "gpu", "nvidia-l4")),
     ("Spot Preemptible Nvidia L4 GPU attached to Spot Preemptible VMs running in Iowa", "GPU",
      "Preemptible", "h", (SPOT, "gpu", "nvidia-l4")),
     ("Preemptible Nvidia Tesla T4 GPU running in Americas", "GPU", "Preemptible", "h",
      (SPOT, "gpu", "nvidia-tesla-t4")),
-    ("Nvidia H100 80GB GPU running in Iowa", "GPU", "OnDemand", "h",
-     (OD, "gpu", "nvidia-h100-80gb")),
-    ("Nvidia H100 80GB Mega GPU running in Iowa", "GPU", "OnDemand", "h",
-     (OD, "gpu", "nvidia-h100-mega-80gb")),
-    ("Nvidia H100 Mega 80GB GPU running in Iowa", "GPU", "OnDemand", "h",
-     (OD, "gpu", "nvidia-h100-mega-80gb")),
-    ("Nvidia H200 141GB GPU running in Iowa", "GPU", "OnDemand", "h",
-     (OD, "gpu", "nvidia-h200-141gb")),
-    ("Nvidia B200 (1 gpu slice) running in Iowa", "GPU", "OnDemand", "h",
-     (OD, "gpu", "nvidia-b200")),
+    ("Spot Preemptible A4 Nvidia B200 (1 gpu slice) running in Americas", "GPU",
+     "Preemptible", "h", (SPOT, "slice", "nvidia-b200")),
+    # Spot wording on a SKU tagged OnDemand (skypilot#8125): a Spot price, never on-demand
+    ("Spot Preemptible A4 Nvidia B200 (1 gpu slice) running in Americas", "GPU", "OnDemand",
+     "h", (SPOT, "slice", "nvidia-b200")),
+    ("Spot Preemptible A2 Instance Core running in Iowa", "CPU", "OnDemand", "h",
+     (SPOT, "core", "A2 Instance")),
+    ("Nvidia Tesla A100 GPU attached to Spot Preemptible VMs running in Iowa", "GPU",
+     "OnDemand", "h", (SPOT, "gpu", "nvidia-tesla-a100")),
     # Never a VM's price:
     ("Nvidia Tesla T4 Virtual Workstation GPU running in Iowa", "GPU", "OnDemand", "h", None),
+    ("Nvidia L4 GPU Virtual Workstation running in Americas", "GPU", "OnDemand", "h", None),
     ("Commitment v1: Nvidia Tesla A100 GPU running in Americas for 1 Year", "GPU", "Commit1Yr",
      "h", None),
+    ("Commitment v1: A2 Cpu in Americas for 1 Year", "CPU", "Commit1Yr", "h", None),
+    ("Commitment v1: A4 Nvidia B200 (1 gpu slice) in Americas for 1 Year", "GPU", "OnDemand",
+     "h", None),
     ("Nvidia Tesla A100 GPU running in Americas", "GPU", "Commit1Yr", "h", None),
-    ("Sole Tenancy Instance Core running in Iowa", "CPU", "OnDemand", "h", None),
-    ("Custom Instance Core running in Iowa", "N1Standard", "OnDemand", "h", None),
-    ("Reserved A2 Instance Core running in Iowa", "CPU", "OnDemand", "h", None),
+    ("Nvidia Tesla A100 GPU running in Americas", "GPU", "Commit3Yr", "h", None),
+    ("Nvidia Tesla A100 GPU attached to DWS Defined Duration VMs running in Americas", "GPU",
+     "OnDemand", "h", None),
+    ("DWS Defined Duration A2 Core running in Americas", "CPU", "OnDemand", "h", None),
     ("Nvidia L4 GPU (DWS Flex Start) running in Iowa", "GPU", "OnDemand", "h", None),
+    ("Reserved Nvidia Tesla A100 80GB GPU in Virginia", "GPU", "OnDemand", "h", None),
+    ("Reserved V6e TPU in Columbus in Calendar Mode", "TPU", "OnDemand", "h", None),
+    ("Capacity Optimized TpuV6e running in Columbus", "TPU", "OnDemand", "h", None),
+    ("TpuV6e attached to Spot Preemptible VMs running in Columbus", "TPU", "Preemptible", "h",
+     None),
+    ("Sole Tenancy Instance Core running in Iowa", "CPU", "OnDemand", "h", None),
+    ("C3 Sole Tenancy Instance Ram running in Turin", "RAM", "OnDemand", "GiBy.h", None),
+    ("Custom Instance Core running in Iowa", "N1Standard", "OnDemand", "h", None),
+    ("Spot Preemptible Custom Instance Core running in Dammam", "N1Standard", "Preemptible",
+     "h", None),
+    ("Reserved A2 Instance Core running in Iowa", "CPU", "OnDemand", "h", None),
     ("A3 Ultra Instance Core running in Iowa", "CPU", "OnDemand", "h", None),  # unknown stem
     ("Nvidia Tesla K80 GPU running in Iowa", "GPU", "OnDemand", "h", None),  # unknown GPU
-    ("Spot Preemptible A2 Instance Core running in Iowa", "CPU", "OnDemand", "h", None),
-    ("A2 Instance Core running in Iowa", "CPU", "Preemptible", "h", None),
+    ("Nvidia Tesla K80 GPU attached to Spot Preemptible VMs running in Warsaw", "GPU",
+     "Preemptible", "h", None),
+    ("RTX 6000 96GB running in Oregon", "GPU", "OnDemand", "h", None),  # no g4 offers yet
     ("A2 Instance Ram running in Iowa", "RAM", "OnDemand", "GiBy.mo", None),  # wrong unit
     ("A2 Instance Core running in Iowa", "RAM", "OnDemand", "h", None),  # wrong group
+    ("Nvidia Tesla T4 GPU running in Americas", "CPU", "OnDemand", "h", None),  # wrong group
 ])
 def test_parse_sku(desc: str, group: str, usage: str, unit: str,
                    expect: tuple[Market, str, str] | None) -> None:
@@ -126,6 +200,15 @@ INDEX: pricing.PriceIndex = {
     ("us-central1", SPOT, "core", "A2 Instance"): 0.01264,
     ("us-central1", SPOT, "ram", "A2 Instance"): 0.001695,
 }
+
+
+def test_a4_is_priced_by_its_gpu_slices_alone() -> None:
+    a4 = Shape("a4-highgpu-8g", "a4-highgpu-8g", 224, 3968.0, "nvidia-b200", 8)
+    index: pricing.PriceIndex = {("us-east4", OD, "slice", "nvidia-b200"): 11.277,
+                                 ("us-east4", SPOT, "gpu", "nvidia-b200"): 1.0}
+    assert pricing.vm_price(index, "us-east4", OD, a4) == pytest.approx(90.216)
+    # A GPU-only B200 price is not a slice: without vCPU/RAM SKUs the price is unknown.
+    assert pricing.vm_price(index, "us-east4", SPOT, a4) is None
 
 
 def test_vm_price_sums_core_ram_and_gpu_skus() -> None:
