@@ -438,6 +438,30 @@ def test_a_comparison_reports_table_and_json() -> None:
     assert "$/USEFUL GPU-H" in text and all(n in text for n in STRATEGIES)
 
 
+def test_the_chart_names_unplaced_requests_and_separates_coinciding_points(
+        tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import dataclasses
+
+    m, w = _hazard_market()
+    c = cmp.compare(m, w, STRATEGIES, Policy(scoring=Scoring(restart_hours=0.5)),
+                    Settings(step_seconds=STEP))
+    twin = cmp.Result("gpubroker twin", "the same figures", c.results[-1].tally)
+    c = dataclasses.replace(c, results=(*c.results, twin))
+    points, unplotted = cmp._points(c)
+    assert [p.name for p in points] == [*STRATEGIES, "gpubroker twin"] and unplotted == []
+    for p, r in zip(points, c.results, strict=True):
+        d = r.metrics()
+        assert f"{d['never_placed']} of {d['requests']} requests never placed" in p.legend
+    assert len({p.style for p in points}) == len(points)  # a marker and colour each
+    [shared] = [[p.name for p in g] for g in cmp._coinciding(points)
+                if any(p.name == "gpubroker twin" for p in g)]
+    assert "gpubroker" in shared  # drawn inside one another, labelled together
+    path = tmp_path / "chart.png"
+    cmp.write_chart(c, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_gpubrokers_hazard_estimates_never_see_the_future() -> None:
     from broker.backtest.strategies import Gpubroker
     from broker.hazard import HazardEstimator

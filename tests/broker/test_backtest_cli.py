@@ -47,11 +47,12 @@ def test_end_to_end_json_on_a_simulated_day(tmp_path: Path) -> None:
     od = report["strategies"][0]
     assert od["interruptions"] == 0 and od["spot_share"] == 0
     assert "simulated hours per second" in out.stderr
-    # the chart is a real PNG of the size it was drawn at (7.5 × 5 in at 120 dpi)
+    # the chart is a real PNG of the size it was drawn at (9 in wide at 110 dpi; 5.6 in
+    # high, plus 0.3 in and a legend line of 0.2 in per strategy)
     data = chart.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert data[12:16] == b"IHDR"
-    assert struct.unpack(">II", data[16:24]) == (900, 600)
+    assert struct.unpack(">II", data[16:24]) == (990, 737)
     assert len(data) > 10_000
 
 
