@@ -7,10 +7,13 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import re
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from broker import __version__
 from broker.config import Config, SourceError, load_config
@@ -22,8 +25,22 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage mistake told in one line, with the nearest choice:
+    `gpubroker offers: argument --market: invalid choice: 'on-demand' (choose from 'spot',
+    'on_demand'); did you mean 'on_demand'? (gpubroker offers --help)`. Exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        from policies.checks import suggest
+
+        m = re.search(r"invalid choice: '(.*?)' \(choose from (.*)\)$", message)
+        if m:
+            message += suggest(m.group(1), re.findall(r"'(.*?)'", m.group(2)))
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} ({self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="gpubroker", description="Multi-cloud GPU broker daemon and tools.")
     p.add_argument("--version", action="version", version=f"gpubroker {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -42,28 +59,47 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=7)
 
     offers = sub.add_parser("offers", help="poll once and list the pool by price per GPU-hour")
-    offers.add_argument("--config", type=Path)
-    offers.add_argument("--gpu", action="append", help="GPU model (repeatable)")
-    offers.add_argument("--cloud", action="append", help="cloud (repeatable)")
-    offers.add_argument("--market", choices=["spot", "on_demand"])
-    offers.add_argument("--format", choices=["table", "json"], default="table")
+    offers.add_argument("--config", type=Path, metavar="PATH",
+                        help="daemon configuration (YAML): the clouds to poll "
+                             "(default: the simulated market)")
+    offers.add_argument("--gpu", action="extend", nargs="+", metavar="MODEL",
+                        help="only these GPU models: canonical names (H100-80GB) or a "
+                             "cloud's own name for one it offers; --gpu A B or --gpu A "
+                             "--gpu B")
+    offers.add_argument("--cloud", action="extend", nargs="+", metavar="CLOUD",
+                        help="only these clouds (aws, gcp, azure, alibaba); several as "
+                             "--gpu takes them")
+    offers.add_argument("--market", choices=["spot", "on_demand"],
+                        help="only this market (default: both)")
+    offers.add_argument("--format", choices=["table", "json"], default="table",
+                        help="table: for people (default); json: JSON Lines, one offer a "
+                             "line (SPEC §7 keys)")
 
     policy = sub.add_parser("policy", help="policy tools")
     psub = policy.add_subparsers(dest="policy_command", required=True, metavar="SUBCOMMAND")
     check = psub.add_parser("check", help="validate a policy file")
-    check.add_argument("file", type=Path)
+    check.add_argument("file", type=Path, metavar="FILE",
+                       help="the policy (YAML); every problem is listed, by line")
     explain = psub.add_parser("explain", help="how a policy places one request, and why")
-    explain.add_argument("file", type=Path)
-    explain.add_argument("--request", required=True,
+    explain.add_argument("file", type=Path, metavar="FILE", help="the policy (YAML)")
+    explain.add_argument("--request", required=True, metavar="JSON",
                          help="the placement request as JSON (as on P/requests/S/place)")
-    explain.add_argument("--scheduler", default="explain", help="the scheduler id S")
-    explain.add_argument("--config", type=Path)
-    explain.add_argument("--format", choices=["text", "json"], default="text")
+    explain.add_argument("--scheduler", default="explain", metavar="S",
+                         help="the scheduler id S (policy rules may match it; default: "
+                              "explain)")
+    explain.add_argument("--config", type=Path, metavar="PATH",
+                         help="daemon configuration: the clouds to poll (default: the "
+                              "simulated market)")
+    explain.add_argument("--format", choices=["text", "json"], default="text",
+                         help="text: for people (default); json: the whole report")
     diff = psub.add_parser("diff", help="which current leases a new policy would move or fail")
-    diff.add_argument("old", type=Path)
-    diff.add_argument("new", type=Path)
-    diff.add_argument("--config", type=Path)
-    diff.add_argument("--format", choices=["text", "json"], default="text")
+    diff.add_argument("old", type=Path, metavar="OLD", help="the policy in force (YAML)")
+    diff.add_argument("new", type=Path, metavar="NEW", help="the policy to compare (YAML)")
+    diff.add_argument("--config", type=Path, metavar="PATH",
+                      help="daemon configuration: its state.path (the leases) and the "
+                           "clouds to poll")
+    diff.add_argument("--format", choices=["text", "json"], default="text",
+                      help="text: for people (default); json: every affected lease")
 
     history = sub.add_parser("history", help="export the recorded market history as a trace")
     history.add_argument("--config", type=Path, help="daemon configuration (its state.path)")
@@ -72,9 +108,13 @@ def _parser() -> argparse.ArgumentParser:
                          help="start: ISO-8601 (2026-11-30T10:00:00Z) or a duration back "
                               "(30m, 6h, 7d); the trace opens with every pool's state then")
     history.add_argument("--until", metavar="WHEN", help="end (exclusive), as --since")
-    history.add_argument("--gpu", action="extend", nargs="+", metavar="MODEL")
-    history.add_argument("--cloud", action="extend", nargs="+", metavar="NAME")
-    history.add_argument("--market", choices=["spot", "on_demand"])
+    history.add_argument("--gpu", action="extend", nargs="+", metavar="MODEL",
+                         help="only these GPU models (canonical or recorded names); "
+                              "--gpu A B or --gpu A --gpu B")
+    history.add_argument("--cloud", action="extend", nargs="+", metavar="NAME",
+                         help="only these clouds, as --gpu")
+    history.add_argument("--market", choices=["spot", "on_demand"],
+                         help="only this market (default: both)")
     history.add_argument("--format", choices=["csv", "jsonl"],
                          help="default: from --output's name, else jsonl")
     history.add_argument("--output", type=Path, metavar="FILE",
@@ -92,6 +132,26 @@ def _config(path: Path | None) -> Config:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`gpubroker`: the command, its exit code. A reader that closes the pipe early
+    (`gpubroker offers | head -1`) ends it quietly with 0: stdout then points at
+    /dev/null, so that nothing left in its buffer fails again when Python flushes it at
+    exit (the recipe of the Python docs, "Note on SIGPIPE")."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        try:
+            fd = sys.stdout.fileno()
+        except (AttributeError, OSError, ValueError):  # not a real file (tests)
+            return EXIT_OK
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+        return EXIT_OK
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
@@ -148,6 +208,11 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_RUNTIME
     except (OSError, ExceptionGroup) as exc:
         first = exc.exceptions[0] if isinstance(exc, ExceptionGroup) else exc
+        if isinstance(first, OSError):  # `http.listen HOST:PORT: address already in use`
+            print(f"gpubroker: {_why(first)}", file=sys.stderr)
+            # A name that does not resolve is a mistake in the configuration; a port in
+            # use may be free at the next start.
+            return EXIT_USAGE if isinstance(first, socket.gaierror) else EXIT_RUNTIME
         print(f"gpubroker: {type(first).__name__}: {first}", file=sys.stderr)
         return EXIT_RUNTIME
     return EXIT_OK
@@ -179,14 +244,51 @@ def _poll(cfg: Config) -> tuple[ResourcePool, list[str]]:
     return asyncio.run(poll()), errors
 
 
-def _offers(args: argparse.Namespace) -> int:
+def _usage(message: str) -> int:
+    print(f"gpubroker: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _quiet_logs() -> None:
+    """Logs of a command that polls: errors only, on stderr. What a poll's failures mean
+    for the command is printed by the command itself, once (`_poll`)."""
     from broker import logs
 
+    logs.configure(json=False, level=logging.ERROR)
+
+
+def _typos(option: str, gpus: Sequence[str] | None) -> str | None:
+    """The first of `gpus` that no cloud can offer under that name, told before a poll:
+    a name the adapters would map onto a canonical one (`H100`, `nvidia-tesla-t4`) is
+    never a pool's name. Other names outside the canonical list wait for the poll."""
+    from adapters.gpus import canonical
+    from broker.model import GPU_MODELS
+    from broker.requests import unknown_gpu
+
+    for name in gpus or ():
+        if name not in GPU_MODELS and canonical(name)[1]:
+            return f"{option}: {unknown_gpu(name, GPU_MODELS)}"
+    return None
+
+
+def _offers(args: argparse.Namespace) -> int:
+    from broker.model import CLOUDS, GPU_MODELS
+    from broker.requests import unknown_gpu, unknown_name
+
+    for name in args.cloud or ():
+        if name not in CLOUDS:
+            return _usage(f"--cloud: {unknown_name('cloud', name, CLOUDS)}")
+    if typo := _typos("--gpu", args.gpu):
+        return _usage(typo)
     cfg = _config(args.config)
-    logs.configure(json=False, level=logging.WARNING)
+    _quiet_logs()
     pool, errors = _poll(cfg)
     for e in errors:
         print(f"gpubroker: {e}", file=sys.stderr)
+    known = set(GPU_MODELS) | pool.gpus()
+    for name in args.gpu or ():
+        if name not in known:
+            return _usage(f"--gpu: {unknown_gpu(name, known)}")
     offers = [o for o in pool
               if (not args.gpu or o.gpu in args.gpu)
               and (not args.cloud or o.pool.cloud in args.cloud)
@@ -227,8 +329,8 @@ def _table(offers: Sequence[Offer], out: TextIO) -> None:
 
 
 def _policy_explain(args: argparse.Namespace) -> int:
-    from broker import logs, requests
-    from broker.model import utcnow
+    from broker import requests
+    from broker.model import CLOUDS, utcnow
     from broker.placement import Ask, explain
     from policies.loader import load_policy
 
@@ -239,11 +341,23 @@ def _policy_explain(args: argparse.Namespace) -> int:
             print(f"gpubroker: --request: {fe['field'] or '(body)'}: {fe['message']}",
                   file=sys.stderr)
         return EXIT_USAGE
+    # A name the daemon would take but that is most likely a typo here: a team the
+    # policy does not have (the daemon gives it no limits), a cloud no adapter has.
+    if req.team is not None and policy.teams and req.team not in policy.teams:
+        return _usage(f"--request: team: {requests.unknown_name('team', req.team, policy.teams)}")
+    for name in req.clouds or ():
+        if name not in CLOUDS:
+            return _usage(f"--request: clouds: {requests.unknown_name('cloud', name, CLOUDS)}")
+    if typo := _typos("--request: gpu", req.gpu):
+        return _usage(typo)
     cfg = _config(args.config)
-    logs.configure(json=False, level=logging.WARNING)
+    _quiet_logs()
     pool, errors = _poll(cfg)
     for e in errors:
         print(f"gpubroker: {e}", file=sys.stderr)
+    unknown = requests.unknown_gpus(req, lambda: set(policy.extra_gpus) | pool.gpus())
+    if unknown is not None:
+        return _usage(f"--request: gpu: {unknown.errors[0]['message']}")
     report = explain(Ask(req), pool, policy, now=utcnow(), all_gpus=sorted(pool.gpus()))
     if args.format == "json":
         print(json.dumps(report, indent=2))
@@ -272,7 +386,9 @@ def _policy_explain(args: argparse.Namespace) -> int:
 
 
 def _policy_diff(args: argparse.Namespace) -> int:
-    from broker import failover, logs
+    import sqlite3
+
+    from broker import failover
     from broker.model import LeaseState, utcnow
     from broker.placement import Decision
     from broker.store import StateStore
@@ -282,7 +398,7 @@ def _policy_diff(args: argparse.Namespace) -> int:
 
     old, new = load_policy(args.old), load_policy(args.new)
     cfg = _config(args.config)
-    logs.configure(json=False, level=logging.WARNING)
+    _quiet_logs()
 
     async def active() -> list[Lease]:
         store = StateStore(cfg.state.path)
@@ -292,10 +408,13 @@ def _policy_diff(args: argparse.Namespace) -> int:
         finally:
             await store.close()
 
-    if not cfg.state.path.exists():
-        print(f"gpubroker: no state file at {cfg.state.path}", file=sys.stderr)
-        return EXIT_USAGE
-    leases = asyncio.run(active())
+    if not cfg.state.path.is_file():
+        return _usage(f"no state file at {cfg.state.path}"
+                      + (" (a directory)" if cfg.state.path.is_dir() else ""))
+    try:
+        leases = asyncio.run(active())
+    except (sqlite3.Error, RuntimeError) as err:  # not a state file, or a newer one's
+        return _usage(f"{cfg.state.path}: cannot read the state file: {err}")
     pool, errors = _poll(cfg)
     for e in errors:
         print(f"gpubroker: {e}", file=sys.stderr)
@@ -347,17 +466,37 @@ def _policy_check(path: Path) -> int:
     return EXIT_OK
 
 
+def output_problem(option: str, path: Path) -> str | None:
+    """Why `path` cannot be written (a directory, or a folder that does not exist), told
+    before a long run; None when it looks writable."""
+    if path.is_dir():
+        return f"{option}: {path} is a directory"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"{option}: {path}: no folder {folder}"
+    if not os.access(folder, os.W_OK):
+        return f"{option}: {path}: the folder {folder} is not writable"
+    return None
+
+
+def _why(err: BaseException) -> str:
+    """An error in one line: `FILE: reason` for a file's, else its text."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.filename}: {err.strerror}" if err.filename else err.strerror
+    return str(err) or type(err).__name__
+
+
 def _history(args: argparse.Namespace) -> int:
     """`gpubroker history`: the state file's market history as a trace (broker.trace),
     streamed in time order; a one-line summary on stderr at the end."""
     import gzip
-    import os
     import sqlite3
     from collections.abc import Iterator
     from datetime import datetime
 
     from broker.model import CLOUDS, GPU_MODELS, Market, PoolKey, utcnow
     from broker.recorder import HistoryReader
+    from broker.requests import unknown_gpu, unknown_name
     from broker.trace import (
         TraceError,
         TraceRow,
@@ -367,7 +506,6 @@ def _history(args: argparse.Namespace) -> int:
         write_csv,
         write_jsonl,
     )
-    from policies.checks import suggest
 
     def usage(message: str) -> int:
         print(f"gpubroker: {message}", file=sys.stderr)
@@ -385,7 +523,9 @@ def _history(args: argparse.Namespace) -> int:
         return usage("--until must be later than --since")
     path: Path = args.state or _config(args.config).state.path
     if not path.is_file():
-        return usage(f"no state file at {path}")
+        return usage(f"no state file at {path}" + (" (a directory)" if path.is_dir() else ""))
+    if args.output is not None and (problem := output_problem("--output", args.output)):
+        return usage(problem)
     fmt = args.format
     if fmt is None:
         try:
@@ -397,12 +537,13 @@ def _history(args: argparse.Namespace) -> int:
     except sqlite3.Error as err:
         return usage(f"{path}: cannot read the state file: {err}")
     with reader:
-        for option, names, what, known in (
-                ("--gpu", args.gpu, "GPU model", set(GPU_MODELS) | reader.names("gpu")),
-                ("--cloud", args.cloud, "cloud", set(CLOUDS) | reader.names("cloud"))):
-            for name in names or ():
-                if name not in known:
-                    return usage(f"{option}: unknown {what} {name!r}{suggest(name, known)}")
+        gpus, clouds = set(GPU_MODELS) | reader.names("gpu"), set(CLOUDS) | reader.names("cloud")
+        for name in args.gpu or ():
+            if name not in gpus:
+                return usage(f"--gpu: {unknown_gpu(name, gpus)}")
+        for name in args.cloud or ():
+            if name not in clouds:
+                return usage(f"--cloud: {unknown_name('cloud', name, clouds)}")
         pruned = reader.pruned_before()
         pools: set[PoolKey] = set()
         span: list[datetime] = []  # the first and the last row's time
@@ -427,11 +568,10 @@ def _history(args: argparse.Namespace) -> int:
                 with (gzip.open(args.output, "wt", encoding="utf-8", newline="") if gz
                       else args.output.open("w", encoding="utf-8", newline="")) as out:
                     n = write(counted(), out)
-        except BrokenPipeError:  # `gpubroker history | head`: the reader has had enough
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return EXIT_OK
+        except BrokenPipeError:  # `gpubroker history | head`: no error (`main`)
+            raise
         except (sqlite3.Error, OSError) as err:
-            print(f"gpubroker: {type(err).__name__}: {err}", file=sys.stderr)
+            print(f"gpubroker: {_why(err)}", file=sys.stderr)
             return EXIT_RUNTIME
     summary = f"exported {n} changes of {len(pools)} pools"
     if span:

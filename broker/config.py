@@ -161,13 +161,35 @@ class _CloudBase(_Section):
     def _anon(self) -> _CloudBase:
         if self.anonymous and not self.endpoint:
             raise ValueError("anonymous: true is allowed only together with endpoint")
-        if self.endpoint and urlsplit(self.endpoint).scheme not in ("http", "https"):
-            raise ValueError("endpoint must be an http:// or https:// URL")
         return self
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        return None if v is None else _http_url(v)
+
+
+def _http_url(v: str) -> str:
+    """`v` if it is an http:// or https:// URL with a host (and a valid port)."""
+    u = urlsplit(v)
+    try:
+        port_ok = u.port is None or u.port > 0
+    except ValueError:
+        port_ok = False
+    if u.scheme not in ("http", "https") or not u.hostname or " " in v or not port_ok:
+        raise ValueError("must be an http:// or https:// URL with a host, e.g. "
+                         "https://ec2.us-east-1.amazonaws.com")
+    return v
 
 
 class AwsConfig(_CloudBase):
     interruption_queue_url: str | None = None
+    """The SQS queue EventBridge sends EC2 interruption warnings to (README "AWS")."""
+
+    @field_validator("interruption_queue_url")
+    @classmethod
+    def _queue(cls, v: str | None) -> str | None:
+        return None if v is None else _http_url(v)
 
 
 class GcpConfig(_CloudBase):

@@ -373,6 +373,9 @@ class Broker:
                         lease = self.book.find(*key)
                         if lease is not None:
                             self._decided(b, lease, cmd, REPEATED, ())
+                        elif (unknown := requests.unknown_gpus(req, self._known_gpus)
+                              ) is not None:
+                            self._invalid(b, cmd, req.request_id, unknown.errors)
                         elif key in asks:  # repeated within this batch: placed once
                             repeats.append((cmd, req))
                         else:
@@ -406,6 +409,11 @@ class Broker:
                     else:
                         self._invalid(b, cmd, req.request_id, [INTERNAL])
             await self._commit(b)
+
+    def _known_gpus(self) -> set[str]:
+        """GPU models a request may name besides the canonical ones: the policy's
+        `extra_gpus` and every model in the pool now (requests.unknown_gpus)."""
+        return set(self.policy.extra_gpus) | self.pool.gpus()
 
     def _parse_place(self, cmd: Command) -> PlaceRequest | requests.Invalid:
         try:

@@ -15,8 +15,10 @@ import asyncio
 import contextlib
 import errno
 import functools
+import os
 import signal
 import sqlite3
+import ssl
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -120,6 +122,7 @@ class Daemon:
         self.broker.decision_latency = self.metrics.decision_seconds.observe
         self.broker.on_launch_failed = self._launch_failed
         self.notifier = Notifier()
+        _check_mqtt_files(cfg)
         self.http_token: bytes | None = None
         if cfg.http.token_file is not None:
             try:
@@ -248,11 +251,22 @@ class Daemon:
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set, then shut down in order."""
         _quiet_closed_socket_callbacks(asyncio.get_running_loop())
-        await self.store.open()
+        try:
+            await self.store.open()
+        except (sqlite3.Error, OSError, RuntimeError) as exc:  # RuntimeError: a newer schema
+            why = "it is a directory" if self.store.path.is_dir() else exc
+            raise SourceError([Problem(str(self.store.path), None, None, "state.path",
+                                       f"cannot open the state file: {why}")]) from None
         http = None
         try:
             if (where := self.cfg.http.host_port) is not None:
-                http = await serve(self, *where)
+                try:
+                    http = await serve(self, *where)
+                except OSError as exc:  # name the setting; keep the type (gaierror: exit 2)
+                    reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else \
+                        exc.strerror
+                    raise type(exc)(exc.errno, f"http.listen {self.cfg.http.listen}: "
+                                    f"{reason}") from None
                 log.info("http listening", listen=self.cfg.http.listen)
             now = utcnow()
             self.broker.restore(await self.store.leases(
@@ -511,6 +525,28 @@ def _read_history(path: Path, since: datetime, until: datetime,
                   hazard: HazardEstimator) -> int:
     with HistoryReader(path) as reader:
         return hazard.observe_rows(reader.rows(since=since, until=until, market=Market.SPOT))
+
+
+def _check_mqtt_files(cfg: Config) -> None:
+    """The MQTT password and CA files, read once at start: a missing or unreadable one
+    is a mistake in the configuration (exit 2), not an MQTT server that is away (which
+    the bus waits out). The bus reads them again at each connect."""
+    problems = []
+    for key, path in (("mqtt.password_file", cfg.mqtt.password_file),
+                      ("mqtt.ca_file", cfg.mqtt.ca_file)):
+        if path is None:
+            continue
+        try:
+            if key == "mqtt.ca_file":
+                ssl.create_default_context(cafile=str(path))
+            else:
+                path.read_bytes()
+        except (OSError, ssl.SSLError) as exc:
+            why = "not a PEM certificate file" if isinstance(exc, ssl.SSLError) else \
+                exc.strerror or str(exc)
+            problems.append(Problem(str(path), None, None, key, f"cannot read: {why}"))
+    if problems:
+        raise SourceError(problems)
 
 
 def install_signal_handlers(stop: asyncio.Event, reload: Callable[[], None] | None = None

@@ -7,8 +7,9 @@
 * `GET /v1/offers`: the pool, cheapest per GPU-hour first; filters `gpu`, `cloud`,
   `region`, `market`, `fresh=1`, `limit`.
 * `GET /v1/leases`, `GET /v1/leases/{id}`: leases in memory (active and recently
-  ended), as committed (a change being committed is waited for); filters `state`,
-  `scheduler`.
+  ended), as committed (a change being committed is waited for). The list holds the
+  active leases unless `state` says otherwise (`released`, `expired`, `failed`, or `all`);
+  filter `scheduler`.
 * `POST /v1/requests/{S}/place`: a placement request, same body and answer as MQTT;
   bearer token required.
 * `GET /v1/policy`: the policy in force and its hash.
@@ -32,13 +33,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from broker.core import Command
-from broker.model import SCHEDULER_ID, Market, utcnow
+from broker.model import SCHEDULER_ID, LeaseState, Market, utcnow
 from broker.store import StoreFailed
 
 if TYPE_CHECKING:
     from broker.daemon import Daemon
 
 MAX_BODY = 64 * 1024
+LEASE_STATES = tuple(s.value for s in LeaseState)
 ANSWER_TIMEOUT = 30.0
 DAEMON = web.AppKey("daemon", object)
 
@@ -99,8 +101,11 @@ async def leases(request: web.Request) -> web.Response:
         await d.broker.settled()
     except StoreFailed:
         return _store_failed()
+    state = q.get("state") or LeaseState.ACTIVE.value
+    if state != "all" and state not in LEASE_STATES:
+        return _json({"error": f"state must be one of {', '.join(LEASE_STATES)} or all"}, 400)
     rows = [le for le in d.book.all()
-            if (not q.get("state") or le.state.value == q["state"])
+            if (state == "all" or le.state.value == state)
             and (not q.get("scheduler") or le.scheduler == q["scheduler"])]
     rows.sort(key=lambda le: le.created_at)
     return _json([le.to_json() for le in rows])

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 
-from broker.model import PlaceRequest
+from adapters import gpus
+from broker.model import GPU_MODELS, PlaceRequest
+from policies.checks import did_you_mean, suggestions
 
 FieldError = dict[str, str]
 
@@ -314,6 +317,47 @@ def parse_place(scheduler: str, payload: bytes) -> PlaceRequest | Invalid:
         lease_seconds=p.lease_seconds,
         labels=dict(p.labels or {}),
     )
+
+
+def unknown_gpus(req: PlaceRequest, known: Callable[[], Collection[str]]
+                 ) -> Invalid | None:
+    """`request.invalid` (field `gpu`, with the nearest names) for the GPU models of `req`
+    that nobody knows, else None. A model is known when it is canonical
+    (`broker.model.GPU_MODELS`) or in `known()`: the names the policy declares
+    (`extra_gpus`) and those offered in the pool now (a cloud's own name for a model the
+    canonical table lacks, `Offer.gpu_known=False`). `known` is called only when a name
+    is not canonical."""
+    odd = [g for g in req.gpu if g not in GPU_MODELS]
+    if not odd:
+        return None
+    others = set(known())
+    bad = [g for g in odd if g not in others]
+    if not bad:
+        return None
+    names = set(GPU_MODELS) | others
+    return Invalid([{"field": "gpu", "message": unknown_gpu(g, names)} for g in bad],
+                   req.request_id)
+
+
+def unknown_gpu(name: str, known: Collection[str]) -> str:
+    """"unknown GPU model 'H100'; did you mean 'H100-80GB'?": the nearest of `known`, or
+    the canonical name the adapters would map it to (`nvidia-tesla-t4` -> `T4`)."""
+    near = suggestions(name, known)
+    mapped, canonical = gpus.canonical(name)
+    if canonical and mapped != name and mapped not in near:
+        near = [mapped]
+    return unknown_name("GPU model", name, known, near)
+
+
+def unknown_name(what: str, name: str, known: Collection[str],
+                 near: Sequence[str] | None = None) -> str:
+    """"unknown cloud 'gpc'; did you mean 'gcp'?", with the nearest of `known` (or those
+    given as `near`); when none is near, the known names listed (up to 40)."""
+    hint = did_you_mean(suggestions(name, known) if near is None else near)
+    if not hint and known:
+        listed = sorted(known)
+        hint = f"; known: {', '.join(listed[:40])}{', ...' if len(listed) > 40 else ''}"
+    return f"unknown {what} {name!r}{hint}"
 
 
 def parse_lease_ref(payload: bytes) -> LeaseRef | Invalid:

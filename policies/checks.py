@@ -5,7 +5,7 @@ it concerns, so the loader can give file, line and column."""
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from broker.model import CLOUDS, GPU_MODELS
 from policies.model import Match, Policy
@@ -14,10 +14,38 @@ Loc = tuple[str | int, ...]
 Found = list[tuple[Loc, str]]
 
 
+def suggestions(word: str, choices: Iterable[str]) -> list[str]:
+    """The names of `choices` a person who typed `word` most likely meant: the same name
+    in other letter case, or names that extend it past a separator (`H100` ->
+    `H100-80GB`, `eu` -> `eu-health`); failing those, the closest spelling
+    (`A100-80G` -> `A100-80GB`). At most three; none for a word near nothing."""
+    names = sorted(set(choices))
+    low = word.lower()
+    same = [n for n in names if n.lower() == low and n != word]
+    if same:
+        return same[:3]
+    if low:
+        longer = [n for n in names if n.lower().startswith(low) and len(n) > len(low)
+                  and not n[len(low)].isalnum()]
+        if longer:
+            return longer[:3]
+    by_lower = {n.lower(): n for n in names}
+    close = difflib.get_close_matches(low, list(by_lower), n=1, cutoff=0.6)
+    return [by_lower[c] for c in close]
+
+
 def suggest(word: str, choices: Iterable[str]) -> str:
-    """"; did you mean 'X'?" for a near miss, else ""."""
-    match = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=0.6)
-    return f"; did you mean {match[0]!r}?" if match else ""
+    """"; did you mean 'X'?" (or "'X' or 'Y'") for a near miss (`suggestions`), else ""."""
+    return did_you_mean(suggestions(word, choices))
+
+
+def did_you_mean(names: Sequence[str]) -> str:
+    """"; did you mean 'A' or 'B'?" ("" for no names)."""
+    quoted = [repr(n) for n in names]
+    if not quoted:
+        return ""
+    either = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+    return f"; did you mean {either}?"
 
 
 def _names(found: Found, loc: Loc, values: Iterable[str] | None, known: set[str],

@@ -7,7 +7,7 @@ reported as `FILE:LINE:COL: key.path: message`.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import UnionType
@@ -143,13 +143,29 @@ def load(path: Path) -> Document:
     return parse(text, str(path))
 
 
+def error_loc(error: Any) -> Loc:
+    """Where a pydantic error is, as a key path (validator names left out)."""
+    return tuple(p for p in error["loc"]
+                 if not (isinstance(p, str) and p.startswith("function-")))
+
+
+def by_line(problems: Sequence[Problem]) -> list[Problem]:
+    """Problems in the order of the file (those of the whole file first)."""
+    return sorted(problems, key=lambda p: (p.line or 0, p.column or 0))
+
+
 def from_validation_error(doc: Document, err: ValidationError,
-                          model: type[BaseModel] | None = None) -> SourceError:
-    """Turn pydantic's errors into line-numbered problems naming the key; with `model`,
-    an unknown key gets the nearest valid key as a suggestion."""
+                          model: type[BaseModel] | None = None,
+                          where: Callable[[Loc], Loc] | None = None) -> SourceError:
+    """Turn pydantic's errors into line-numbered problems naming the key, in the order of
+    the file; with `model`, an unknown key gets the nearest valid key as a suggestion.
+    `where` maps the errors' key paths onto the document's, when what was validated is
+    the document with parts left out (`policies.loader`)."""
     problems = []
     for e in err.errors(include_url=False):
-        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        loc = error_loc(e)
+        if where is not None:
+            loc = where(loc)
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
@@ -167,7 +183,7 @@ def from_validation_error(doc: Document, err: ValidationError,
         problem = doc.problem(loc, msg)
         if problem not in problems:  # a union reports one failure per member
             problems.append(problem)
-    return SourceError(problems)
+    return SourceError(by_line(problems))
 
 
 def _model_at(model: Any, loc: Loc) -> type[BaseModel] | None:

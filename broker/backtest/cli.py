@@ -40,7 +40,8 @@ def add_parser(sub: Any) -> None:
                    help="a request waiting longer is never placed / abandoned (24)")
     p.add_argument("--default-interruption-rate", type=float, default=0.05, metavar="R",
                    help="interruptions per hour of a spot pool the trace gives none (0.05)")
-    p.add_argument("--format", choices=["table", "json"], default="table")
+    p.add_argument("--format", choices=["table", "json"], default="table",
+                   help="the report on stdout: table for people (default), or json")
     p.add_argument("--json-out", type=Path, metavar="FILE", help="also write the JSON report")
     p.add_argument("--chart", type=Path, metavar="FILE.png",
                    help="cost per useful GPU-hour against interruptions, as a PNG")
@@ -90,6 +91,13 @@ def run(args: argparse.Namespace) -> int:
             cmp.check_chart()
         except cmp.ChartUnavailable as exc:
             problems.append(f"--chart: {exc}")
+    from broker.cli import _why, output_problem
+
+    for flag, path in (("--json-out", args.json_out), ("--chart", args.chart),
+                       ("--save-market", args.save_market),
+                       ("--save-workload", args.save_workload)):
+        if path is not None and (problem := output_problem(flag, path)):
+            problems.append(problem)
     if problems:
         for p in problems:
             print(f"gpubroker: {p}", file=err)
@@ -122,22 +130,33 @@ def run(args: argparse.Namespace) -> int:
         for p in exc.problems:
             print(f"gpubroker: {p}", file=err)
         return EXIT_USAGE
-    if args.save_workload is not None:
-        save_workload(workload, args.save_workload, market=market)
-        print(f"gpubroker: wrote {len(workload.arrivals)} requests to {args.save_workload}",
-              file=err)
-    result = cmp.compare(market, workload, names, policy, settings, policy_name=policy_name,
-                         progress=progress)
-    _clear(progress, err)
-    report = result.dumps()
-    if args.json_out is not None:
-        args.json_out.write_text(report, encoding="utf-8")
-    if args.format == "json":
-        sys.stdout.write(report)
-    else:
-        cmp.write_table(result, sys.stdout)
-    if args.chart is not None:
-        cmp.write_chart(result, args.chart)
+    except OSError as exc:  # writing --save-market (the checks above make it rare)
+        _clear(progress, err)
+        print(f"gpubroker: --save-market: {_why(exc)}", file=err)
+        return EXIT_RUNTIME
+    try:
+        if args.save_workload is not None:
+            save_workload(workload, args.save_workload, market=market)
+            print(f"gpubroker: wrote {len(workload.arrivals)} requests to "
+                  f"{args.save_workload}", file=err)
+        result = cmp.compare(market, workload, names, policy, settings,
+                             policy_name=policy_name, progress=progress)
+        _clear(progress, err)
+        report = result.dumps()
+        if args.json_out is not None:
+            args.json_out.write_text(report, encoding="utf-8")
+        if args.format == "json":
+            sys.stdout.write(report)
+        else:
+            cmp.write_table(result, sys.stdout)
+        if args.chart is not None:
+            cmp.write_chart(result, args.chart)
+    except BrokenPipeError:  # stdout's reader has gone: `gpubroker main` ends quietly
+        raise
+    except OSError as exc:  # a file could not be written after all (disk full ...)
+        _clear(progress, err)
+        print(f"gpubroker: {_why(exc)}", file=err)
+        return EXIT_RUNTIME
     print(f"gpubroker: {result.speed_line()}", file=err)
     return EXIT_OK
 

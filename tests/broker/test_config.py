@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import Any, get_args
 
 import pytest
 
@@ -140,7 +141,7 @@ def test_anonymous_without_endpoint_is_an_error() -> None:
 
 def test_endpoint_must_be_http() -> None:
     line, key, message = one_problem("clouds:\n  aws:\n    endpoint: ftp://x\n")
-    assert (line, key) == (2, "clouds.aws")
+    assert (line, key) == (3, "clouds.aws.endpoint")
     assert "http" in message
 
 
@@ -281,3 +282,90 @@ def test_http_listen_port_out_of_range_is_an_error() -> None:
 
 def test_mqtt_protocol_5_unquoted_is_accepted() -> None:
     assert cfg("mqtt:\n  protocol: 5\n").mqtt.protocol == "5"
+
+
+# --- deploy/config.example.yaml shows every key -------------------------------------------
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "config.example.yaml"
+
+
+def _switched_on(text: str) -> str:
+    """The example with every commented-out key line switched on, keeping its indent:
+    `  # username: x` -> `  username: x`, `  #   regions: [...]` -> `    regions: [...]`."""
+    import re
+
+    return re.sub(r"(?m)^(\s*)# (\s*[a-z_]+:(?:\s|$))", r"\1\2", text)
+
+
+def _field_paths(model: type[Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every key a configuration may have, from the models themselves."""
+    from pydantic import BaseModel
+
+    paths = []
+    for name, info in model.model_fields.items():
+        paths.append((*prefix, name))
+        for tp in (info.annotation, *get_args(info.annotation)):
+            if isinstance(tp, type) and issubclass(tp, BaseModel):
+                paths += _field_paths(tp, (*prefix, name))
+    return paths
+
+
+def _without_example(text: str) -> list[str]:
+    """The configuration keys that `text`, all its commented-out keys switched on, lacks."""
+    import yaml
+
+    data = yaml.safe_load(_switched_on(text))
+    missing = []
+    for path in _field_paths(Config):
+        node = data
+        for key in path:
+            if not isinstance(node, dict) or key not in node:
+                missing.append(".".join(path))
+                break
+            node = node[key]
+    return missing
+
+
+def test_the_example_config_shows_every_key_and_loads(tmp_path: Path) -> None:
+    import yaml
+
+    assert load_config(EXAMPLE).clouds.configured() == ["sim"]  # as shipped
+    assert _without_example(EXAMPLE.read_text()) == [], \
+        "keys without an example in deploy/config.example.yaml"
+    # Every cloud switched on: the simulated market must go (it plays all four), and the
+    # real clouds' sections load as they stand.
+    data = yaml.safe_load(_switched_on(EXAMPLE.read_text()))
+    del data["clouds"]["sim"]
+    copy = tmp_path / "config.yaml"
+    copy.write_text(yaml.safe_dump(data))
+    loaded = load_config(copy)
+    assert loaded.clouds.configured() == ["aws", "gcp", "azure", "alibaba"]
+    aws, gcp, azure, alibaba = (loaded.clouds.aws, loaded.clouds.gcp, loaded.clouds.azure,
+                                loaded.clouds.alibaba)
+    assert aws is not None and aws.interruption_queue_url and aws.regions
+    assert gcp is not None and gcp.project and azure is not None and azure.subscription_id
+    assert alibaba is not None and alibaba.usd_per_cny == 0.14
+    assert {c.call_timeout_seconds for c in (aws, gcp, azure, alibaba)} == {10}
+    assert loaded.mqtt.password_file and loaded.http.token_file and loaded.policy_file
+
+
+def test_a_key_without_an_example_is_found() -> None:
+    """The check above finds what it is for: a key left out of the example."""
+    text = "\n".join(line for line in EXAMPLE.read_text().splitlines()
+                     if "usd_per_cny" not in line and "keep_ended_hours" not in line)
+    assert _without_example(text) == ["state.keep_ended_hours", "clouds.alibaba.usd_per_cny"]
+
+
+@pytest.mark.parametrize("url", ["http://", "http://bad host:80", "ftp://x", "x",
+                                 "https://h:99999"])
+def test_cloud_urls_need_a_scheme_and_a_host(url: str) -> None:
+    line, key, message = one_problem(f"""\
+        clouds:
+          aws:
+            regions: [us-east-1]
+            interruption_queue_url: "{url}"
+    """)
+    assert (line, key) == (4, "clouds.aws.interruption_queue_url")
+    assert "http:// or https:// URL with a host" in message
+    line, key, _ = one_problem(f"clouds:\n  gcp:\n    regions: [x]\n    endpoint: '{url}'\n")
+    assert (line, key) == (4, "clouds.gcp.endpoint")

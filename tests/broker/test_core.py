@@ -333,3 +333,49 @@ async def test_the_anti_flap_record_keeps_the_window_and_goes_with_the_lease(
                       "p/requests/sched-a/release")
     await broker.handle([release])
     assert lease.lease_id not in broker._moves
+
+
+# --- GPU model names: unknown is invalid, with the nearest names ----------------------
+
+
+def _events(sink: Sink, kind: str) -> list[dict[str, Any]]:
+    return [json.loads(r.payload)["data"] for r in sink.rows
+            if r.topic == f"p/events/sched-a/{kind}"]
+
+
+async def test_an_unknown_gpu_model_is_invalid_with_a_suggestion(setup: Any) -> None:
+    broker, _, sink = setup
+    await broker.handle([_place_cmd("r1", gpu="H100"),
+                         _place_cmd("r2", gpu=["H100-80GB", "a100-80gb"]),
+                         _place_cmd("r3", gpu="Quantum-9000")])
+    invalid = {e["request_id"]: e["errors"] for e in _events(sink, "request.invalid")}
+    assert invalid["r1"] == [{"field": "gpu", "message": "unknown GPU model 'H100'; did you "
+                                                         "mean 'H100-80GB'?"}]
+    assert invalid["r2"] == [{"field": "gpu", "message": "unknown GPU model 'a100-80gb'; "
+                                                         "did you mean 'A100-80GB'?"}]
+    [r3] = invalid["r3"]
+    assert r3["message"].startswith("unknown GPU model 'Quantum-9000'; known: A10, A100-40GB")
+    assert broker.book.find("sched-a", "r1") is None and _events(sink, "placement.rejected") == []
+
+
+async def test_a_model_a_cloud_offers_under_its_own_name_stays_requestable(
+        setup: Any) -> None:
+    broker, _, sink = setup
+    broker.pool.replace(("alibaba", "cn-hangzhou"), [dataclasses.replace(
+        offer("cn-hangzhou-k", cloud="alibaba", region="cn-hangzhou",
+              instance_type="ecs.ebmgn8v", gpu="PPU-ZW810E", price=40.0),
+        gpu_known=False)])
+    broker.policy = Policy(extra_gpus=["MLU370"])
+    await broker.handle([_place_cmd("r1", gpu="PPU-ZW810E"),  # offered now
+                         _place_cmd("r2", gpu="MLU370")])  # declared, offered nowhere
+    lease = broker.book.find("sched-a", "r1")
+    assert lease is not None and lease.placement.gpu == "PPU-ZW810E"
+    [rejected] = _events(sink, "placement.rejected")
+    assert rejected["request_id"] == "r2" and rejected["code"] == "no_capacity"
+    # The cloud stops offering it: a repeat still gets the lease, a new request is invalid.
+    broker.pool.replace(("alibaba", "cn-hangzhou"), [])
+    await broker.handle([_place_cmd("r1", gpu="PPU-ZW810E"), _place_cmd("r3", gpu="PPU-ZW810E")])
+    decided = [e for e in _events(sink, "placement.decided") if e["request_id"] == "r1"]
+    assert len(decided) == 2 and decided[1]["lease_id"] == lease.lease_id
+    [invalid] = _events(sink, "request.invalid")
+    assert invalid["request_id"] == "r3" and invalid["errors"][0]["field"] == "gpu"

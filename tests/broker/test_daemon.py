@@ -260,6 +260,16 @@ async def test_rejections_name_the_code(start_daemon: StartDaemon,
     assert none["data"]["code"] == "no_capacity"
 
 
+async def test_an_unknown_gpu_model_is_invalid_not_no_capacity(
+        start_daemon: StartDaemon, probe_factory: ProbeFactory) -> None:
+    await start_daemon()
+    probe = await probe_factory([f"{PREFIX}/events/#"])
+    ev = await request(probe, "place", {"request_id": "job-13", "gpu": "H100", "gpus": 8},
+                       "request.invalid", request_id="job-13")
+    assert ev["data"]["errors"] == [
+        {"field": "gpu", "message": "unknown GPU model 'H100'; did you mean 'H100-80GB'?"}]
+
+
 async def test_scheduler_cannot_touch_another_schedulers_lease(
         start_daemon: StartDaemon, probe_factory: ProbeFactory) -> None:
     rd = await start_daemon()

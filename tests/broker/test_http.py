@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from daemon_helpers import RunningDaemon, daemon_config
-from mqtt_helpers import Mosquitto, free_port
+from mqtt_helpers import Mosquitto, ProbeFactory, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker.config import HttpConfig
@@ -98,6 +98,34 @@ async def test_place_needs_the_token_and_answers_like_mqtt(api: Any) -> None:
     # The daemon still serves.
     async with session.get("/livez") as r:
         assert r.status == 200
+
+
+async def test_the_lease_list_holds_the_active_leases_unless_asked(
+        api: Any, probe_factory: ProbeFactory) -> None:
+    session, _ = api
+    good = {"Authorization": f"Bearer {TOKEN}"}
+    ids = {}
+    for rid in ("keep", "drop"):
+        async with session.post("/v1/requests/s1/place", headers=good,
+                                json={"request_id": rid, "gpu": "L4", "gpus": 1}) as r:
+            ids[rid] = (await r.json())["data"]["lease_id"]
+    probe = await probe_factory(["gpubroker/v1/events/s1/#"])
+    mark = probe.mark()
+    await probe.publish("gpubroker/v1/requests/s1/release", {"lease_id": ids["drop"]})
+    await probe.wait_for("gpubroker/v1/events/s1/lease.released", since=mark)
+
+    async def listed(query: str) -> list[tuple[str, str]]:
+        return [(le["lease_id"], le["state"]) for le in await get_json(session, query)]
+
+    assert await listed("/v1/leases") == [(ids["keep"], "active")]
+    assert await listed("/v1/leases?state=") == [(ids["keep"], "active")]
+    assert await listed("/v1/leases?state=released") == [(ids["drop"], "released")]
+    assert await listed("/v1/leases?state=all") == [(ids["keep"], "active"),
+                                                    (ids["drop"], "released")]
+    assert await listed("/v1/leases?state=all&scheduler=s2") == []
+    async with session.get("/v1/leases?state=ended") as r:
+        assert r.status == 400
+        assert "active, released, expired, failed or all" in (await r.json())["error"]
 
 
 async def test_metrics_parse_and_count(api: Any) -> None:

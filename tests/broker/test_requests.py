@@ -24,6 +24,7 @@ from broker.requests import (
     parse_lease_ref,
     parse_place,
     parse_report,
+    unknown_gpus,
 )
 
 # See tests/broker/test_placement_properties.py: keeps a failing example readable.
@@ -293,6 +294,9 @@ def test_corpus_payload(path: Path) -> None:
     out = parse_place("s", payload)
     if path.suffix == ".ok":
         assert isinstance(out, PlaceRequest), out
+    elif isinstance(out, PlaceRequest):  # well formed, but no such GPU model (the broker)
+        refused = unknown_gpus(out, lambda: ())
+        assert refused is not None and refused.errors[0]["field"] == "gpu", path.name
     else:
         assert isinstance(out, Invalid) and out.errors
     for other in (parse_lease_ref(payload), parse_report(payload)):

@@ -83,8 +83,8 @@ def test_all_problems_at_once() -> None:
         clouds: {deny: [awss]}
         teams: {ml: {residency: [euu]}}
     """)
-    assert [k for _, k, _ in got] == ["clouds.deny[0]", "gpus.allow[0]", "gpus.allow[1]",
-                                      "teams.ml.residency[0]"]
+    assert [k for _, k, _ in got] == ["gpus.allow[0]", "gpus.allow[1]", "clouds.deny[0]",
+                                      "teams.ml.residency[0]"]  # in the order of the file
 
 
 def test_extra_gpus_make_cloud_specific_models_valid() -> None:

@@ -132,6 +132,59 @@ def test_every_problem_is_reported_at_once() -> None:
         "defaults.market", "scoring.restart_hours", "version"]
 
 
+def test_shape_and_name_problems_come_in_one_run_in_the_order_of_the_file() -> None:
+    got = problems("""\
+        version: 1
+        gpus:
+          allow: [A100-80G, 7]
+        teams:
+          research:
+            max_gpus: lots
+            gpus: [H100]
+            markets: [spot, preemptible]
+          ml: {clouds: [gpc]}
+        rules:
+          - name: a
+            match: {team: reserch}
+            deny: "no"
+          - name: b
+            match: {team: ml}
+            require: {market: cheap}
+          - name: c
+            match: {team: ml, gpu: [H100]}
+            deny: x
+          - name: a
+            match: {team: ml}
+            deny: y
+        failover:
+          cooldown: 5
+    """)
+    assert [(line, col, key) for _, line, col, key, _ in got] == [
+        (3, 11, "gpus.allow[0]"), (3, 21, "gpus.allow[1]"), (6, 5, "teams.research.max_gpus"),
+        (7, 12, "teams.research.gpus[0]"), (8, 21, "teams.research.markets[1]"),
+        (9, 17, "teams.ml.clouds[0]"), (12, 13, "rules[0].match.team"),
+        (16, 15, "rules[1].require.market"), (18, 29, "rules[2].match.gpu[0]"),
+        (20, 5, "rules[3].name"), (24, 3, "failover.cooldown")]
+    messages = [m for *_, m in got]
+    assert "did you mean 'A100-80GB'?" in messages[0]
+    assert "did you mean 'H100-80GB'?" in messages[3] and "did you mean 'gcp'?" in messages[5]
+    assert "unknown team 'reserch'; did you mean 'research'?" in messages[6]
+    # rules[1] has a wrong shape: the name checks leave it out, and no more is said of it
+    assert "already used by rules[0]" in messages[9]
+    assert "unknown key; did you mean 'cooldown_seconds'?" in messages[10]
+
+
+def test_problems_far_down_the_file_come_in_line_order() -> None:
+    # 49 rules: a shape problem on a late line, a name problem on the line before it
+    rules = "".join(f"  - {{name: r{i}, match: {{gpu: T4, team: t{i}}}, deny: x}}\n"
+                    for i in range(44))
+    text = (f"version: 1\nrules:\n{rules}  - {{name: late, match: {{gpu: H100}}, deny: x}}\n"
+            "  - {name: later, deny: x, require: {market: spot}}\n")
+    got = problems(text)
+    assert [(line, key) for _, line, _, key, _ in got] == [
+        (47, "rules[44].match.gpu[0]"), (48, "rules[45]")]
+
+
 @pytest.mark.parametrize("text", ["- version: 1\n", "spot\n", "42\n"])
 def test_not_a_mapping(text: str) -> None:
     [(_, line, _, key, message)] = problems(text)
