@@ -138,14 +138,17 @@ class Bus:
         if cfg.tls:
             tls = ssl.create_default_context(cafile=str(cfg.ca_file) if cfg.ca_file else None)
         props = None
+        # A persistent session (requests sent while the daemon is away wait for it),
+        # unless session_expiry_seconds is 0: then none is kept, on either version.
+        clean = cfg.session_expiry_seconds == 0
         kwargs: dict[str, Any] = {}
         if self.v5:
             props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
             props.SessionExpiryInterval = cfg.session_expiry_seconds
             props.MaximumPacketSize = MAX_PACKET
-            kwargs["clean_start"] = False
+            kwargs["clean_start"] = clean
         else:
-            kwargs["clean_session"] = False
+            kwargs["clean_session"] = clean
         client = aiomqtt.Client(
             cfg.host, cfg.port, identifier=self.client_id, username=cfg.username,
             password=password, tls_context=tls,

@@ -48,15 +48,25 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the daemon in the foreground")
     run.add_argument("--config", type=Path, help="daemon configuration (YAML)")
 
-    demo = sub.add_parser("demo", help="the whole system on the simulated market")
-    demo.add_argument("--duration", type=float, default=None,
-                      help="stop after this many seconds (default: until Ctrl-C)")
-    demo.add_argument("--mqtt", default=None,
-                      help="MQTT server URL (default: 127.0.0.1:1883 if it answers, "
-                           "else an embedded one)")
-    demo.add_argument("--state", type=Path, default=None,
-                      help="SQLite state file (default: a fresh temporary one)")
-    demo.add_argument("--seed", type=int, default=7)
+    # The demo's values are checked by broker.demo (one line each, exit 2).
+    demo = sub.add_parser(
+        "demo", help="the whole system on the simulated market",
+        description="The daemon on a simulated market, with two schedulers placing jobs "
+                    "over MQTT; every event is printed, then a summary. It uses topics of "
+                    "its own (gpubroker-demo/<random>/v1) and clean sessions, and on every "
+                    "way out releases its leases and clears its retained messages.")
+    demo.add_argument("--duration", metavar="SECONDS", default=None,
+                      help="stop this many seconds after start (default: at Ctrl-C)")
+    demo.add_argument("--mqtt", metavar="URL", default=None,
+                      help="MQTT server: HOST:PORT, mqtt://HOST:PORT or mqtts://HOST:PORT "
+                           "(default: 127.0.0.1:1883 if an MQTT server answers there, else "
+                           "an embedded one)")
+    demo.add_argument("--state", metavar="PATH", default=None,
+                      help="SQLite state file, kept after the demo (default: a temporary "
+                           "one, deleted at exit)")
+    demo.add_argument("--seed", metavar="N", default="7",
+                      help="seed of the simulated market and of the schedulers' choices "
+                           "(default: 7)")
 
     offers = sub.add_parser("offers", help="poll once and list the pool by price per GPU-hour")
     offers.add_argument("--config", type=Path, metavar="PATH",
@@ -160,7 +170,7 @@ def _main(argv: Sequence[str] | None) -> int:
             from broker.demo import run_demo
 
             return run_demo(duration=args.duration, mqtt_url=args.mqtt, state=args.state,
-                            seed=args.seed)
+                            seed=args.seed, end_process=True)
         if args.command == "offers":
             return _offers(args)
         if args.command == "history":

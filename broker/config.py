@@ -55,6 +55,10 @@ class MqttConfig(_Section):
     ca_file: Path | None = None
     protocol: Literal["5", "3.1.1"] = "5"
     session_expiry_seconds: int = Field(default=3600, ge=0)
+    """How long the MQTT server keeps the daemon's session (its subscription and the
+    requests queued for it) after a disconnect; MQTT 3.1.1 keeps it for good. 0 keeps
+    none, on either version: a clean session (MQTT 5 clean start; 3.1.1 clean_session),
+    as `gpubroker demo` uses."""
 
     @field_validator("protocol", mode="before")
     @classmethod
