@@ -35,6 +35,8 @@ from broker.model import Market, Placement, PoolKey
 
 PLACED = re.compile(r"^\d\d:\d\d:\d\d PLACED +(job-\d+) +(.*?)  (L-[0-9a-f]{10})$")
 PREFIX = re.compile(r"topics (gpubroker-demo/[0-9a-f]{8}/v1)/")
+DEMO_EVENTS = "gpubroker-demo/+/v1/events/#"
+DEMO_LEASES = "gpubroker-demo/+/v1/leases/#"
 ENDED = ("gpubroker.lease.released.v1", "gpubroker.lease.expired.v1",
          "gpubroker.lease.failed.v1")
 
@@ -128,7 +130,7 @@ async def start(demos: list[DemoRun], *args: str, wrapper: Sequence[str] = ()) -
 async def retained_under(url: str, prefix: str) -> list[str]:
     """The topics under `prefix` holding a retained message. The server sends them on
     subscribe, before a message this client publishes afterwards (the marker)."""
-    async with MqttProbe(url, [f"{prefix}/#"], check_contract=False) as probe:
+    async with MqttProbe(url, [f"{prefix}/#"]) as probe:
         marker = f"{prefix}/test-marker/{uuid.uuid4().hex}"
         await probe.publish(marker, "end")
         await probe.wait_for(marker)
@@ -166,9 +168,10 @@ def demo_sessions(mosquitto: Mosquitto) -> list[tuple[str, str]]:
 @pytest.mark.slow
 async def test_two_demos_at_once_keep_apart_and_leave_nothing(
         mosquitto: Mosquitto, demos: list[DemoRun]) -> None:
-    # Everything on the server, from before the demos start; their end-of-run clearing
-    # (empty retained status and capacity) is not in the contract: no contract check.
-    async with MqttProbe(mosquitto.url, ["#"], check_contract=False) as everything:
+    # A real daemon's topics, and the demos' events and lease states, from before the
+    # demos start (held to the contract, as every probe's messages are).
+    watched = ["gpubroker/#", DEMO_EVENTS, DEMO_LEASES]
+    async with MqttProbe(mosquitto.url, watched) as everything:
         runs = [await start(demos, "--duration", "6", "--mqtt", mosquitto.url,
                             "--seed", str(seed)) for seed in (7, 8)]
         codes = [await run.exit(40) for run in runs]
@@ -179,8 +182,8 @@ async def test_two_demos_at_once_keep_apart_and_leave_nothing(
             assert run.matching(PLACED), run.output
         a, b = (run.prefix for run in runs)
         assert a != b
-        # Nothing went anywhere but the demos' own prefixes (a real daemon's gpubroker/v1
-        # is untouched), and each demo's leases are on its own prefix only.
+        # Nothing went to a real daemon's gpubroker/v1, and each demo's leases are on its
+        # own prefix only.
         topics = {str(m.topic) for m in everything.messages}
         assert all(t.startswith((f"{a}/", f"{b}/")) for t in topics), sorted(topics)[:10]
         for run, own, other in ((runs[0], a, b), (runs[1], b, a)):
@@ -206,12 +209,12 @@ async def test_two_demos_at_once_keep_apart_and_leave_nothing(
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 async def test_a_signal_stops_it_at_once_releasing_and_clearing(
         mosquitto: Mosquitto, demos: list[DemoRun], sig: signal.Signals) -> None:
-    async with MqttProbe(mosquitto.url, ["gpubroker-demo/#"], check_contract=False) as probe:
+    async with MqttProbe(mosquitto.url, [DEMO_EVENTS, DEMO_LEASES]) as probe:
         # The form `--help` shows: HOST:PORT, no scheme.
         run = await start(demos, "--mqtt", f"127.0.0.1:{mosquitto.port}")
         placed = await run.wait_for(PLACED, count=3)
         prefix = run.prefix
-        await probe.wait_for(f"{prefix}/capacity/#")  # retained state to clear
+        await probe.wait_for(f"{prefix}/leases/#")  # retained state to clear
         sent = time.monotonic()
         run.signal(sig)
         code = await run.exit(10)
