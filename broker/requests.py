@@ -35,33 +35,58 @@ _Name = Annotated[StrictStr, Field(min_length=1, max_length=64)]
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, use_attribute_docstrings=True)
 
 
-class _Place(_Lenient):
+class PlacePayload(_Lenient):
+    """A placement request (`P/requests/S/place`, `POST /v1/requests/{S}/place`). Fields
+    not listed are ignored."""
+
     request_id: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    """The idempotency key: the same scheduler and `request_id` always get the same
+    lease, never a second one."""
     gpu: _Name | Annotated[list[_Name], Field(min_length=1, max_length=16)]
+    """A GPU model (`H100-80GB`) or a list of acceptable ones."""
     gpus: Annotated[int, Field(ge=1, le=4096)]
+    """GPUs wanted in all."""
     gang: StrictBool = True
+    """All instances in one zone. A placement is always one pool (one zone), so `false`
+    changes nothing."""
     market: Literal["spot", "on_demand", "any"] | None = None
+    """Default: the policy's `defaults.market`."""
     max_price_per_gpu_hour: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    """USD per GPU-hour, at most."""
     clouds: Annotated[list[_Name], Field(min_length=1, max_length=16)] | None = None
+    """Only these clouds."""
     regions: Annotated[list[_Name], Field(min_length=1, max_length=256)] | None = None
+    """Only these regions."""
     team: _Name | None = None
+    """The team whose policy limits and budget apply."""
     duration_hours: Annotated[float, Field(gt=0, le=24 * 366,
                                            allow_inf_nan=False)] | None = None
+    """Expected run time; weighs the placement's expected cost (1 h when absent)."""
     lease_seconds: Annotated[int, Field(ge=1, le=7 * 86400)] | None = None
+    """The lease's renewable time to live. Default: the policy's `defaults.lease_seconds`."""
     labels: Annotated[dict[_Name, Annotated[StrictStr, Field(max_length=256)]],
                       Field(max_length=64)] | None = None
+    """Free-form; policy rules may match on them."""
 
 
-class _LeaseRef(_Lenient):
+class LeaseRefPayload(_Lenient):
+    """`P/requests/S/renew` and `P/requests/S/release`. Fields not listed are ignored."""
+
     lease_id: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    """A lease of this scheduler."""
 
 
-class _Report(_LeaseRef):
+class ReportPayload(LeaseRefPayload):
+    """`P/requests/S/report`: the scheduler saw the lease's capacity fail. The lease fails
+    over (reason `reported`) and the pool cools down. Fields not listed are ignored."""
+
     kind: Literal["interrupted", "launch_failed", "unhealthy"]
+    """What the scheduler saw."""
     detail: Annotated[StrictStr, Field(max_length=1024)] | None = None
+    """For a person (a cloud's error code such as `ZONE_RESOURCE_POOL_EXHAUSTED` helps)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +324,7 @@ def parse_place(scheduler: str, payload: bytes) -> PlaceRequest | Invalid:
     if isinstance(data, Invalid):
         return data
     try:
-        p = _Place.model_validate(data)
+        p = PlacePayload.model_validate(data)
     except ValidationError as err:
         return Invalid(_errors(err), _rid(data))
     return PlaceRequest(
@@ -365,7 +390,7 @@ def parse_lease_ref(payload: bytes) -> LeaseRef | Invalid:
     if isinstance(data, Invalid):
         return data
     try:
-        return LeaseRef(_LeaseRef.model_validate(data).lease_id)
+        return LeaseRef(LeaseRefPayload.model_validate(data).lease_id)
     except ValidationError as err:
         return Invalid(_errors(err))
 
@@ -375,7 +400,7 @@ def parse_report(payload: bytes) -> Report | Invalid:
     if isinstance(data, Invalid):
         return data
     try:
-        r = _Report.model_validate(data)
+        r = ReportPayload.model_validate(data)
     except ValidationError as err:
         return Invalid(_errors(err))
     return Report(r.lease_id, r.kind, r.detail)

@@ -30,6 +30,7 @@ from typing import Any, Self
 from urllib.parse import urlsplit
 
 import aiomqtt
+import contract_check
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
@@ -313,6 +314,12 @@ class MqttProbe:
     connection (3.1.1 clean_session=False; 5 clean_start=False + SessionExpiryInterval),
     so after ``await probe.reconnect()`` the server delivers the QoS 1 messages it queued
     meanwhile. ``messages`` keeps growing across reconnects.
+
+    Every message received on one of the daemon's topics is checked against the published
+    contract (``tests/contract_check.py``); what breaks it fails the test — at the next
+    ``wait_for`` / ``wait_for_count`` or at ``close()`` — with ``ContractViolation``.
+    Messages published through an ``MqttProbe`` are not checked; ``check_contract=False``
+    turns the check off for this client.
     """
 
     def __init__(
@@ -325,6 +332,7 @@ class MqttProbe:
         client_id: str | None = None,
         persistent: bool = False,
         timeout: float = 5.0,
+        check_contract: bool = True,
     ) -> None:
         self.url = url
         self.host, self.port = parse_mqtt_url(url)
@@ -342,6 +350,9 @@ class MqttProbe:
         self.persistent = persistent
         self.timeout = timeout
         self.messages: list[aiomqtt.Message] = []
+        self.check_contract = check_contract
+        self.contract_errors: list[str] = []
+        self._reported = 0  # contract errors raised already
         self.disconnect_error: BaseException | None = None
         self._client: aiomqtt.Client | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -392,12 +403,17 @@ class MqttProbe:
             if self.topics:
                 await client.subscribe([(t, self.qos) for t in self.topics])
         except BaseException:
-            await self.close()
+            await self._close()
             raise
         self._reader = asyncio.create_task(self._read(client), name=f"{self.client_id}-reader")
 
     async def close(self) -> None:
-        """Disconnect cleanly (a no-op on a connection the server already dropped)."""
+        """Disconnect cleanly (a no-op on a connection the server already dropped); then
+        raise ``ContractViolation`` for contract errors no wait reported."""
+        await self._close()
+        self.raise_contract_errors()
+
+    async def _close(self) -> None:
         reader, self._reader = self._reader, None
         client, self._client = self._client, None
         if reader is not None:
@@ -410,7 +426,7 @@ class MqttProbe:
 
     async def reconnect(self) -> None:
         """Drop the connection (if any) and connect again with the same client id."""
-        await self.close()
+        await self._close()
         await self.connect()
 
     async def wait_disconnected(
@@ -441,6 +457,8 @@ class MqttProbe:
         try:
             async for message in client.messages:
                 self.messages.append(message)
+                if self.check_contract:
+                    self._check_contract(message)
                 async with self._cond:
                     self._cond.notify_all()
         except aiomqtt.MqttError as exc:
@@ -459,9 +477,9 @@ class MqttProbe:
         properties: Properties | None = None,
     ) -> None:
         """Publish; with QoS 1 this returns after the server's PUBACK."""
-        await self.client.publish(
-            topic, encode_payload(payload), qos=qos, retain=retain, properties=properties
-        )
+        data = encode_payload(payload)
+        contract_check.note_published(topic, data)
+        await self.client.publish(topic, data, qos=qos, retain=retain, properties=properties)
 
     # -- waiting ----------------------------------------------------------------------
     def mark(self) -> int:
@@ -497,6 +515,7 @@ class MqttProbe:
                 while True:
                     for message in self.messages[checked:]:
                         if match(message):
+                            self.raise_contract_errors()
                             return message
                     checked = max(checked, len(self.messages))
                     await self._cond.wait()
@@ -520,12 +539,30 @@ class MqttProbe:
                 while True:
                     found = [m for m in self.messages[since:] if match(m)]
                     if len(found) >= count:
+                        self.raise_contract_errors()
                         return found
                     await self._cond.wait()
         except TimeoutError:
             raise TimeoutError(
                 f"wanted {count} matches; " + self._describe_miss(predicate, timeout, since)
             ) from None
+
+    # -- the contract check (tests/contract_check.py) -----------------------------------
+    def _check_contract(self, message: aiomqtt.Message) -> None:
+        raw = message.payload
+        if isinstance(raw, str):
+            raw = raw.encode()
+        data = bytes(raw) if isinstance(raw, bytes | bytearray) else str(raw or "").encode()
+        error = contract_check.check(message.topic.value, data)
+        if error is not None:
+            self.contract_errors.append(error)
+
+    def raise_contract_errors(self) -> None:
+        """Raise ``ContractViolation`` for the contract errors not raised yet."""
+        new = self.contract_errors[self._reported:]
+        self._reported = len(self.contract_errors)
+        if new:
+            raise ContractViolation(self.client_id, new)
 
     def _describe_miss(self, predicate: Predicate, timeout: float, since: int) -> str:
         what = (
@@ -541,6 +578,16 @@ class MqttProbe:
             f"(probe {self.client_id}, {state}, subscribed to {self.topics}); "
             f"{len(seen)} message(s) seen since index {since}: {shown}"
         )
+
+
+class ContractViolation(AssertionError):
+    """A message from the daemon that does not follow the published contract."""
+
+    def __init__(self, client_id: str, errors: Sequence[str]) -> None:
+        super().__init__(
+            f"{len(errors)} message(s) received by {client_id} break the published "
+            "contract (docs/contract.md; the schemas in docs/schemas/ are generated from "
+            "broker/payloads.py by `python -m broker.contract`):\n" + "\n".join(errors))
 
 
 # What the ``probe_factory`` fixture yields: ``await probe_factory(topics, **MqttProbe kw)``.

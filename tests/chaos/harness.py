@@ -53,8 +53,9 @@ from typing import Any, Self, TypeVar
 
 import aiohttp
 import aiomqtt
+import contract_check
 import yaml
-from mqtt_helpers import Mosquitto, free_port
+from mqtt_helpers import ContractViolation, Mosquitto, free_port
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 T = TypeVar("T")
@@ -428,7 +429,10 @@ def sub(topic: str, *, qos: int = 1, retain_as_published: bool = False) -> Subsc
 class MqttClient:
     """An MQTT 5 client with a clean session and its own client id that stays connected:
     when the server goes away it connects again every `retry_seconds` and subscribes
-    again. ``received`` keeps every message (``keep=True``); ``wait_for`` waits on one."""
+    again. ``received`` keeps every message (``keep=True``); ``wait_for`` waits on one.
+    Every message from the daemon is checked against the published contract
+    (``tests/contract_check.py``); leaving ``async with`` raises ``ContractViolation``
+    for those that break it (``contract_errors``)."""
 
     def __init__(self, port: int, subscriptions: Iterable[Subscription], *,
                  name: str = "chaos", retry_seconds: float = 0.1, keep: bool = True) -> None:
@@ -438,6 +442,7 @@ class MqttClient:
         self.retry_seconds = retry_seconds
         self.keep = keep
         self.received: list[Received] = []
+        self.contract_errors: list[str] = []
         self.connected = asyncio.Event()
         self.connects = 0
         self.disconnects = 0
@@ -463,8 +468,10 @@ class MqttClient:
         await self.start()
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         await self.aclose()
+        if exc_type is None and self.contract_errors:
+            raise ContractViolation(self.client_id, self.contract_errors)
 
     async def _run(self) -> None:
         while True:
@@ -503,6 +510,8 @@ class MqttClient:
             payload = str(payload or "").encode()
         rec = Received(str(message.topic), bytes(payload), bool(message.retain),
                        time.monotonic())
+        if (error := contract_check.check(rec.topic, rec.payload)) is not None:
+            self.contract_errors.append(error)
         self.handle(rec)
         if self.keep:
             self.received.append(rec)
