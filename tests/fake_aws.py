@@ -55,9 +55,32 @@ one hour before the fake was built); add newer points with ``set_spot_price``.
 
 Every call (except the fake's own helper calls) is counted in ``calls`` (a Counter of
 ``(service, action, region)``; services ``ec2``, ``pricing``, ``servicequotas``,
-``sqs``), can be delayed by ``latency = (lo, hi)`` seconds (an ``asyncio.sleep`` in the
-handler: calls stay concurrent) and failed with ``fail(...)`` in that service's real
-error shape.
+``sqs``, ``s3``), whether it is answered or hit by a random fault, can be delayed by
+``latency = (lo, hi)`` seconds (an ``asyncio.sleep`` in the handler: calls stay
+concurrent) and failed with ``fail(...)`` in that service's real error shape.
+
+Random faults (``chaos = Chaos(...)``, see ``fake_server``) answer in each service's own
+shape: EC2 ``RequestLimitExceeded`` (503) for a throttle, ``InternalError`` (500) or
+``Unavailable`` (503) XML; Price List and Service Quotas (JSON 1.1) and SQS (JSON 1.0)
+``ThrottlingException`` / ``TooManyRequestsException`` (400) and
+``InternalErrorException`` / ``ServiceException`` / ``ServiceUnavailableException`` with
+``x-amzn-ErrorType``; S3 ``SlowDown`` (503), ``InternalError`` (500) or
+``ServiceUnavailable`` (503) XML. Throttles carry ``throttle_headers``, by default
+``Retry-After: 1``, which AWS itself does not send (botocore's own retries read only
+``x-amz-retry-after``, in milliseconds; the adapter reads both). The fake's own helper
+calls are never faulted.
+
+The Spot Instance Advisor document (``spot_advisor``, served at
+``/spot-bid-advisor/spot-advisor-data.json``, where an S3 client with this endpoint and
+path-style addressing asks for bucket ``spot-bid-advisor``, key
+``spot-advisor-data.json``; counted as ``("s3", "GetObject", region)``) has the real
+document's shape: ``global_rate``, ``instance_types`` ({cores, ram_gb, emr}), ``ranges``
+(the five bands with AWS's labels and ``max`` values) and ``spot_advisor`` (region → OS →
+type → {"s": savings %, "r": band index}). Provenance: built from that documented shape
+(and the public document's band table); the per-type values are invented, drawn from
+``seed`` for every GPU type of the price CSV in its regions, except that each region
+leaves one type out (``advisor_gaps``), like the real document, which lists only some
+types. ``set_interruption_band`` pins one entry.
 
 moto keeps its state in process-global backends: the fake resets moto when it starts,
 so two FakeAWS instances alive at once in one process share EC2/SQS state.
@@ -79,7 +102,7 @@ import re
 import threading
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -115,6 +138,7 @@ DEFAULT_FAULT = {  # service -> (code, status) when fail() is given none
     "pricing": ("ThrottlingException", 400),
     "servicequotas": ("TooManyRequestsException", 400),
     "sqs": ("ThrottlingException", 400),
+    "s3": ("SlowDown", 503),
 }
 
 PRICING_LOCATIONS = {
@@ -166,6 +190,24 @@ EC2_QUOTAS: dict[str, tuple[str, str, float]] = {
     "L-E3A00192": ("All X Spot Instance Requests", "X/Spot", 128.0),
 }
 
+ADVISOR_PATH = "/spot-bid-advisor/spot-advisor-data.json"
+ADVISOR_RANGES = [  # the real document's band table (labels and "max" as AWS publishes)
+    {"index": 0, "label": "<5%", "dots": 0, "max": 5},
+    {"index": 1, "label": "5-10%", "dots": 1, "max": 11},
+    {"index": 2, "label": "10-15%", "dots": 2, "max": 16},
+    {"index": 3, "label": "15-20%", "dots": 3, "max": 22},
+    {"index": 4, "label": ">20%", "dots": 4, "max": 100},
+]
+# What each service answers to a random fault: service -> (throttle, 500, 503) codes.
+CHAOS_CODES = {
+    "ec2": ("RequestLimitExceeded", "InternalError", "Unavailable"),
+    "pricing": ("ThrottlingException", "InternalErrorException", "ServiceUnavailableException"),
+    "servicequotas": ("TooManyRequestsException", "ServiceException", "ServiceException"),
+    "sqs": ("ThrottlingException", "InternalError", "ServiceUnavailable"),
+    "s3": ("SlowDown", "InternalError", "ServiceUnavailable"),
+}
+THROTTLE_STATUS = {"ec2": 503, "s3": 503}  # others: 400
+
 _AZ_NAME = re.compile(r"^([a-z]{2}(?:-[a-z]+)+-\d+)[a-z]$")
 _QUEUE_HOST = re.compile(r"sqs\.([a-z0-9-]+)\.amazonaws\.com")
 
@@ -201,6 +243,11 @@ class _Call:
     params: dict[str, str]  # EC2 query params
     body: bytes
     json_body: dict[str, Any]
+
+
+CALL: web.RequestKey[_Call | None] = web.RequestKey("fake_aws_call")
+"""The request's `_Call` (None: not one the fake understands), set by the counting
+middleware."""
 
 
 def _iso(ts: datetime) -> str:
@@ -462,7 +509,11 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
       ``now`` — the fake's clock (``None`` = real time; set a datetime to freeze it);
       ``page_size`` — per-action cap on items per page (AWS may return fewer items
       than MaxResults; the caps make every paginator take several pages);
-      ``default_region`` — the region of unsigned requests that name none.
+      ``default_region`` — the region of unsigned requests that name none;
+      ``spot_advisor`` — the Spot Instance Advisor document served (see module doc) and
+      ``advisor_gaps`` — region -> the GPU type it leaves out; ``chaos``/``faulted`` —
+      random faults (``fake_server``); ``throttle_headers`` — what a random throttle
+      carries.
     """
 
     thread_name = "fake-aws"
@@ -500,6 +551,9 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
         # region -> instance type -> set of zone ids
         self._type_zones: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
         self._products: tuple[dict[str, Any], ...] = ()
+        self.advisor_gaps: dict[str, str] = {}
+        self.throttle_headers: dict[str, str] = {"Retry-After": "1"}
+        self.spot_advisor: dict[str, Any] = {}
         self._load(prices_csv)
         self._session: aiohttp.ClientSession | None = None
         self._moto: Any = None  # werkzeug server running moto's app
@@ -520,6 +574,40 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
                     for product, price in (("Linux/UNIX", linux), ("Windows", windows)):
                         self._spot[(region, zone, itype, product)] = [(self.snapshot_time, price)]
         self._products = _price_catalog(path)
+        self.spot_advisor = self._advisor_document(path)
+
+    def _draw(self, *parts: str) -> int:
+        """A number 0..255, the same for the same seed and parts."""
+        return hashlib.sha256("|".join((str(self.seed), *parts)).encode()).digest()[0]
+
+    def _advisor_document(self, path: Path) -> dict[str, Any]:
+        """The Spot Instance Advisor document (shape real, values invented: module doc)."""
+        specs: dict[str, dict[str, Any]] = {}
+        by_region: dict[str, set[str]] = defaultdict(set)
+        with path.open(newline="") as fh:
+            for row in csv.DictReader(fh):
+                itype = row["instance_type"]
+                specs[itype] = {"emr": itype.startswith(("g4dn", "g5.", "p3")),
+                                "cores": int(row["vcpus"]),
+                                "ram_gb": float(row["memory_gib"])}
+                by_region[row["region"]].add(itype)
+        # Interruption bands skewed low, as the real document's are for most types.
+        bands = (0, 0, 0, 1, 1, 2, 3, 4)
+        advisor: dict[str, Any] = {}
+        for region, types in sorted(by_region.items()):
+            ordered = sorted(types, key=lambda t: (self._draw(region, t, "gap"), t))
+            self.advisor_gaps[region] = ordered[0]
+            linux = {t: {"s": 50 + self._draw(region, t, "s") % 40,
+                         "r": bands[self._draw(region, t, "r") % len(bands)]}
+                     for t in sorted(ordered[1:])}
+            linux["m5.large"] = {"s": 54, "r": 0}  # CPU types are in the document too
+            linux["c5.xlarge"] = {"s": 61, "r": 1}
+            windows = {t: {"s": max(0, v["s"] - 20), "r": v["r"]} for t, v in linux.items()}
+            advisor[region] = {"Linux": linux, "Windows": windows}
+        specs["m5.large"] = {"emr": True, "cores": 2, "ram_gb": 8.0}
+        specs["c5.xlarge"] = {"emr": True, "cores": 4, "ram_gb": 8.0}
+        return {"global_rate": "<10%", "instance_types": specs,
+                "ranges": [dict(r) for r in ADVISOR_RANGES], "spot_advisor": advisor}
 
     # ------------------------------------------------------------ zone names
     def zone_name(self, region: str, zone_id: str) -> str:
@@ -602,6 +690,19 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
         with self._lock:
             self._scores[(region, az_id, key_types)] = score
 
+    def set_interruption_band(self, region: str, instance_type: str, index: int | None,
+                              os_name: str = "Linux") -> None:
+        """Pin the Spot Instance Advisor's band (``ranges`` index 0..4) for a type in a
+        region; ``None`` removes the type from the document."""
+        with self._lock:
+            types = self.spot_advisor["spot_advisor"].setdefault(region, {}).setdefault(
+                os_name, {})
+            if index is None:
+                types.pop(instance_type, None)
+            else:
+                types[instance_type] = {"s": types.get(instance_type, {}).get("s", 70),
+                                        "r": index}
+
     def set_quota(self, region: str, code: str, value: float) -> None:
         """Set an EC2 quota value (``L-DB2E81BA`` ...) in one region."""
         if code not in EC2_QUOTAS:
@@ -623,7 +724,8 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
         """Make the next ``times`` calls of ``action`` (``None``: all, until
         ``clear_faults()``) fail. Defaults per service: EC2 ``RequestLimitExceeded``/503,
         pricing ``ThrottlingException``/400, servicequotas ``TooManyRequestsException``/400,
-        SQS ``ThrottlingException``/400. ``service``/``region`` narrow the match."""
+        SQS ``ThrottlingException``/400, S3 (``GetObject`` of the advisor document)
+        ``SlowDown``/503. ``service``/``region`` narrow the match."""
         with self._lock:
             self._faults.append(_Fault(action, service, region, code, status, message, times))
 
@@ -641,7 +743,8 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
 
     # -------------------------------------------------------- boto3 helpers
     def client(self, service: str, region: str = "us-east-1", *, unsigned: bool = False) -> Any:
-        """A real boto3 client on this fake: no retries, fake creds (or unsigned)."""
+        """A real boto3 client on this fake: no retries, fake creds (or unsigned); S3
+        path-style (the only addressing the fake serves)."""
         import boto3
         from botocore import UNSIGNED
         from botocore.config import Config
@@ -652,6 +755,7 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
             connect_timeout=5,
             read_timeout=30,
             max_pool_connections=50,
+            s3={"addressing_style": "path"},
         )
         creds = (
             {} if unsigned else {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
@@ -738,7 +842,48 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
         return super().start()
 
     def _application(self) -> web.Application:
-        return web.Application(client_max_size=16 * 1024 * 1024)
+        # Outermost: every call is classified and counted, also those a random fault hits.
+        return web.Application(client_max_size=16 * 1024 * 1024,
+                               middlewares=[self._count_middleware])
+
+    @web.middleware
+    async def _count_middleware(
+        self, request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        try:
+            call: _Call | None = self._classify(request, await request.read())
+        except FakeAWSError:
+            call = None  # answered by _handle, in the error's shape
+        request[CALL] = call
+        if call is not None and not call.internal:
+            with self._lock:
+                self.calls[(call.service, call.action, call.region)] += 1
+        return await handler(request)
+
+    # --------------------------------------------------------- random faults
+    def _chaos_applies(self, request: web.Request) -> bool:
+        call = request.get(CALL)
+        return call is not None and not call.internal
+
+    def _throttled(self, request: web.Request) -> web.StreamResponse:
+        call = request[CALL]
+        assert call is not None
+        code = CHAOS_CODES[call.service][0]
+        message = {"ec2": "Request limit exceeded.", "s3": "Please reduce your request rate."
+                   }.get(call.service, "Rate exceeded")
+        response = self._error(call, FakeAWSError(code, message,
+                                                  THROTTLE_STATUS.get(call.service, 400)))
+        response.headers.update(self.throttle_headers)
+        return response
+
+    def _server_error(self, request: web.Request, status: int) -> web.StreamResponse:
+        call = request[CALL]
+        assert call is not None
+        code = CHAOS_CODES[call.service][1 if status == 500 else 2]
+        message = ("We encountered an internal error. Please try again." if status == 500
+                   else "The service is unavailable. Please try again shortly.")
+        return self._error(call, FakeAWSError(code, message, status))
 
     async def _astart(self) -> str:
         self._session = aiohttp.ClientSession(
@@ -771,6 +916,11 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
         auth = headers.get("Authorization", "")
         scope = re.search(r"Credential=[^/]+/\d{8}/([^/]+)/([^/]+)/aws4_request", auth)
         signed_region = scope.group(1) if scope else None
+        internal = headers.get("X-Fake-Internal") == "1"
+        if request.method == "GET" and request.path == ADVISOR_PATH:
+            region = signed_region or self.default_region
+            return _Call("s3", "GetObject", region, bool(scope), internal, "application/xml",
+                         "", {}, body, {})
         target = headers.get("X-Amz-Target", "")
         json_body: dict[str, Any] = {}
         params: dict[str, str] = {}
@@ -803,7 +953,7 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
             action,
             region,
             bool(scope),
-            headers.get("X-Fake-Internal") == "1",
+            internal,
             content_type,
             ns,
             params,
@@ -812,14 +962,13 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
         )
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        try:
-            call = self._classify(request, body)
-        except FakeAWSError as err:
-            return web.Response(status=err.status, text=err.message)
+        call = request.get(CALL)  # classified and counted by _count_middleware
+        if call is None:
+            try:
+                call = self._classify(request, await request.read())
+            except FakeAWSError as err:
+                return web.Response(status=err.status, text=err.message)
         if not call.internal:
-            with self._lock:
-                self.calls[(call.service, call.action, call.region)] += 1
             await self._delay()
             fault = self._take_fault(call)
             if fault is not None:
@@ -840,6 +989,17 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
 
     def _error(self, call: _Call, err: FakeAWSError) -> web.Response:
         request_id = str(uuid.uuid4())
+        if call.service == "s3":
+            xml = (
+                '<?xml version="1.0" encoding="UTF-8"?>\n<Error>'
+                f"<Code>{escape(err.code)}</Code><Message>{escape(err.message)}</Message>"
+                f"<RequestId>{request_id[:16].upper()}</RequestId><HostId>fake</HostId></Error>"
+            )
+            return web.Response(
+                status=err.status,
+                body=xml.encode(),
+                headers={"Content-Type": "application/xml", "x-amz-request-id": request_id},
+            )
         if call.service == "ec2" or not call.error_ns:
             xml = (
                 '<?xml version="1.0" encoding="UTF-8"?>\n<Response><Errors><Error>'
@@ -864,6 +1024,8 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
         return web.Response(status=err.status, body=json.dumps(payload).encode(), headers=headers)
 
     async def _dispatch(self, call: _Call, request: web.Request) -> web.StreamResponse:
+        if call.service == "s3":
+            return self._advisor_object()
         if call.service == "pricing":
             return self._json(call, self._pricing(call))
         if call.service == "servicequotas":
@@ -881,6 +1043,19 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
             if call.action == "DescribeInstanceTypes":
                 return await self._instance_types(call, request)
         return await self._proxy(call, request)
+
+    def _advisor_object(self) -> web.Response:
+        """GetObject of the advisor document, as S3 answers it."""
+        with self._lock:
+            body = json.dumps(self.spot_advisor, separators=(",", ":")).encode()
+        headers = {
+            "Content-Type": "application/json",
+            "ETag": f'"{hashlib.md5(body, usedforsecurity=False).hexdigest()}"',
+            "Last-Modified": self.snapshot_time.strftime("%a, %d %b %Y %H:%M:%S GMT"),
+            "Accept-Ranges": "bytes",
+            "x-amz-request-id": uuid.uuid4().hex[:16].upper(),
+        }
+        return web.Response(body=body, headers=headers)
 
     def _json(self, call: _Call, payload: dict[str, Any]) -> web.Response:
         return web.Response(
@@ -1200,10 +1375,9 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
         raise FakeAWSError("UnknownOperationException", f"{call.action} is not faked")
 
 
-@pytest.fixture(name="fake_aws")
-def fake_aws_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAWS]:
-    """A running FakeAWS with fake credentials in the environment (AWS_* = testing,
-    region us-east-1, no profile/config files, no instance metadata lookups)."""
+def fake_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake credentials in the environment (AWS_* = testing, region us-east-1, no
+    profile/config files, no instance metadata lookups)."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_SESSION_TOKEN", "testing")
@@ -1212,5 +1386,11 @@ def fake_aws_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAWS]:
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.delenv("AWS_PROFILE", raising=False)
+
+
+@pytest.fixture(name="fake_aws")
+def fake_aws_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAWS]:
+    """A running FakeAWS with fake credentials in the environment (`fake_credentials`)."""
+    fake_credentials(monkeypatch)
     with contextlib.ExitStack() as stack:
         yield stack.enter_context(FakeAWS())

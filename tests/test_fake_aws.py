@@ -17,8 +17,10 @@ import boto3
 import pytest
 from botocore import UNSIGNED
 from botocore.config import Config
-from botocore.exceptions import ClientError
-from fake_aws import DEFAULT_PRICES_CSV, FakeAWS, fake_aws_fixture  # noqa: F401
+from botocore.exceptions import ClientError, ReadTimeoutError
+from botocore.parsers import ResponseParserError
+from fake_aws import ADVISOR_RANGES, DEFAULT_PRICES_CSV, FakeAWS, fake_aws_fixture  # noqa: F401
+from fake_server import Chaos
 
 NO_RETRY = Config(retries={"total_max_attempts": 1, "mode": "standard"})
 LINUX_OD = [  # the filters that pick the one on-demand Linux product per type and region
@@ -311,7 +313,140 @@ def test_sqs_round_trip_with_eventbridge_events(fake_aws: FakeAWS) -> None:
     assert fake_aws.call_count("sqs", "ReceiveMessage", "us-west-2") == 2
 
 
+# ------------------------------------------------------- Spot Instance Advisor
+def advisor(fake_aws: FakeAWS) -> dict[str, Any]:
+    with contextlib.closing(
+        boto3.client(
+            "s3",
+            region_name="us-east-1",
+            endpoint_url=fake_aws.url,
+            config=NO_RETRY.merge(
+                Config(signature_version=UNSIGNED, s3={"addressing_style": "path"})
+            ),
+        )
+    ) as s3:
+        resp = s3.get_object(Bucket="spot-bid-advisor", Key="spot-advisor-data.json")
+        assert resp["ContentType"] == "application/json"
+        doc: dict[str, Any] = json.loads(resp["Body"].read())
+    return doc
+
+
+def test_spot_advisor_document_has_the_published_shape(fake_aws: FakeAWS) -> None:
+    doc = advisor(fake_aws)
+    assert set(doc) == {"global_rate", "instance_types", "ranges", "spot_advisor"}
+    assert doc["ranges"] == ADVISOR_RANGES
+    assert [r["label"] for r in doc["ranges"]] == ["<5%", "5-10%", "10-15%", "15-20%", ">20%"]
+    regions = {row["region"] for row in csv_rows()}
+    assert set(doc["spot_advisor"]) == regions
+    east = doc["spot_advisor"]["us-east-1"]
+    assert set(east) == {"Linux", "Windows"}
+    assert {"g5.xlarge", "m5.large"} <= set(east["Linux"])
+    for entry in east["Linux"].values():
+        assert set(entry) == {"s", "r"} and 0 <= entry["r"] <= 4 and 0 < entry["s"] < 100
+    assert fake_aws.advisor_gaps["us-east-1"] not in east["Linux"]
+    assert doc["instance_types"]["p5.48xlarge"] == {"emr": False, "cores": 192, "ram_gb": 2048.0}
+    assert fake_aws.calls == {("s3", "GetObject", "us-east-1"): 1}
+
+    fake_aws.set_interruption_band("us-east-1", "g5.xlarge", 4)
+    fake_aws.set_interruption_band("us-east-1", "m5.large", None)
+    linux = advisor(fake_aws)["spot_advisor"]["us-east-1"]["Linux"]
+    assert linux["g5.xlarge"]["r"] == 4 and "m5.large" not in linux
+
+
 # ------------------------------------------------------- faults, latency, counts
+CHAOS_CALLS = {  # service -> (client, call)
+    "ec2": ("ec2", lambda c: c.describe_spot_price_history(MaxResults=5)),
+    "ec2-moto": ("ec2", lambda c: c.describe_regions()),
+    "pricing": ("pricing", lambda c: c.get_products(ServiceCode="AmazonEC2", MaxResults=1)),
+    "servicequotas": (
+        "service-quotas",
+        lambda c: c.get_service_quota(ServiceCode="ec2", QuotaCode="L-DB2E81BA"),
+    ),
+    "sqs": ("sqs", lambda c: c.list_queues()),
+    "s3": ("s3", lambda c: c.get_object(Bucket="spot-bid-advisor", Key="spot-advisor-data.json")),
+}
+CHAOS_ANSWERS = {  # service -> (throttle code and status, 500 code, 503 code)
+    "ec2": (("RequestLimitExceeded", 503), "InternalError", "Unavailable"),
+    "ec2-moto": (("RequestLimitExceeded", 503), "InternalError", "Unavailable"),
+    "pricing": (
+        ("ThrottlingException", 400),
+        "InternalErrorException",
+        "ServiceUnavailableException",
+    ),
+    "servicequotas": (("TooManyRequestsException", 400), "ServiceException", "ServiceException"),
+    "sqs": (("ThrottlingException", 400), "InternalError", "ServiceUnavailable"),
+    "s3": (("SlowDown", 503), "InternalError", "ServiceUnavailable"),
+}
+
+
+@pytest.mark.parametrize("service", CHAOS_CALLS)
+def test_random_faults_answer_in_each_services_own_shape(fake_aws: FakeAWS, service: str) -> None:
+    name, call = CHAOS_CALLS[service]
+    client = fake_aws.client(name, "us-east-1")
+    (throttle, throttle_status), code_500, code_503 = CHAOS_ANSWERS[service]
+    fake_aws.chaos = Chaos(rate=1.0, kinds=("throttle",))
+    with pytest.raises(ClientError) as err:
+        call(client)
+    resp = err.value.response
+    assert (resp["Error"]["Code"], resp["ResponseMetadata"]["HTTPStatusCode"]) == (
+        throttle,
+        throttle_status,
+    )
+    assert resp["ResponseMetadata"]["HTTPHeaders"]["retry-after"] == "1"
+    fake_aws.chaos = Chaos(rate=1.0, kinds=("5xx",), seed=3)
+    seen = set()
+    for _ in range(12):
+        with pytest.raises(ClientError) as err:
+            call(client)
+        resp = err.value.response
+        seen.add((resp["Error"]["Code"], resp["ResponseMetadata"]["HTTPStatusCode"]))
+    assert seen == {(code_500, 500), (code_503, 503)}
+    assert fake_aws.faulted == {"throttle": 1, "5xx": 12}
+    assert fake_aws.call_count() == 13  # faulted calls are counted too
+    fake_aws.chaos = None
+    call(client)
+
+
+def test_a_truncated_answer_is_half_a_body(fake_aws: FakeAWS) -> None:
+    ec2 = fake_aws.client("ec2", "us-east-1")
+    pricing = fake_aws.client("pricing", "us-east-1")
+    fake_aws.chaos = Chaos(rate=1.0, kinds=("truncated",))
+    with pytest.raises(ResponseParserError):  # XML: botocore cannot parse it
+        ec2.describe_spot_price_history(MaxResults=5)
+    # JSON: botocore reads a body it cannot decode as an answer without data, no error;
+    # the adapter's seam checks JSON bodies itself (adapters/aws/sdk.py).
+    page = pricing.get_products(ServiceCode="AmazonEC2", MaxResults=1)
+    assert "PriceList" not in page
+    assert fake_aws.faulted == {"truncated": 2}
+
+
+def test_a_timed_out_answer_comes_after_hang_seconds(fake_aws: FakeAWS) -> None:
+    with contextlib.closing(
+        boto3.client(
+            "ec2",
+            region_name="us-east-1",
+            endpoint_url=fake_aws.url,
+            config=NO_RETRY.merge(Config(read_timeout=0.3, connect_timeout=1)),
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+    ) as ec2:
+        fake_aws.chaos = Chaos(rate=1.0, kinds=("timeout",), hang_seconds=0.6)
+        with pytest.raises(ReadTimeoutError):
+            ec2.describe_spot_price_history(MaxResults=5)
+    fake_aws.chaos = None
+    assert fake_aws.faulted == {"timeout": 1}
+    patient = fake_aws.client("ec2", "us-east-1")
+    assert patient.describe_spot_price_history(MaxResults=5)["SpotPriceHistory"]
+
+
+def test_the_fakes_own_helper_calls_are_never_faulted(fake_aws: FakeAWS) -> None:
+    fake_aws.chaos = Chaos(rate=1.0)
+    url = fake_aws.create_queue("us-east-1", "spared")
+    fake_aws.send_ec2_event(url, "EC2 Instance Rebalance Recommendation", {"instance-id": "i-1"})
+    assert not fake_aws.faulted and fake_aws.call_count() == 0
+
+
 @pytest.mark.parametrize(
     ("service", "call", "code", "status"),
     [

@@ -1,21 +1,34 @@
 """The AWS adapter: GPU instance types, where they are offered, spot and on-demand
-prices, spot placement scores, EC2 quotas and spot interruption notices.
+prices, spot placement scores, EC2 quotas, spot interruption rates and spot
+interruption notices.
 
 What one poll of a region asks, and how often (everything through `AwsSdk`, on the
-adapter's own thread pool, so one slow API never blocks the event loop):
+adapter's own thread pool, so one slow API never blocks the event loop). *Required*
+parts make the poll fail when they cannot be read (after the seam's retries); a failed
+*optional* part keeps its last good copy, or is unknown (`None`) until one arrives:
 
 * GPU instance types — `DescribeInstanceTypes` (paginated, keep `GpuInfo`); every 6 h;
-  required.
+  required until the first good copy, then its last good copy is kept.
 * zones offering them — `DescribeInstanceTypeOfferings` by availability zone; every
-  hour; required.
+  hour; required until the first good copy, then its last good copy is kept.
 * spot prices — `DescribeSpotPriceHistory` for Linux/UNIX, asking only for what changed
-  since the last poll; every poll; required.
+  since the last poll; every poll; always required (they are what a poll is for).
 * on-demand prices — Price List `GetProducts` (TERM_MATCH filters), one call per type;
-  every 6 h; on failure the last good copy is kept.
+  every 6 h; required for every type that has no good copy yet (a first poll, a new
+  type), then the last good copy is kept. A type the catalog has no price for (p5e in
+  most regions) is offered with `price_per_hour=None`; a type whose price call failed
+  is never offered that way: the poll fails instead.
 * spot capacity — `GetSpotPlacementScores` per type (score 1–10 → availability) and the
-  account's zone IDs; every 30 min; last good copy kept.
+  account's zone IDs; every 30 min; optional.
 * quota headroom — Service Quotas, the G/VT and P vCPU quotas, on-demand and spot; every
-  10 min; last good copy kept.
+  10 min; optional.
+* interruption rates — the public Spot Instance Advisor document (one for all regions,
+  read by the first region that needs it); every 6 h; optional. Its band of the share of
+  spot instances interrupted in a month (`<5%` ... `>20%`) for the region, Linux and
+  the instance type becomes the spot offers' `interruption_rate`: the band's midpoint
+  (25 % for `>20%`) read as the probability p of an interruption within a month,
+  rate = −ln(1 − p) / 730 per hour (`pricing.band_rate`). A type the document does not
+  list has `interruption_rate=None`.
 
 A poll that fails raises a typed error: the poller marks the region unhealthy and its
 offers age until stale (not placed on) — which is not "no capacity", so an API that
@@ -25,7 +38,12 @@ Spot interruption notices come from an optional SQS queue fed by EventBridge
 (`interruption_queue_url`): "EC2 Spot Instance Interruption Warning" becomes an
 `interrupted` signal for the instance's pool, "EC2 Instance Rebalance Recommendation" a
 `rebalance` signal; "EC2 Instance State-change Notification" only keeps the
-instance → pool cache current. Only pools the broker leases are signalled.
+instance → pool cache current. Only pools the broker leases are signalled. A message
+is deleted from the queue only once it is done with: its signal was delivered (the
+consumer asked for the next one), or it is irrelevant (not an EC2 event, another pool,
+an instance AWS does not know). A message whose instance could not be described for a
+transient reason stays on the queue and comes back after its visibility timeout.
+Delivery is at least once: a consumer that stops right after a signal may see it again.
 """
 
 from __future__ import annotations
@@ -33,7 +51,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -45,12 +63,13 @@ import structlog
 from adapters.aws import pricing
 from adapters.aws.sdk import AwsSdk
 from adapters.base import CloudAdapter, LeasedPools, run_blocking
-from adapters.common import Cached, gather_all, note_optional
+from adapters.common import Cached, RetryPolicy, gather_all, note_optional
 from adapters.errors import AdapterError, InvalidConfig
 from broker.model import CapacitySignal, Market, Offer, PoolKey, SignalKind, utcnow
 
 log = structlog.get_logger("gpubroker.aws")
 T = TypeVar("T")
+V = TypeVar("V")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +81,7 @@ class Refresh:
     on_demand: float = 6 * 3600
     placement_scores: float = 1800
     quotas: float = 600
+    interruption_rates: float = 6 * 3600
     spot_overlap: float = 60  # re-ask this much before the last poll, for clock skew
     first_spot_window: float = 86400
 
@@ -88,11 +108,22 @@ class _RegionState:
     spot_since: datetime | None = None
 
 
+@dataclass(slots=True)
+class _Part:
+    """One part of a poll: what it reads, its cache, whether the poll needs it."""
+
+    what: str
+    cached: Cached[Any]
+    required: bool
+    run: Coroutine[Any, Any, None]
+
+
 class AwsAdapter(CloudAdapter):
     name = "aws"
 
     def __init__(self, *, regions: Sequence[str], endpoint: str | None = None,
                  anonymous: bool = False, interruption_queue_url: str | None = None,
+                 call_timeout: float = 10.0, retry: RetryPolicy | None = None,
                  refresh: Refresh | None = None, max_workers: int | None = None,
                  clock: Callable[[], datetime] = utcnow,
                  monotonic: Callable[[], float] = time.monotonic,
@@ -108,8 +139,14 @@ class AwsAdapter(CloudAdapter):
         # per region (prices and placement scores per type), so give each region threads.
         workers = max_workers or min(128, 24 * len(self._regions))
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aws")
-        self.sdk = AwsSdk(endpoint=endpoint, anonymous=anonymous, on_call=on_call)
+        self.sdk = AwsSdk(endpoint=endpoint, anonymous=anonymous, call_timeout=call_timeout,
+                          retry=retry, on_call=on_call)
         self._state = {r: _RegionState() for r in self._regions}
+        # The Spot Instance Advisor document is one for all regions: region → type → rate.
+        self._advisor: Cached[dict[str, dict[str, float]]] = Cached({})
+        self._advisor_lock = asyncio.Lock()
+        self._advisor_tried = -1e18  # monotonic time the last fetch of it ended
+        self._advisor_error: AdapterError | None = None  # how that fetch failed, if it did
         self._queue_url = interruption_queue_url
         self._instances: dict[str, PoolKey] = {}
 
@@ -129,41 +166,57 @@ class AwsAdapter(CloudAdapter):
         now, mono = self._clock(), self._mono()
         rf = self._refresh
         if st.types.older_than(rf.instance_types, mono):
-            infos = await self._run(self.sdk.gpu_instance_types, region)
-            st.types = Cached({t.name: t for t in map(_type_of, infos)}, mono, now)
+            types = self._types(region, st, mono, now)
+            await self._settle(region, [_Part("instance types", st.types,
+                                              st.types.read_at is None, types)])
         names = sorted(st.types.value)
         if not names:
             return []
-        required: list[Any] = [self._spot(region, st, names, now)]
+        parts = [_Part("spot prices", Cached(None), True, self._spot(region, st, names, now))]
         if st.offerings.older_than(rf.offerings, mono):
-            required.append(self._offerings(region, st, names, mono, now))
-        optional = []
-        if st.on_demand.older_than(rf.on_demand, mono):
-            optional.append(("on-demand prices", self._on_demand(region, st, names, mono, now)))
+            parts.append(_Part("offerings", st.offerings, st.offerings.read_at is None,
+                               self._offerings(region, st, names, mono, now)))
+        unpriced = [n for n in names if n not in st.on_demand.value]
+        if unpriced or st.on_demand.older_than(rf.on_demand, mono):
+            # Types without any price copy must be priced: never "no price" for a failure.
+            parts.append(_Part("on-demand prices", st.on_demand, bool(unpriced),
+                               self._on_demand(region, st, names, unpriced, mono, now)))
         if st.scores.older_than(rf.placement_scores, mono):
-            optional.append(("spot placement scores", self._scores(region, st, names, mono,
-                                                                   now)))
+            parts.append(_Part("spot placement scores", st.scores, False,
+                               self._scores(region, st, names, mono, now)))
         if st.quotas.older_than(rf.quotas, mono):
-            optional.append(("quotas", self._quotas(region, st, mono, now)))
-        results = await asyncio.gather(*required, *(c for _, c in optional),
-                                       return_exceptions=True)
-        for r in results[:len(required)]:
-            if isinstance(r, BaseException):
-                raise r
-        for (what, _), r in zip(optional, results[len(required):], strict=True):
-            self._note_optional(region, what, r)
+            parts.append(_Part("quotas", st.quotas, False, self._quotas(region, st, mono, now)))
+        if self._advisor.older_than(rf.interruption_rates, mono):
+            parts.append(_Part("interruption rates", self._advisor, False,
+                               self._interruption_rates(mono, now)))
+        await self._settle(region, parts)
         return self._offers(region, st, now)
 
-    def _note_optional(self, region: str, what: str, result: object) -> None:
-        """An optional answer failed: keep the last good copy, log on change only."""
-        cache = {"on-demand prices": "on_demand", "spot placement scores": "scores",
-                 "quotas": "quotas"}[what]
-        note_optional(log, "aws", region, what, getattr(self._state[region], cache), result)
+    async def _settle(self, region: str, parts: list[_Part]) -> None:
+        """Run `parts` together and wait for all of them (their calls run on threads,
+        which must not go on retrying after the poll ends). A failed optional part keeps
+        its last good copy (logged on change only); then the first failed required part's
+        error is raised. Anything but an `AdapterError` is a bug and raised as it is."""
+        results = await asyncio.gather(*(p.run for p in parts), return_exceptions=True)
+        failed: BaseException | None = None
+        for part, result in zip(parts, results, strict=True):
+            if isinstance(result, BaseException) and (
+                    part.required or not isinstance(result, AdapterError)):
+                failed = failed or result
+                continue
+            note_optional(log, "aws", region, part.what, part.cached, result)
+        if failed is not None:
+            raise failed
+
+    async def _types(self, region: str, st: _RegionState, mono: float, now: datetime
+                     ) -> None:
+        infos = await self._run(self.sdk.gpu_instance_types, region)
+        _fill(st.types, {t.name: t for t in map(_type_of, infos)}, mono, now)
 
     async def _offerings(self, region: str, st: _RegionState, names: list[str],
                          mono: float, now: datetime) -> None:
         pairs = await self._run(self.sdk.offerings, region, names)
-        st.offerings = Cached(sorted(set(pairs)), mono, now)
+        _fill(st.offerings, sorted(set(pairs)), mono, now)
 
     async def _spot(self, region: str, st: _RegionState, names: list[str],
                     now: datetime) -> None:
@@ -178,13 +231,21 @@ class AwsAdapter(CloudAdapter):
         st.spot_since = now
 
     async def _on_demand(self, region: str, st: _RegionState, names: list[str],
-                         mono: float, now: datetime) -> None:
+                         unpriced: list[str], mono: float, now: datetime) -> None:
+        """All types' prices when the copy is due, else only those of `unpriced` types
+        (added to the copy, which keeps its age). A type the catalog has no price for
+        is priced None; a failed call fails the whole refresh."""
+        due = st.on_demand.older_than(self._refresh.on_demand, mono)
+
         async def one(name: str) -> tuple[str, float | None]:
             docs = await self._run(self.sdk.on_demand_products, region, name)
             return name, pricing.on_demand_price(docs, name, region)
 
-        prices = dict(await gather_all(one(n) for n in names))
-        st.on_demand = Cached(prices, mono, now)
+        prices = dict(await gather_all(one(n) for n in (names if due else unpriced)))
+        if due:
+            _fill(st.on_demand, prices, mono, now)
+        else:
+            st.on_demand.value.update(prices)
 
     async def _scores(self, region: str, st: _RegionState, names: list[str],
                       mono: float, now: datetime) -> None:
@@ -197,17 +258,43 @@ class AwsAdapter(CloudAdapter):
         scores: dict[tuple[str, str], int] = {}
         for part in await gather_all(one(n) for n in names):
             scores.update(part)
-        st.scores = Cached(scores, mono, now)
+        _fill(st.scores, scores, mono, now)
 
     async def _quotas(self, region: str, st: _RegionState, mono: float, now: datetime
                       ) -> None:
         codes = [c for pair in pricing.QUOTA_CODES.values() for c in pair]
         values = await gather_all(self._run(self.sdk.quota, region, c) for c in codes)
-        st.quotas = Cached(dict(zip(codes, values, strict=True)), mono, now)
+        _fill(st.quotas, dict(zip(codes, values, strict=True)), mono, now)
+
+    async def _interruption_rates(self, mono: float, now: datetime) -> None:
+        """Refresh the Spot Instance Advisor's rates, once for all regions: a region
+        that finds a fetch under way waits for it, and does not fetch again if that one
+        ended after this poll began; it shares its outcome."""
+        async with self._advisor_lock:
+            if self._advisor_tried >= mono:
+                if self._advisor_error is not None:
+                    raise self._advisor_error
+                return
+            if not self._advisor.older_than(self._refresh.interruption_rates, mono):
+                return
+            try:
+                doc = await self._run(self.sdk.spot_advisor_document)
+                try:
+                    rates = pricing.interruption_rates(doc, self._regions)
+                except ValueError as exc:
+                    raise AdapterError(f"Spot Instance Advisor: {exc}", cloud="aws") from None
+            except AdapterError as exc:
+                self._advisor_error = exc
+                raise
+            finally:
+                self._advisor_tried = self._mono()
+            self._advisor_error = None
+            _fill(self._advisor, rates, mono, now)
 
     def _offers(self, region: str, st: _RegionState, now: datetime) -> list[Offer]:
         out: list[Offer] = []
         od_read = st.on_demand.read_at or now
+        rates = self._advisor.value.get(region, {})
         for itype, zone in st.offerings.value:
             t = st.types.value.get(itype)
             if t is None:
@@ -229,6 +316,7 @@ class AwsAdapter(CloudAdapter):
                 pool=PoolKey("aws", region, zone, itype, Market.SPOT),
                 price_per_hour=spot[0] if spot else None, observed_at=now,
                 availability=pricing.availability_of(st.scores.value.get((itype, zone))),
+                interruption_rate=rates.get(itype),
                 quota_headroom=pricing.headroom_gpus(
                     st.quotas.value.get(spot_code) if spot_code else None, t.vcpus, t.gpus),
                 quota_group=f"aws:{region}:{spot_code}" if spot_code else None,
@@ -255,16 +343,26 @@ class AwsAdapter(CloudAdapter):
         while True:
             messages = await self._run(self.sdk.receive, queue_region, self._queue_url)
             received = self._clock()
-            done: list[str] = []
+            done: list[str] = []  # delivered or irrelevant: deleted after this batch
             for message in messages:
-                done.append(message["ReceiptHandle"])
-                notice = await self._signal_of(message, received)
+                try:
+                    notice = await self._signal_of(message, received)
+                except AdapterError as exc:
+                    # Left on the queue: it comes back after its visibility timeout.
+                    log.warning("aws interruption notice not resolved yet, left on the queue",
+                                message_id=message.get("MessageId"),
+                                error=type(exc).__name__, detail=str(exc))
+                    continue
                 if notice is not None and notice.pool in leased():
-                    yield notice
+                    yield notice  # delivered once the consumer asks for the next one
+                done.append(message["ReceiptHandle"])
             await self._run(self.sdk.delete, queue_region, self._queue_url, done)
 
     async def _signal_of(self, message: dict[str, Any], received: datetime
                          ) -> CapacitySignal | None:
+        """The signal a queue message carries; None when it carries none for us (not an
+        EC2 event, a state change, an instance AWS does not know). Raises a retryable
+        `AdapterError` when the instance could not be described for now."""
         try:
             event = json.loads(message.get("Body", ""))
             kind = event["detail-type"]
@@ -292,12 +390,18 @@ class AwsAdapter(CloudAdapter):
                                  if detail.get("instance-action") else ""))
 
     async def _pool_of(self, region: str, instance_id: str) -> PoolKey | None:
+        """The pool of an instance; None if AWS does not know it (or will not describe
+        it: a permanent error, logged). Raises a transient error after the seam's
+        retries, so that the caller keeps the message."""
         if instance_id not in self._instances:
             try:
                 found = await self._run(self.sdk.describe_instances, region, [instance_id])
             except AdapterError as exc:
+                if exc.retryable:
+                    raise
                 log.warning("aws interruption notice for an instance we cannot describe",
-                            instance_id=instance_id, error=type(exc).__name__)
+                            instance_id=instance_id, error=type(exc).__name__,
+                            detail=str(exc))
                 return None
             for inst in found:
                 market = (Market.SPOT if inst.get("InstanceLifecycle") == "spot"
@@ -310,6 +414,11 @@ class AwsAdapter(CloudAdapter):
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.sdk.close()
+
+
+def _fill(cached: Cached[V], value: V, mono: float, now: datetime) -> None:
+    """A good answer into `cached`, in place (its `failing` flag is `note_optional`'s)."""
+    cached.value, cached.at, cached.read_at = value, mono, now
 
 
 def _type_of(info: dict[str, Any]) -> _Type:
@@ -325,4 +434,5 @@ def from_config(section: Any, **kwargs: Any) -> AwsAdapter:
     """Build the adapter from the daemon configuration's `clouds.aws` section."""
     return AwsAdapter(regions=section.regions, endpoint=section.endpoint,
                       anonymous=section.anonymous,
-                      interruption_queue_url=section.interruption_queue_url, **kwargs)
+                      interruption_queue_url=section.interruption_queue_url,
+                      call_timeout=section.call_timeout_seconds, **kwargs)

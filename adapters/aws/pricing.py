@@ -1,4 +1,5 @@
-"""Reading AWS's answers: Price List documents, GPU names, quota families, scores.
+"""Reading AWS's answers: Price List documents, GPU names, quota families, scores,
+Spot Instance Advisor interruption bands.
 
 Pure functions over plain data, so each mapping has a table-driven test.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from adapters.gpus import canonical
@@ -41,7 +44,8 @@ def gpu_of(type_info: dict[str, Any]) -> tuple[str, int, float | None, bool]:
     return canon, count, mem, known
 
 
-def on_demand_price(documents: list[str], instance_type: str, region: str) -> float | None:
+def on_demand_price(documents: Sequence[Mapping[str, Any] | str], instance_type: str,
+                    region: str) -> float | None:
     """The hourly USD price in the Price List documents for `instance_type` in `region`.
 
     Checks the product attributes again (a filter the API ignored must not turn a
@@ -49,7 +53,7 @@ def on_demand_price(documents: list[str], instance_type: str, region: str) -> fl
     OnDemand term. None if no document matches or the price is 0 (AWS lists 0 for types
     not sold on demand)."""
     for doc in documents:
-        product = json.loads(doc) if isinstance(doc, str) else doc
+        product: Mapping[str, Any] = json.loads(doc) if isinstance(doc, str) else doc
         attrs = product.get("product", {}).get("attributes", {})
         if attrs.get("instanceType") != instance_type or attrs.get("regionCode") != region:
             continue
@@ -80,3 +84,66 @@ def headroom_gpus(quota_vcpus: float | None, vcpus: int | None, gpus: int) -> in
     if quota_vcpus is None or not vcpus:
         return None
     return int(quota_vcpus // vcpus) * gpus
+
+
+# --- Spot Instance Advisor -------------------------------------------------------------
+
+HOURS_PER_MONTH = 730.0
+"""The Spot Instance Advisor's bands are the share of a pool's spot instances AWS
+interrupted over the last month; 8,760 h / 12."""
+
+_BAND = re.compile(r"^\s*(?:<\s*(?P<below>\d+(?:\.\d+)?)|>\s*(?P<above>\d+(?:\.\d+)?)"
+                   r"|(?P<lo>\d+(?:\.\d+)?)\s*-\s*(?P<hi>\d+(?:\.\d+)?))\s*%\s*$")
+
+
+def band_rate(label: str) -> float | None:
+    """A Spot Instance Advisor band label (`<5%`, `5-10%`, ..., `>20%`: the share of
+    spot instances interrupted in a month) as interruptions per hour.
+
+    The band's midpoint is read as the probability p that an instance is interrupted
+    within a month (`<5%` → 2.5 %; the open band `>20%` → 25 %, its bound plus half the
+    width of the bands below it), turned into a constant hazard:
+    rate = −ln(1 − p) / 730 h. So `<5%` → 3.47e-5/h, `5-10%` → 1.07e-4/h,
+    `10-15%` → 1.83e-4/h, `15-20%` → 2.64e-4/h, `>20%` → 3.94e-4/h. None for a label
+    that reads as none of these."""
+    m = _BAND.match(label)
+    if m is None:
+        return None
+    if m["below"] is not None:
+        mid = float(m["below"]) / 2
+    elif m["above"] is not None:
+        mid = float(m["above"]) + 5
+    else:
+        mid = (float(m["lo"]) + float(m["hi"])) / 2
+    p = min(max(mid / 100, 0.0), 0.99)
+    return float(f"{-math.log1p(-p) / HOURS_PER_MONTH:.4g}")
+
+
+def interruption_rates(document: Mapping[str, Any], regions: Collection[str],
+                       os_name: str = "Linux") -> dict[str, dict[str, float]]:
+    """Region → instance type → interruptions per hour, for `regions`, from the Spot
+    Instance Advisor document (`ranges`: [{index, label, max}], `spot_advisor`:
+    {region: {os: {instance type: {"s": savings %, "r": range index}}}}). Entries whose
+    range is unknown are left out (unknown, not a guess). Raises `ValueError` when the
+    document lacks `ranges` or `spot_advisor`."""
+    ranges = document.get("ranges")
+    advisor = document.get("spot_advisor")
+    if not isinstance(ranges, list) or not isinstance(advisor, Mapping):
+        raise ValueError("not a Spot Instance Advisor document (no ranges/spot_advisor)")
+    rate_of: dict[int, float] = {}
+    for band in ranges:
+        if isinstance(band, Mapping) and isinstance(band.get("index"), int):
+            rate = band_rate(str(band.get("label", "")))
+            if rate is not None:
+                rate_of[band["index"]] = rate
+    out: dict[str, dict[str, float]] = {}
+    for region in regions:
+        types = advisor.get(region, {})
+        types = types.get(os_name, {}) if isinstance(types, Mapping) else {}
+        if not isinstance(types, Mapping):
+            continue
+        out[region] = {
+            str(itype): rate_of[entry["r"]] for itype, entry in types.items()
+            if isinstance(entry, Mapping) and isinstance(entry.get("r"), int)
+            and entry["r"] in rate_of}
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -87,3 +88,63 @@ def test_placement_score_to_availability(score: int | None, availability: float 
 def test_quota_headroom_in_gpus(quota: float | None, vcpus: int | None, gpus: int,
                                 headroom: int | None) -> None:
     assert pricing.headroom_gpus(quota, vcpus, gpus) == headroom
+
+
+# --- Spot Instance Advisor ------------------------------------------------------------
+
+RANGES = [  # as the published document has them ("max" is not the label's bound)
+    {"index": 0, "label": "<5%", "dots": 0, "max": 5},
+    {"index": 1, "label": "5-10%", "dots": 1, "max": 11},
+    {"index": 2, "label": "10-15%", "dots": 2, "max": 16},
+    {"index": 3, "label": "15-20%", "dots": 3, "max": 22},
+    {"index": 4, "label": ">20%", "dots": 4, "max": 100},
+]
+
+
+@pytest.mark.parametrize(("label", "monthly"), [
+    ("<5%", 0.025), ("5-10%", 0.075), ("10-15%", 0.125), ("15-20%", 0.175), (">20%", 0.25),
+    (" 5 - 10 % ", 0.075), ("<2.5%", 0.0125),
+])
+def test_an_advisor_band_is_its_midpoint_as_a_monthly_probability(label: str,
+                                                                  monthly: float) -> None:
+    rate = pricing.band_rate(label)
+    assert rate == pytest.approx(-math.log(1 - monthly) / 730, rel=1e-3)
+    # Read back: the chance of an interruption within 730 h is the band's midpoint.
+    assert rate is not None and 1 - math.exp(-rate * 730) == pytest.approx(monthly, rel=1e-3)
+
+
+@pytest.mark.parametrize("label", ["", "high", "5%", "5-%", "<%"])
+def test_an_unreadable_band_is_unknown(label: str) -> None:
+    assert pricing.band_rate(label) is None
+
+
+def test_interruption_rates_by_region_and_type_for_linux() -> None:
+    doc = {
+        "global_rate": "<10%",
+        "instance_types": {"g5.xlarge": {"emr": True, "cores": 4, "ram_gb": 16.0}},
+        "ranges": [*RANGES, {"index": 5, "label": "unheard of", "max": 0}],
+        "spot_advisor": {
+            "us-east-1": {
+                "Linux": {"g5.xlarge": {"s": 70, "r": 0}, "p5.48xlarge": {"s": 50, "r": 4},
+                          "g6.xlarge": {"s": 60, "r": 5}, "g6e.xlarge": {"s": 60, "r": 9},
+                          "p4d.24xlarge": {"s": 60}, "p3.2xlarge": "garbage"},
+                "Windows": {"g4dn.xlarge": {"s": 40, "r": 1}},
+            },
+            "eu-west-1": {"Windows": {"g5.xlarge": {"s": 40, "r": 1}}},
+            "us-west-2": {"Linux": {"g5.xlarge": {"s": 70, "r": 3}}},
+        },
+    }
+    rates = pricing.interruption_rates(doc, ["us-east-1", "eu-west-1", "ap-south-1"])
+    assert rates == {
+        "us-east-1": {"g5.xlarge": pricing.band_rate("<5%"),
+                      "p5.48xlarge": pricing.band_rate(">20%")},
+        "eu-west-1": {},
+        "ap-south-1": {},
+    }
+
+
+@pytest.mark.parametrize("doc", [{}, {"ranges": RANGES}, {"spot_advisor": {}},
+                                 {"ranges": {}, "spot_advisor": {}}])
+def test_a_document_without_ranges_or_advice_is_not_one(doc: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="Spot Instance Advisor"):
+        pricing.interruption_rates(doc, ["us-east-1"])
