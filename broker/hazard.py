@@ -188,6 +188,9 @@ class HazardEstimator:
         for key in change.removed:
             if key.market is Market.SPOT:
                 self.gone(key, t)
+        # A poll that changed nothing still moves time on (re-readings of the same
+        # state are no change: `broker.pool.same_state`).
+        self._tick(t)
 
     def observe_row(self, row: TraceRow) -> None:
         """One row of a market trace (recorded history) of a spot pool."""
