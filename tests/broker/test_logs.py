@@ -31,7 +31,8 @@ async def test_no_secret_is_ever_logged(tmp_path: Path, mosquitto: Mosquitto,
         "mqtt": {"url": mosquitto.url, "username": "gpubroker",
                  "password_file": str(tmp_path / "mqtt")},
         "http": {"listen": f"127.0.0.1:{free_port()}", "token_file": str(tmp_path / "token")},
-        "poll": {"interval_seconds": 3600, "stale_after_seconds": 7200},
+        # (AWS's first poll is retried for the whole poll timeout: keep it short)
+        "poll": {"interval_seconds": 3600, "stale_after_seconds": 7200, "timeout_seconds": 3},
         # AWS against a closed port: its failure is logged, with the secret in the env.
         "clouds": {"aws": {"regions": ["us-east-1"],
                            "endpoint": f"http://127.0.0.1:{free_port()}"},
@@ -75,8 +76,14 @@ def test_cloud_sdk_loggers_speak_only_at_debug(capsys: pytest.CaptureFixture[str
     user normally runs with; at debug its warnings are, its own debug output never."""
     import logging
 
+    import structlog
+
     from broker import logs
 
+    saved_config = structlog.get_config()
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    saved_levels = {n: logging.getLogger(n).level for n in logs.SDK_LOGGERS}
     try:
         logs.configure(json=False, level=logging.WARNING)
         for name in ("alibabacloud_credentials", "botocore.credentials", "azure.identity"):
@@ -91,4 +98,9 @@ def test_cloud_sdk_loggers_speak_only_at_debug(capsys: pytest.CaptureFixture[str
         err = capsys.readouterr().err
         assert "probe warning" in err and "request headers" not in err
     finally:
-        logs.configure(json=False, level=logging.WARNING)
+        # What the other tests run with: never a stream this test's capture closes.
+        structlog.configure(**saved_config)
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+        for name, level in saved_levels.items():
+            logging.getLogger(name).setLevel(level)
