@@ -94,16 +94,13 @@ CREDENTIALS_RECHECK = 10.0
 """Seconds a failed look at the credential chain is taken as the answer (the regions'
 polls start together; one look serves them all), before the chain is asked again."""
 
-ATTEMPTS = 12
-MAX_BACKOFF = 4.0
-"""The retry policy of every call. A first poll of a region makes dozens of calls (one
-per instance type for each kind of price: about 50 on the test fake, more on Alibaba),
-all of which must get through for the poll to succeed, so each call gets more tries
-than `RetryPolicy`'s default (8 tries, waits of up to 8 s): with waits capped at 4 s
-about ten tries fit in the default 30 s poll deadline, and at 30 % of calls failing at
-random a call runs out of them about once in 170,000 (0.3 ** 10), not once in 4,500
-(0.3 ** 7, what fits with 8 s waits). A retry-after
-hint up to 4 s is waited out; a longer one goes up to the poller."""
+ATTEMPTS = RetryPolicy.ATTEMPTS
+MAX_BACKOFF = RetryPolicy.MAX_BACKOFF
+"""The shared retry schedule (`adapters.common.RetryPolicy`): a first poll of a region
+makes dozens of calls (one per instance type for each kind of price), all of which must
+get through; about ten tries fit in the default 30 s poll deadline, so at 30 % of calls
+failing at random a call runs out of them about once in 170,000 (0.3 ** 10). A
+retry-after hint up to 4 s is waited out; a longer one goes up to the poller."""
 
 INSTANCE_TYPES_PAGE = 1600  # DescribeInstanceTypes MaxResults: the documented maximum
 SPOT_ADVICE_TYPES = 10  # DescribeSpotAdvice takes up to 10 InstanceTypes.N

@@ -55,7 +55,7 @@ import structlog
 from adapters.azure import pricing
 from adapters.azure.sdk import CLOUD, AzureSdk, RetailPrices, check_region
 from adapters.base import CloudAdapter, run_blocking
-from adapters.common import Cached, note_optional
+from adapters.common import Cached, RetryPolicy, note_optional
 from adapters.errors import AdapterError, InvalidConfig
 from broker.model import Market, Offer, PoolKey, utcnow
 
@@ -89,7 +89,8 @@ class AzureAdapter(CloudAdapter):
     def __init__(self, *, subscription_id: str | None, regions: Sequence[str],
                  endpoint: str | None = None, anonymous: bool = False,
                  refresh: Refresh | None = None, max_workers: int = 16,
-                 attempts: int = 8, max_backoff: float = 8.0, call_timeout: float = 10.0,
+                 attempts: int = RetryPolicy.ATTEMPTS,
+                 max_backoff: float = RetryPolicy.MAX_BACKOFF, call_timeout: float = 10.0,
                  clock: Callable[[], datetime] = utcnow,
                  monotonic: Callable[[], float] = time.monotonic,
                  on_call: Callable[[str, str], None] | None = None) -> None:

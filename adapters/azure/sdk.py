@@ -267,7 +267,8 @@ class AzureSdk:
     retried. Thread-safe (azure-core clients are)."""
 
     def __init__(self, *, subscription_id: str, endpoint: str | None = None,
-                 anonymous: bool = False, attempts: int = 8, max_backoff: float = 8.0,
+                 anonymous: bool = False, attempts: int = RetryPolicy.ATTEMPTS,
+                 max_backoff: float = RetryPolicy.MAX_BACKOFF,
                  call_timeout: float = 10.0, max_connections: int = 32,
                  on_call: Callable[[str, str], None] | None = None) -> None:
         compute = _azure()
@@ -406,8 +407,9 @@ class AzureSdk:
 class RetailPrices:
     """The public Azure Retail Prices API (no credential), over aiohttp."""
 
-    def __init__(self, *, endpoint: str | None = None, attempts: int = 8,
-                 max_backoff: float = 8.0, call_timeout: float = 10.0,
+    def __init__(self, *, endpoint: str | None = None,
+                 attempts: int = RetryPolicy.ATTEMPTS,
+                 max_backoff: float = RetryPolicy.MAX_BACKOFF, call_timeout: float = 10.0,
                  on_call: Callable[[str, str], None] | None = None) -> None:
         self.endpoint = endpoint.rstrip("/") if endpoint else None
         self.retry = RetryPolicy(attempts, max_backoff)
