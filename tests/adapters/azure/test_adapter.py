@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from adapters.azure import pricing
 from adapters.azure.adapter import AzureAdapter, Refresh, from_config
-from adapters.common import poll_deadline
+from adapters.common import RetryPolicy, poll_deadline
 from adapters.errors import AuthFailed, CloudUnavailable, InvalidConfig, RateLimited
 from broker.config import AzureConfig
 from broker.model import Market, Offer, PoolKey
@@ -205,7 +205,7 @@ async def test_an_api_that_stays_down_fails_the_poll_typed(fake_azure: FakeAzure
     fake_azure.fail("skus", status=503, times=None)
     with pytest.raises(CloudUnavailable, match=r"^Resource SKUs: ServiceUnavailable"):
         await adapter.poll(REGION)
-    assert fake_azure.call_count("skus") == 8  # attempts
+    assert fake_azure.call_count("skus") == RetryPolicy.ATTEMPTS
     fake_azure.clear_faults()
     fake_azure.reset_calls()
     fake_azure.fail("skus", status=403, code="AuthorizationFailed", times=None)
@@ -228,7 +228,8 @@ async def test_optional_answers_keep_the_last_good_copy(fake_azure: FakeAzure) -
                     again[key].interruption_rate, again[key].observed_at) == (
                 offer.price_per_hour, offer.quota_headroom, offer.interruption_rate,
                 offer.observed_at)
-        assert fake_azure.call_count("prices") == pages + 8  # then 8 attempts of page 1
+        # then every attempt at page 1
+        assert fake_azure.call_count("prices") == pages + RetryPolicy.ATTEMPTS
     finally:
         await a.close()
 
@@ -240,7 +241,7 @@ async def test_a_first_poll_without_prices_fails_naming_them(fake_azure: FakeAzu
     fake_azure.fail("prices", status=503, times=None)
     with pytest.raises(CloudUnavailable, match=r"^retail prices: ServiceUnavailable"):
         await adapter.poll(REGION)
-    assert fake_azure.call_count("prices") == 8  # attempts
+    assert fake_azure.call_count("prices") == RetryPolicy.ATTEMPTS
     fake_azure.clear_faults()
     assert all(o.price_per_hour is not None for o in await adapter.poll(REGION)
                if o.pool.instance_type != "Standard_NC128lds_xl_RTXPRO6000BSE_v6")
@@ -378,7 +379,7 @@ async def test_call_timeout_seconds_reaches_both_clients(fake_azure: FakeAzure) 
                                 call_timeout_seconds=0.5))
     try:
         assert (a.sdk.call_timeout, a.retail.call_timeout) == (0.5, 0.5)
-        assert (a.sdk.retry.attempts, a.retail.retry.attempts) == (8, 8)
+        assert (a.sdk.retry.attempts, a.retail.retry.attempts) == (RetryPolicy.ATTEMPTS,) * 2
         # An answer 1 s late is a timeout after 0.5 s, for ARM and the price API alike.
         fake_azure.chaos = Chaos(rate=1.0, kinds=("timeout",), hang_seconds=1.0)
         a.sdk.retry.attempts = a.retail.retry.attempts = 1

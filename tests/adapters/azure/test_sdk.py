@@ -16,6 +16,7 @@ from fake_server import Chaos
 
 from adapters.azure import pricing
 from adapters.azure.sdk import AzureSdk, RetailPrices, rebase, retry_after_of
+from adapters.common import RetryPolicy
 from adapters.errors import (
     AdapterError,
     AuthFailed,
@@ -150,7 +151,7 @@ async def test_retail_errors_are_translated_by_status(fake_azure: FakeAzure,
     fake_azure.fail("prices", status=503, times=None)
     with pytest.raises(CloudUnavailable):
         await retail.vm_prices(REGION)
-    assert fake_azure.call_count("prices") == 8  # attempts
+    assert fake_azure.call_count("prices") == RetryPolicy.ATTEMPTS
     fake_azure.clear_faults()
     fake_azure.fail("prices", status=400, code="BadRequest", times=None)
     with pytest.raises(AdapterError) as info:
