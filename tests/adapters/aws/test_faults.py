@@ -4,8 +4,8 @@ throttled, answered with a 5xx, answered too late, or answered with a body cut i
 (every key and value but `observed_at`), and `gpubroker offers` must print them, exit 0
 and show no traceback.
 
-The in-process polls use a retry policy of 20 attempts (the default is 8, bounded by the
-poll's deadline): at 50 % faults, a call failing 8 times in a row is a 1-in-256 event,
+The in-process polls use a retry policy of 20 attempts (AWS's default is 12, bounded by
+the poll's deadline): at 50 % faults, a call failing 12 times in a row is a 1-in-4,096 event,
 and a first poll makes ~160 calls. To keep them fast, backoff is capped lower, and the
 throttles of the throttle-only run ask for 0.25 s (`x-amz-retry-after: 250`, the
 header AWS's SDKs read) instead of the fake's `Retry-After: 1`, which the mixed run

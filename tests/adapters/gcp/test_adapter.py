@@ -366,7 +366,7 @@ async def test_an_api_that_stays_down_fails_the_poll_typed(fake_gcp: FakeGCP,
     fake_gcp.fail("machineTypes.list", 503, times=None, where=ZONE)
     with pytest.raises(CloudUnavailable):
         await adapter.poll(REGION)
-    assert fake_gcp.call_count("machineTypes.list", ZONE) == 8  # attempts
+    assert fake_gcp.call_count("machineTypes.list", ZONE) == RetryPolicy.ATTEMPTS
     fake_gcp.clear_faults()
     fake_gcp.reset_calls()
     fake_gcp.fail("regions.get", 403, times=None)
@@ -558,7 +558,7 @@ async def test_random_faults_heal_within_the_poll(fake_gcp: FakeGCP, clocks: Clo
     expected = await fault_free(fake_gcp, clocks)
     fake_gcp.reset_calls()
     fake_gcp.chaos = Chaos(rate=rate, kinds=kinds, hang_seconds=HANG, seed=15)
-    # More attempts than the default 8: at a 50 % fault rate one call in 256 would meet 8
+    # More attempts than the default: at a 50 % fault rate one call in 4,096 would meet 12
     # faults in a row, and this test is about healing, not about those odds. Short waits
     # (the Billing Catalog's RetryInfo of 1 s capped to 0.25 s) keep it quick.
     a = make(fake_gcp, clocks, regions=[REGION], call_timeout=CALL_TIMEOUT,
@@ -585,8 +585,8 @@ async def test_offers_command_with_random_faults_lists_the_fault_free_offers(
         "project": fake_gcp.project, "regions": [REGION], "endpoint": fake_gcp.url,
         "anonymous": True, "call_timeout_seconds": CALL_TIMEOUT}}}))
     fake_gcp.chaos = Chaos(rate=rate, kinds=kinds, hang_seconds=HANG, seed=15)
-    # The command retries as configured (8 attempts, waits up to 8 s); no call meets more
-    # than 2 faults in a row, so a pass neither hangs on the odds of 8 in a row nor waits
+    # The command retries as configured (the default attempts and waits); no call meets
+    # more than 2 faults in a row, so a pass neither hangs on the odds of many in a row nor waits
     # through the longest backoffs (see fake_gcp).
     fake_gcp.spare_every = 3
     r = await asyncio.to_thread(
