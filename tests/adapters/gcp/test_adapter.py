@@ -292,7 +292,7 @@ async def test_without_any_catalog_copy_the_poll_fails_typed(
     clocks.advance(60)
     with pytest.raises(CloudUnavailable, match="Billing Catalog"):
         await adapter.poll(REGION)
-    assert fake_gcp.call_count("skus.list") == 1 + 8
+    assert fake_gcp.call_count("skus.list") == 1 + RetryPolicy.ATTEMPTS
     fake_gcp.clear_faults()
     clocks.advance(60)
     offers = await adapter.poll(REGION)  # a failed read is tried again at the next poll
@@ -345,7 +345,7 @@ async def test_optional_project_quota_keeps_the_last_good_copy(
     fake_gcp.fail("projects.get", 503, times=None)
     clocks.advance(60)
     assert by_key(await adapter.poll(REGION))[pool("a2-highgpu-1g")].quota_headroom == 2
-    assert fake_gcp.call_count("projects.get") == 1 + 8  # retried, then given up
+    assert fake_gcp.call_count("projects.get") == 1 + RetryPolicy.ATTEMPTS  # then given up
 
 
 async def test_throttling_is_retried_unless_asked_to_wait_longer(
