@@ -51,8 +51,8 @@ Random faults (``chaos = Chaos(...)``, see ``fake_server``) answer as each servi
 
 ``chaos_repeats = N`` spares a request from random faults once the same request (method
 and URL) has been sent N times: a seeded draw over concurrent requests is not
-reproducible, and a test that must not fail by bad luck (8 attempts at 50 % faults fail
-one call in 256) sets it below the client's attempts.
+reproducible, and a test that must not fail by bad luck (12 attempts at 50 % faults
+fail one call in 4,096) sets it below the client's attempts.
 
 Data. VM sizes, regions and prices come from the price snapshot
 (``tests/fixtures/prices/gpu-prices-azure.csv``: 8 US regions, prices per region). The

@@ -297,7 +297,7 @@ async def fault_free(fake: FakeAzure) -> dict[PoolKey, Offer]:
 
 def inject(fake: FakeAzure, rate: float, kinds: tuple[str, ...]) -> None:
     """Random faults from now on. A timeout answers after 1.5 s (the client waits 1 s);
-    no request is faulted more than 3 times of its 8 attempts (FakeAzure.chaos_repeats).
+    no request is faulted more than 3 times of its 12 attempts (FakeAzure.chaos_repeats).
     At 50 % each API answers in one page, so that a test takes seconds, not a minute;
     the mixed faults at 30 % hit the fake's pages (several per API)."""
     fake.chaos = Chaos(rate=rate, kinds=kinds, hang_seconds=1.5, seed=15)
