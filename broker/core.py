@@ -575,7 +575,7 @@ class Broker:
             self.on_launch_failed(lease.placement.pool, parsed.detail or "")
         trigger = failover.Trigger(lease.lease_id, lease.epoch, FailoverReason.REPORTED,
                                    detail, cool_down=True)
-        self._fail_over_into(b, trigger)
+        self._fail_over_into(b, trigger, cmd)
 
     def _invalid(self, b: _Batch, cmd: Command, request_id: str | None,
                  errors: list[dict[str, str]]) -> None:
@@ -598,7 +598,10 @@ class Broker:
         self._fail_over_into(b, trigger)
         await self._commit(b)
 
-    def _fail_over_into(self, b: _Batch, trigger: failover.Trigger) -> None:
+    def _fail_over_into(self, b: _Batch, trigger: failover.Trigger,
+                        cmd: Command | None = None) -> None:
+        """Move the trigger's lease, or end it when nothing else fits. `cmd`: the
+        scheduler's `report` this answers (its MQTT 5 ResponseTopic gets the event too)."""
         lease = self.book.get(trigger.lease_id)
         if lease is None or lease.state is not LeaseState.ACTIVE or \
                 lease.epoch != trigger.epoch:
@@ -630,7 +633,8 @@ class Broker:
             self._emit(b, Event("lease.failover", moved.scheduler, {
                 "lease_id": moved.lease_id, "epoch": moved.epoch, "from": old.to_json(),
                 "to": moved.placement.to_json(), "reason": trigger.reason.value,
-                "detail": trigger.detail}, lease_subject(moved.lease_id), moved.request_id))
+                "detail": trigger.detail}, lease_subject(moved.lease_id), moved.request_id),
+                cmd)
             b.rows.append(self.messages.lease_state(moved))
             log.info("lease failed over", lease_id=moved.lease_id, epoch=moved.epoch,
                      reason=trigger.reason.value, to=str(moved.placement.pool),
@@ -644,7 +648,7 @@ class Broker:
             ended = self.book.end(lease.lease_id, LeaseState.FAILED, now)
             self._ended(b, ended, "lease.failed", {
                 "lease_id": ended.lease_id, "reason": trigger.reason.value,
-                "detail": f"{trigger.detail}; no other placement: {outcome.detail}"})
+                "detail": f"{trigger.detail}; no other placement: {outcome.detail}"}, cmd)
             log.warning("lease failed", lease_id=ended.lease_id, reason=trigger.reason.value,
                         detail=outcome.detail)
 

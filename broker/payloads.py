@@ -419,7 +419,8 @@ OPS_EVENT_TYPES = ("policy.applied", "policy.rejected")
 """The kinds published on `P/events/_ops/<type>`; the others go to `P/events/S/<type>`."""
 EVENT_TYPES = tuple(k for k in EVENTS if k not in OPS_EVENT_TYPES)
 REPLY_EVENT_TYPES = ("placement.decided", "placement.rejected", "request.invalid",
-                     "lease.renewed", "lease.released", "lease.expired", "lease.failed")
+                     "lease.renewed", "lease.released", "lease.expired", "lease.failed",
+                     "lease.failover")
 """The kinds that answer a request, and so also go to its MQTT 5 ResponseTopic."""
 
 

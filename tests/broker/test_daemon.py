@@ -179,6 +179,23 @@ async def test_scheduler_report_fails_over(start_daemon: StartDaemon,
     assert PoolKey.from_json(f["to"]) != PoolKey.from_json(d["placement"])
 
 
+async def test_a_report_is_answered_on_its_response_topic(start_daemon: StartDaemon,
+                                                          probe_factory: ProbeFactory) -> None:
+    """The lease.failover that answers a report is a reply like any other (SPEC §3)."""
+    await start_daemon()
+    reply_topic = f"{PREFIX}/replies/{S}/{uuid.uuid4().hex}"
+    probe = await probe_factory([f"{PREFIX}/events/#", reply_topic])
+    d = (await request(probe, "place", place_body("job-6r"), "placement.decided",
+                       request_id="job-6r"))["data"]
+    props = publish_properties(ResponseTopic=reply_topic, CorrelationData=b"rep")
+    await probe.publish(f"{PREFIX}/requests/{S}/report",
+                        {"lease_id": d["lease_id"], "kind": "interrupted"}, properties=props)
+    msg = await probe.wait_for(reply_topic)
+    assert payload_json(msg)["type"] == "gpubroker.lease.failover.v1"
+    assert payload_json(msg)["data"]["lease_id"] == d["lease_id"]
+    assert msg.properties is not None and msg.properties.CorrelationData == b"rep"
+
+
 async def test_withdrawn_pool_fails_over_as_capacity_lost(start_daemon: StartDaemon,
                                                           probe_factory: ProbeFactory) -> None:
     rd = await start_daemon()
