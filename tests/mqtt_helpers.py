@@ -118,27 +118,28 @@ class Mosquitto:
         # Root would make mosquitto drop to the "mosquitto" user, who cannot write into
         # pytest's 0700 tmp dirs; run as whoever we are.
         user = pwd.getpwuid(os.geteuid()).pw_name
-        self.config_path.write_text(
-            "\n".join(
-                [
-                    f"listener {self.port} {self.host}",
-                    "allow_anonymous true",
-                    f"user {user}",
-                    "persistence true",
-                    f"persistence_location {self.data_dir}/",
-                    "autosave_interval 86400",
-                    "autosave_on_changes false",
-                    f"log_dest file {self.log_path}",
-                    "log_type all",
-                    "log_timestamp true",
-                    "log_timestamp_format %H:%M:%S",
-                    "connection_messages true",
-                    "set_tcp_nodelay true",
-                    self.extra_config,
-                    "",
-                ]
-            )
-        )
+        self.config_path.write_text("\n".join([
+            f"listener {self.port} {self.host}",
+            "allow_anonymous true",
+            f"user {user}",
+            *self._persistence_config(),
+            f"log_dest file {self.log_path}",
+            *(f"log_type {t}" for t in self._log_types()),
+            "log_timestamp true",
+            "log_timestamp_format %H:%M:%S",
+            "connection_messages true",
+            "set_tcp_nodelay true",
+            self.extra_config,
+            "",
+        ]))
+
+    def _persistence_config(self) -> list[str]:
+        """Saved on a clean shutdown only (see the class docstring)."""
+        return ["persistence true", f"persistence_location {self.data_dir}/",
+                "autosave_interval 86400", "autosave_on_changes false"]
+
+    def _log_types(self) -> list[str]:
+        return ["all"]
 
     def start(self, timeout: float = 10.0) -> None:
         """Start (or restart) the server on ``self.port``; return once it accepts TCP."""

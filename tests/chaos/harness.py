@@ -37,7 +37,6 @@ import json
 import logging
 import math
 import os
-import pwd
 import signal
 import socket
 import subprocess
@@ -118,32 +117,19 @@ class ChaosMosquitto(Mosquitto):
 
     def __init__(self, workdir: Path, *, persistence: bool, autosave_seconds: int = 1,
                  port: int | None = None) -> None:
-        super().__init__(workdir, port)
+        super().__init__(workdir, port, extra_config="max_queued_messages 20000")
         self.persistence = persistence
         self.autosave_seconds = autosave_seconds
         self._key: int | None = None
 
-    def _write_config(self) -> None:
-        user = pwd.getpwuid(os.geteuid()).pw_name
-        persistence = (
-            ["persistence true", f"persistence_location {self.data_dir}/",
-             f"autosave_interval {self.autosave_seconds}", "autosave_on_changes false"]
-            if self.persistence else ["persistence false"])
-        self.config_path.write_text("\n".join([
-            f"listener {self.port} {self.host}",
-            "allow_anonymous true",
-            f"user {user}",
-            *persistence,
-            "max_queued_messages 20000",
-            f"log_dest file {self.log_path}",
-            "log_type error", "log_type warning", "log_type notice", "log_type information",
-            "log_timestamp true",
-            "log_timestamp_format %H:%M:%S",
-            "connection_messages true",
-            "set_tcp_nodelay true",
-            self.extra_config,
-            "",
-        ]))
+    def _persistence_config(self) -> list[str]:
+        if not self.persistence:
+            return ["persistence false"]
+        return ["persistence true", f"persistence_location {self.data_dir}/",
+                f"autosave_interval {self.autosave_seconds}", "autosave_on_changes false"]
+
+    def _log_types(self) -> list[str]:
+        return ["error", "warning", "notice", "information"]
 
     def start(self, timeout: float = 10.0) -> None:
         super().start(timeout)
