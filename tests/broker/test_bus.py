@@ -10,9 +10,6 @@ import errno
 import gc
 import json
 import logging
-import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -216,21 +213,6 @@ async def test_a_retained_request_is_refused_not_executed(
     await probe.wait_for(EVENTS + "placement.decided")
     assert rd.daemon.book.find(S, "plain") is not None
     assert rd.daemon.book.find(S, "sticky") is None
-
-
-@pytest.mark.slow
-def test_two_demos_on_one_server_both_run(mosquitto: Mosquitto, tmp_path: Path) -> None:
-    """Client ids are unique per process: two demos do not kick each other off."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "demo", "--duration", "6", "--mqtt",
-         mosquitto.url, "--state", str(tmp_path / f"demo{i}.db")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) for i in range(2)]
-    outputs = [p.communicate(timeout=60)[0].decode(errors="replace") for p in procs]
-    for proc, out in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, out
-        assert "Traceback" not in out, out
-        assert "PLACED" in out, out
 
 
 async def test_a_message_no_server_would_take_does_not_stop_the_outbox(
