@@ -40,7 +40,7 @@ from broker.core import OPS, Command
 from broker.events import Topics, dumps
 from broker.model import SCHEDULER_ID, iso, utcnow
 from broker.ratelimit import Every
-from broker.store import OutboxRow, StateStore
+from broker.store import OutboxRow, Store
 
 log = structlog.get_logger("gpubroker.bus")
 
@@ -61,16 +61,61 @@ ACK_BATCH = 512
 ACK_COALESCE_SECONDS = 0.05
 
 
+def make_client(cfg: MqttConfig, client_id: str, *, will: aiomqtt.Will | None = None,
+                session: bool = True) -> aiomqtt.Client:
+    """An MQTT client with the configured server, credentials and TLS. `session`: a
+    persistent session (requests sent while the daemon is away wait for it), unless
+    `mqtt.session_expiry_seconds` is 0: then none is kept, on either version."""
+    password = None
+    if cfg.password_file is not None:
+        password = cfg.password_file.read_text(encoding="utf-8").strip()
+    tls = None
+    if cfg.tls:
+        tls = ssl.create_default_context(cafile=str(cfg.ca_file) if cfg.ca_file else None)
+    props = None
+    expiry = cfg.session_expiry_seconds if session else 0
+    clean = expiry == 0
+    kwargs: dict[str, Any] = {}
+    v5 = cfg.protocol == "5"
+    if v5:
+        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+        props.SessionExpiryInterval = expiry
+        props.MaximumPacketSize = MAX_PACKET
+        kwargs["clean_start"] = clean
+    else:
+        kwargs["clean_session"] = clean
+    return aiomqtt.Client(
+        cfg.host, cfg.port, identifier=client_id, username=cfg.username,
+        password=password, tls_context=tls,
+        protocol=aiomqtt.ProtocolVersion.V5 if v5 else aiomqtt.ProtocolVersion.V311,
+        will=will, keepalive=30, timeout=10, properties=props, max_inflight_messages=256,
+        max_queued_incoming_messages=20_000,
+        # Small MQTT packets must not wait for Nagle's algorithm and delayed ACKs
+        # (about 40 ms each way otherwise).
+        socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], **kwargs)
+
+
+class Fenced(aiomqtt.MqttError):
+    """This node no longer leads its site: it must not publish (broker.ha)."""
+
+
 class Unpublishable(Exception):
     """A message no MQTT server would take (a bad topic, a payload over the limit): an
     error of the message, not of the session."""
 
 
 class Bus:
-    def __init__(self, cfg: MqttConfig, topics: Topics, store: StateStore, *, client_id: str,
+    def __init__(self, cfg: MqttConfig, topics: Topics, store: Store, *, client_id: str,
                  boot_id: str, on_command: Callable[[Command], Awaitable[None]],
-                 retained: RetainedSource | None = None) -> None:
+                 retained: RetainedSource | None = None, node: str = "",
+                 epoch: Callable[[], int] = lambda: 0,
+                 may_publish: Callable[[], bool] = lambda: True) -> None:
         self.cfg = cfg
+        self.node = node
+        self._epoch = epoch
+        self.may_publish = may_publish
+        """The leader's fence (broker.ha): nothing is published, and no connection is
+        made, while it says no."""
         self.topics = topics
         self.store = store
         self.client_id = client_id
@@ -127,38 +172,14 @@ class Bus:
 
     def _status(self, state: str) -> bytes:
         return dumps({"state": state, "ts": iso(utcnow()), "boot_id": self.boot_id,
-                      "version": __version__})
+                      "version": __version__, "node": self.node, "role": "leader",
+                      "epoch": self._epoch()})
 
     def _client_for(self) -> aiomqtt.Client:
-        cfg = self.cfg
-        password = None
-        if cfg.password_file is not None:
-            password = cfg.password_file.read_text(encoding="utf-8").strip()
-        tls = None
-        if cfg.tls:
-            tls = ssl.create_default_context(cafile=str(cfg.ca_file) if cfg.ca_file else None)
-        props = None
-        # A persistent session (requests sent while the daemon is away wait for it),
-        # unless session_expiry_seconds is 0: then none is kept, on either version.
-        clean = cfg.session_expiry_seconds == 0
-        kwargs: dict[str, Any] = {}
-        if self.v5:
-            props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-            props.SessionExpiryInterval = cfg.session_expiry_seconds
-            props.MaximumPacketSize = MAX_PACKET
-            kwargs["clean_start"] = clean
-        else:
-            kwargs["clean_session"] = clean
-        client = aiomqtt.Client(
-            cfg.host, cfg.port, identifier=self.client_id, username=cfg.username,
-            password=password, tls_context=tls,
-            protocol=aiomqtt.ProtocolVersion.V5 if self.v5 else aiomqtt.ProtocolVersion.V311,
-            will=aiomqtt.Will(self.topics.status, self._status("offline"), qos=1, retain=True),
-            keepalive=30, timeout=10, properties=props, max_inflight_messages=256,
-            max_queued_incoming_messages=20_000,
-            # Small MQTT packets must not wait for Nagle's algorithm and delayed ACKs
-            # (about 40 ms each way otherwise).
-            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], **kwargs)
+        if not self.may_publish():
+            raise Fenced("this node does not lead the site (any more)")
+        client = make_client(self.cfg, self.client_id, will=aiomqtt.Will(
+            self.topics.status, self._status("offline"), qos=1, retain=True))
         client.pending_calls_threshold = 100_000  # the outbox window bounds them, not this
         return client
 
@@ -199,6 +220,10 @@ class Bus:
             await self._flush_acks()
 
     def _log_failure(self, exc: Exception, *, was: bool, first: bool) -> None:
+        if _only(exc, (Fenced,)):
+            if first:
+                log.info("mqtt closed: this node does not lead the site", error=_describe(exc))
+            return
         expected = _only(exc, (aiomqtt.MqttError, OSError))
         detail = _describe(exc)
         if not expected:
@@ -222,6 +247,9 @@ class Bus:
             await self._session(client)
         except asyncio.CancelledError:
             clean = self._farewell
+            raise
+        except Fenced:
+            clean = False  # deposed: leave as a crash does, with the will (`offline`)
             raise
         finally:
             self._client = None
@@ -336,16 +364,18 @@ class Bus:
             if not self._pending:
                 self._drained.set()
 
-    @staticmethod
-    async def _publish(client: aiomqtt.Client, topic: str, payload: bytes, *, qos: int = 1,
-                       retain: bool = False, properties: Properties | None = None,
-                       timeout: float = 30.0) -> None:
-        """Publish and wait for the acknowledgement, within `timeout`.
+    async def _publish(self, client: aiomqtt.Client, topic: str, payload: bytes, *,
+                       qos: int = 1, retain: bool = False,
+                       properties: Properties | None = None, timeout: float = 30.0) -> None:
+        """Publish and wait for the acknowledgement, within `timeout`; `Fenced` (a
+        session error) once this node does not lead its site.
 
         aiomqtt applies its timeouts with `asyncio.wait_for`, which on Python 3.11 can
         swallow a cancellation that races with completion (CPython gh-86296) and leave
         a task that never stops; `asyncio.timeout` has no such race.
         """
+        if not self.may_publish():
+            raise Fenced("this node does not lead the site (any more)")
         try:
             async with asyncio.timeout(timeout):
                 await client.publish(topic, payload, qos=qos, retain=retain,

@@ -197,6 +197,8 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import structlog
+
     from broker import logs
     from broker.daemon import Daemon, install_signal_handlers
     from broker.store import StoreFailed
@@ -206,9 +208,24 @@ def _run(args: argparse.Namespace) -> int:
     daemon = Daemon(cfg)
 
     async def go() -> None:
+        nonlocal daemon
         stop = asyncio.Event()
-        install_signal_handlers(stop, daemon.request_reload)
-        await daemon.run(stop)
+        while True:
+            remove = install_signal_handlers(stop, daemon.request_reload)
+            try:
+                await daemon.run(stop)
+                return
+            except StoreFailed as exc:
+                # Crash-only, SQLite: exit; systemd starts the daemon again. With high
+                # availability the node steps down instead (another may lead by now) and
+                # stands by again with a fresh start, which reloads the state.
+                if not cfg.state.url or stop.is_set():
+                    raise
+                structlog.get_logger("gpubroker.daemon").warning(
+                    "stepped down; standing by again", why=str(exc)[:300])
+            finally:
+                remove()
+            daemon = Daemon(cfg)
 
     try:
         asyncio.run(go())
@@ -396,12 +413,10 @@ def _policy_explain(args: argparse.Namespace) -> int:
 
 
 def _policy_diff(args: argparse.Namespace) -> int:
-    import sqlite3
-
     from broker import failover
     from broker.model import LeaseState, utcnow
     from broker.placement import Decision
-    from broker.store import StateStore
+    from broker.store import StoreFailed, db_errors, store_for
     from policies.evaluate import forbids
     from policies.loader import load_policy
     from policies.residency import Residency
@@ -410,21 +425,23 @@ def _policy_diff(args: argparse.Namespace) -> int:
     cfg = _config(args.config)
     _quiet_logs()
 
+    store = store_for(cfg.state, cfg.site)
+
     async def active() -> list[Lease]:
-        store = StateStore(cfg.state.path)
         await store.open()
         try:
             return [le for le in await store.leases() if le.state is LeaseState.ACTIVE]
         finally:
             await store.close()
 
-    if not cfg.state.path.is_file():
+    if not cfg.state.url and not cfg.state.path.is_file():
         return _usage(f"no state file at {cfg.state.path}"
                       + (" (a directory)" if cfg.state.path.is_dir() else ""))
     try:
         leases = asyncio.run(active())
-    except (sqlite3.Error, RuntimeError) as err:  # not a state file, or a newer one's
-        return _usage(f"{cfg.state.path}: cannot read the state file: {err}")
+    except db_errors(StoreFailed, RuntimeError) as err:  # not a state, or a newer one's
+        what = "database" if cfg.state.url else "state file"
+        return _usage(f"{store.name}: cannot read the {what}: {str(err).strip()}")
     pool, errors = _poll(cfg)
     for e in errors:
         print(f"gpubroker: {e}", file=sys.stderr)
@@ -500,13 +517,13 @@ def _history(args: argparse.Namespace) -> int:
     """`gpubroker history`: the state file's market history as a trace (broker.trace),
     streamed in time order; a one-line summary on stderr at the end."""
     import gzip
-    import sqlite3
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
     from datetime import datetime
 
     from broker.model import CLOUDS, GPU_MODELS, Market, PoolKey, utcnow
     from broker.recorder import HistoryReader
     from broker.requests import unknown_gpu, unknown_name
+    from broker.store import Db, db_errors, store_for
     from broker.trace import (
         TraceError,
         TraceRow,
@@ -531,9 +548,16 @@ def _history(args: argparse.Namespace) -> int:
     since, until = when["--since"], when["--until"]
     if since is not None and until is not None and until <= since:
         return usage("--until must be later than --since")
-    path: Path = args.state or _config(args.config).state.path
-    if not path.is_file():
-        return usage(f"no state file at {path}" + (" (a directory)" if path.is_dir() else ""))
+    source: Path | Callable[[], Db]
+    if args.state is None and (cfg := _config(args.config)).state.url:
+        store = store_for(cfg.state, cfg.site)
+        source, name = store.reader, store.name
+    else:
+        path: Path = args.state or _config(args.config).state.path
+        if not path.is_file():
+            return usage(f"no state file at {path}" + (" (a directory)" if path.is_dir()
+                                                      else ""))
+        source, name = path, str(path)
     if args.output is not None and (problem := output_problem("--output", args.output)):
         return usage(problem)
     fmt = args.format
@@ -543,9 +567,10 @@ def _history(args: argparse.Namespace) -> int:
         except TraceError:
             fmt = "jsonl"
     try:
-        reader = HistoryReader(path)
-    except sqlite3.Error as err:
-        return usage(f"{path}: cannot read the state file: {err}")
+        reader = HistoryReader(source)
+    except db_errors() as err:
+        what = "state file" if isinstance(source, Path) else "database"
+        return usage(f"{name}: cannot read the {what}: {str(err).strip()}")
     with reader:
         gpus, clouds = set(GPU_MODELS) | reader.names("gpu"), set(CLOUDS) | reader.names("cloud")
         for name in args.gpu or ():
@@ -580,14 +605,14 @@ def _history(args: argparse.Namespace) -> int:
                     n = write(counted(), out)
         except BrokenPipeError:  # `gpubroker history | head`: no error (`main`)
             raise
-        except (sqlite3.Error, OSError) as err:
+        except db_errors(OSError) as err:
             print(f"gpubroker: {_why(err)}", file=sys.stderr)
             return EXIT_RUNTIME
     summary = f"exported {n} changes of {len(pools)} pools"
     if span:
         summary += f" from {format_t(span[0])} to {format_t(span[-1])}"
     if not reader.present:
-        summary += f" ({path} holds no market history)"
+        summary += f" ({name} holds no market history)"
     elif pruned is not None and since is not None and since < pruned:
         summary += f" (history before {format_t(pruned)} is pruned: it starts there)"
     print(summary, file=sys.stderr)

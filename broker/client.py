@@ -1101,8 +1101,11 @@ class BrokerClient:
         status = _json(payload)
         if status is not None:
             was = self.daemon_online
+            before = self.daemon_status.get("boot_id") if self.daemon_status else None
             self.daemon_status = status
-            if self.daemon_online and not was:
+            # Online again, or online from another start (a restart, or another node of
+            # the site taking over): what was sent before may be lost; send it again.
+            if self.daemon_online and (not was or status.get("boot_id") != before):
                 self._online_generation += 1
                 if was is False:
                     log.info("the daemon is online again")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -44,6 +45,32 @@ class StateConfig(_Section):
     market_history_days: float = Field(default=14, ge=0, le=3650)
     """How long the market history (broker/recorder.py) is kept; 0 turns recording off
     (history already recorded is then left as it is)."""
+    url: str | None = None
+    """`postgresql://USER@HOST:PORT/DB[?sslmode=…]`: the state on PostgreSQL, shared by
+    every daemon of the site, one of which leads (high availability, broker/ha.py);
+    replaces `path`."""
+    password_file: Path | None = None
+    """The PostgreSQL password; without it libpq's own sources (PGPASSWORD, ~/.pgpass)."""
+    leadership_seconds: float = Field(default=3.0, ge=1.0, le=60.0)
+    """How long a leader's claim lasts without renewal: a standby takes over within
+    about this long after the leader dies or loses the database."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        u = urlsplit(v)
+        if u.scheme not in ("postgresql", "postgres"):
+            raise ValueError("must look like postgresql://USER@HOST:PORT/DATABASE")
+        try:
+            _ = u.port
+        except ValueError:
+            raise ValueError("port must be a number from 1 to 65535") from None
+        if u.password or re.search(r"(^|[?&])password=", u.query):
+            raise ValueError("put no password in the URL: use state.password_file or "
+                             "libpq's PGPASSWORD / ~/.pgpass")
+        return v
 
 
 class MqttConfig(_Section):
@@ -248,8 +275,16 @@ class CloudsConfig(_Section):
         return [n for n in ("aws", "gcp", "azure", "alibaba", "sim") if getattr(self, n)]
 
 
+def _hostname() -> str:
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:64]
+    return name or "node"
+
+
 class Config(_Section):
     site: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "local"
+    node: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = Field(
+        default_factory=_hostname)
+    """This daemon's name within its site (high availability): default the host name."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     state: StateConfig = Field(default_factory=StateConfig)
     mqtt: MqttConfig = Field(default_factory=MqttConfig)

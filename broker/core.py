@@ -61,7 +61,7 @@ from broker.model import (
     utcnow,
 )
 from broker.pool import PoolChange, ResourcePool
-from broker.store import OutboxRow, StateStore, StoreFailed
+from broker.store import OutboxRow, Store, StoreFailed
 from policies.evaluate import Denied, evaluate, forbids
 from policies.model import Policy
 from policies.residency import Residency
@@ -111,7 +111,7 @@ Observer = Callable[[str, dict[str, Any]], None]
 
 
 class Broker:
-    def __init__(self, *, pool: ResourcePool, book: LeaseBook, store: StateStore,
+    def __init__(self, *, pool: ResourcePool, book: LeaseBook, store: Store,
                  messages: Messages, policy: Policy, publish: Publish,
                  retry_after_seconds: float, clock: Callable[[], datetime] = utcnow,
                  batching: PlacementConfig | None = None) -> None:

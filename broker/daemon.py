@@ -36,16 +36,18 @@ from broker.clouds import build_adapters
 from broker.config import Config
 from broker.core import Broker, Command
 from broker.events import Envelopes, Messages, Topics, dumps
+from broker.ha import Leadership
 from broker.hazard import HazardEstimator
 from broker.http import serve
 from broker.leases import LeaseBook
 from broker.metrics import Metrics, state_gauges
 from broker.model import LeaseState, Market, PoolKey, utcnow
+from broker.pgstore import PgStateStore
 from broker.poller import Poller, PollResult
 from broker.pool import PoolChange, ResourcePool, SliceId
 from broker.recorder import HistoryReader, MarketRecorder
 from broker.sdnotify import Notifier, watchdog_seconds
-from broker.store import StateStore, StoreFailed
+from broker.store import Db, Deposed, StoreFailed, db_errors, store_for
 from policies.loader import SourceError, load_policy, parse_policy, policy_hash
 from policies.model import Policy
 from policies.yamlsrc import Problem
@@ -80,7 +82,13 @@ class Daemon:
                 log.error("cloud unavailable", cloud=name, error=problem)
         self.adapters = adapters
         self.topics = Topics(cfg.mqtt.topic_prefix)
-        self.store = StateStore(cfg.state.path, synchronous=cfg.state.synchronous)
+        self.store = store_for(cfg.state, cfg.site)
+        self.leadership: Leadership | None = None
+        if cfg.state.url:
+            assert isinstance(self.store, PgStateStore)
+            self.leadership = Leadership(self.store, site=cfg.site, node=cfg.node,
+                                         boot_id=self.boot_id,
+                                         seconds=cfg.state.leadership_seconds)
         self.pool = ResourcePool(stale_after_seconds=cfg.poll.stale_after_seconds)
         self.hazard = _hazard_estimator(self.policy, None)
         self.hazard_warm = asyncio.Event()
@@ -97,7 +105,8 @@ class Daemon:
         self.messages = Messages(self.topics, Envelopes(cfg.site, self.boot_id))
         self.bus = Bus(cfg.mqtt, self.topics, self.store, client_id=cfg.client_id,
                        boot_id=self.boot_id, on_command=self._submit,
-                       retained=self._retained_state)
+                       retained=self._retained_state, node=cfg.node,
+                       epoch=lambda: self.store.epoch, may_publish=self._may_lead)
         self.broker = Broker(pool=self.pool, book=self.book, store=self.store,
                              messages=self.messages, policy=self.policy,
                              publish=self.bus.enqueue,
@@ -133,8 +142,18 @@ class Daemon:
                                   ) from None
         self._last_poll = time.monotonic()
 
+    @property
+    def role(self) -> str:
+        """`leader` or `standby` (high availability; a single daemon always leads)."""
+        return "leader" if self.leadership is None else self.leadership.role
+
+    def _may_lead(self) -> bool:
+        return self.leadership is None or self.leadership.valid()
+
     def not_ready(self) -> list[str]:
         """Why the daemon is not ready to serve (empty: ready)."""
+        if self.role == "standby":
+            return [self._standby_line()]
         reasons = []
         if self.broker.failed is not None:
             reasons.append("state store failed")
@@ -251,13 +270,10 @@ class Daemon:
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set, then shut down in order."""
         _quiet_closed_socket_callbacks(asyncio.get_running_loop())
-        try:
-            await self.store.open()
-        except (sqlite3.Error, OSError, RuntimeError) as exc:  # RuntimeError: a newer schema
-            why = "it is a directory" if self.store.path.is_dir() else exc
-            raise SourceError([Problem(str(self.store.path), None, None, "state.path",
-                                       f"cannot open the state file: {why}")]) from None
+        if self.leadership is None:
+            await self._open_sqlite()
         http = None
+        hold: asyncio.Task[None] | None = None
         try:
             if (where := self.cfg.http.host_port) is not None:
                 try:
@@ -268,14 +284,22 @@ class Daemon:
                     raise type(exc)(exc.errno, f"http.listen {self.cfg.http.listen}: "
                                     f"{reason}") from None
                 log.info("http listening", listen=self.cfg.http.listen)
+            if self.leadership is not None:
+                if not await self._stand_by(stop):
+                    return
+                assert self.leadership is not None
+                self.store.epoch = self.leadership.epoch
             now = utcnow()
             self.broker.restore(await self.store.leases(
                 ended_since=now - self.book.keep_ended))
             self.bus.enqueue(await self.store.pending())
             log.info("starting", site=self.cfg.site, boot_id=self.boot_id,
                      leases=len(self.book.active()), outbox=self.bus.outbox_depth,
-                     adapters=[a.name for a in self.adapters], state=str(self.store.path))
+                     adapters=[a.name for a in self.adapters], state=self.store.name,
+                     node=self.cfg.node, epoch=self.store.epoch)
             async with asyncio.TaskGroup() as tg:
+                if self.leadership is not None:
+                    hold = tg.create_task(self.leadership.hold())
                 bus = tg.create_task(self.bus.run())
                 workers = [
                     tg.create_task(self.poller.run()),
@@ -313,7 +337,18 @@ class Daemon:
                                 outbox=self.bus.outbox_depth)
                 await self.bus.goodbye()
                 bus.cancel()
+                if hold is not None and self.leadership is not None:
+                    hold.cancel()
+                    await self.leadership.release()
         except BaseExceptionGroup as eg:
+            if self.leadership is not None:
+                self.leadership.step_down()  # publish nothing more, whatever happened
+            deposed, _ = eg.split(Deposed)
+            if deposed is not None and self.broker.failed is None:
+                first = _leaves(deposed)[0]
+                log.warning("deposed: another node leads the site; standing by again",
+                            detail=str(first))
+                raise first from None
             failed = self.broker.failed
             if failed is None:
                 raise
@@ -328,10 +363,60 @@ class Daemon:
                 await http.cleanup()
             for adapter in self.adapters:
                 await adapter.close()
+            if self.leadership is not None:
+                await self.leadership.close()
             await self.store.close()
             self.notifier.close()
             self.stopped.set()
             log.info("stopped")
+
+    async def _open_sqlite(self) -> None:
+        path = Path(self.store.name)
+        try:
+            await self.store.open()
+        except (sqlite3.Error, OSError, RuntimeError) as exc:  # RuntimeError: a newer schema
+            why = "it is a directory" if await asyncio.to_thread(path.is_dir) else exc
+            raise SourceError([Problem(str(path), None, None, "state.path",
+                                       f"cannot open the state file: {why}")]) from None
+
+    async def _stand_by(self, stop: asyncio.Event) -> bool:
+        """High availability: open the shared store (waiting for the database while it
+        cannot be reached), then stand by until this node leads the site. False: `stop`
+        was set first. A schema newer than this code, or another site's database, is a
+        configuration error (exit 2)."""
+        assert self.leadership is not None
+        failures = 0
+        while True:
+            try:
+                await self.store.open()
+                break
+            except RuntimeError as exc:
+                raise SourceError([Problem(self.store.name, None, None, "state.url",
+                                           str(exc))]) from None
+            except db_errors(OSError) as exc:
+                failures += 1
+                if failures == 1:
+                    log.warning("database not reachable, retrying", database=self.store.name,
+                                error=type(exc).__name__, detail=str(exc).strip()[:300])
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(5.0, 0.5 * failures)):
+                        await stop.wait()
+                if stop.is_set():
+                    return False
+        log.info("standing by", site=self.cfg.site, node=self.cfg.node,
+                 database=self.store.name)
+        self.notifier.ready(self._standby_line())
+        epoch = await self.leadership.acquire(stop)
+        return epoch is not None
+
+    def _standby_line(self) -> str:
+        ha = self.leadership
+        assert ha is not None
+        if not ha.database_ok:
+            return "standby (database not reachable)"
+        if ha.leader is None:
+            return "standby (no leader yet)"
+        return f"standby (leader: node {ha.leader[0]}, epoch {ha.leader[1]})"
 
     async def warm_hazard(self) -> int:
         """Feed the hazard estimator the recorded market history of its last few
@@ -351,9 +436,9 @@ class Daemon:
         started = time.perf_counter()
         rows = 0
         try:
-            rows = await asyncio.to_thread(_read_history, self.store.path,
+            rows = await asyncio.to_thread(_read_history, self.store.reader,
                                            until - timedelta(hours=hours), until, self.hazard)
-        except (sqlite3.Error, OSError) as exc:
+        except db_errors(OSError) as exc:
             log.warning("market history not read for the hazard estimates",
                         error=type(exc).__name__, detail=str(exc))
         finally:
@@ -483,6 +568,13 @@ class Daemon:
             self.book.prune(utcnow())
 
 
+def _leaves(eg: BaseExceptionGroup[Any]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in eg.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
 def _quiet_closed_socket_callbacks(loop: asyncio.AbstractEventLoop) -> None:
     """paho, under aiomqtt, asks the loop from its own callbacks to watch a socket that
     may be closed by the time the request runs (the MQTT server just went away); asyncio
@@ -521,9 +613,9 @@ def _hazard_estimator(policy: Policy, hazard: HazardEstimator | None) -> HazardE
     return hazard
 
 
-def _read_history(path: Path, since: datetime, until: datetime,
+def _read_history(source: Callable[[], Db], since: datetime, until: datetime,
                   hazard: HazardEstimator) -> int:
-    with HistoryReader(path) as reader:
+    with HistoryReader(source) as reader:
         return hazard.observe_rows(reader.rows(since=since, until=until, market=Market.SPOT))
 
 

@@ -16,6 +16,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from broker import __version__
+from broker.ha import takeovers as ha_takeovers
 from broker.model import Market, utcnow
 from broker.placement import BatchResult
 
@@ -113,6 +114,17 @@ def state_gauges(daemon: Any) -> Iterator[Metric]:
     """The daemon's state as gauges: pool, freshness, prices, leases, MQTT."""
     pool, book, bus = daemon.pool, daemon.book, daemon.bus
     now = utcnow()
+    role = GaugeMetricFamily("gpubroker_role", "1 for this node's role in its site: leader "
+                             "or standby (high availability; a single daemon leads)",
+                             labels=["role"])
+    for name in ("leader", "standby"):
+        role.add_metric([name], 1.0 if daemon.role == name else 0.0)
+    yield role
+    yield GaugeMetricFamily("gpubroker_leader_epoch", "The fencing epoch this node leads with "
+                            "(0: standing by, or a single daemon on SQLite)",
+                            value=daemon.store.epoch)
+    yield CounterMetricFamily("gpubroker_takeovers", "Times this process took the "
+                              "leadership of its site", value=ha_takeovers())
     offers = GaugeMetricFamily("gpubroker_pool_offers", "Offers in the pool",
                                labels=["cloud", "market"])
     counts: dict[tuple[str, str], int] = {}

@@ -464,6 +464,13 @@ class Status(TypedDict):
                                   "when the connection that left it was made).")]
     boot_id: Annotated[Uuid, _doc("The daemon start it describes: the `bootid` of its events.")]
     version: Annotated[str, _doc("The daemon's version (`gpubroker --version`).")]
+    node: Annotated[str, _doc("The node that publishes it (config `node`, default the host "
+                              "name); with high availability, the site's leader.")]
+    role: Annotated[Literal["leader", "standby"], _doc(
+        "Always `leader`: only the node that leads the site publishes `P/status`.")]
+    epoch: Annotated[int, Field(ge=0, description=(
+        "The leader's fencing epoch (high availability; it rises at each takeover). 0: a "
+        "single daemon on SQLite."))]
 
 
 @with_config(_SENT)

@@ -58,7 +58,7 @@ import structlog
 
 from broker.model import Market, Offer, PoolKey, utcnow
 from broker.pool import PoolChange, SliceId
-from broker.store import StateStore
+from broker.store import Db, Store, connect_sqlite, db_errors
 from broker.trace import TraceRow
 
 log = structlog.get_logger("gpubroker.recorder")
@@ -126,7 +126,11 @@ def from_epoch(t: int) -> datetime:
 _POOL_COLUMNS = "cloud, region, zone, instance_type, market, gpu, gpus"
 _VALUE_COLUMNS = ("price_e6, availability_e6, capacity, interruption_rate_e6, "
                   "quota_headroom")
-_INSERT_CHANGE = "INSERT OR REPLACE INTO market_changes VALUES (?,?,?,?,?,?,?,?)"
+_INSERT_CHANGE = (
+    "INSERT INTO market_changes VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (t, pool_id) DO UPDATE "
+    "SET price_e6=excluded.price_e6, availability_e6=excluded.availability_e6, "
+    "capacity=excluded.capacity, interruption_rate_e6=excluded.interruption_rate_e6, "
+    "quota_headroom=excluded.quota_headroom, kind=excluded.kind")
 
 
 class _Book:
@@ -144,9 +148,9 @@ class _Book:
         self.last_t = 0
         self.since_snapshot = 0  # change rows written since the last complete snapshot
 
-    def load(self, path: Path) -> int:
+    def load(self, source: Path | Callable[[], Db]) -> int:
         """Read back every pool's last recorded state; returns how many are live."""
-        with HistoryReader(path) as reader:
+        with HistoryReader(source) as reader:
             pools = reader.pools()
             state, self.since_snapshot, self.last_t = reader.state_at(None, pools)
         self.ids = {(key, gpu, gpus): pid for pid, (key, gpu, gpus) in pools.items()}
@@ -159,14 +163,14 @@ class _Book:
             self.unclaimed.setdefault((key.cloud, key.region), set()).add(key)
         return len(self.live)
 
-    def record(self, db: sqlite3.Connection, poll: _Poll) -> int:
+    def record(self, db: Db, poll: _Poll) -> int:
         """Write what changed in one slice's poll, in one transaction; returns the rows
         written. The book changes only once the transaction is committed."""
         t, offers = max(poll.t, self.last_t), poll.offers  # a clock step back keeps order
         rows: list[tuple[Any, ...]] = []
         new_ids: dict[_Ident, int] = {}
         updates: dict[PoolKey, _Recorded] = {}
-        db.execute("BEGIN IMMEDIATE")
+        db.begin()
         try:
             for key, offer in offers.items():
                 values = values_of(offer)
@@ -192,10 +196,10 @@ class _Book:
             rows.extend((t, self.live[k].pool_id, None, None, None, None, None, GONE)
                         for k in gone)
             db.executemany(_INSERT_CHANGE, rows)
-            db.execute("COMMIT")
+            db.commit()
         except BaseException:
             if db.in_transaction:
-                db.execute("ROLLBACK")
+                db.rollback()
             raise
         self.ids.update(new_ids)
         self.live.update(updates)
@@ -211,7 +215,7 @@ class _Book:
         self.since_snapshot += len(rows)
         return len(rows)
 
-    def write(self, db: sqlite3.Connection, poll: _Poll, snapshot_factor: float
+    def write(self, db: Db, poll: _Poll, snapshot_factor: float
               ) -> tuple[int, float, bool]:
         """`record`, timed: the rows written, the seconds taken, and whether a snapshot
         is due (the change rows since the last one outnumber the live pools
@@ -231,7 +235,7 @@ class _Book:
         self.since_snapshot -= covered
 
 
-def _pool_id(db: sqlite3.Connection, ident: _Ident) -> int:
+def _pool_id(db: Db, ident: _Ident) -> int:
     key, gpu, gpus = ident
     args = (key.cloud, key.region, key.zone, key.instance_type, key.market.value, gpu, gpus)
     row = db.execute(
@@ -244,24 +248,25 @@ def _pool_id(db: sqlite3.Connection, ident: _Ident) -> int:
     return int(row[0])
 
 
-def write_snapshot_chunk(db: sqlite3.Connection, t: int, entries: list[tuple[int, Values]],
+def write_snapshot_chunk(db: Db, t: int, entries: list[tuple[int, Values]],
                          complete: bool) -> None:
     """Write part of a snapshot at `t`; the last part marks it complete. A row already
     at (t, pool) is a change in the same second, at least as new: it stays."""
-    db.execute("BEGIN IMMEDIATE")
+    db.begin()
     try:
-        db.executemany("INSERT OR IGNORE INTO market_changes VALUES (?,?,?,?,?,?,?,?)",
+        db.executemany("INSERT INTO market_changes VALUES (?,?,?,?,?,?,?,?) "
+                       "ON CONFLICT DO NOTHING",
                        [(t, pid, *values, SNAPSHOT) for pid, values in entries])
         if complete:
-            db.execute("INSERT OR IGNORE INTO market_snapshots VALUES (?)", (t,))
-        db.execute("COMMIT")
+            db.execute("INSERT INTO market_snapshots VALUES (?) ON CONFLICT DO NOTHING", (t,))
+        db.commit()
     except BaseException:
         if db.in_transaction:
-            db.execute("ROLLBACK")
+            db.rollback()
         raise
 
 
-def start_pruning(db: sqlite3.Connection, cutoff: int) -> int | None:
+def start_pruning(db: Db, cutoff: int) -> int | None:
     """Where pruning up to `cutoff` may delete to: the latest complete snapshot at or
     before it (None: none yet, nothing to prune). Records it as where history is
     complete from, before anything is deleted."""
@@ -269,26 +274,27 @@ def start_pruning(db: sqlite3.Connection, cutoff: int) -> int | None:
     if row is None or row[0] is None:
         return None
     keep_from = int(row[0])
-    db.execute("BEGIN IMMEDIATE")
+    db.begin()
     try:
         db.execute(
             "INSERT INTO meta VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = "
-            "CAST(max(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER)) AS TEXT)",
+            "CASE WHEN CAST(meta.value AS BIGINT) > CAST(excluded.value AS BIGINT) "
+            "THEN meta.value ELSE excluded.value END",
             (_PRUNED_KEY, str(keep_from)))
         db.execute("DELETE FROM market_snapshots WHERE t < ?", (keep_from,))
-        db.execute("COMMIT")
+        db.commit()
     except BaseException:
         if db.in_transaction:
-            db.execute("ROLLBACK")
+            db.rollback()
         raise
     return keep_from
 
 
-def prune_step(db: sqlite3.Connection, keep_from: int, *, max_rows: int = PRUNE_CHUNK_ROWS
+def prune_step(db: Db, keep_from: int, *, max_rows: int = PRUNE_CHUNK_ROWS
                ) -> tuple[bool, int]:
     """Delete up to `max_rows` of the oldest rows before `keep_from` (the table's first
     rows: neighbouring pages). Returns whether more remain, and the rows deleted."""
-    db.execute("BEGIN IMMEDIATE")
+    db.begin()
     try:
         end = db.execute("SELECT t, pool_id FROM market_changes WHERE t < ? ORDER BY t, "
                          "pool_id LIMIT 1 OFFSET ?", (keep_from, max_rows - 1)).fetchone()
@@ -298,10 +304,10 @@ def prune_step(db: sqlite3.Connection, keep_from: int, *, max_rows: int = PRUNE_
         else:
             deleted = db.execute("DELETE FROM market_changes WHERE (t, pool_id) <= (?, ?)",
                                  (end[0], end[1])).rowcount
-        db.execute("COMMIT")
+        db.commit()
     except BaseException:
         if db.in_transaction:
-            db.execute("ROLLBACK")
+            db.rollback()
         raise
     return end is not None, deleted
 
@@ -315,7 +321,7 @@ class MarketRecorder:
     after each written poll how many rows it took and how long it held the SQLite
     thread (metrics, bench/recorder.py)."""
 
-    def __init__(self, store: StateStore, *, retention_days: float,
+    def __init__(self, store: Store, *, retention_days: float,
                  clock: Callable[[], datetime] = utcnow, queue_size: int = QUEUE_SIZE,
                  prune_every_seconds: float = PRUNE_EVERY_SECONDS,
                  snapshot_factor: float = SNAPSHOT_FACTOR,
@@ -370,7 +376,7 @@ class MarketRecorder:
         try:
             if not self._loaded:
                 # A read-only connection of its own: the SQLite thread stays free.
-                live = await asyncio.to_thread(book.load, self.store.path)
+                live = await asyncio.to_thread(book.load, self.store.reader)
                 self._loaded = True
                 log.info("market history loaded", live_pools=live)
             rows, seconds, due = await self.store.call(
@@ -381,7 +387,7 @@ class MarketRecorder:
                 self.on_write(rows, seconds)
             if due:
                 await self._snapshot()
-        except sqlite3.Error as exc:
+        except db_errors() as exc:
             self._failed(exc)
         except Exception as exc:  # best effort: a recorder bug must not stop the daemon
             self._failed(exc, exc_info=True)
@@ -426,7 +432,7 @@ class MarketRecorder:
         while True:
             try:
                 deleted = await self.prune()
-            except sqlite3.Error as exc:
+            except db_errors() as exc:
                 log.warning("market history pruning failed", error=type(exc).__name__,
                             detail=str(exc))
             else:
@@ -436,21 +442,30 @@ class MarketRecorder:
 
 
 class HistoryReader:
-    """The market history of a state file, read-only: safe while the daemon writes it
-    (WAL readers see the last committed state and never block the writer)."""
+    """The market history of a state file (or of the PostgreSQL database: a function
+    that opens a read-only connection to it), read-only: safe while the daemon writes it
+    (SQLite's WAL readers see the last committed state and never block the writer;
+    PostgreSQL's readers never block writers either)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    def __init__(self, source: Path | Callable[[], Db]) -> None:
+        self._db: Db = connect_sqlite(source, read_only=True) if isinstance(source, Path) \
+            else source()
+        self._pg = not isinstance(self._db, sqlite3.Connection)
         try:
-            self._db.execute("PRAGMA query_only=1")
-            tables = {name for (name,) in self._db.execute(
-                "SELECT name FROM sqlite_master WHERE type='table'")}
-        except sqlite3.Error:
-            self._db.close()
+            self.present = all(self._has(t) for t in (
+                "meta", "market_pools", "market_changes", "market_snapshots"))
+        except BaseException:
+            self.close()
             raise
-        self.present = {"market_pools", "market_changes", "market_snapshots",
-                        "meta"} <= tables
+
+    def _has(self, table: str) -> bool:
+        """Whether `table` exists (a file of another program, or an empty database)."""
+        if self._pg:
+            row = self._db.execute("SELECT to_regclass(?) IS NOT NULL", (table,)).fetchone()
+        else:
+            row = self._db.execute("SELECT count(*) FROM sqlite_master WHERE type='table' "
+                                   "AND name=?", (table,)).fetchone()
+        return bool(row and row[0])
 
     def close(self) -> None:
         self._db.close()
@@ -481,7 +496,7 @@ class HistoryReader:
             return {}
         return {pid: (PoolKey(cloud, region, zone, itype, Market(mkt)), gpu, n)
                 for pid, cloud, region, zone, itype, mkt, gpu, n in self._db.execute(
-                    f"SELECT id, {_POOL_COLUMNS} FROM market_pools p WHERE 1{where}",
+                    f"SELECT id, {_POOL_COLUMNS} FROM market_pools p WHERE 1=1{where}",
                     tuple(args))}
 
     def state_at(self, t: int | None, pools: Collection[int]
@@ -525,11 +540,12 @@ class HistoryReader:
             return
         # One read transaction: the pools, the opening states and the changes all come
         # from the same snapshot, whatever the daemon commits meanwhile.
-        self._db.execute("BEGIN")
+        self._db.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY" if self._pg
+                         else "BEGIN")
         try:
             yield from self._rows(since, until, *_pool_filter(gpus, clouds, market))
         finally:
-            self._db.execute("COMMIT")
+            self._db.commit()
 
     def _rows(self, since: datetime | None, until: datetime | None, where: str,
               args: list[str]) -> Iterator[TraceRow]:
@@ -557,7 +573,7 @@ class HistoryReader:
             bounds.append(hi)
         if where:
             # `+` keeps SQLite on the time-ordered scan: the rows stream, unsorted.
-            sql += f" AND +pool_id IN (SELECT id FROM market_pools p WHERE 1{where})"
+            sql += f" AND +pool_id IN (SELECT id FROM market_pools p WHERE 1=1{where})"
             bounds.extend(args)
         last_t, when = -1, from_epoch(0)
         for t, pid, price, avail, cap, rate, quota, kind in self._db.execute(

@@ -15,6 +15,11 @@ keep its state, and stops (`broker.core` says how).
 The market history (`market_pools`, `market_changes`, `market_snapshots`) is written
 and read by `broker.recorder`; its tables are created here with the rest of the schema.
 They were added without a schema version bump: an older gpubroker ignores them.
+
+`broker.pgstore` keeps the same tables on PostgreSQL (high availability); `Store` is the
+interface both implement, and `open_store` picks one from the configuration. Schema
+changes are versioned migrations (`meta.schema`), applied at open; a state written by a
+newer gpubroker is refused.
 """
 
 from __future__ import annotations
@@ -28,13 +33,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from broker.model import Lease, LeaseState, Placement, PlaceRequest, iso, parse_iso
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -89,10 +94,72 @@ CREATE TABLE IF NOT EXISTS market_changes (
 CREATE TABLE IF NOT EXISTS market_snapshots (t INTEGER PRIMARY KEY);
 """
 
+_MIGRATIONS: dict[int, str] = {
+    # The leader's fencing epoch on every lease and outbox row (0 without high
+    # availability: one daemon, no election).
+    2: "ALTER TABLE leases ADD COLUMN leader_epoch INTEGER NOT NULL DEFAULT 0;"
+       "ALTER TABLE outbox ADD COLUMN leader_epoch INTEGER NOT NULL DEFAULT 0;",
+}
+
+
+class Db(Protocol):
+    """What the market recorder needs of a connection, on either engine: statements
+    with `?` parameters, and explicit transactions (`begin`, `commit`, `rollback`).
+    On PostgreSQL, `begin` also checks the leader's fencing epoch."""
+
+    @property
+    def in_transaction(self) -> bool: ...
+
+    def execute(self, sql: str, args: Sequence[Any] = ..., /) -> Any: ...
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]], /) -> Any: ...
+
+    def begin(self) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SqliteDb(sqlite3.Connection):
+    """An SQLite connection in autocommit mode (`isolation_level=None`) that also
+    speaks `Db`: `begin` takes the write lock at once."""
+
+    def begin(self) -> None:
+        self.execute("BEGIN IMMEDIATE")
+
+
+def connect_sqlite(path: Path, *, read_only: bool = False) -> SqliteDb:
+    if read_only:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
+                             isolation_level=None, factory=SqliteDb)
+        db.execute("PRAGMA query_only=1")
+        return db
+    return sqlite3.connect(path, isolation_level=None, check_same_thread=False,
+                           factory=SqliteDb)
+
+
+def db_errors(*also: type[Exception]) -> tuple[type[Exception], ...]:
+    """The exceptions a database refusal raises, on either engine (and `also`)."""
+    try:
+        import psycopg
+    except ImportError:
+        return (sqlite3.Error, *also)
+    return (sqlite3.Error, psycopg.Error, *also)
+
 
 class StoreFailed(Exception):
-    """SQLite refused a commit or a read of the lease book; the message names the file
-    and SQLite's error. Fatal to the broker: its memory may be ahead of the store."""
+    """The database refused a commit or a read of the lease book; the message names the
+    file (or server) and the database's error. Fatal to the broker: its memory may be
+    ahead of the store."""
+
+
+class Deposed(StoreFailed):
+    """Another node leads the site now (a higher fencing epoch): this one's commit was
+    refused, or it could not renew its leadership in time. It stops at once, publishes
+    nothing more and stands by again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,41 +177,98 @@ class OutboxRow:
     id: int | None = None
 
 
+class Store(Protocol):
+    """The state store, on SQLite (`StateStore`) or PostgreSQL (`PgStateStore`)."""
+
+    epoch: int
+    """The fencing epoch this daemon commits with (0 without high availability)."""
+
+    @property
+    def name(self) -> str:
+        """The file, or the server and database (no password), for messages."""
+
+    def reader(self) -> Db:
+        """A new read-only connection of its own, for another thread (history reads)."""
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def call(self, fn: Callable[[Db], T]) -> T: ...
+
+    async def commit(self, leases: Iterable[Lease], rows: Sequence[OutboxRow]
+                     ) -> list[OutboxRow]: ...
+
+    async def ack(self, ids: Sequence[int]) -> None: ...
+
+    async def barrier(self) -> None: ...
+
+    async def pending(self) -> list[OutboxRow]: ...
+
+    async def leases(self, *, ended_since: datetime | None = None) -> list[Lease]: ...
+
+    async def find_leases(self, keys: Sequence[tuple[str, str]]
+                          ) -> dict[tuple[str, str], Lease]: ...
+
+    async def find_lease(self, scheduler: str, request_id: str) -> Lease | None: ...
+
+
 class StateStore:
+    """The state store on SQLite (see the module docstring)."""
+
+    epoch = 0
+
     def __init__(self, path: Path, *, synchronous: str = "normal") -> None:
         self.path = path
         self._synchronous = synchronous
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite")
-        self._db: sqlite3.Connection | None = None
+        self._db: SqliteDb | None = None
 
-    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+    def reader(self) -> SqliteDb:
+        return connect_sqlite(self.path, read_only=True)
+
+    async def _run(self, fn: Callable[[SqliteDb], T]) -> T:
         def call() -> T:
             assert self._db is not None, "store is not open"
             return fn(self._db)
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
-    async def call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def call(self, fn: Callable[[SqliteDb], T]) -> T:
         """Run `fn(connection)` on the store's thread, in order with every other store
         operation; for parts that keep their own tables (the market recorder). `fn` owns
         its transaction and must keep it short: lease commits wait behind it."""
         return await self._run(fn)
 
     async def open(self) -> None:
-        def do_open() -> sqlite3.Connection:
+        def do_open() -> SqliteDb:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute(f"PRAGMA synchronous={self._synchronous.upper()}")
-            db.execute("PRAGMA busy_timeout=5000")
-            db.executescript(_SCHEMA)
-            row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-            if row is None:
-                db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) > SCHEMA_VERSION:
+            db = connect_sqlite(self.path)
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute(f"PRAGMA synchronous={self._synchronous.upper()}")
+                db.execute("PRAGMA busy_timeout=5000")
+                db.executescript(_SCHEMA)
+                db.begin()
+                row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+                version = 1 if row is None else int(row[0])
+                if version > SCHEMA_VERSION:
+                    raise RuntimeError(
+                        f"{self.path} was written by a newer gpubroker (schema {version}, "
+                        f"this one knows {SCHEMA_VERSION})")
+                for v in range(version + 1, SCHEMA_VERSION + 1):
+                    for statement in filter(str.strip, _MIGRATIONS[v].split(";")):
+                        db.execute(statement)
+                db.execute("INSERT INTO meta VALUES ('schema', ?) ON CONFLICT(key) DO UPDATE "
+                           "SET value=excluded.value", (str(max(version, SCHEMA_VERSION)),))
+                db.commit()
+            except BaseException:
                 db.close()
-                raise RuntimeError(
-                    f"{self.path} was written by a newer gpubroker (schema {row[0]})")
+                raise
             return db
 
         loop = asyncio.get_running_loop()
@@ -160,22 +284,15 @@ class StateStore:
                      ) -> list[OutboxRow]:
         """Write lease changes and outbox rows in one transaction; return the rows with
         their ids."""
-        lease_rows = [_lease_row(lease) for lease in leases]
+        lease_rows = [_lease_row(lease, 0) for lease in leases]
 
-        def tx(db: sqlite3.Connection) -> list[OutboxRow]:
+        def tx(db: SqliteDb) -> list[OutboxRow]:
             out: list[OutboxRow] = []
             db.execute("BEGIN IMMEDIATE")
             try:
-                db.executemany(
-                    "INSERT INTO leases VALUES (?,?,?,?,?,?) ON CONFLICT(lease_id) DO UPDATE "
-                    "SET state=excluded.state, updated_at=excluded.updated_at, "
-                    "body=excluded.body", lease_rows)
+                db.executemany(_UPSERT_LEASE, lease_rows)
                 for r in rows:
-                    cur = db.execute(
-                        "INSERT INTO outbox (topic, payload, qos, retain, props) "
-                        "VALUES (?,?,?,?,?)",
-                        (r.topic, r.payload, r.qos, int(r.retain),
-                         json.dumps(r.props) if r.props else None))
+                    cur = db.execute(_INSERT_OUTBOX, _outbox_row(r, 0))
                     out.append(OutboxRow(r.topic, r.payload, r.qos, r.retain, r.props,
                                          cur.lastrowid))
                 db.execute("COMMIT")
@@ -202,7 +319,7 @@ class StateStore:
         if not ids:
             return
 
-        def delete(db: sqlite3.Connection) -> None:
+        def delete(db: SqliteDb) -> None:
             for i in range(0, len(ids), 500):
                 chunk = ids[i:i + 500]
                 db.execute(f"DELETE FROM outbox WHERE id IN ({','.join('?' * len(chunk))})",
@@ -216,7 +333,7 @@ class StateStore:
         await self._run(lambda db: None)
 
     async def pending(self) -> list[OutboxRow]:
-        def q(db: sqlite3.Connection) -> list[OutboxRow]:
+        def q(db: SqliteDb) -> list[OutboxRow]:
             return [
                 OutboxRow(t, bytes(p), qos, bool(ret), json.loads(pr) if pr else None, i)
                 for i, t, p, qos, ret, pr in db.execute(
@@ -227,7 +344,7 @@ class StateStore:
 
     async def leases(self, *, ended_since: datetime | None = None) -> list[Lease]:
         """Active leases, plus leases that ended at or after `ended_since`."""
-        def q(db: sqlite3.Connection) -> list[Lease]:
+        def q(db: SqliteDb) -> list[Lease]:
             sql = "SELECT body FROM leases WHERE state = 'active'"
             args: tuple[str, ...] = ()
             if ended_since is not None:
@@ -243,7 +360,7 @@ class StateStore:
         if not keys:
             return {}
 
-        def q(db: sqlite3.Connection) -> dict[tuple[str, str], Lease]:
+        def q(db: SqliteDb) -> dict[tuple[str, str], Lease]:
             out: dict[tuple[str, str], Lease] = {}
             for i in range(0, len(keys), 250):
                 chunk = keys[i:i + 250]
@@ -260,7 +377,7 @@ class StateStore:
             raise self._failed("lease lookup", exc) from exc
 
     async def find_lease(self, scheduler: str, request_id: str) -> Lease | None:
-        def q(db: sqlite3.Connection) -> Lease | None:
+        def q(db: SqliteDb) -> Lease | None:
             row = db.execute("SELECT body FROM leases WHERE scheduler=? AND request_id=?",
                              (scheduler, request_id)).fetchone()
             return _lease_from(json.loads(row[0])) if row else None
@@ -268,11 +385,25 @@ class StateStore:
         return await self._run(q)
 
 
-def _lease_row(lease: Lease) -> tuple[str, str, str, str, str, str]:
+_UPSERT_LEASE = (
+    "INSERT INTO leases (lease_id, scheduler, request_id, state, updated_at, body, "
+    "leader_epoch) VALUES (?,?,?,?,?,?,?) ON CONFLICT (lease_id) DO UPDATE SET "
+    "state=excluded.state, updated_at=excluded.updated_at, body=excluded.body, "
+    "leader_epoch=excluded.leader_epoch")
+_INSERT_OUTBOX = ("INSERT INTO outbox (topic, payload, qos, retain, props, leader_epoch) "
+                  "VALUES (?,?,?,?,?,?)")
+
+
+def _lease_row(lease: Lease, epoch: int) -> tuple[str, str, str, str, str, str, int]:
     body = lease.to_json()
     body["request"] = lease.request.to_json()
     return (lease.lease_id, lease.scheduler, lease.request_id, lease.state.value,
-            iso(lease.updated_at), json.dumps(body, separators=(",", ":")))
+            iso(lease.updated_at), json.dumps(body, separators=(",", ":")), epoch)
+
+
+def _outbox_row(r: OutboxRow, epoch: int) -> tuple[str, bytes, int, int, str | None, int]:
+    return (r.topic, r.payload, r.qos, int(r.retain),
+            json.dumps(r.props) if r.props else None, epoch)
 
 
 def _lease_from(d: dict[str, Any]) -> Lease:
@@ -291,3 +422,14 @@ def _lease_from(d: dict[str, Any]) -> Lease:
         max_price_per_gpu_hour=d["max_price_per_gpu_hour"],
         updated_at=parse_iso(d["updated_at"]),
     )
+
+
+def store_for(state: Any, site: str) -> Store:
+    """The store the configuration's `state` section names: PostgreSQL when `url` is
+    set (high availability), else the SQLite file at `path`."""
+    if state.url:
+        from broker.pgstore import PgStateStore
+
+        return PgStateStore(state.url, site=site, password_file=state.password_file,
+                            leadership_seconds=state.leadership_seconds)
+    return StateStore(state.path, synchronous=state.synchronous)

@@ -5,6 +5,8 @@
 * ``probe_factory`` — ``await probe_factory(topics, protocol=5)`` gives a connected
   ``MqttProbe`` on that server, closed at teardown.
 * ``free_port`` — the ``free_port()`` function, for tests that need more ports.
+* ``pg_url`` — the URL of a fresh, empty PostgreSQL database, dropped at teardown
+  (``tests/pg_helpers.py``).
 
 The helpers themselves live in ``tests/mqtt_helpers.py``.
 """
@@ -16,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pg_helpers
 import pytest
 from mqtt_helpers import (
     INSTALL_HINT,
@@ -25,6 +28,15 @@ from mqtt_helpers import (
     find_mosquitto,
     free_port,
 )
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database of its own, dropped at teardown."""
+    if (why := pg_helpers.available()) is not None:
+        pytest.fail(why, pytrace=False)
+    with pg_helpers.fresh_database() as url:
+        yield url
 
 
 @pytest.fixture(name="free_port")

@@ -412,7 +412,8 @@ async def test_clean_stop_publishes_offline(start_daemon: StartDaemon,
     probe = await probe_factory([f"{PREFIX}/status"])
     online = payload_json(await probe.wait_for(f"{PREFIX}/status"))
     assert online["state"] == "online" and online["boot_id"] == rd.daemon.boot_id
-    assert set(online) == {"state", "ts", "boot_id", "version"}
+    assert set(online) == {"state", "ts", "boot_id", "version", "node", "role", "epoch"}
+    assert online["role"] == "leader" and online["epoch"] == 0
     mark = probe.mark()
     await rd.stop()
     offline = payload_json(await probe.wait_for(f"{PREFIX}/status", since=mark))

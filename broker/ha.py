@@ -1,0 +1,274 @@
+"""High availability: one leader per site, elected in PostgreSQL, fenced by an epoch.
+
+Every daemon of a site (same `site`, same `state.url`) runs `Leadership`. The site's
+leadership is a row (`leadership`: epoch, node, expiry in the database's clock):
+
+* A **standby** tries, every `claim_every` seconds, to take the row once it has expired
+  (`expires_at < now()`), raising the epoch by one in the same statement; two standbys
+  starting at once cannot both win, the row update is atomic.
+* The **leader** renews the expiry every `seconds / 3` on a connection of its own. It
+  counts itself leader only until `deadline`: the local monotonic time at which it sent
+  its last successful renewal, plus `seconds`, minus a margin (`seconds / 3`, at least
+  0.5 s). The database's expiry is at least `seconds` after that same moment, so the
+  leader stops acting before any standby can start. A leader that cannot renew in time
+  (database lost, process frozen by `SIGSTOP`, renewal refused because another took
+  over) raises `Deposed` and stands by again.
+* **Fencing** in the database (`broker.pgstore`): every write transaction checks the
+  epoch under a share lock of the row; the takeover's update waits for a commit in
+  flight, and every later commit of the old leader fails. **Fencing on the bus**: the
+  leader publishes (and connects) only while `valid()`; the leader's MQTT client id is
+  the site's, so a new leader's connection also ends the old one's at the MQTT server.
+
+Only the database's clock is compared with the expiry; a node's clock may be wrong.
+The `nodes` table lists every node with its role, epoch and last heartbeat
+(`gpubroker status`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import structlog
+
+from broker import __version__
+from broker.model import utcnow
+from broker.store import Deposed
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from broker.pgstore import PgStateStore
+
+log = structlog.get_logger("gpubroker.ha")
+
+_CLAIM = """
+INSERT INTO leadership AS l (site, epoch, node, boot_id, since, expires_at)
+VALUES (%(site)s, 1, %(node)s, %(boot)s, now(), now() + make_interval(secs => %(ttl)s))
+ON CONFLICT (site) DO UPDATE SET epoch = l.epoch + 1, node = excluded.node,
+    boot_id = excluded.boot_id, since = now(), expires_at = excluded.expires_at
+WHERE l.expires_at < now()
+RETURNING epoch
+"""
+_RENEW = """
+UPDATE leadership SET expires_at = now() + make_interval(secs => %(ttl)s)
+WHERE site = %(site)s AND epoch = %(epoch)s RETURNING epoch
+"""
+_RELEASE = "UPDATE leadership SET expires_at = now() WHERE site = %(site)s AND epoch = %(epoch)s"
+_HEARTBEAT = """
+INSERT INTO nodes (node, boot_id, role, epoch, version, started_at, seen_at)
+VALUES (%(node)s, %(boot)s, %(role)s, %(epoch)s, %(version)s, %(started)s, now())
+ON CONFLICT (node) DO UPDATE SET boot_id = excluded.boot_id, role = excluded.role,
+    epoch = excluded.epoch, version = excluded.version, started_at = excluded.started_at,
+    seen_at = now()
+"""
+
+
+_takeovers = 0
+
+
+def takeovers() -> int:
+    """How many times this process took the leadership of its site."""
+    return _takeovers
+
+
+class Leadership:
+    """This node's part in the site's election (see the module docstring)."""
+
+    def __init__(self, store: PgStateStore, *, site: str, node: str, boot_id: str,
+                 seconds: float = 3.0) -> None:
+        self.store = store
+        self.site = site
+        self.node = node
+        self.boot_id = boot_id
+        self.seconds = seconds
+        self.renew_every = seconds / 3
+        self.claim_every = min(0.5, seconds / 6)
+        self.margin = max(0.5, seconds / 3)
+        self.epoch = 0
+        self.deadline = 0.0
+        self.role = "standby"
+        self.database_ok = False
+        self.leader: tuple[str, int] | None = None
+        """The leader last seen in the database while standing by: (node, epoch)."""
+        self.started_at = utcnow()
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._complained = False
+
+    def valid(self) -> bool:
+        """Whether this node may act as the leader now (publish, connect as the site)."""
+        return self.epoch > 0 and time.monotonic() < self.deadline
+
+    def _args(self, **extra: Any) -> dict[str, Any]:
+        return {"site": self.site, "node": self.node, "boot": self.boot_id,
+                "ttl": self.seconds, "epoch": self.epoch, "role": self.role,
+                "version": __version__, "started": self.started_at, **extra}
+
+    async def _connection(self) -> psycopg.AsyncConnection[Any]:
+        if self._conn is None or self._conn.closed:
+            import psycopg
+
+            kwargs: dict[str, Any] = {}
+            if self.store.password_file is not None:
+                kwargs["password"] = self.store.password_file.read_text(
+                    encoding="utf-8").strip()
+            # Never wait on a row lock for long (a takeover waits for a commit in
+            # flight, not for a stuck session), nor on a statement.
+            ms = max(200, int(self.seconds * 1000 / 3))
+            self._conn = await psycopg.AsyncConnection.connect(
+                self.store.url, autocommit=True, connect_timeout=max(1, round(self.seconds)),
+                application_name="gpubroker-election", keepalives=1, keepalives_idle=5,
+                keepalives_interval=2, keepalives_count=3,
+                options=f"-c lock_timeout={ms} -c statement_timeout={ms * 2}", **kwargs)
+        return self._conn
+
+    async def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                await conn.close()
+            except Exception as exc:  # a broken connection may not close cleanly
+                log.debug("closing the election connection failed", error=str(exc))
+
+    def _trouble(self, what: str, exc: BaseException) -> None:
+        self.database_ok = False
+        if not self._complained:
+            self._complained = True
+            log.warning(f"{what} failed", database=self.store.name,
+                        error=type(exc).__name__, detail=str(exc).strip()[:300])
+
+    async def acquire(self, stop: asyncio.Event) -> int | None:
+        """Stand by until this node leads; returns its epoch (None: `stop` was set)."""
+        import psycopg
+
+        self.role = "standby"
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                async with asyncio.timeout(self.seconds):
+                    conn = await self._connection()
+                    async with conn.transaction():
+                        cur = await conn.execute(_CLAIM, self._args())
+                        row = await cur.fetchone()
+                        if row is None:
+                            cur = await conn.execute(
+                                "SELECT node, epoch FROM leadership WHERE site = %s",
+                                (self.site,))
+                            seen = await cur.fetchone()
+                            self.leader = None if seen is None else (seen[0], int(seen[1]))
+                        else:
+                            self.epoch, self.role = int(row[0]), "leader"
+                            self.leader = (self.node, self.epoch)
+                        await conn.execute(_HEARTBEAT, self._args())
+            except (psycopg.Error, OSError, TimeoutError) as exc:
+                self.epoch, self.role = 0, "standby"
+                self._trouble("standing by: the database", exc)
+                await self._drop()
+            else:
+                self.database_ok = True
+                if self._complained:
+                    self._complained = False
+                    log.info("standing by: the database answers again")
+                if self.epoch > 0:
+                    global _takeovers
+                    _takeovers += 1
+                    self.deadline = sent + self.seconds - self.margin
+                    log.info("leading the site", site=self.site, node=self.node,
+                             epoch=self.epoch)
+                    return self.epoch
+            try:
+                async with asyncio.timeout(self.claim_every):
+                    await stop.wait()
+            except TimeoutError:
+                pass
+        return None
+
+    async def hold(self) -> NoReturn:
+        """Renew the leadership until it is lost; then raise `Deposed`."""
+        import psycopg
+
+        while True:
+            await asyncio.sleep(max(0.0, min(self.renew_every,
+                                             self.deadline - time.monotonic())))
+            if not self.valid():
+                raise Deposed(f"leadership of site {self.site} not renewed in time "
+                              f"(epoch {self.epoch}): another node may lead now")
+            sent = time.monotonic()
+            try:
+                async with asyncio.timeout(max(0.05, self.deadline - sent)):
+                    conn = await self._connection()
+                    async with conn.transaction():
+                        cur = await conn.execute(_RENEW, self._args())
+                        renewed = await cur.fetchone()
+                        if renewed is not None:
+                            await conn.execute(_HEARTBEAT, self._args())
+            except (psycopg.Error, OSError, TimeoutError) as exc:
+                self._trouble("renewing the leadership", exc)
+                await self._drop()
+                continue
+            if renewed is None:
+                raise Deposed(f"another node leads site {self.site} now (this node's "
+                              f"epoch was {self.epoch})")
+            self.database_ok = True
+            if self._complained:
+                self._complained = False
+                log.info("leadership renewed again")
+            self.deadline = sent + self.seconds - self.margin
+
+    def step_down(self) -> None:
+        """Stop acting as the leader at once (no more publishing)."""
+        self.deadline = 0.0
+
+    async def release(self) -> None:
+        """An orderly stop: let a standby take over at once. Best effort."""
+        if self.epoch <= 0:
+            return
+        self.step_down()
+        try:
+            async with asyncio.timeout(2.0):
+                conn = await self._connection()
+                await conn.execute(_RELEASE, self._args())
+                await conn.execute(_HEARTBEAT, self._args(role="stopped"))
+        except Exception as exc:  # the standby then waits for the expiry instead
+            log.warning("leadership not released; a standby takes over at its expiry",
+                        error=type(exc).__name__, detail=str(exc).strip()[:300])
+
+    async def close(self) -> None:
+        await self._drop()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    node: str
+    role: str
+    epoch: int
+    boot_id: str
+    version: str
+    started_at: datetime
+    seen_seconds_ago: float
+
+
+@dataclass(frozen=True, slots=True)
+class SiteStatus:
+    site: str
+    leader: str | None
+    epoch: int
+    expires_in_seconds: float | None
+    nodes: list[NodeInfo]
+
+
+def site_status(store: PgStateStore, site: str) -> SiteStatus:
+    """The site's leadership and nodes as the database has them (blocking)."""
+    with store.connect() as conn:
+        row = conn.execute("SELECT node, epoch, EXTRACT(EPOCH FROM expires_at - now()) "
+                           "FROM leadership WHERE site = %s", (site,)).fetchone()
+        nodes = [NodeInfo(n, role, int(e), boot, ver, started, float(ago))
+                 for n, role, e, boot, ver, started, ago in conn.execute(
+                     "SELECT node, role, epoch, boot_id, version, started_at, "
+                     "EXTRACT(EPOCH FROM now() - seen_at) FROM nodes ORDER BY node")]
+    if row is None:
+        return SiteStatus(site, None, 0, None, nodes)
+    return SiteStatus(site, row[0], int(row[1]), float(row[2]), nodes)
