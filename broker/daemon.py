@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import json
 import os
 import signal
 import sqlite3
@@ -31,7 +32,7 @@ import structlog
 from adapters.base import CloudAdapter
 from adapters.errors import AdapterError
 from broker import capacity, solver
-from broker.bus import Bus, RetainedRead
+from broker.bus import Bus, RetainedRead, make_client
 from broker.clouds import build_adapters
 from broker.config import Config
 from broker.core import Broker, Command
@@ -84,6 +85,8 @@ class Daemon:
         self.topics = Topics(cfg.mqtt.topic_prefix)
         self.store = store_for(cfg.state, cfg.site)
         self.leadership: Leadership | None = None
+        self.standby_mqtt = False  # standing by: connected to the MQTT server
+        self.leader_status: dict[str, Any] | None = None  # standing by: the last P/status
         if cfg.state.url:
             assert isinstance(self.store, PgStateStore)
             self.leadership = Leadership(self.store, site=cfg.site, node=cfg.node,
@@ -406,17 +409,63 @@ class Daemon:
         log.info("standing by", site=self.cfg.site, node=self.cfg.node,
                  database=self.store.name)
         self.notifier.ready(self._standby_line())
-        epoch = await self.leadership.acquire(stop)
+        async with asyncio.TaskGroup() as tg:
+            watch = [tg.create_task(self._standby_bus()), tg.create_task(self._standby_pulse())]
+            try:
+                epoch = await self.leadership.acquire(stop)
+            finally:
+                for task in watch:
+                    task.cancel()
         return epoch is not None
+
+    async def _standby_bus(self) -> None:
+        """Standing by: stay connected to the MQTT server with a client of this node's
+        own (no will, no session, publishes nothing) and follow `P/status`, so /readyz
+        and the status line say whether the server and the leader are there."""
+        client_id = f"{self.cfg.client_id}-standby-{self.cfg.node}"
+        failures = 0
+        while True:
+            try:
+                async with make_client(self.cfg.mqtt, client_id, session=False) as client:
+                    await client.subscribe(self.topics.status, qos=1)
+                    self.standby_mqtt = True
+                    failures = 0
+                    async for message in client.messages:
+                        status = _json_object(message.payload)
+                        if status is not None:
+                            self.leader_status = status
+            except Exception as exc:  # any failure: reconnect (standing by is all it does)
+                failures += 1
+                if failures == 1:
+                    log.warning("standing by: mqtt not reachable, retrying",
+                                url=self.cfg.mqtt.url, error=type(exc).__name__,
+                                detail=str(exc)[:300])
+            finally:
+                self.standby_mqtt = False
+            await asyncio.sleep(min(30.0, 0.25 * 2 ** min(failures, 7)))
+
+    async def _standby_pulse(self) -> None:
+        """Standing by: systemd's status line, and its watchdog while the loop runs."""
+        period = watchdog_seconds()
+        while True:
+            self.notifier.status(self._standby_line())
+            if period:
+                self.notifier.watchdog()
+            await asyncio.sleep(min(5.0, period / 2) if period else 5.0)
 
     def _standby_line(self) -> str:
         ha = self.leadership
         assert ha is not None
+        notes = []
         if not ha.database_ok:
-            return "standby (database not reachable)"
-        if ha.leader is None:
-            return "standby (no leader yet)"
-        return f"standby (leader: node {ha.leader[0]}, epoch {ha.leader[1]})"
+            notes.append("database not reachable")
+        elif ha.leader is None:
+            notes.append("no leader yet")
+        else:
+            notes.append(f"leader: node {ha.leader[0]}, epoch {ha.leader[1]}")
+        if not self.standby_mqtt:
+            notes.append("MQTT not connected")
+        return f"standby ({'; '.join(notes)})"
 
     async def warm_hazard(self) -> int:
         """Feed the hazard estimator the recorded market history of its last few
@@ -566,6 +615,14 @@ class Daemon:
         while True:
             await asyncio.sleep(3600)
             self.book.prune(utcnow())
+
+
+def _json_object(payload: Any) -> dict[str, Any] | None:
+    try:
+        value = json.loads(payload)
+    except (TypeError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _leaves(eg: BaseExceptionGroup[Any]) -> list[BaseException]:

@@ -10,6 +10,8 @@
   ended), as committed (a change being committed is waited for). The list holds the
   active leases unless `state` says otherwise (`released`, `expired`, `failed`, or `all`);
   filter `scheduler`.
+* A standby (high availability) answers /livez, /readyz (503, "standby (…)"), /metrics,
+  /v1/policy and the lease reads (from the database); /v1/offers and placing: 503.
 * `POST /v1/requests/{S}/place`: a placement request, same body and answer as MQTT;
   bearer token required.
 * `GET /v1/policy`: the policy in force and its hash.
@@ -33,7 +35,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from broker.core import Command
-from broker.model import SCHEDULER_ID, LeaseState, Market, utcnow
+from broker.model import SCHEDULER_ID, Lease, LeaseState, Market, utcnow
 from broker.store import StoreFailed
 
 if TYPE_CHECKING:
@@ -74,8 +76,27 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def _standing_by(d: Daemon) -> web.Response | None:
+    """A standby serves reads of the lease book from the database, and nothing else."""
+    if d.role != "standby":
+        return None
+    return _json({"error": f"this node is a {d.not_ready()[0]}; ask the leader"}, 503)
+
+
+async def _standby_leases(d: Daemon) -> list[Lease] | web.Response:
+    assert d.leadership is not None
+    if not d.leadership.database_ok:
+        return _json({"error": "this node is a standby and cannot reach the database"}, 503)
+    try:
+        return await d.store.leases(ended_since=utcnow() - d.book.keep_ended)
+    except StoreFailed:
+        return _store_failed()
+
+
 async def offers(request: web.Request) -> web.Response:
     d = _daemon(request)
+    if (refused := _standing_by(d)) is not None:
+        return refused
     q = request.query
     try:
         limit = int(q.get("limit", "1000"))
@@ -97,14 +118,20 @@ async def offers(request: web.Request) -> web.Response:
 async def leases(request: web.Request) -> web.Response:
     d = _daemon(request)
     q = request.query
-    try:
-        await d.broker.settled()
-    except StoreFailed:
-        return _store_failed()
     state = q.get("state") or LeaseState.ACTIVE.value
     if state != "all" and state not in LEASE_STATES:
         return _json({"error": f"state must be one of {', '.join(LEASE_STATES)} or all"}, 400)
-    rows = [le for le in d.book.all()
+    if d.role == "standby":
+        book = await _standby_leases(d)
+        if isinstance(book, web.Response):
+            return book
+    else:
+        try:
+            await d.broker.settled()
+        except StoreFailed:
+            return _store_failed()
+        book = d.book.all()
+    rows = [le for le in book
             if (state == "all" or le.state.value == state)
             and (not q.get("scheduler") or le.scheduler == q["scheduler"])]
     rows.sort(key=lambda le: le.created_at)
@@ -113,11 +140,18 @@ async def leases(request: web.Request) -> web.Response:
 
 async def lease(request: web.Request) -> web.Response:
     d = _daemon(request)
-    try:
-        await d.broker.settled()
-    except StoreFailed:
-        return _store_failed()
-    found = d.book.get(request.match_info["lease_id"])
+    lease_id = request.match_info["lease_id"]
+    if d.role == "standby":
+        book = await _standby_leases(d)
+        if isinstance(book, web.Response):
+            return book
+        found = next((le for le in book if le.lease_id == lease_id), None)
+    else:
+        try:
+            await d.broker.settled()
+        except StoreFailed:
+            return _store_failed()
+        found = d.book.get(lease_id)
     if found is None:
         return _json({"error": "no such lease"}, 404)
     return _json(found.to_json())
@@ -131,6 +165,8 @@ async def policy(request: web.Request) -> web.Response:
 
 async def place(request: web.Request) -> web.Response:
     d = _daemon(request)
+    if (refused := _standing_by(d)) is not None:
+        return refused
     token = d.http_token
     if token is None:
         return _json({"error": "placing over HTTP needs http.token_file in the config"}, 403)
