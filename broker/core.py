@@ -66,6 +66,9 @@ from policies.evaluate import Denied, evaluate, forbids
 from policies.model import Policy
 from policies.residency import Residency
 
+THREAD_MIN_BATCH = 16
+"""Batches of this many requests or more are solved in a worker thread (see `_place`)."""
+
 log = structlog.get_logger("gpubroker.broker")
 
 BURST = 8
@@ -261,11 +264,9 @@ class Broker:
         while True:
             await asyncio.sleep(every_seconds)
             self.check_health()
-            self.check_reoptimize()
+            await self.check_reoptimize_async()
 
-    def check_reoptimize(self, limit: int = 500) -> list[failover.Trigger]:
-        """Look at up to `limit` active leases (the next ones in turn) for a placement
-        that saves at least `reoptimize_min_saving`; queue their moves."""
+    def _reoptimize_chunk(self, limit: int) -> list[Lease]:
         if self.policy.failover.reoptimize_min_saving is None:
             return []
         active = sorted(self.book.active(), key=lambda le: le.lease_id)
@@ -274,8 +275,31 @@ class Broker:
         start = self._reopt_next % len(active)
         chunk = (active[start:] + active[:start])[:limit]
         self._reopt_next = start + len(chunk)
+        return chunk
+
+    def check_reoptimize(self, limit: int = 500) -> list[failover.Trigger]:
+        """Look at up to `limit` active leases (the next ones in turn) for a placement
+        that saves at least `reoptimize_min_saving`; queue their moves."""
+        chunk = self._reoptimize_chunk(limit)
+        if not chunk:
+            return []
         triggers = failover.reoptimize(chunk, self.pool, self.policy, self._resident,
                                        self._clock())
+        for t in triggers:
+            self._trigger(t)
+        return triggers
+
+    async def check_reoptimize_async(self, limit: int = 500) -> list[failover.Trigger]:
+        """`check_reoptimize` in a worker thread, on a snapshot of the pool (a pass of
+        hundreds of leases would hold the event loop for a long time); the moves are
+        queued on the loop, and each is judged again when its turn comes."""
+        chunk = self._reoptimize_chunk(limit)
+        if not chunk:
+            return []
+        now = self._clock()
+        triggers = await asyncio.to_thread(
+            failover.reoptimize, chunk, placement.Snapshot(self.pool, now), self.policy,
+            self._resident, now)
         for t in triggers:
             self._trigger(t)
         return triggers
@@ -390,7 +414,7 @@ class Broker:
                             f"expected one of {', '.join(VERBS)}"}])
             rejected: dict[tuple[str, str], placement.Rejection] = {}
             try:
-                self._place(b, list(asks.values()), rejected)
+                await self._place(b, list(asks.values()), rejected)
             except Exception:
                 # The last resort for the batch: what it decided stands, the rest is
                 # answered (below, with the repeats of the same requests).
@@ -450,8 +474,8 @@ class Broker:
         for lease in (await self.store.find_leases(unknown)).values():
             self.book.remember(lease)
 
-    def _place(self, b: _Batch, asks: Sequence[tuple[Command, PlaceRequest]],
-               rejected: dict[tuple[str, str], placement.Rejection]) -> None:
+    async def _place(self, b: _Batch, asks: Sequence[tuple[Command, PlaceRequest]],
+                     rejected: dict[tuple[str, str], placement.Rejection]) -> None:
         """Place a batch together: each ask is judged by the policy against its team's
         usage before the batch; the optimizer keeps the batch within the teams' limits."""
         now = self._clock()
@@ -471,8 +495,19 @@ class Broker:
         # The MILP only with time to spare: while requests wait, the heuristic answers.
         settings = self.settings if self._requests.empty() else \
             dataclasses.replace(self.settings, exact_max_batch=0)
-        result = placement.solve([a for _, _, a in todo], self.pool, self.policy, now=now,
-                                 retry_after_seconds=self._retry_after, settings=settings)
+        batch = [a for _, _, a in todo]
+        if len(batch) < THREAD_MIN_BATCH:
+            result = placement.solve(batch, self.pool, self.policy, now=now,
+                                     retry_after_seconds=self._retry_after, settings=settings)
+        else:
+            # A large batch (the MILP, or thousands of requests) is solved in a worker
+            # thread on a snapshot of the pool, so the event loop keeps serving MQTT,
+            # polls and HTTP meanwhile; the lock keeps every other change out until the
+            # outcome is committed, here, on the loop.
+            view = placement.Snapshot(self.pool, now)
+            result = await asyncio.to_thread(
+                placement.solve, batch, view, self.policy, now=now,
+                retry_after_seconds=self._retry_after, settings=settings)
         self.last_batch = result
         for (cmd, req, ask), out in zip(todo, result.outcomes, strict=True):
             if isinstance(out, placement.Rejection):

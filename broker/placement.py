@@ -33,7 +33,7 @@ from collections import Counter
 from collections.abc import Collection, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import solver
 from broker.hazard import HazardEstimator
@@ -42,6 +42,9 @@ from policies.evaluate import Constraints, Denied, evaluate
 from policies.evaluate import describe as describe_constraints
 from policies.model import Policy
 from policies.residency import Residency
+
+if TYPE_CHECKING:
+    from broker.pool import ResourcePool
 
 ALTERNATIVES = 3
 PENALTY = 100  # leaving a request unplaced costs this many times its cheapest option
@@ -68,6 +71,47 @@ class PoolView(Protocol):
     def hazard(self) -> HazardEstimator | None:
         """Spot pools' interruption rate and availability expected over a job, from their
         history (None: none kept; the offers' own signals are used)."""
+
+
+class Snapshot:
+    """A `PoolView` frozen at one moment, for placing in a worker thread while the event
+    loop goes on changing the pool: every GPU's sorted offer lists (copies of the lists,
+    not of the offers, which are immutable), the stale slices and cooling pools at `now`,
+    and the instances held. Offers looked up by key (`get`, `slice_of`) and the hazard
+    estimator are read live: single lookups, each consistent on its own."""
+
+    def __init__(self, pool: ResourcePool, now: datetime) -> None:
+        self._pool = pool
+        self._lists: dict[tuple[str, Market | None], list[Offer]] = {}
+        for gpu in pool.gpus():
+            for market in (None, *Market):
+                self._lists[(gpu, market)] = list(pool.by_gpu(gpu, market))
+        self._stale = frozenset(pool.stale_slices(now))
+        self._cooling = frozenset(pool.cooling(now))
+        self._held = {key: pool.held(key) for key in pool.held_pools()}
+        self._hazard = pool.hazard
+
+    def by_gpu(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
+        return self._lists.get((gpu, market), ())
+
+    def stale_slices(self, now: datetime) -> Collection[Hashable]:
+        return self._stale
+
+    def slice_of(self, key: PoolKey) -> Hashable | None:
+        return self._pool.slice_of(key)
+
+    def cooling(self, now: datetime) -> Collection[PoolKey]:
+        return self._cooling
+
+    def held(self, key: PoolKey) -> int:
+        return self._held.get(key, 0)
+
+    def get(self, key: PoolKey) -> Offer | None:
+        return self._pool.get(key)
+
+    @property
+    def hazard(self) -> HazardEstimator | None:
+        return self._hazard
 
 
 @dataclass(frozen=True, slots=True)

@@ -379,3 +379,69 @@ async def test_a_model_a_cloud_offers_under_its_own_name_stays_requestable(
     assert len(decided) == 2 and decided[1]["lease_id"] == lease.lease_id
     [invalid] = _events(sink, "request.invalid")
     assert invalid["request_id"] == "r3" and invalid["errors"][0]["field"] == "gpu"
+
+
+# --- large batches are solved off the event loop -----------------------------------------
+
+
+async def test_a_large_batch_is_solved_in_a_thread_while_the_loop_runs(
+        setup: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The solve of a batch of THREAD_MIN_BATCH requests waits for an event that only
+    the event loop sets: it completes only if the solve runs off the loop (on the loop
+    it would wait forever, and the test times out)."""
+    import asyncio
+    import threading
+
+    from broker import core, placement
+
+    broker, _, _ = setup
+    loop = asyncio.get_running_loop()
+    started = asyncio.Event()
+    loop_ran = threading.Event()
+    real_solve = placement.solve
+    solved_in: list[str] = []
+
+    def solve(*args: Any, **kwargs: Any) -> Any:
+        solved_in.append(threading.current_thread().name)
+        loop.call_soon_threadsafe(started.set)
+        if not loop_ran.wait(timeout=10):
+            raise AssertionError("the event loop did not run while the batch was solved")
+        return real_solve(*args, **kwargs)
+
+    monkeypatch.setattr(placement, "solve", solve)
+    n = core.THREAD_MIN_BATCH
+    handling = asyncio.create_task(broker.handle([_place_cmd(f"r{i}") for i in range(n)]))
+    async with asyncio.timeout(10):
+        await started.wait()  # the loop runs while the batch is being solved
+    loop_ran.set()
+    async with asyncio.timeout(10):
+        await handling
+    assert solved_in[0] != threading.main_thread().name
+    # Two pools of one instance each: two requests placed, the rest refused, as on the loop.
+    zones = sorted(le.placement.pool.zone for le in broker.book.active())
+    assert zones == ["us-east-1a", "us-east-1b"]
+
+
+async def test_a_snapshot_places_as_the_pool_does() -> None:
+    """Placement on `Snapshot(pool)` decides exactly what it decides on the pool itself,
+    and a change of the pool after the snapshot does not reach it."""
+    from factories import T0
+
+    from broker import placement
+    from broker.model import PlaceRequest
+
+    offers = [offer(f"us-east-1{z}", price=10.0 + i, capacity=2)
+              for i, z in enumerate("abcdef")]
+    offers += [offer(f"us-west-2{z}", region="us-west-2", gpu="A100-80GB", price=8.0 + i,
+                     market="on_demand") for i, z in enumerate("abc")]
+    pool = pool_of(offers, clock=Clock(), stale_after_seconds=300)
+    asks = [placement.Ask(PlaceRequest.from_json("s", {
+        "request_id": f"r{i}", "gpu": ["H100-80GB", "A100-80GB"], "gpus": 8 * (1 + i % 2)}))
+        for i in range(12)]
+    direct = placement.place(asks, pool, Policy(), now=T0)
+    snap = placement.Snapshot(pool, T0)
+    pool.replace(SLICE, [])  # every offer gone from the pool, not from the snapshot
+    on_snapshot = placement.place(asks, snap, Policy(), now=T0)
+    assert [getattr(o, "placement", None) for o in on_snapshot] == \
+        [getattr(o, "placement", None) for o in direct]
+    assert any(isinstance(o, placement.Decision) for o in direct)
