@@ -7,6 +7,7 @@ Prometheus scrapes, from the parts themselves.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,6 +23,9 @@ from broker.placement import BatchResult
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 _POLL_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+LAG_EVERY_SECONDS = 0.05
 
 
 class Metrics:
@@ -68,6 +72,24 @@ class Metrics:
                                        registry=r)
         self.policy_reloads = Counter("gpubroker_policy_reloads", "Policy reloads by result",
                                       ["result"], registry=r)
+        self.loop_lag = Histogram(
+            "gpubroker_event_loop_lag_seconds",
+            f"How late the event loop ran a timer due every {LAG_EVERY_SECONDS:g}s: the "
+            "longest it was held by one piece of work, roughly",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r)
+        self.loop_lag_max = 0.0
+
+    async def watch_loop_lag(self) -> None:
+        """Sleep `LAG_EVERY_SECONDS` at a time and record how much later than asked the
+        loop woke up (a task of the daemon)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LAG_EVERY_SECONDS
+            await asyncio.sleep(LAG_EVERY_SECONDS)
+            lag = max(0.0, loop.time() - due)
+            self.loop_lag.observe(lag)
+            self.loop_lag_max = max(self.loop_lag_max, lag)
 
     def observe_event(self, kind: str, data: dict[str, Any]) -> None:
         """Count what the broker publishes (hooked to `Broker.observers`)."""
