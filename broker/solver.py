@@ -425,14 +425,18 @@ def heuristic(p: Problem, *, improve_rounds: int = 2, chains: bool = True) -> So
             heapq.heappush(heap, key)  # others now stand to lose more: they go first
             continue
         team = reqs[i].team
-        if team is not None and short.get(team) is False:
+        if team is not None and short.get(team) is False and len(reqs) > 1:
             first = _thrifty(st, i, first)
         st.take(i, first)
     p.live = None  # from here on resources are freed as well as taken
     _improve(st, rounds=improve_rounds, best_two=best_two, chains=chains)
     objective = st.objective()
+    # A request alone is placed on the first option, in order of cost, that every
+    # constraint admits (or on none when none does, the list grown to its end): the
+    # optimum, although the trivial bound may lie below it (it ignores team limits).
+    alone = len(reqs) == 1
     return Solution(st.choice, objective, bound, "heuristic", time.perf_counter() - started,
-                    optimal=objective <= bound + EPS * max(1.0, bound))
+                    optimal=alone or objective <= bound + EPS * max(1.0, bound))
 
 
 def _short_teams(p: Problem) -> dict[str, bool]:
