@@ -147,6 +147,7 @@ class Broker:
         # lease_id -> its failover times within the anti-flap window (active leases only)
         self._moves: dict[str, list[datetime]] = {}
         self.failed: StoreFailed | None = None
+        self._costs: placement.CostIndex | None = None
         """Set when the store refused a change: the broker has stopped for good."""
         pool.subscribe(self._on_pool_change)
 
@@ -498,7 +499,8 @@ class Broker:
         batch = [a for _, _, a in todo]
         if len(batch) < THREAD_MIN_BATCH:
             result = placement.solve(batch, self.pool, self.policy, now=now,
-                                     retry_after_seconds=self._retry_after, settings=settings)
+                                     retry_after_seconds=self._retry_after, settings=settings,
+                                     costs=self._cost_index())
         else:
             # A large batch (the MILP, or thousands of requests) is solved in a worker
             # thread on a snapshot of the pool, so the event loop keeps serving MQTT,
@@ -524,6 +526,15 @@ class Broker:
             self._expiry_changed.set()
         for observe in self.batch_observers:
             observe(result)
+
+    def _cost_index(self) -> placement.CostIndex:
+        """The pool's offers in order of expected cost under the policy in force."""
+        costs = self._costs
+        if costs is None or costs.policy is not self.policy:
+            if costs is not None:
+                costs.close()
+            costs = self._costs = placement.CostIndex(self.pool, self.policy)
+        return costs
 
     def _rejected(self, b: _Batch, cmd: Command, req: PlaceRequest,
                   outcome: placement.Rejection) -> None:

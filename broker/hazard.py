@@ -114,6 +114,10 @@ class HazardEstimator:
         self.now = -math.inf
         self._pools: dict[PoolKey, _Pool] = {}
         self._est: dict[PoolKey, Estimate] = {}
+        self.refreshes = 0
+        """How many times `refresh` re-estimated every pool (a cache of costs computed
+        from the estimates is out of date when it changes; other estimates change only
+        with the pool changes that carry them)."""
         self._refreshed = -math.inf
         self._theta = reversion_hours
         self._g = _fade(reversion_hours, self.horizon_hours)
@@ -303,6 +307,7 @@ class HazardEstimator:
         pools gone too long (done by the feeding itself every `refresh_seconds`)."""
         now = self.now
         self._refreshed = now
+        self.refreshes += 1
         if self._pairs >= _MIN_PAIRS and self._sxx > 0:
             rho = self._sxy / self._sxx
             if 0 < rho < 1:

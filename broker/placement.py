@@ -114,6 +114,89 @@ class Snapshot:
         return self._hazard
 
 
+def unit_cost(offer: Offer, policy: Policy, hazard: HazardEstimator | None) -> float:
+    """The expected cost of one of the offer's GPUs for an hour (`expected_cost` of one
+    instance, per GPU): no option on the offer costs less per GPU asked for."""
+    return expected_cost(offer, 1, policy, hazard=hazard) / offer.gpus
+
+
+def _first_two(entry: tuple[float, PoolKey, Offer]) -> tuple[float, PoolKey]:
+    return entry[0], entry[1]
+
+
+class CostIndex:
+    """The pool's priced offers per (GPU model, market) in order of `unit_cost`, for
+    placing on the event loop: a request's walk can stop as soon as the next offer's
+    cost per GPU times the GPUs it asks for exceeds the options it has, which in order
+    of price alone can take hundreds of offers more (prices alike, risks not).
+
+    Built per list on first use, then kept up to date from the pool's changes: an offer
+    that changed or went (and with it the hazard estimate of its pool, which changes
+    only with such a change) is placed again; a `refresh` of the hazard estimator, or
+    another estimator, rebuilds every list. One policy's scoring: a new policy needs a
+    new index. The offers are read from the pool when walked (the newest reading)."""
+
+    def __init__(self, pool: ResourcePool, policy: Policy) -> None:
+        self.pool = pool
+        self.policy = policy
+        self._lists: dict[tuple[str, Market], list[tuple[float, PoolKey, Offer]]] = {}
+        self._placed: dict[PoolKey, tuple[float, tuple[str, Market]]] = {}
+        self._dirty: set[PoolKey] = set()
+        self._hazard_seen: tuple[int, int] = (0, -1)
+        self.close = pool.subscribe(self._observe)
+        """Stop following the pool (the index is not used any more)."""
+
+    def _observe(self, change: Any) -> None:
+        if self._lists:
+            self._dirty.update(change.updated)
+            self._dirty.update(change.removed)
+
+    def sorted(self, gpu: str, market: Market) -> list[tuple[float, PoolKey, Offer]]:
+        """(unit cost, pool key, offer) of the priced offers of `gpu` in `market`,
+        cheapest first, as of now (an offer re-read unchanged since may be newer in the
+        pool: `ResourcePool.get`)."""
+        hazard = self.pool.hazard
+        seen = (id(hazard), hazard.refreshes if hazard is not None else 0)
+        if seen != self._hazard_seen:
+            self._lists.clear()
+            self._placed.clear()
+            self._dirty.clear()
+            self._hazard_seen = seen
+        if self._dirty:
+            self._place_again(hazard)
+        got = self._lists.get((gpu, market))
+        if got is None:
+            policy, where = self.policy, (gpu, market)
+            got = sorted(((unit_cost(o, policy, hazard), o.pool, o)
+                          for o in self.pool.by_gpu(gpu, market)), key=_first_two)
+            self._lists[where] = got
+            for u, key, _ in got:
+                self._placed[key] = (u, where)
+        return got
+
+    def _place_again(self, hazard: HazardEstimator | None) -> None:
+        import bisect
+
+        dirty, self._dirty = self._dirty, set()
+        for key in dirty:
+            old = self._placed.pop(key, None)
+            if old is not None:
+                entries = self._lists[old[1]]
+                i = bisect.bisect_left(entries, (old[0], key), key=_first_two)
+                if i < len(entries) and entries[i][1] == key:
+                    del entries[i]
+            offer = self.pool.get(key)
+            if offer is None or offer.price_per_hour is None or offer.gpus <= 0:
+                continue
+            where = (offer.gpu, key.market)
+            entries_or_none = self._lists.get(where)
+            if entries_or_none is None:
+                continue  # that list is built when first asked for
+            u = unit_cost(offer, self.policy, hazard)
+            bisect.insort(entries_or_none, (u, key, offer), key=_first_two)
+            self._placed[key] = (u, where)
+
+
 @dataclass(frozen=True, slots=True)
 class Ask:
     """One request to place. `exclude` keeps pools out (a failover never goes back to the
@@ -278,7 +361,7 @@ def place(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
 
 def solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
           retry_after_seconds: float | None = None,
-          settings: Settings = Settings()) -> BatchResult:
+          settings: Settings = Settings(), costs: CostIndex | None = None) -> BatchResult:
     """Place a batch of asks together: at most one pool each, within every pool's free
     capacity (its estimate minus what the broker holds), each quota's headroom, each
     team's `max_gpus`, `budget_per_hour` and spread limits, at the lowest total
@@ -291,16 +374,18 @@ def solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
     gc.disable()
     try:
         return _solve(asks, view, policy, now=now, retry_after_seconds=retry_after_seconds,
-                      settings=settings)
+                      settings=settings,
+                      costs=costs if costs is not None and costs.policy is policy else None)
     finally:
         if was_enabled:
             gc.enable()
 
 
 def _solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
-           retry_after_seconds: float | None, settings: Settings) -> BatchResult:
+           retry_after_seconds: float | None, settings: Settings,
+           costs: CostIndex | None = None) -> BatchResult:
     builder = _Builder(view, policy, now, settings.candidates,
-                       indexed=len(asks) >= settings.index_min_batch)
+                       indexed=len(asks) >= settings.index_min_batch, costs=costs)
     resident = Residency(policy.residency.tags)
     outcomes: list[Outcome | None] = [None] * len(asks)
     index: list[int] = []  # request of the problem -> ask
@@ -358,9 +443,10 @@ class _Builder:
     limits."""
 
     def __init__(self, view: PoolView, policy: Policy, now: datetime, k: int,
-                 indexed: bool = False) -> None:
+                 indexed: bool = False, costs: CostIndex | None = None) -> None:
         self.view = view
         self.indexed = indexed
+        self.costs = costs
         self.problem: solver.Problem | None = None
         self._index: dict[tuple[str, Market], _Arrays] = {}
         self._masks: dict[Hashable, tuple[Any, Any]] = {}
@@ -460,6 +546,8 @@ class _Builder:
         got = self._options.get((key, instances, need))
         if got is not None:
             return got
+        if self.costs is not None:
+            offer = self.view.get(key) or offer  # the newest reading of the same state
         uses: list[tuple[Hashable, float]] = []
         if offer.capacity is not None:
             self.limits.setdefault(("pool", key), offer.capacity - self.view.held(key))
@@ -643,6 +731,16 @@ class _Builder:
             ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
             yield ppg, offer, ppg, None  # free instances: computed where needed
 
+    def _by_cost(self, gpu: str, m: Market
+                 ) -> Iterator[tuple[float, Offer, float, int | None]]:
+        """`_plain` in order of `unit_cost` (from the `CostIndex`), which is the bound."""
+        assert self.costs is not None
+        view, stale, cooling = self.view, self.stale, self.cooling
+        for u, key, offer in self.costs.sorted(gpu, m):
+            if (cooling and key in cooling) or (stale and view.slice_of(key) in stale):
+                continue
+            yield u, offer, offer.price_per_hour / offer.gpus, None  # type: ignore[operator]
+
     def _walk(self, ask: Ask, c: Constraints, k: int | None, limit: float | None,
               alive: solver.Alive | None = None
               ) -> tuple[list[solver.Option], float, _Scan]:
@@ -664,9 +762,13 @@ class _Builder:
         found: list[solver.Option] = []
         tiebreak = 0
         cut = False
+        # In order of price when there is a price cap (the walk ends at the cap), else in
+        # order of cost when the index is there (it ends once no option can make the list).
+        by_price = self.costs is None or cap is not None
         for gpu in c.gpus:
             for m in c.markets:
-                for mult, entries in ((need, self._plain(gpu, m)),):
+                for mult, entries in ((need, self._plain(gpu, m) if by_price
+                                       else self._by_cost(gpu, m)),):
                     for bound, offer, ppg, _ in entries:
                         key = offer.pool
                         if own_clouds is not None and key.cloud not in own_clouds:
@@ -682,7 +784,9 @@ class _Builder:
                         if ppg < scan.cheapest_ppg:
                             scan.cheapest_ppg = ppg
                         if cap is not None and ppg > cap:
-                            break  # sorted by price per GPU-hour: the rest are dearer still
+                            if by_price:
+                                break  # sorted by price per GPU-hour: the rest are dearer
+                            continue
                         scan.under_cap += 1
                         # Any later offer costs at least need × its bound: stop when that
                         # cannot make the list.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -13,7 +14,7 @@ from factories import SLICE, T0, Clock, offer, pool_of, request
 
 from adapters.sim import SimAdapter
 from broker.model import Market, Offer, PlaceRequest, PoolKey, RejectCode
-from broker.placement import Ask, Decision, Outcome, Rejection, place
+from broker.placement import Ask, CostIndex, Decision, Outcome, Rejection, place, solve
 from broker.pool import ResourcePool
 from policies.model import Defaults, Policy, Scoring
 
@@ -342,8 +343,10 @@ def brute_force_costs(req: PlaceRequest, offers: Sequence[Offer], pool: Resource
 
 
 def check_against_brute_force(rng: random.Random, offers: list[Offer], pool: ResourcePool,
-                              models: list[str], policy: Policy, n: int = 200) -> int:
-    """Place n random requests one at a time; return how many were decided."""
+                              models: list[str], policy: Policy, n: int = 200,
+                              costs: CostIndex | None = None) -> int:
+    """Place n random requests one at a time (walking the offers in order of cost when
+    `costs` is given, else of price); return how many were decided."""
     clouds = sorted({o.pool.cloud for o in offers})
     regions = sorted({o.pool.region for o in offers})
     ppgs = sorted(o.price_per_gpu_hour for o in offers if o.price_per_gpu_hour is not None)
@@ -360,7 +363,7 @@ def check_against_brute_force(rng: random.Random, offers: list[Offer], pool: Res
         )
         exclude = frozenset(rng.sample([o.pool for o in offers], rng.choice([0, 0, 3])))
         want = brute_force_costs(req, offers, pool, policy, exclude)
-        [out] = place([Ask(req, exclude)], pool, policy, now=T0)
+        [out] = solve([Ask(req, exclude)], pool, policy, now=T0, costs=costs).outcomes
         if not want:
             assert isinstance(out, Rejection), (req, out)
             continue
@@ -393,8 +396,9 @@ def random_offers(rng: random.Random) -> list[Offer]:
     return offers
 
 
+@pytest.mark.parametrize("indexed", [False, True], ids=["by-price", "by-cost"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_early_stop_matches_brute_force_on_random_offers(seed: int) -> None:
+def test_early_stop_matches_brute_force_on_random_offers(seed: int, indexed: bool) -> None:
     rng = random.Random(seed)
     offers = random_offers(rng)
     clock = Clock()
@@ -413,11 +417,14 @@ def test_early_stop_matches_brute_force_on_random_offers(seed: int) -> None:
         pool.hold(o.pool, 1)
     policy = Policy(scoring=Scoring(restart_hours=rng.uniform(0, 3),
                                     availability_weight=rng.uniform(0, 1)))
-    n = check_against_brute_force(rng, offers, pool, sorted({o.gpu for o in offers}), policy)
+    costs = CostIndex(pool, policy) if indexed else None
+    n = check_against_brute_force(rng, offers, pool, sorted({o.gpu for o in offers}), policy,
+                                  costs=costs)
     assert n > 50  # the test exercised decisions, not only rejections
 
 
-async def test_early_stop_matches_brute_force_on_the_simulated_market() -> None:
+@pytest.mark.parametrize("indexed", [False, True], ids=["by-price", "by-cost"])
+async def test_early_stop_matches_brute_force_on_the_simulated_market(indexed: bool) -> None:
     adapter = SimAdapter(seed=3, regions_per_cloud=2, zones_per_region=2, clock=lambda: T0)
     pool = ResourcePool(stale_after_seconds=300, clock=lambda: T0)
     offers = []
@@ -427,8 +434,76 @@ async def test_early_stop_matches_brute_force_on_the_simulated_market() -> None:
         offers.extend(polled)
     rng = random.Random(5)
     models = sorted({o.gpu for o in offers})
-    n = check_against_brute_force(rng, offers, pool, models, POLICY)
+    costs = CostIndex(pool, POLICY) if indexed else None
+    n = check_against_brute_force(rng, offers, pool, models, POLICY, costs=costs)
     assert n > 50
+
+
+@pytest.mark.parametrize("hazard", [False, True], ids=["signals", "hazard"])
+def test_the_cost_index_follows_the_pool_as_a_fresh_one_would(hazard: bool) -> None:
+    """After polls that change prices, add, remove and re-read offers, the index kept up
+    to date holds what an index built from scratch holds, in the same order; and it
+    still places as a brute force does. With the hazard estimator, whose estimates
+    change with the polls (and all at once at each refresh), as the daemon scores."""
+    from broker.hazard import HazardEstimator
+
+    rng = random.Random(11)
+    offers = random_offers(rng)
+    clock = Clock()
+    pool = ResourcePool(stale_after_seconds=300, clock=clock)
+    if hazard:
+        pool.hazard = HazardEstimator(half_life_hours=6.0, refresh_seconds=120.0)
+        pool.feed_hazard(pool.hazard)
+    by_region: dict[str, list[Offer]] = {}
+    for o in offers:
+        by_region.setdefault(o.pool.region, []).append(o)
+    for region, members in by_region.items():
+        pool.replace(("x", region), members)
+    kept = CostIndex(pool, POLICY)
+    lists = [(g, m) for g in sorted({o.gpu for o in offers}) for m in Market]
+    for g, m in lists:
+        kept.sorted(g, m)  # built before the changes, then kept up to date
+    for round_ in range(5):
+        for region, members in by_region.items():
+            changed = []
+            for o in members:
+                roll = rng.random()
+                if roll < 0.1:
+                    continue  # gone from this poll
+                if roll < 0.4 and o.price_per_hour is not None:
+                    o = dataclasses.replace(o, price_per_hour=o.price_per_hour *
+                                            rng.uniform(0.5, 1.5),
+                                            availability=rng.uniform(0.2, 1.0))
+                elif roll < 0.5:
+                    o = dataclasses.replace(o, observed_at=T0 + timedelta(minutes=round_))
+                changed.append(o)
+            pool.replace(("x", region), changed)
+            clock.advance(50)  # a refresh of every estimate every few polls
+        fresh = CostIndex(pool, POLICY)
+        for g, m in lists:
+            assert [e[:2] for e in kept.sorted(g, m)] == [e[:2] for e in fresh.sorted(g, m)]
+        fresh.close()
+    current = [o for o in pool]
+    models = sorted({o.gpu for o in current})
+    if not hazard:
+        assert check_against_brute_force(rng, current, pool, models, POLICY, n=100,
+                                         costs=kept) > 20
+        return
+    # The brute force knows no hazard estimates: the walk in order of price is the
+    # reference (it matches the brute force above, on the same scoring code).
+    decided_ = 0
+    for i in range(100):
+        req = request(f"h{i}", gpu=rng.sample(models, rng.randint(1, 3)),
+                      gpus=rng.choice([1, 2, 4, 8, 16]), market=rng.choice([None, "spot"]))
+        [by_price] = solve([Ask(req)], pool, POLICY, now=T0).outcomes
+        [by_cost] = solve([Ask(req)], pool, POLICY, now=T0, costs=kept).outcomes
+        assert type(by_price) is type(by_cost)
+        if isinstance(by_price, Decision):
+            decided_ += 1
+            assert isinstance(by_cost, Decision)
+            assert by_cost.expected_cost_per_hour == pytest.approx(
+                by_price.expected_cost_per_hour, rel=1e-9), req
+    assert decided_ > 20
 
 
 # --- the pools' history ---------------------------------------------------------------------
