@@ -48,6 +48,7 @@ import structlog
 from broker import failover, placement, requests
 from broker.config import PlacementConfig
 from broker.events import Messages, lease_subject, request_subject
+from broker.keyfilter import KeyFilter
 from broker.leases import LeaseBook, LeaseError
 from broker.model import (
     CapacitySignal,
@@ -61,7 +62,7 @@ from broker.model import (
     utcnow,
 )
 from broker.pool import PoolChange, ResourcePool
-from broker.store import OutboxRow, Store, StoreFailed
+from broker.store import OutboxRow, Store, StoreFailed, lease_keys
 from policies.evaluate import Denied, evaluate, forbids
 from policies.model import Policy
 from policies.residency import Residency
@@ -148,6 +149,10 @@ class Broker:
         self._moves: dict[str, list[datetime]] = {}
         self.failed: StoreFailed | None = None
         self._costs: placement.CostIndex | None = None
+        self._created_keys: list[tuple[str, str]] | None = None
+        self.stored_keys: KeyFilter | None = None
+        """Every (scheduler, request_id) the store has a lease for, once read
+        (`learn_stored_keys`): a new request is then not looked up in the store."""
         """Set when the store refused a change: the broker has stopped for good."""
         pool.subscribe(self._on_pool_change)
 
@@ -194,6 +199,25 @@ class Broker:
         self.book.load(leases)
         for lease in self.book.active():
             self.pool.hold(lease.placement.pool, lease.placement.instances)
+
+    async def learn_stored_keys(self) -> None:
+        """Read the keys of every stored lease into `stored_keys` (at start, while the
+        first poll runs; until then every new request is looked up in the store).
+        Leases created meanwhile are added too."""
+        created: list[tuple[str, str]] = []
+        self._created_keys = created
+        try:
+            keys = await self.store.call(lease_keys)
+        except Exception as exc:  # not fatal: every new request is looked up instead
+            log.warning("stored lease keys not read; new requests are looked up in the "
+                        "store", error=type(exc).__name__, detail=str(exc)[:300])
+            return
+        finally:
+            self._created_keys = None
+        for scheduler, request_id in created:
+            keys.add(scheduler, request_id)
+        self.stored_keys = keys
+        log.info("stored lease keys read", keys=keys.count, capacity=keys.capacity)
 
     # --- loops -----------------------------------------------------------------------
 
@@ -470,8 +494,18 @@ class Broker:
     async def _recall(self, reqs: Sequence[PlaceRequest]) -> None:
         """Bring leases of these requests that ended long ago back from the store, in one
         query, so that a repeated request gets its lease whatever its age."""
-        unknown = list(dict.fromkeys((r.scheduler, r.request_id) for r in reqs
-                                     if self.book.find(r.scheduler, r.request_id) is None))
+        known = self.stored_keys
+        if known is not None and known.full:
+            log.warning("more leases than the key filter was sized for: every new request "
+                        "is looked up in the store until the next start",
+                        capacity=known.capacity)
+            known = self.stored_keys = None
+        unknown = list(dict.fromkeys(
+            (r.scheduler, r.request_id) for r in reqs
+            if self.book.find(r.scheduler, r.request_id) is None
+            and (known is None or known.may_hold(r.scheduler, r.request_id))))
+        if not unknown:
+            return
         for lease in (await self.store.find_leases(unknown)).values():
             self.book.remember(lease)
 
@@ -520,12 +554,19 @@ class Broker:
             assert c is not None
             lease = self.book.create(req, out.placement, lease_seconds=c.lease_seconds,
                                      cap=c.cap, now=now)
+            self._note_key(lease)
             self.pool.hold(lease.placement.pool, lease.placement.instances)
             b.answered[(req.scheduler, req.request_id)] = lease
             self._decided(b, lease, cmd, out.reason, out.alternatives)
             self._expiry_changed.set()
         for observe in self.batch_observers:
             observe(result)
+
+    def _note_key(self, lease: Lease) -> None:
+        if self.stored_keys is not None:
+            self.stored_keys.add(lease.scheduler, lease.request_id)
+        elif self._created_keys is not None:
+            self._created_keys.append((lease.scheduler, lease.request_id))
 
     def _cost_index(self) -> placement.CostIndex:
         """The pool's offers in order of expected cost under the policy in force."""

@@ -318,6 +318,7 @@ class Daemon:
                     tg.create_task(self.warm_hazard()),
                     tg.create_task(self._preload_solver()),
                     tg.create_task(self.metrics.watch_loop_lag()),
+                    tg.create_task(self.broker.learn_stored_keys()),
                     *(tg.create_task(self._signals(a)) for a in self.adapters),
                 ]
                 workers.append(tg.create_task(self._systemd()))

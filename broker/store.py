@@ -35,6 +35,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from broker.keyfilter import KeyFilter
 from broker.model import Lease, LeaseState, Placement, PlaceRequest, iso, parse_iso
 
 T = TypeVar("T")
@@ -211,6 +212,17 @@ class Store(Protocol):
                           ) -> dict[tuple[str, str], Lease]: ...
 
     async def find_lease(self, scheduler: str, request_id: str) -> Lease | None: ...
+
+
+
+def lease_keys(db: Db) -> KeyFilter:
+    """A filter of every (scheduler, request_id) the store holds a lease for (run it
+    with `Store.call`; either engine)."""
+    (count,) = db.execute("SELECT count(*) FROM leases").fetchone()
+    keys = KeyFilter.sized_for(int(count))
+    for scheduler, request_id in db.execute("SELECT scheduler, request_id FROM leases"):
+        keys.add(scheduler, request_id)
+    return keys
 
 
 class StateStore:

@@ -445,3 +445,50 @@ async def test_a_snapshot_places_as_the_pool_does() -> None:
     assert [getattr(o, "placement", None) for o in on_snapshot] == \
         [getattr(o, "placement", None) for o in direct]
     assert any(isinstance(o, placement.Decision) for o in direct)
+
+
+# --- the stored keys: new requests are not looked up in the store ----------------------
+
+
+async def test_new_requests_skip_the_store_and_old_ones_still_get_their_lease(
+        setup: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the stored keys are read, a request the store has no lease for is decided
+    without a lookup; one whose lease the lease book forgot (ended long ago) is still
+    looked up and answered with that lease."""
+    from broker.leases import LeaseBook
+
+    broker, _, _ = setup
+    await broker.handle([_place_cmd("old")])
+    old = broker.book.find("sched-a", "old")
+    assert old is not None
+    await broker.handle([_release_cmd(old.lease_id)])
+    broker.book = LeaseBook()  # a restart long after: the book forgot the ended lease
+    broker.restore([])
+    await broker.learn_stored_keys()
+    assert broker.stored_keys is not None and broker.stored_keys.count == 1
+    lookups: list[tuple[str, str]] = []
+    real = broker.store.find_leases
+
+    async def counting(keys: Any) -> Any:
+        lookups.extend(keys)
+        return await real(keys)
+
+    monkeypatch.setattr(broker.store, "find_leases", counting)
+    await broker.handle([_place_cmd("new-1")])
+    await broker.handle([_place_cmd("new-2")])
+    assert ("sched-a", "new-1") not in lookups and ("sched-a", "new-2") not in lookups
+    await broker.handle([_place_cmd("old")])
+    assert ("sched-a", "old") in lookups
+    again = broker.book.find("sched-a", "old")
+    assert again is not None and again.lease_id == old.lease_id  # the old lease, not a new one
+    # Leases created after the keys were read are in the filter too.
+    assert broker.stored_keys.may_hold("sched-a", "new-1")
+
+
+def _release_cmd(lease_id: str) -> Any:
+    import json
+
+    from broker.core import Command
+
+    return Command("sched-a", "release", json.dumps({"lease_id": lease_id}).encode(),
+                   "p/requests/sched-a/release")
