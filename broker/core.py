@@ -67,6 +67,7 @@ from policies.evaluate import Denied, evaluate, forbids
 from policies.model import Policy
 from policies.residency import Residency
 
+EXPIRY_HOLD_SECONDS = 30.0
 THREAD_MIN_BATCH = 16
 """Batches of this many requests or more are solved in a worker thread (see `_place`)."""
 
@@ -272,7 +273,16 @@ class Broker:
                     self._triggered.clear()
                 await self._fail_over(trigger)
 
-    async def run_expiry(self) -> None:
+    async def run_expiry(self, ready: asyncio.Event | None = None) -> None:
+        """Expire leases when their time comes. With `ready` (the daemon's first poll,
+        after which requests are taken): not before the requests queued meanwhile are
+        handled (for at most `EXPIRY_HOLD_SECONDS`), so a renewal that waited for a new
+        leader or a restart renews its lease instead of finding it expired."""
+        if ready is not None:
+            await ready.wait()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(EXPIRY_HOLD_SECONDS):
+                    await self._requests.join()
         while True:
             nxt = self.book.next_expiry()
             timeout = None if nxt is None else max(0.0, (nxt - self._clock()).total_seconds())

@@ -308,7 +308,7 @@ class Daemon:
                     tg.create_task(self.poller.run()),
                     tg.create_task(self.broker.run_requests(self.poller.first_round)),
                     tg.create_task(self.broker.run_failovers()),
-                    tg.create_task(self.broker.run_expiry()),
+                    tg.create_task(self.broker.run_expiry(self.poller.first_round)),
                     tg.create_task(self.broker.run_health(
                         min(30.0, self.cfg.poll.stale_after_seconds / 4))),
                     tg.create_task(self._watch_policy()),

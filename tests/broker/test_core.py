@@ -492,3 +492,47 @@ def _release_cmd(lease_id: str) -> Any:
 
     return Command("sched-a", "release", json.dumps({"lease_id": lease_id}).encode(),
                    "p/requests/sched-a/release")
+
+
+async def test_a_renewal_queued_before_the_first_poll_renews_an_overdue_lease(
+        setup: Any) -> None:
+    """After a restart or a takeover, a lease may be past its expiry while its renewal
+    waits in the queue for the first poll: expiry waits for the queue, and the lease
+    is renewed, not expired."""
+    import asyncio
+    import json
+
+    from broker.core import Command
+    from broker.leases import LeaseBook
+    from broker.model import LeaseState
+
+    broker, clock, _ = setup
+    await broker.handle([_place_cmd("r1")])
+    lease = broker.book.find("sched-a", "r1")
+    assert lease is not None
+    broker.book = LeaseBook()
+    broker.restore([lease])  # as loaded at start
+    clock.advance(lease.lease_seconds + 5)  # overdue while no leader was there
+    await broker.submit(Command("sched-a", "renew",
+                                json.dumps({"lease_id": lease.lease_id}).encode(),
+                                "p/requests/sched-a/renew"))
+    ready = asyncio.Event()
+    ready.set()  # the first poll is in
+    expiry = asyncio.create_task(broker.run_expiry(ready))
+    # Expiry goes first and must wait for the queued renewal (a negative check: without
+    # the wait it expires the lease within milliseconds; with it, this cannot fail).
+    await asyncio.wait({expiry}, timeout=0.3)
+    assert broker.book.get(lease.lease_id).state is LeaseState.ACTIVE  # type: ignore[union-attr]
+    requests = asyncio.create_task(broker.run_requests(ready))
+    try:
+        async with asyncio.timeout(10):
+            await broker.idle()
+            while broker.book.get(lease.lease_id).expires_at <= clock():  # type: ignore[union-attr]
+                await broker.idle()
+    finally:
+        for task in (expiry, requests):
+            task.cancel()
+        await asyncio.gather(expiry, requests, return_exceptions=True)
+    now = broker.book.get(lease.lease_id)
+    assert now is not None and now.state is LeaseState.ACTIVE
+    assert now.expires_at > clock()
