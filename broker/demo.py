@@ -197,7 +197,7 @@ def run_demo(*, duration: str | float | None, mqtt_url: str | None,
 
     `end_process` (the command line): end the process when done, without the
     interpreter's teardown. Everything of the demo is stopped, released, cleared and
-    closed by then; unloading the ~1,200 modules it imported (scipy for the solver) took
+    closed by then; unloading the hundreds of modules it imported took
     longer than all of that, and a Ctrl-C is to end the demo at once."""
     try:
         opts = parse_options(duration=duration, mqtt_url=mqtt_url, state=state, seed=seed)

@@ -16,7 +16,7 @@ and then place it as cheaply as they can.
   in their way; in a team short of GPUs or budget, swap its least valuable placed
   requests for a more valuable unplaced one). Linear-ish in the number of requests;
   used for every batch.
-* `exact` — the mixed-integer program solved by HiGHS through `scipy.optimize`, with a
+* `exact` — the mixed-integer program solved by HiGHS (highspy, its Python interface), with a
   time limit. Its LP relaxation is solved first by column generation over each request's
   options (cheapest first) until no left-out option could lower it: a valid lower bound
   for the whole problem, not only for the options looked at. Options whose reduced cost
@@ -690,12 +690,80 @@ def _team_swaps(st: _State) -> int:
 
 
 def preload() -> None:
-    """Import what `exact` needs (scipy.optimize: about a quarter of a second), so that
-    the first batch to need the MILP does not wait for it. The daemon calls it, in a
-    thread, at start."""
+    """Import what `exact` needs (HiGHS), so that the first batch to need the MILP does
+    not wait for it. The daemon calls it, in a thread, at start."""
     import numpy  # noqa: F401
-    import scipy.optimize
-    import scipy.sparse  # noqa: F401
+
+    _new_highs()
+
+
+def _new_highs() -> Any:
+    """A HiGHS instance that prints nothing, not even its banner: highspy's `Highs`
+    prints one when made, so the extension's own class is used, as SciPy's HiGHS
+    wrapper does (falling back to `Highs`, then silenced at once)."""
+    try:
+        from highspy._core import _Highs as Highs
+    except ImportError:  # a highspy that moved its extension class
+        from highspy import Highs
+    h = Highs()
+    h.setOptionValue("output_flag", False)
+    return h
+
+
+@dataclass(slots=True)
+class _Result:
+    """What HiGHS answered: `status` 0 optimal, 1 a limit struck, 2 infeasible, 4 other
+    (SciPy's codes); `x` the columns' values when it has a feasible point."""
+
+    status: int
+    x: Any
+    value: float | None
+    row_dual: Any = None
+    mip_dual_bound: float | None = None
+
+
+def _highs_solve(lp: _LP, *, integer: bool, time_limit: float) -> _Result:
+    """Solve `lp` (its relaxation unless `integer`) with HiGHS."""
+    import highspy
+    import numpy as np
+
+    h = _new_highs()
+    if time_limit < math.inf:
+        h.setOptionValue("time_limit", max(0.001, float(time_limit)))
+    inf = highspy.kHighsInf
+    model = highspy.HighsLp()
+    n, m = len(lp.c), len(lp.lb)
+    model.num_col_, model.num_row_ = n, m
+    model.col_cost_ = lp.c
+    lo, hi = lp.col_bounds()
+    model.col_lower_ = lo
+    model.col_upper_ = np.where(np.isinf(hi), inf, hi)
+    model.row_lower_ = np.where(np.isinf(lp.lb), -inf, lp.lb)
+    model.row_upper_ = np.where(np.isinf(lp.ub), inf, lp.ub)
+    a = model.a_matrix_
+    a.format_ = highspy.MatrixFormat.kRowwise
+    a.num_col_, a.num_row_ = n, m
+    a.start_, a.index_, a.value_ = lp.indptr, lp.indices, lp.values
+    if integer:
+        kinds = [highspy.HighsVarType.kInteger] * (lp.n_x + lp.n_req) + \
+            [highspy.HighsVarType.kContinuous] * (n - lp.n_x - lp.n_req)
+        model.integrality_ = kinds
+    h.passModel(model)
+    h.run()
+    status = h.getModelStatus()
+    info = h.getInfo()
+    S = highspy.HighsModelStatus
+    code = (0 if status == S.kOptimal else
+            1 if status in (S.kTimeLimit, S.kIterationLimit, S.kSolutionLimit,
+                            S.kInterrupt) else
+            2 if status == S.kInfeasible else 4)
+    feasible = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    sol = h.getSolution() if feasible else None
+    return _Result(
+        code, np.array(sol.col_value) if sol is not None else None,
+        float(info.objective_function_value) if feasible else None,
+        np.array(sol.row_dual) if sol is not None and sol.dual_valid else None,
+        float(info.mip_dual_bound) if integer else None)
 
 
 def exact(p: Problem, *, time_limit: float = 1.0, incumbent: Solution | None = None,
@@ -703,8 +771,6 @@ def exact(p: Problem, *, time_limit: float = 1.0, incumbent: Solution | None = N
     """Optimal (or, when the time limit strikes, the best found and a valid bound) by
     LP column generation and a MILP on every option that could still improve on
     `incumbent` (the heuristic's answer when not given)."""
-    from scipy.optimize import milp  # lazy: scipy is only needed here
-
     started = time.perf_counter()
     deadline = started + time_limit
     inc = incumbent or heuristic(p)
@@ -749,8 +815,7 @@ def exact(p: Problem, *, time_limit: float = 1.0, incumbent: Solution | None = N
         return Solution(inc.choice, inc.objective, bound, inc.solver,
                         time.perf_counter() - started, detail={"lp_rounds": rounds,
                                                                "milp": "no time left"})
-    res = milp(lp.c, constraints=lp.constraints(), integrality=lp.integrality(),
-               bounds=lp.bounds(), options={"time_limit": remaining, "disp": False})
+    res = _highs_solve(lp, integer=True, time_limit=remaining)
     seconds = time.perf_counter() - started
     detail: dict[str, Any] = {"lp_rounds": rounds, "milp_status": int(res.status),
                               "columns": lp.n_x}
@@ -763,7 +828,7 @@ def exact(p: Problem, *, time_limit: float = 1.0, incumbent: Solution | None = N
         if o is not None:
             st.take(i, o)
     objective = st.objective()
-    mip_bound = getattr(res, "mip_dual_bound", None)
+    mip_bound = res.mip_dual_bound
     if mip_bound is not None and math.isfinite(mip_bound):
         bound = max(bound, min(float(mip_bound), objective))
     optimal = res.status == 0 and every
@@ -812,12 +877,12 @@ class _Duals:
 
 
 class _LP:
-    """The MILP in scipy's matrix form. Variables: one per (request, option), one
-    'unplaced' per request, one 'batch GPUs' per team with a spread limit."""
+    """The MILP as HiGHS takes it (rows in compressed sparse row form). Variables: one
+    per (request, option), one 'unplaced' per request, one 'batch GPUs' per team with a
+    spread limit."""
 
     def __init__(self, p: Problem) -> None:
         import numpy as np
-        from scipy.sparse import coo_array
 
         self.p = p
         self.zero: list[int] = []  # options that may not be taken
@@ -914,60 +979,41 @@ class _LP:
         self.c = c
         self.lb = np.array(lb)
         self.ub = np.array(ub)
-        self.A = coo_array((vals, (rows, colix)), shape=(len(lb), n)).tocsr()
+        # Compressed sparse rows: the entries by row (a stable sort keeps each row's in
+        # the order written), where each row starts, and their columns.
+        row_of = np.array(rows, dtype=np.int64)
+        order = np.argsort(row_of, kind="stable")
+        self.indices = np.array(colix, dtype=np.int32)[order]
+        self.values = np.array(vals, dtype=np.float64)[order]
+        self.indptr = np.zeros(len(lb) + 1, dtype=np.int32)
+        np.cumsum(np.bincount(row_of, minlength=len(lb)), out=self.indptr[1:])
         self.n_req = n_req
         self.assign_rows = assign_rows
         self.team_total_rows = {team: k for (team, what), k in team_rows.items()
                                 if what == "total"}
         self.value: float | None = None
 
-    def bounds(self) -> Any:
+    def col_bounds(self) -> tuple[Any, Any]:
+        """Every column's lower and upper bound: 0..1, a team's batch GPUs 0..inf, an
+        option that may not be taken 0..0."""
         import numpy as np
-        from scipy.optimize import Bounds
 
         hi = np.ones(len(self.c))
         for tv in self.team_var.values():
             hi[tv] = np.inf
         hi[self.zero] = 0.0
-        return Bounds(np.zeros(len(self.c)), hi)
-
-    def integrality(self) -> Any:
-        import numpy as np
-
-        integ = np.ones(len(self.c))
-        integ[self.n_x + self.n_req:] = 0
-        return integ
-
-    def constraints(self) -> Any:
-        from scipy.optimize import LinearConstraint
-
-        return LinearConstraint(self.A, self.lb, self.ub)
+        return np.zeros(len(self.c)), hi
 
     def solve_relaxation(self, time_limit: float = math.inf) -> _Duals | None:
-        import numpy as np
-        from scipy.optimize import linprog
-
-        # linprog wants A_ub x ≤ b_ub and A_eq x = b_eq.
-        eq = np.isclose(self.lb, self.ub)
-        A = self.A
-        a_eq, b_eq = A[eq], self.ub[eq]
-        a_ub, b_ub = A[~eq], self.ub[~eq]
-        bounds: list[tuple[float, float | None]] = \
-            [(0.0, 1.0)] * (self.n_x + self.n_req) + [(0.0, None)] * len(self.team_var)
-        for v in self.zero:
-            bounds[v] = (0.0, 0.0)
-        res = linprog(self.c, A_ub=a_ub if a_ub.shape[0] else None,
-                      b_ub=b_ub if a_ub.shape[0] else None, A_eq=a_eq, b_eq=b_eq,
-                      bounds=bounds, method="highs",
-                      options={"time_limit": time_limit} if time_limit < math.inf else None)
-        if res.status != 0:
+        """The LP relaxation: its value (kept in `value`) and its rows' duals (the
+        objective's derivative by each row's bound), None if it was not solved."""
+        res = _highs_solve(self, integer=False, time_limit=time_limit)
+        if res.status != 0 or res.value is None or res.row_dual is None:
             return None
-        self.value = float(res.fun)
-        eq_marg = res.eqlin.marginals
-        eq_rows = np.flatnonzero(eq)
-        pos = {int(r): k for k, r in enumerate(eq_rows)}
-        assign = [float(eq_marg[pos[r]]) for r in self.assign_rows]
-        team_total = {team: float(eq_marg[pos[k]]) for team, k in self.team_total_rows.items()}
+        self.value = res.value
+        dual = res.row_dual
+        assign = [float(dual[r]) for r in self.assign_rows]
+        team_total = {team: float(dual[k]) for team, k in self.team_total_rows.items()}
         return _Duals(assign, team_total)
 
     def choice(self, x: Any) -> list[Option | None]:

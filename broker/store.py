@@ -28,7 +28,8 @@ import asyncio
 import contextlib
 import json
 import sqlite3
-from collections.abc import Callable, Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -103,6 +104,18 @@ _MIGRATIONS: dict[int, str] = {
 }
 
 
+def _statements(script: str) -> Iterator[str]:
+    """The statements of an SQL script, one at a time (`;` in comments is no end)."""
+    statement = ""
+    for line in script.splitlines(keepends=True):
+        statement += line
+        if sqlite3.complete_statement(statement):
+            yield statement
+            statement = ""
+    if statement.strip():
+        raise ValueError(f"incomplete SQL statement: {statement.strip()[:80]}")
+
+
 class Db(Protocol):
     """What the market recorder needs of a connection, on either engine: statements
     with `?` parameters, and explicit transactions (`begin`, `commit`, `rollback`).
@@ -114,6 +127,10 @@ class Db(Protocol):
     def execute(self, sql: str, args: Sequence[Any] = ..., /) -> Any: ...
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]], /) -> Any: ...
+
+    def stream(self, sql: str, args: Sequence[Any] = ..., /) -> Iterator[Sequence[Any]]:
+        """The rows of a query that may return many, a batch at a time rather than all
+        at once (PostgreSQL: a server-side cursor, so only inside a transaction)."""
 
     def begin(self) -> None: ...
 
@@ -131,6 +148,9 @@ class SqliteDb(sqlite3.Connection):
     def begin(self) -> None:
         self.execute("BEGIN IMMEDIATE")
 
+    def stream(self, sql: str, args: Sequence[Any] = (), /) -> Iterator[Sequence[Any]]:
+        return iter(self.execute(sql, args))  # SQLite steps through the rows as read
+
 
 def connect_sqlite(path: Path, *, read_only: bool = False) -> SqliteDb:
     if read_only:
@@ -143,10 +163,11 @@ def connect_sqlite(path: Path, *, read_only: bool = False) -> SqliteDb:
 
 
 def db_errors(*also: type[Exception]) -> tuple[type[Exception], ...]:
-    """The exceptions a database refusal raises, on either engine (and `also`)."""
-    try:
-        import psycopg
-    except ImportError:
+    """The exceptions a database refusal raises, on either engine (and `also`).
+    psycopg's only once it is imported: until then none of its errors can be raised
+    (and a daemon on SQLite never loads it)."""
+    psycopg = sys.modules.get("psycopg")
+    if psycopg is None:
         return (sqlite3.Error, *also)
     return (sqlite3.Error, psycopg.Error, *also)
 
@@ -264,14 +285,20 @@ class StateStore:
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute(f"PRAGMA synchronous={self._synchronous.upper()}")
                 db.execute("PRAGMA busy_timeout=5000")
-                db.executescript(_SCHEMA)
+                # One transaction: the version is read before anything is created, so a
+                # newer file is refused as it is (no table of an older schema added).
                 db.begin()
-                row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+                row = None
+                if db.execute("SELECT count(*) FROM sqlite_master WHERE type='table' AND "
+                              "name='meta'").fetchone()[0]:
+                    row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
                 version = 1 if row is None else int(row[0])
                 if version > SCHEMA_VERSION:
                     raise RuntimeError(
                         f"{self.path} was written by a newer gpubroker (schema {version}, "
                         f"this one knows {SCHEMA_VERSION})")
+                for statement in _statements(_SCHEMA):
+                    db.execute(statement)
                 for v in range(version + 1, SCHEMA_VERSION + 1):
                     for statement in filter(str.strip, _MIGRATIONS[v].split(";")):
                         db.execute(statement)

@@ -683,3 +683,15 @@ def test_a_request_takes_a_cheaper_pool_by_moving_its_holder_on(chains: bool) ->
     assert where == (["A", "C"] if chains else ["B", "A"])
     assert violations(p, st.choice) == []
     assert st.left == ({"A": 0, "B": 1, "C": 0} if chains else {"A": 0, "B": 0, "C": 1})
+
+
+def test_the_exact_solver_prints_nothing(capfd: pytest.CaptureFixture[str]) -> None:
+    """HiGHS writes a banner and its log to the process's stdout unless told not to:
+    nothing of it may reach a command's output (`--format json`)."""
+    solver.preload()
+    p = regret_problem()
+    lp = solver._LP(p)
+    assert lp.solve_relaxation() is not None  # HiGHS ran (the LP)
+    assert solver.exact(p).objective == pytest.approx(21)  # and again (LP and MILP)
+    out, _ = capfd.readouterr()
+    assert out == ""
