@@ -6,6 +6,7 @@ adapters and policies may depend on it without pulling in the daemon.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -84,8 +85,10 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+@functools.lru_cache(maxsize=4096)
 def iso(ts: datetime) -> str:
-    """RFC 3339 in UTC with millisecond precision and a `Z`, as every payload uses."""
+    """RFC 3339 in UTC with millisecond precision and a `Z`, as every payload uses.
+    Cached: the same few timestamps (a poll's, a lease's) are written many times."""
     return ts.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 

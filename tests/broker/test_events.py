@@ -241,3 +241,21 @@ def test_every_event_message_is_utf8_json(scheduler: str, request_id: str, data:
     for row in messages().event(event, reply):
         env = json.loads(row.payload.decode("utf-8"))
         assert env["type"] == "gpubroker.request.invalid.v1"
+
+
+def test_dumps_writes_what_the_standard_library_writes_and_survives_what_orjson_refuses(
+) -> None:
+    """The fast path (orjson) and the fallback (json) agree byte for byte (but for the
+    exponent of very small or large floats: 1e-7, not 1e-07) and always in value; a lone
+    surrogate and an integer beyond 64 bits, which orjson refuses, still encode."""
+    import json
+
+    from broker.events import dumps
+
+    doc = {"a": 1, "b": [1.5, 0.1, 123456789.125, None, True], "c": "é ☃ \u2028",
+           "d": {"nested": "x" * 300}}
+    assert dumps(doc) == json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    tiny = {"x": 1e-7, "y": 1.5e300}
+    assert json.loads(dumps(tiny)) == tiny
+    assert json.loads(dumps({"s": "bad \udc80 text"})) == {"s": "bad \ufffd text"}
+    assert json.loads(dumps({"n": 2**70})) == {"n": 2**70}
