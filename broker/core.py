@@ -699,61 +699,49 @@ class Broker:
                         cmd: Command | None = None) -> None:
         """Move the trigger's lease, or end it when nothing else fits. `cmd`: the
         scheduler's `report` this answers (its MQTT 5 ResponseTopic gets the event too)."""
-        lease = self.book.get(trigger.lease_id)
-        if lease is None or lease.state is not LeaseState.ACTIVE or \
-                lease.epoch != trigger.epoch:
-            return  # already moved or ended since the trigger was raised
         now = self._clock()
-        held_back = failover.held_back(trigger, lease, self.policy.failover,
-                                       self._moves.get(lease.lease_id, ()), now)
-        if held_back:
+        step = failover.step(
+            trigger, book=self.book, pool=self.pool, policy=self.policy, moves=self._moves,
+            now=now, find=lambda lease: failover.replacement(lease, self.pool, self.policy,
+                                                             self._resident, now))
+        lease, old, outcome = step.lease, step.old, step.outcome
+        if step.kind == "held_back":
+            assert lease is not None
             log.info("failover held back", lease_id=lease.lease_id,
-                     reason=trigger.reason.value, why=held_back)
-            return
-        old = lease.placement
-        if trigger.cool_down:
-            self.pool.cool_down(old.pool, self.policy.failover.cooldown_seconds)
-        self.pool.unhold(old.pool, old.instances)
-        outcome = failover.replacement(lease, self.pool, self.policy, self._resident, now)
-        if trigger.reason is FailoverReason.REOPTIMIZED:
-            gain = failover.saving(lease, outcome, self.pool, self.policy)
-            threshold = self.policy.failover.reoptimize_min_saving
-            if gain is None or threshold is None or gain < threshold:
-                self.pool.hold(old.pool, old.instances)  # the saving is gone: stay
-                return
-        if isinstance(outcome, placement.Decision):
-            moved = self.book.failover(lease.lease_id, outcome.placement, now)
-            self.pool.hold(moved.placement.pool, moved.placement.instances)
-            self._moves[moved.lease_id] = [*failover.recent(
-                self._moves.get(moved.lease_id, ()), now), now]
-            b.leases[moved.lease_id] = moved
-            self._emit(b, Event("lease.failover", moved.scheduler, {
-                "lease_id": moved.lease_id, "epoch": moved.epoch, "from": old.to_json(),
-                "to": moved.placement.to_json(), "reason": trigger.reason.value,
-                "detail": trigger.detail}, lease_subject(moved.lease_id), moved.request_id),
+                     reason=trigger.reason.value, why=step.why)
+        elif step.kind == "moved":
+            assert lease is not None and old is not None
+            b.leases[lease.lease_id] = lease
+            self._emit(b, Event("lease.failover", lease.scheduler, {
+                "lease_id": lease.lease_id, "epoch": lease.epoch, "from": old.to_json(),
+                "to": lease.placement.to_json(), "reason": trigger.reason.value,
+                "detail": trigger.detail}, lease_subject(lease.lease_id), lease.request_id),
                 cmd)
-            b.rows.append(self.messages.lease_state(moved))
-            log.info("lease failed over", lease_id=moved.lease_id, epoch=moved.epoch,
-                     reason=trigger.reason.value, to=str(moved.placement.pool),
+            b.rows.append(self.messages.lease_state(lease))
+            log.info("lease failed over", lease_id=lease.lease_id, epoch=lease.epoch,
+                     reason=trigger.reason.value, to=str(lease.placement.pool),
                      latency_ms=_ms(now, trigger.received_at))
-        elif trigger.reason in failover.DISCRETIONARY:
-            # A move by choice that finds nowhere better leaves the lease where it is.
-            self.pool.hold(old.pool, old.instances)
+        elif step.kind == "stays" and trigger.reason is not FailoverReason.REOPTIMIZED:
+            assert lease is not None
             log.info("failover found nowhere to go; lease stays", lease_id=lease.lease_id,
-                     reason=trigger.reason.value, detail=outcome.detail)
-        else:
-            ended = self.book.end(lease.lease_id, LeaseState.FAILED, now)
-            self._ended(b, ended, "lease.failed", {
-                "lease_id": ended.lease_id, "reason": trigger.reason.value,
-                "detail": f"{trigger.detail}; no other placement: {outcome.detail}"}, cmd)
-            log.warning("lease failed", lease_id=ended.lease_id, reason=trigger.reason.value,
+                     reason=trigger.reason.value, detail=getattr(outcome, "detail", ""))
+        elif step.kind == "failed":
+            assert lease is not None and isinstance(outcome, placement.Rejection)
+            # The step has released the lease's instances already.
+            self._ended(b, lease, "lease.failed", {
+                "lease_id": lease.lease_id, "reason": trigger.reason.value,
+                "detail": f"{trigger.detail}; no other placement: {outcome.detail}"}, cmd,
+                released=True)
+            log.warning("lease failed", lease_id=lease.lease_id, reason=trigger.reason.value,
                         detail=outcome.detail)
 
     # --- plumbing --------------------------------------------------------------------
 
     def _ended(self, b: _Batch, lease: Lease, kind: str, data: dict[str, Any],
-               cmd: Command | None = None) -> None:
-        self.pool.unhold(lease.placement.pool, lease.placement.instances)
+               cmd: Command | None = None, *, released: bool = False) -> None:
+        """Publish the end of `lease`; release its instances unless `released`."""
+        if not released:
+            self.pool.unhold(lease.placement.pool, lease.placement.instances)
         self._moves.pop(lease.lease_id, None)
         b.leases[lease.lease_id] = lease
         self._emit(b, Event(kind, lease.scheduler, data, lease_subject(lease.lease_id),

@@ -25,9 +25,10 @@ capacity is gone (interrupted, capacity lost, reported) always moves.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from typing import Protocol
 
 from broker import placement
 from broker.leases import LeaseBook
@@ -35,7 +36,9 @@ from broker.model import (
     CapacitySignal,
     FailoverReason,
     Lease,
+    LeaseState,
     Market,
+    Placement,
     PoolKey,
     RejectCode,
     SignalKind,
@@ -254,3 +257,68 @@ def reoptimize(leases: Sequence[Lease], view: placement.PoolView, policy: Policy
                                f"a placement {gain:.0%} cheaper in expected cost is free "
                                f"(reoptimize_min_saving {threshold:.0%})"))
     return out
+
+
+class Holdings(placement.PoolView, Protocol):
+    """A pool view that also keeps the broker's holdings and cool-downs: the daemon's
+    `ResourcePool`, a backtest strategy's view."""
+
+    def hold(self, key: PoolKey, instances: int) -> None: ...
+
+    def unhold(self, key: PoolKey, instances: int) -> None: ...
+
+    def cool_down(self, key: PoolKey, seconds: float) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What handling one trigger did: `skipped` (the lease moved or ended since the
+    trigger), `held_back` (the anti-flap limits; `why` says which), `stays` (a move by
+    choice that found nowhere better, or not enough better), `moved` or `failed`.
+    `lease` is the lease after the step, `old` its placement before."""
+
+    kind: str
+    lease: Lease | None = None
+    old: Placement | None = None
+    outcome: placement.Outcome | None = None
+    why: str = ""
+
+
+def step(trigger: Trigger, *, book: LeaseBook, pool: Holdings, policy: Policy,
+         moves: dict[str, list[datetime]], now: datetime,
+         find: Callable[[Lease], placement.Outcome]) -> Step:
+    """Handle one trigger on the lease book and the pool — the one failover decision
+    the daemon (`broker.core`) and the backtest both make; `find(lease)` is where the
+    lease could go (the daemon: `replacement`; the backtest: its strategy's move).
+    Holds and releases the pool's instances, records the move in `moves` (the anti-flap
+    record), and ends a lease that must go and has nowhere to. What it publishes or
+    counts is the caller's."""
+    lease = book.get(trigger.lease_id)
+    if lease is None or lease.state is not LeaseState.ACTIVE or \
+            lease.epoch != trigger.epoch:
+        return Step("skipped", lease)
+    why = held_back(trigger, lease, policy.failover, moves.get(lease.lease_id, ()), now)
+    if why:
+        return Step("held_back", lease, why=why)
+    old = lease.placement
+    if trigger.cool_down:
+        pool.cool_down(old.pool, policy.failover.cooldown_seconds)
+    pool.unhold(old.pool, old.instances)
+    outcome = find(lease)
+    if trigger.reason is FailoverReason.REOPTIMIZED:
+        gain = saving(lease, outcome, pool, policy)
+        threshold = policy.failover.reoptimize_min_saving
+        if gain is None or threshold is None or gain < threshold:
+            pool.hold(old.pool, old.instances)  # the saving is gone: stay
+            return Step("stays", lease, old, outcome)
+    if isinstance(outcome, placement.Decision):
+        moved = book.failover(lease.lease_id, outcome.placement, now)
+        pool.hold(moved.placement.pool, moved.placement.instances)
+        moves[moved.lease_id] = [*recent(moves.get(moved.lease_id, ()), now), now]
+        return Step("moved", moved, old, outcome)
+    if trigger.reason in DISCRETIONARY:
+        pool.hold(old.pool, old.instances)  # a move by choice: the lease stays
+        return Step("stays", lease, old, outcome)
+    ended = book.end(lease.lease_id, LeaseState.FAILED, now)
+    moves.pop(lease.lease_id, None)
+    return Step("failed", ended, old, outcome)

@@ -76,7 +76,7 @@ from broker.model import (
     PoolKey,
     RejectCode,
 )
-from broker.placement import Ask, Decision
+from broker.placement import Ask, Decision, Rejection
 from broker.pool import PoolChange, ResourcePool
 from policies.evaluate import Denied, evaluate
 from policies.model import Policy
@@ -362,50 +362,34 @@ class Run:
             self._fail_over(t, trigger)
 
     def _fail_over(self, t: float, trigger: failover.Trigger) -> None:
-        """`broker.core.Broker._fail_over_into`, on the simulated clock."""
+        """The daemon's failover decision (`failover.step`), on the simulated clock;
+        the jobs and the tally follow it."""
         lease = self.book.get(trigger.lease_id)
-        if lease is None or lease.state is not LeaseState.ACTIVE or \
-                lease.epoch != trigger.epoch:
+        step = failover.step(trigger, book=self.book, pool=self.pool, policy=self.policy,
+                             moves=self._moves, now=self.now,
+                             find=lambda le: self.strategy.move(le, self.pool, self.now))
+        if step.kind in ("skipped", "held_back"):
             return
-        now = self.now
-        if failover.held_back(trigger, lease, self.policy.failover,
-                              self._moves.get(lease.lease_id, ()), now):
-            return
+        assert lease is not None and step.old is not None
         job = self._by_lease[lease.lease_id]
         involuntary = trigger.reason in _INVOLUNTARY
-        old = lease.placement
         if trigger.reason is FailoverReason.CAPACITY_LOST:
             self.tally.capacity_lost += 1
         elif involuntary:
             self.tally.interrupted += 1
         if involuntary:
-            self.tally.losses.append((t, trigger.reason.value, old.pool))
-        if trigger.cool_down:
-            self.pool.cool_down(old.pool, self.policy.failover.cooldown_seconds)
-        self.pool.unhold(old.pool, old.instances)
-        outcome = self.strategy.move(lease, self.pool, now)
-        if trigger.reason is FailoverReason.REOPTIMIZED:
-            gain = failover.saving(lease, outcome, self.pool, self.policy)
-            threshold = self.policy.failover.reoptimize_min_saving
-            if gain is None or threshold is None or gain < threshold:
-                self.pool.hold(old.pool, old.instances)  # the saving is gone: stay
-                return
-        if isinstance(outcome, Decision):
+            self.tally.losses.append((t, trigger.reason.value, step.old.pool))
+        if step.kind == "moved":
+            assert step.lease is not None
             self._stop(job, t, restart=True)
-            moved = self.book.failover(lease.lease_id, outcome.placement, now)
-            self.pool.hold(moved.placement.pool, moved.placement.instances)
-            self._moves.setdefault(moved.lease_id, []).append(now)
             self.tally.failovers[trigger.reason.value] += 1
-            self._start(job, t, moved.placement)
-        elif not involuntary:
-            self.pool.hold(old.pool, old.instances)  # a move by choice: the lease stays
-        else:
+            self._start(job, t, step.lease.placement)
+        elif step.kind == "failed":
+            assert isinstance(step.outcome, Rejection)
             self._stop(job, t, restart=True)
-            self.book.end(lease.lease_id, LeaseState.FAILED, now)
-            self._moves.pop(lease.lease_id, None)
             self.tally.failovers_nowhere += 1
             job.lease_id, job.placement, job.lost_at = None, None, t
-            job.last_code = outcome.code.value
+            job.last_code = step.outcome.code.value
             self._queue.append(job)
 
     # --- jobs ------------------------------------------------------------------------

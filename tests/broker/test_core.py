@@ -114,6 +114,30 @@ async def test_a_discretionary_move_with_nowhere_to_go_leaves_the_lease(setup: A
     failed = broker.book.get(lease.lease_id)
     assert failed is not None and failed.state.value == "failed"
     assert any(r.topic == "p/events/sched-a/lease.failed" for r in sink.rows)
+    # Its instance is released once: the other lease's hold on the pool it leaves (here,
+    # the one the test holds on `other`, and one more on its own pool) is untouched.
+    assert broker.pool.held(other) == 1
+    assert broker.pool.held(lease.placement.pool) == 0
+
+
+async def test_a_failed_lease_releases_its_instances_once(setup: Any) -> None:
+    """Two leases on one pool; one fails over with nowhere to go: the pool still holds
+    the other's instance (it was released twice, so the pool looked free)."""
+    from broker import failover
+
+    broker, clock, _ = setup
+    only = broker.pool.by_gpu("H100-80GB")
+    a = broker.book.create(request("a"), _placement(only[0]), lease_seconds=3600, cap=None,
+                           now=clock())
+    b = broker.book.create(request("b"), _placement(only[0]), lease_seconds=3600, cap=None,
+                           now=clock())
+    broker.restore([a, b])  # holds 2 instances of the pool
+    broker.pool.hold(only[1].pool, 1)  # nowhere else to go
+    assert broker.pool.held(only[0].pool) == 2
+    await broker._fail_over(failover.Trigger(a.lease_id, 1, FailoverReason.CAPACITY_LOST,
+                                             "gone"))
+    assert broker.book.get(a.lease_id).state.value == "failed"  # type: ignore[union-attr]
+    assert broker.pool.held(only[0].pool) == 1  # b's instance, still held
 
 
 def _place_cmd(request_id: str, **fields: Any) -> Any:
