@@ -244,6 +244,11 @@ class Bus:
         clean = True
         try:
             self._client = client
+            if _stopping():
+                # Cancelled while connecting, and aiomqtt's `asyncio.wait_for` swallowed
+                # it (CPython gh-86296): the session would run on, and the stop wait
+                # for it for good.
+                raise asyncio.CancelledError
             await self._session(client)
         except asyncio.CancelledError:
             clean = self._farewell

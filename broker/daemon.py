@@ -416,8 +416,7 @@ class Daemon:
             try:
                 epoch = await self.leadership.acquire(stop)
             finally:
-                for task in watch:
-                    task.cancel()
+                await _cancel_and_wait(watch)
         return epoch is not None
 
     async def _standby_bus(self) -> None:
@@ -625,6 +624,18 @@ def _json_object(payload: Any) -> dict[str, Any] | None:
     except (TypeError, ValueError):
         return None
     return value if isinstance(value, dict) else None
+
+
+async def _cancel_and_wait(tasks: list[asyncio.Task[None]], every: float = 0.5) -> None:
+    """Cancel `tasks` and wait until they have ended, cancelling again those that live
+    on. aiomqtt waits for its CONNACK and SUBACK with `asyncio.wait_for`, which on Python
+    3.11 swallows a cancellation that arrives as the wait completes (CPython gh-86296):
+    the task then carries on, subscribed, and one `cancel()` is not enough."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=every)
 
 
 def _leaves(eg: BaseExceptionGroup[Any]) -> list[BaseException]:
