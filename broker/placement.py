@@ -852,23 +852,14 @@ class _Arrays:
 
         a = cls()
         codes: dict[tuple[str, str], int] = {}
-        price, rate, avail, spot = [], [], [], []
-        ppg, gpus, free, quota, region, disc = [], [], [], [], [], []
-        s = policy.scoring
-        min_discount = s.spot_min_discount
-        hazard = view.hazard if s.hazard_half_life_hours > 0 else None
-        nan = math.nan
+        eff, ppg, gpus, free, quota, region, disc = [], [], [], [], [], [], []
+        min_discount = policy.scoring.spot_min_discount
+        hazard = view.hazard
         for p, offer, _, _ in entries:
             key = offer.pool
             f = None if offer.capacity is None else offer.capacity - view.held(key)
             a.offers.append(offer)
-            is_spot = key.market is Market.SPOT
-            r, av = (signals(offer, policy, hazard) if hazard is not None and is_spot
-                     else (offer.interruption_rate, offer.availability))
-            price.append(offer.price_per_hour)
-            rate.append(nan if r is None or not is_spot else r)
-            avail.append(nan if av is None else av)
-            spot.append(is_spot)
+            eff.append(unit_cost(offer, policy, hazard))  # the one cost formula
             ppg.append(p)
             gpus.append(offer.gpus)
             free.append(math.inf if f is None else f)
@@ -878,17 +869,7 @@ class _Arrays:
             disc.append(not min_discount or spot_discount_ok(offer, view, min_discount))
         a.regions = list(codes)
         a.gpus = np.array(gpus, dtype=np.int64)
-        # `expected_cost(offer, 1, policy) / gpus`, the same operations in the same order.
-        on_spot = np.array(spot, dtype=bool)
-        r_ = np.array(rate, dtype=float)
-        r_ = np.where(on_spot & np.isnan(r_), s.unknown_interruption_rate, r_)
-        av_ = np.array(avail, dtype=float)
-        av_ = np.where(np.isnan(av_), s.unknown_availability, av_)
-        factor = 1.0 + s.availability_weight * (1.0 - av_)
-        factor = np.where(on_spot, factor + s.restart_hours * r_, factor)
-        extra = np.where(on_spot, a.gpus * s.interruption_cost_per_gpu * r_, 0.0) \
-            if s.interruption_cost_per_gpu else 0.0
-        a.eff = (np.array(price, dtype=float) * factor + extra) / a.gpus
+        a.eff = np.array(eff, dtype=float)
         a.ppg = np.array(ppg, dtype=float)
         a.free, a.quota = np.array(free, dtype=float), np.array(quota, dtype=float)
         a.region = np.array(region, dtype=np.int64)
