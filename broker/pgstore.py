@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -144,6 +145,7 @@ class PgDb:
                  fence: Callable[[PgDb], None] | None = None) -> None:
         self.conn = conn
         self._fence = fence
+        self._cursors = itertools.count(1)
 
     @property
     def in_transaction(self) -> bool:
@@ -151,7 +153,9 @@ class PgDb:
         return self.conn.info.transaction_status != TransactionStatus.IDLE
 
     def execute(self, sql: str, args: Sequence[Any] = (), /) -> psycopg.Cursor[Any]:
-        return self.conn.execute(_pg_sql(sql), args or None)
+        # Always with parameters, even none: psycopg then reads `%%` as `%` (without, it
+        # would send the `%%` that `_pg_sql` made of a literal `%`).
+        return self.conn.execute(_pg_sql(sql), args)
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]], /
                     ) -> psycopg.Cursor[Any]:
@@ -159,10 +163,28 @@ class PgDb:
         cur.executemany(_pg_sql(sql), list(rows))
         return cur
 
+    def stream(self, sql: str, args: Sequence[Any] = (), /) -> Iterator[Sequence[Any]]:
+        # A server-side cursor: a plain one would hold the whole result in memory (libpq
+        # reads it all before returning), a whole history export for `gpubroker history`.
+        with self.conn.cursor(name=f"gpubroker_stream_{next(self._cursors)}") as cur:
+            cur.itersize = 2000
+            cur.execute(_pg_sql(sql), args)
+            yield from cur
+
     def begin(self) -> None:
         self.conn.execute("BEGIN")
         if self._fence is not None:
-            self._fence(self)
+            try:
+                self._fence(self)
+            except BaseException:
+                # Refused (`Deposed`) or failed: end the transaction here, whatever the
+                # caller does next. Left open, it would keep its share lock of the
+                # leadership row and hold up the new leader's renewals.
+                try:
+                    self.rollback()
+                except Exception as exc:  # the connection is gone: the error that matters
+                    log.debug("rollback failed", error=str(exc))
+                raise
 
     def commit(self) -> None:
         self.conn.execute("COMMIT")

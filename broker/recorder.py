@@ -58,7 +58,7 @@ import structlog
 
 from broker.model import Market, Offer, PoolKey, utcnow
 from broker.pool import PoolChange, SliceId
-from broker.store import Db, Store, connect_sqlite, db_errors
+from broker.store import Db, Store, StoreFailed, connect_sqlite, db_errors
 from broker.trace import TraceRow
 
 log = structlog.get_logger("gpubroker.recorder")
@@ -387,7 +387,7 @@ class MarketRecorder:
                 self.on_write(rows, seconds)
             if due:
                 await self._snapshot()
-        except db_errors() as exc:
+        except db_errors(StoreFailed) as exc:  # StoreFailed: Deposed, from the fence
             self._failed(exc)
         except Exception as exc:  # best effort: a recorder bug must not stop the daemon
             self._failed(exc, exc_info=True)
@@ -576,7 +576,7 @@ class HistoryReader:
             sql += f" AND +pool_id IN (SELECT id FROM market_pools p WHERE 1=1{where})"
             bounds.extend(args)
         last_t, when = -1, from_epoch(0)
-        for t, pid, price, avail, cap, rate, quota, kind in self._db.execute(
+        for t, pid, price, avail, cap, rate, quota, kind in self._db.stream(
                 f"{sql} ORDER BY t, pool_id", bounds):
             if t != last_t:  # rows come in time order, many at the same second
                 last_t, when = t, from_epoch(t)

@@ -1,4 +1,8 @@
-"""Tests of the SQLite state store (`broker/store.py`): real files in tmp_path."""
+"""Tests of the state store on both engines: every test of the `Store` interface runs on
+SQLite (`broker/store.py`, a real file in tmp_path) and on PostgreSQL
+(`broker/pgstore.py`, a fresh database of the local server); then SQLite's own tests
+(a full disk, a killed process, directories, migrating a schema-1 file).
+PostgreSQL's own tests (migrations, sites, fencing) are in test_pgstore.py."""
 
 from __future__ import annotations
 
@@ -6,8 +10,8 @@ import asyncio
 import sqlite3
 import sys
 import textwrap
-from collections.abc import AsyncIterator
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,7 +21,15 @@ from factories import T0, offer, placement, request
 
 from broker.leases import LeaseBook
 from broker.model import Lease, LeaseState, Market
-from broker.store import OutboxRow, StateStore, StoreFailed
+from broker.store import (
+    Db,
+    OutboxRow,
+    StateStore,
+    Store,
+    StoreFailed,
+    _lease_row,
+    db_errors,
+)
 
 
 def lease(request_id: str = "r1", *, scheduler: str = "sched-a", at: float = 0,
@@ -29,8 +41,41 @@ def lease(request_id: str = "r1", *, scheduler: str = "sched-a", at: float = 0,
                        now=T0 + timedelta(seconds=at))
 
 
+@dataclass
+class Engine:
+    """Where a test's state lives, on one engine: `make()` gives a new store on it."""
+
+    name: str
+    make: Callable[[], Store]
+
+    async def opened(self) -> Store:
+        s = self.make()
+        await s.open()
+        return s
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Engine:
+    if request.param == "sqlite":
+        path = tmp_path / "state" / "state.db"
+        return Engine("sqlite", lambda: StateStore(path))
+    from broker.pgstore import PgStateStore
+
+    url = request.getfixturevalue("pg_url")
+    return Engine("postgresql", lambda: PgStateStore(url, site="test"))
+
+
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[StateStore]:
+async def store(engine: Engine) -> AsyncIterator[Store]:
+    s = await engine.opened()
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+@pytest.fixture
+async def sqlite_store(tmp_path: Path) -> AsyncIterator[StateStore]:
     s = StateStore(tmp_path / "state" / "state.db")
     await s.open()
     try:
@@ -48,7 +93,7 @@ async def reopened(path: Path) -> StateStore:
 # --- leases ------------------------------------------------------------------------------
 
 
-async def test_a_lease_round_trips_exactly(store: StateStore) -> None:
+async def test_a_lease_round_trips_exactly(store: Store) -> None:
     original = lease(
         "job-4711", gpu=("H100-80GB", "A100-80GB"), gang=False, market="spot",
         max_price_per_gpu_hour=3.5, clouds=("aws", "gcp"), regions=("us-east-1",),
@@ -60,7 +105,7 @@ async def test_a_lease_round_trips_exactly(store: StateStore) -> None:
     assert back.state is LeaseState.ACTIVE
 
 
-async def test_a_lease_made_now_round_trips_exactly(store: StateStore) -> None:
+async def test_a_lease_made_now_round_trips_exactly(store: Store) -> None:
     book = LeaseBook()
     original = book.create(request(), placement(offer(), 1), lease_seconds=900, cap=None,
                            now=T0.replace(microsecond=123456))
@@ -68,13 +113,13 @@ async def test_a_lease_made_now_round_trips_exactly(store: StateStore) -> None:
     assert await store.leases() == [original]
 
 
-async def test_a_minimal_request_round_trips_exactly(store: StateStore) -> None:
+async def test_a_minimal_request_round_trips_exactly(store: Store) -> None:
     original = lease("bare")
     await store.commit([original], [])
     assert await store.find_lease("sched-a", "bare") == original
 
 
-async def test_commit_updates_a_lease_in_place(store: StateStore) -> None:
+async def test_commit_updates_a_lease_in_place(store: Store) -> None:
     first = lease()
     await store.commit([first], [])
     moved = replace(first, epoch=2, placement=placement(offer("us-east-1b")),
@@ -83,7 +128,7 @@ async def test_commit_updates_a_lease_in_place(store: StateStore) -> None:
     assert await store.leases() == [moved]
 
 
-async def test_find_lease_by_scheduler_and_request_id(store: StateStore) -> None:
+async def test_find_lease_by_scheduler_and_request_id(store: Store) -> None:
     a = lease("r1", scheduler="sched-a")
     b = lease("r1", scheduler="sched-b")
     ended = replace(lease("r2"), state=LeaseState.RELEASED)
@@ -94,7 +139,7 @@ async def test_find_lease_by_scheduler_and_request_id(store: StateStore) -> None
     assert await store.find_lease("sched-c", "r1") is None
 
 
-async def test_leases_lists_active_plus_recently_ended(store: StateStore) -> None:
+async def test_leases_lists_active_plus_recently_ended(store: Store) -> None:
     active = lease("active")
     old = replace(lease("old"), state=LeaseState.RELEASED, updated_at=T0)
     recent = replace(lease("recent"), state=LeaseState.EXPIRED,
@@ -112,7 +157,7 @@ async def test_leases_lists_active_plus_recently_ended(store: StateStore) -> Non
 # --- the outbox --------------------------------------------------------------------------
 
 
-async def test_commit_returns_rows_with_ids_in_order(store: StateStore) -> None:
+async def test_commit_returns_rows_with_ids_in_order(store: Store) -> None:
     rows = [OutboxRow("p/events/s/a", b"1"),
             OutboxRow("p/leases/s/L", b"", retain=True),
             OutboxRow("reply/here", b"\x00\xff", qos=0,
@@ -125,7 +170,7 @@ async def test_commit_returns_rows_with_ids_in_order(store: StateStore) -> None:
     assert await store.pending() == written
 
 
-async def test_ack_removes_rows(store: StateStore) -> None:
+async def test_ack_removes_rows(store: Store) -> None:
     written = await store.commit([], [OutboxRow(f"t/{i}", b"x") for i in range(4)])
     await store.ack([written[0].id, written[2].id])  # type: ignore[list-item]
     assert [r.topic for r in await store.pending()] == ["t/1", "t/3"]
@@ -135,24 +180,25 @@ async def test_ack_removes_rows(store: StateStore) -> None:
     assert await store.pending() == []
 
 
-async def test_lease_and_rows_commit_together(store: StateStore) -> None:
+async def test_lease_and_rows_commit_together(store: Store) -> None:
     le = lease()
     await store.commit([le], [OutboxRow("t/ok", b"1")])
     # a clash on (scheduler, request_id) under another lease_id fails the whole commit
     clash = replace(lease(), lease_id="L-other")
-    with pytest.raises(StoreFailed, match="commit failed: UNIQUE constraint failed") as err:
+    with pytest.raises(StoreFailed, match=r"commit failed: .*(UNIQUE|unique)") as err:
         await store.commit([clash], [OutboxRow("t/lost", b"2")])
-    assert isinstance(err.value.__cause__, sqlite3.IntegrityError)
+    assert store.name in str(err.value)
+    assert type(err.value.__cause__).__name__ in ("IntegrityError", "UniqueViolation")
     assert [r.topic for r in await store.pending()] == ["t/ok"]
     assert await store.leases() == [le]
 
 
-async def test_a_failing_row_rolls_back_the_lease(store: StateStore) -> None:
+async def test_a_failing_row_rolls_back_the_lease(store: Store) -> None:
     le = lease()
     bad = OutboxRow("t/bad", object())  # type: ignore[arg-type]
     with pytest.raises(StoreFailed) as err:
         await store.commit([le], [OutboxRow("t/good", b"1"), bad])
-    assert isinstance(err.value.__cause__, sqlite3.Error)
+    assert isinstance(err.value.__cause__, db_errors())
     assert await store.leases() == []
     assert await store.pending() == []
     # and the store still works afterwards
@@ -160,9 +206,122 @@ async def test_a_failing_row_rolls_back_the_lease(store: StateStore) -> None:
     assert await store.leases() == [le]
 
 
-async def test_a_full_disk_fails_the_commit_naming_sqlites_error(store: StateStore) -> None:
+async def test_ids_keep_growing_after_acks_and_reopening(engine: Engine) -> None:
+    """An acknowledged row's id is never handed out again (the bus tells rows apart by
+    id), not even after the rows are gone and the store reopened."""
+    first = await engine.opened()
+    try:
+        written = await first.commit([], [OutboxRow("t/a", b"1"), OutboxRow("t/b", b"2")])
+        await first.ack([r.id for r in written if r.id is not None])
+    finally:
+        await first.close()
+    second = await engine.opened()
+    try:
+        [later] = await second.commit([], [OutboxRow("t/c", b"3")])
+        assert later.id is not None and later.id > max(r.id or 0 for r in written)
+    finally:
+        await second.close()
+
+
+async def test_call_runs_in_order_with_commits(store: Store) -> None:
+    """`call` (the recorder's way in) runs on the store's connection, after every
+    operation submitted before it, with `?` parameters on both engines."""
+    def count(db: Db) -> int:
+        return int(db.execute("SELECT count(*) FROM leases WHERE scheduler = ? AND "
+                              "state = ?", ("sched-a", "active")).fetchone()[0])
+
+    # gather starts its tasks in order: the five commits are submitted first.
+    *_, counted = await asyncio.gather(*(store.commit([lease(f"r{i}")], []) for i in range(5)),
+                                       store.call(count))
+    assert counted == 5
+    await store.barrier()
+    assert await store.call(lambda db: db.in_transaction) is False
+
+
+async def test_find_leases_looks_up_many_keys_at_once(store: Store) -> None:
+    leases = [lease(f"r{i}", scheduler=f"s{i % 3}") for i in range(600)]
+    await store.commit(leases, [])
+    keys = [(le.scheduler, le.request_id) for le in leases[::2]] + [("s0", "missing")]
+    found = await store.find_leases(keys)
+    assert found == {(le.scheduler, le.request_id): le for le in leases[::2]}
+    assert await store.find_leases([]) == {}
+
+
+async def test_outbox_rows_keep_their_bytes_and_extras(store: Store) -> None:
+    payload = bytes(range(256)) * 4
+    rows = [OutboxRow("t/%s?x", payload, qos=2, retain=True,
+                      props={"correlation_data": "00ff", "response_topic": "r/é"})]
+    written = await store.commit([], rows)
+    [back] = await store.pending()
+    assert back == written[0]
+    assert back.payload == payload and back.topic == "t/%s?x"
+
+
+async def test_the_leader_epoch_is_0_without_high_availability(store: Store) -> None:
+    assert store.epoch == 0
+    await store.commit([lease()], [OutboxRow("t/a", b"1")])
+    epochs = await store.call(lambda db: (
+        db.execute("SELECT leader_epoch FROM leases").fetchall(),
+        db.execute("SELECT leader_epoch FROM outbox").fetchall()))
+    assert epochs == ([(0,)], [(0,)])
+
+
+# --- durability --------------------------------------------------------------------------
+
+
+async def test_state_is_back_after_reopening(engine: Engine) -> None:
+    first = await engine.opened()
+    le = lease()
+    written = await first.commit([le], [OutboxRow("t/a", b"1"), OutboxRow("t/b", b"2")])
+    await first.ack([written[0].id])  # type: ignore[list-item]
+    await first.close()
+    second = await engine.opened()
+    try:
+        assert await second.leases() == [le]
+        assert await second.pending() == written[1:]
+    finally:
+        await second.close()
+
+
+async def test_committed_state_is_visible_without_a_clean_close(engine: Engine) -> None:
+    first = await engine.opened()
+    try:
+        le = lease()
+        [row] = await first.commit([le], [OutboxRow("t/a", b"1", retain=True)])
+        second = await engine.opened()  # the first one was never closed
+        try:
+            assert await second.leases() == [le]
+            assert await second.pending() == [row]
+        finally:
+            await second.close()
+    finally:
+        await first.close()
+
+
+async def test_a_newer_schema_is_refused(engine: Engine) -> None:
+    s = await engine.opened()
+    await s.call(lambda db: db.execute("UPDATE meta SET value = ? WHERE key = 'schema'",
+                                       ("999",)))
+    await s.close()
+    newer = engine.make()
+    with pytest.raises(RuntimeError, match=r"newer gpubroker \(schema 999, this one knows 2\)"):
+        await newer.open()
+    await newer.close()
+    # The refusal changed nothing: still refused.
+    again = engine.make()
+    with pytest.raises(RuntimeError, match="schema 999"):
+        await again.open()
+    await again.close()
+
+
+# --- SQLite only ----------------------------------------------------------------------------
+
+
+async def test_a_full_disk_fails_the_commit_naming_sqlites_error(sqlite_store: StateStore
+                                                                 ) -> None:
     """A real SQLITE_FULL in WAL mode: SQLite rolls the transaction back itself, and the
     error that reaches the caller is that one (not a failed second ROLLBACK)."""
+    store = sqlite_store
     kept = lease("r1")
     await store.commit([kept], [OutboxRow("t/ok", b"1")])
     await store.call(fill_up)
@@ -181,40 +340,6 @@ def fill_up(db: sqlite3.Connection) -> None:
     db.execute("VACUUM")
     pages = db.execute("PRAGMA page_count").fetchone()[0]
     db.execute(f"PRAGMA max_page_count = {pages}")
-
-
-# --- durability --------------------------------------------------------------------------
-
-
-async def test_state_is_back_after_reopening(tmp_path: Path) -> None:
-    path = tmp_path / "state.db"
-    first = await reopened(path)
-    le = lease()
-    written = await first.commit([le], [OutboxRow("t/a", b"1"), OutboxRow("t/b", b"2")])
-    await first.ack([written[0].id])  # type: ignore[list-item]
-    await first.close()
-    second = await reopened(path)
-    try:
-        assert await second.leases() == [le]
-        assert await second.pending() == written[1:]
-    finally:
-        await second.close()
-
-
-async def test_committed_state_is_visible_without_a_clean_close(tmp_path: Path) -> None:
-    path = tmp_path / "state.db"
-    first = await reopened(path)
-    try:
-        le = lease()
-        [row] = await first.commit([le], [OutboxRow("t/a", b"1", retain=True)])
-        second = await reopened(path)  # the first one was never closed
-        try:
-            assert await second.leases() == [le]
-            assert await second.pending() == [row]
-        finally:
-            await second.close()
-    finally:
-        await first.close()
 
 
 async def test_committed_state_survives_a_killed_process(tmp_path: Path) -> None:
@@ -251,18 +376,136 @@ async def test_committed_state_survives_a_killed_process(tmp_path: Path) -> None
         await store.close()
 
 
-async def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+# The schema as release 1 wrote it (broker/store.py before the leader epochs): no
+# leader_epoch columns, meta schema '1'.
+_SCHEMA_1 = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE leases (
+    lease_id   TEXT PRIMARY KEY,
+    scheduler  TEXT NOT NULL,
+    request_id TEXT NOT NULL,
+    state      TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    body       TEXT NOT NULL,
+    UNIQUE (scheduler, request_id)
+);
+CREATE INDEX leases_state ON leases (state, updated_at);
+CREATE TABLE outbox (
+    id       INTEGER PRIMARY KEY AUTOINCREMENT,
+    topic    TEXT NOT NULL,
+    payload  BLOB NOT NULL,
+    qos      INTEGER NOT NULL,
+    retain   INTEGER NOT NULL,
+    props    TEXT
+);
+CREATE TABLE market_pools (
+    id            INTEGER PRIMARY KEY,
+    cloud         TEXT NOT NULL,
+    region        TEXT NOT NULL,
+    zone          TEXT NOT NULL,
+    instance_type TEXT NOT NULL,
+    market        TEXT NOT NULL,
+    gpu           TEXT NOT NULL,
+    gpus          INTEGER NOT NULL,
+    UNIQUE (cloud, region, zone, instance_type, market, gpu, gpus)
+);
+CREATE TABLE market_changes (
+    t                    INTEGER NOT NULL,
+    pool_id              INTEGER NOT NULL,
+    price_e6             INTEGER,
+    availability_e6      INTEGER,
+    capacity             INTEGER,
+    interruption_rate_e6 INTEGER,
+    quota_headroom       INTEGER,
+    kind                 INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (t, pool_id)
+) WITHOUT ROWID;
+CREATE TABLE market_snapshots (t INTEGER PRIMARY KEY);
+INSERT INTO meta VALUES ('schema', '1');
+"""
+
+
+def columns(path: Path, table: str) -> list[str]:
+    db = sqlite3.connect(path)
+    try:
+        return [r[1] for r in db.execute(f"PRAGMA table_info({table})")]
+    finally:
+        db.close()
+
+
+async def test_a_schema_1_file_is_migrated_and_keeps_its_state(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    kept = lease("old-one")
+    db = sqlite3.connect(path)
+    db.executescript(_SCHEMA_1)
+    with db:
+        db.execute("INSERT INTO leases VALUES (?,?,?,?,?,?)", _lease_row(kept, 0)[:6])
+        db.execute("INSERT INTO outbox (topic, payload, qos, retain, props) "
+                   "VALUES ('t/old', x'01', 1, 1, NULL)")
+        db.execute("INSERT INTO market_snapshots VALUES (1700000000)")
+    db.close()
+    assert "leader_epoch" not in columns(path, "leases")
+
+    store = await reopened(path)
+    try:
+        assert await store.leases() == [kept]
+        [row] = await store.pending()
+        assert (row.topic, row.payload, row.retain) == ("t/old", b"\x01", True)
+        assert await store.call(lambda db: db.execute(
+            "SELECT value FROM meta WHERE key='schema'").fetchone()[0]) == "2"
+        assert await store.call(lambda db: db.execute(
+            "SELECT lease_id, leader_epoch FROM leases").fetchall()) == [(kept.lease_id, 0)]
+        # The new column is written from now on.
+        moved = replace(kept, epoch=2, updated_at=T0 + timedelta(seconds=5))
+        await store.commit([moved], [OutboxRow("t/new", b"2")])
+        assert await store.find_lease("sched-a", "old-one") == moved
+    finally:
+        await store.close()
+    assert "leader_epoch" in columns(path, "leases")
+    assert "leader_epoch" in columns(path, "outbox")
+    # The market history and everything else is still there; opening again is a no-op.
+    again = await reopened(path)
+    try:
+        assert [r.topic for r in await again.pending()] == ["t/old", "t/new"]
+        assert await again.call(lambda db: db.execute(
+            "SELECT t FROM market_snapshots").fetchall()) == [(1700000000,)]
+        assert await again.call(lambda db: db.execute(
+            "SELECT value FROM meta WHERE key='schema'").fetchall()) == [("2",)]
+    finally:
+        await again.close()
+
+
+def tables(path: Path) -> set[str]:
+    db = sqlite3.connect(path)
+    try:
+        return {n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    finally:
+        db.close()
+
+
+async def test_a_newer_schema_leaves_the_file_alone(tmp_path: Path) -> None:
+    """Refused before anything is written: not even a table the newer schema has done
+    away with (here the outbox) comes back."""
+    path = tmp_path / "state.db"
+    db = sqlite3.connect(path)
+    db.executescript(_SCHEMA_1.replace("'1'", "'3'"))
+    db.executescript("DROP TABLE outbox")
+    db.close()
+    before = tables(path)
+    with pytest.raises(RuntimeError, match=rf"{path} was written by a newer gpubroker "
+                                           r"\(schema 3, this one knows 2\)"):
+        await reopened(path)
+    assert tables(path) == before and "outbox" not in before
+    assert "leader_epoch" not in columns(path, "leases")
+
+
+async def test_a_new_file_gets_every_table_at_once(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     s = await reopened(path)
     await s.close()
-    db = sqlite3.connect(path)
-    with db:
-        db.execute("UPDATE meta SET value='999' WHERE key='schema'")
-    db.close()
-    newer = StateStore(path)
-    with pytest.raises(RuntimeError, match="newer"):
-        await newer.open()
-    await newer.close()
+    assert tables(path) == {"meta", "leases", "outbox", "market_pools", "market_changes",
+                            "market_snapshots", "sqlite_sequence"}
+    assert "leader_epoch" in columns(path, "outbox")
 
 
 async def test_open_creates_missing_directories(tmp_path: Path) -> None:
