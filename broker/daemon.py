@@ -717,12 +717,14 @@ def _read_history(source: Callable[[], Db], since: datetime, until: datetime,
 
 
 def _check_mqtt_files(cfg: Config) -> None:
-    """The MQTT password and CA files, read once at start: a missing or unreadable one
-    is a mistake in the configuration (exit 2), not an MQTT server that is away (which
-    the bus waits out). The bus reads them again at each connect."""
+    """The MQTT password and CA files, and the database's password file, read once at
+    start: a missing or unreadable one is a mistake in the configuration (exit 2), not
+    a server that is away (which the daemon waits out). They are read again at each
+    connect."""
     problems = []
     for key, path in (("mqtt.password_file", cfg.mqtt.password_file),
-                      ("mqtt.ca_file", cfg.mqtt.ca_file)):
+                      ("mqtt.ca_file", cfg.mqtt.ca_file),
+                      ("state.password_file", cfg.state.password_file)):
         if path is None:
             continue
         try:

@@ -97,6 +97,7 @@ class Leadership:
         self.started_at = utcnow()
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._complained = False
+        self._name_checked = False
 
     def valid(self) -> bool:
         """Whether this node may act as the leader now (publish, connect as the site)."""
@@ -118,10 +119,13 @@ class Leadership:
             # Never wait on a row lock for long (a takeover waits for a commit in
             # flight, not for a stuck session), nor on a statement.
             ms = max(200, int(self.seconds * 1000 / 3))
+            # tcp_user_timeout: a server that stops answering (a partition) is given up
+            # on within the claim's lifetime, not after the kernel's retransmissions.
             self._conn = await psycopg.AsyncConnection.connect(
                 self.store.url, autocommit=True, connect_timeout=max(1, round(self.seconds)),
                 application_name="gpubroker-election", keepalives=1, keepalives_idle=5,
                 keepalives_interval=2, keepalives_count=3,
+                tcp_user_timeout=int(self.seconds * 1000),
                 options=f"-c lock_timeout={ms} -c statement_timeout={ms * 2}", **kwargs)
         return self._conn
 
@@ -144,7 +148,7 @@ class Leadership:
         """Stand by until this node leads; returns its epoch (None: `stop` was set)."""
         import psycopg
 
-        self.role = "standby"
+        self.role, self.epoch, self.deadline = "standby", 0, 0.0
         while not stop.is_set():
             sent = time.monotonic()
             try:
@@ -162,7 +166,14 @@ class Leadership:
                         else:
                             self.epoch, self.role = int(row[0]), "leader"
                             self.leader = (self.node, self.epoch)
+                        if not self._name_checked:
+                            await self._check_name(conn)
                         await conn.execute(_HEARTBEAT, self._args())
+            except psycopg.errors.LockNotAvailable:
+                # The old leader's transaction still holds the leadership row (a frozen
+                # process): the database answers; its session timeout ends that soon.
+                self.epoch, self.role = 0, "standby"
+                await self._drop()
             except (psycopg.Error, OSError, TimeoutError) as exc:
                 self.epoch, self.role = 0, "standby"
                 self._trouble("standing by: the database", exc)
@@ -194,8 +205,10 @@ class Leadership:
             await asyncio.sleep(max(0.0, min(self.renew_every,
                                              self.deadline - time.monotonic())))
             if not self.valid():
+                epoch = self.epoch
+                self.step_down()
                 raise Deposed(f"leadership of site {self.site} not renewed in time "
-                              f"(epoch {self.epoch}): another node may lead now")
+                              f"(epoch {epoch}): another node may lead now")
             sent = time.monotonic()
             try:
                 async with asyncio.timeout(max(0.05, self.deadline - sent)):
@@ -210,8 +223,10 @@ class Leadership:
                 await self._drop()
                 continue
             if renewed is None:
+                epoch = self.epoch
+                self.step_down()
                 raise Deposed(f"another node leads site {self.site} now (this node's "
-                              f"epoch was {self.epoch})")
+                              f"epoch was {epoch})")
             self.database_ok = True
             if self._complained:
                 self._complained = False
@@ -219,25 +234,41 @@ class Leadership:
             self.deadline = sent + self.seconds - self.margin
 
     def step_down(self) -> None:
-        """Stop acting as the leader at once (no more publishing)."""
-        self.deadline = 0.0
+        """Stop acting as the leader at once (no more publishing): a renewal in flight
+        cannot make it leader again."""
+        self.deadline, self.epoch, self.role = 0.0, 0, "standby"
 
     async def release(self) -> None:
         """An orderly stop: let a standby take over at once. Best effort."""
-        if self.epoch <= 0:
+        epoch = self.epoch
+        if epoch <= 0:
             return
         self.step_down()
         try:
             async with asyncio.timeout(2.0):
                 conn = await self._connection()
-                await conn.execute(_RELEASE, self._args())
-                await conn.execute(_HEARTBEAT, self._args(role="stopped"))
+                await conn.execute(_RELEASE, self._args(epoch=epoch))
+                await conn.execute(_HEARTBEAT, self._args(role="stopped", epoch=epoch))
         except Exception as exc:  # the standby then waits for the expiry instead
             log.warning("leadership not released; a standby takes over at its expiry",
                         error=type(exc).__name__, detail=str(exc).strip()[:300])
 
     async def close(self) -> None:
         await self._drop()
+
+    async def _check_name(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Once: another running daemon with this node name (two hosts with the same
+        name, a copied config) would share its row in `nodes`; say so."""
+        self._name_checked = True
+        cur = await conn.execute(
+            "SELECT boot_id, role FROM nodes WHERE node = %s AND boot_id <> %s AND "
+            "role <> 'stopped' AND seen_at > now() - make_interval(secs => %s)",
+            (self.node, self.boot_id, 2 * self.seconds))
+        other = await cur.fetchone()
+        if other is not None:
+            log.error("another daemon of this site uses the same node name: give each "
+                      "its own `node`", node=self.node, other_boot_id=other[0],
+                      other_role=other[1])
 
 
 @dataclass(frozen=True, slots=True)

@@ -211,6 +211,11 @@ def describe_url(url: str) -> str:
     return f"postgresql://{user}{host}:{port}/{d.get('dbname') or ''}"
 
 
+TCP_USER_TIMEOUT_MS = 15_000
+"""A server that stops acknowledging what is sent (a partition, not a closed connection)
+fails the statement within this long, instead of the kernel's minutes of retries."""
+
+
 def connect(url: str, *, password_file: Path | None = None, application: str = "gpubroker",
             timeout_seconds: float = 5.0, options: str = "") -> psycopg.Connection[Any]:
     """A new autocommit connection; TCP keepalives so a server that went away is found
@@ -225,7 +230,8 @@ def connect(url: str, *, password_file: Path | None = None, application: str = "
         kwargs["options"] = options
     return psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(timeout_seconds)),
                            application_name=application, keepalives=1, keepalives_idle=5,
-                           keepalives_interval=2, keepalives_count=3, **kwargs)
+                           keepalives_interval=2, keepalives_count=3,
+                           tcp_user_timeout=TCP_USER_TIMEOUT_MS, **kwargs)
 
 
 class PgStateStore:
