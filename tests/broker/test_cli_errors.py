@@ -129,6 +129,20 @@ def test_mqtt_credential_files_are_read_at_start(files: dict[str, Path],
         assert one_line(gpubroker("run", "--config", config)) == f"gpubroker: {line}"
 
 
+def test_the_database_password_file_is_read_at_start(files: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    """High availability: an unreadable state.password_file is a mistake (exit 2), not a
+    database that is away (which a standby waits out)."""
+    config = tmp_path / "run.yaml"
+    config.write_text("state: {url: 'postgresql://gpubroker@127.0.0.1:1/gpubroker', "
+                      f"password_file: '{files['missing']}'}}\nhttp: {{listen: null}}\n"
+                      f"{SMALL_SIM}")
+    r = gpubroker("run", "--config", config)
+    assert r.returncode == 2
+    assert one_line(r) == (f"gpubroker: {files['missing']}: state.password_file: cannot "
+                           "read: No such file or directory")
+
+
 # --- URLs and addresses --------------------------------------------------------------
 
 
