@@ -27,19 +27,18 @@ import itertools
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
-from broker.model import Lease, iso
+from broker.model import Lease
 from broker.store import (
     _INSERT_OUTBOX,
     _UPSERT_LEASE,
     SCHEMA_VERSION,
     Deposed,
+    OneThreadStore,
     OutboxRow,
     StoreFailed,
     _lease_from,
@@ -209,18 +208,17 @@ def connect(url: str, *, password_file: Path | None = None, application: str = "
                            tcp_user_timeout=TCP_USER_TIMEOUT_MS, **kwargs)
 
 
-class PgStateStore:
+class PgStateStore(OneThreadStore[PgDb]):
     """The state store on PostgreSQL (see the module docstring)."""
 
     def __init__(self, url: str, *, site: str, password_file: Path | None = None,
                  leadership_seconds: float = 3.0) -> None:
+        super().__init__("postgres")
         self.url = url
         self.site = site
         self.password_file = password_file
         self.epoch = 0
         self._leadership_seconds = leadership_seconds
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="postgres")
-        self._db: PgDb | None = None
 
     @property
     def name(self) -> str:
@@ -231,17 +229,6 @@ class PgStateStore:
 
     def reader(self) -> PgDb:
         return PgDb(self.connect(options="-c default_transaction_read_only=on"))
-
-    async def _run(self, fn: Callable[[PgDb], T]) -> T:
-        def call() -> T:
-            assert self._db is not None, "store is not open"
-            return fn(self._db)
-
-        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
-
-    async def call(self, fn: Callable[[PgDb], T]) -> T:
-        """Run `fn(connection)` on the store's thread (see `StateStore.call`)."""
-        return await self._run(fn)
 
     async def open(self) -> None:
         """Connect and migrate. Raises `RuntimeError` for a schema newer than this code
@@ -342,38 +329,6 @@ class PgStateStore:
         except psycopg.Error as exc:
             log.warning("outbox rows not deleted; they are sent again later",
                         rows=len(ids), error=str(exc).strip())
-
-    async def barrier(self) -> None:
-        await self._run(lambda db: None)
-
-    async def pending(self) -> list[OutboxRow]:
-        def q(db: PgDb) -> list[OutboxRow]:
-            return [
-                OutboxRow(t, bytes(p), qos, bool(ret), json.loads(pr) if pr else None, i)
-                for i, t, p, qos, ret, pr in db.execute(
-                    "SELECT id, topic, payload, qos, retain, props FROM outbox ORDER BY id")
-            ]
-
-        return await self._read("outbox read", q)
-
-    async def _read(self, what: str, fn: Callable[[PgDb], T]) -> T:
-        import psycopg
-
-        try:
-            return await self._run(fn)
-        except psycopg.Error as exc:
-            raise self._failed(what, exc) from exc
-
-    async def leases(self, *, ended_since: datetime | None = None) -> list[Lease]:
-        def q(db: PgDb) -> list[Lease]:
-            sql = "SELECT body FROM leases WHERE state = 'active'"
-            args: tuple[str, ...] = ()
-            if ended_since is not None:
-                sql += " OR updated_at >= ?"
-                args = (iso(ended_since),)
-            return [_lease_from(json.loads(b)) for (b,) in db.execute(sql, args)]
-
-        return await self._read("lease read", q)
 
     async def find_leases(self, keys: Sequence[tuple[str, str]]
                           ) -> dict[tuple[str, str], Lease]:

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from broker.keyfilter import KeyFilter
 from broker.model import Lease, LeaseState, Placement, PlaceRequest, iso, parse_iso
@@ -246,16 +246,79 @@ def lease_keys(db: Db) -> KeyFilter:
     return keys
 
 
-class StateStore:
-    """The state store on SQLite (see the module docstring)."""
+D = TypeVar("D", bound=Db)
+
+
+class OneThreadStore(Generic[D]):
+    """What both engines' stores share: one connection, used only from one dedicated
+    thread (so the database never blocks the event loop and its work is serialised),
+    and the reads that are the same SQL on both. A read the database refuses raises
+    `StoreFailed`, naming the store (`_failed`)."""
 
     epoch = 0
 
+    def __init__(self, thread_name: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        self._db: D | None = None
+
+    def _failed(self, what: str, exc: Exception) -> StoreFailed:
+        raise NotImplementedError
+
+    async def _run(self, fn: Callable[[D], T]) -> T:
+        def call() -> T:
+            assert self._db is not None, "store is not open"
+            return fn(self._db)
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+    async def _read(self, what: str, fn: Callable[[D], T]) -> T:
+        try:
+            return await self._run(fn)
+        except db_errors() as exc:
+            raise self._failed(what, exc) from exc
+
+    async def call(self, fn: Callable[[D], T]) -> T:
+        """Run `fn(connection)` on the store's thread, in order with every other store
+        operation; for parts that keep their own tables (the market recorder). `fn` owns
+        its transaction and must keep it short: lease commits wait behind it."""
+        return await self._run(fn)
+
+    async def barrier(self) -> None:
+        """Return once every store operation submitted before it has completed (the
+        store's one thread runs them in order)."""
+        await self._run(lambda db: None)
+
+    async def pending(self) -> list[OutboxRow]:
+        """The outbox rows not acknowledged yet, in order."""
+        def q(db: D) -> list[OutboxRow]:
+            return [
+                OutboxRow(t, bytes(p), qos, bool(ret), json.loads(pr) if pr else None, i)
+                for i, t, p, qos, ret, pr in db.execute(
+                    "SELECT id, topic, payload, qos, retain, props FROM outbox ORDER BY id")
+            ]
+
+        return await self._read("outbox read", q)
+
+    async def leases(self, *, ended_since: datetime | None = None) -> list[Lease]:
+        """Active leases, plus leases that ended at or after `ended_since`."""
+        def q(db: D) -> list[Lease]:
+            sql = "SELECT body FROM leases WHERE state = 'active'"
+            args: tuple[str, ...] = ()
+            if ended_since is not None:
+                sql += " OR updated_at >= ?"
+                args = (iso(ended_since),)
+            return [_lease_from(json.loads(b)) for (b,) in db.execute(sql, args)]
+
+        return await self._read("lease read", q)
+
+
+class StateStore(OneThreadStore[SqliteDb]):
+    """The state store on SQLite (see the module docstring)."""
+
     def __init__(self, path: Path, *, synchronous: str = "normal") -> None:
+        super().__init__("sqlite")
         self.path = path
         self._synchronous = synchronous
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite")
-        self._db: SqliteDb | None = None
 
     @property
     def name(self) -> str:
@@ -263,19 +326,6 @@ class StateStore:
 
     def reader(self) -> SqliteDb:
         return connect_sqlite(self.path, read_only=True)
-
-    async def _run(self, fn: Callable[[SqliteDb], T]) -> T:
-        def call() -> T:
-            assert self._db is not None, "store is not open"
-            return fn(self._db)
-
-        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
-
-    async def call(self, fn: Callable[[SqliteDb], T]) -> T:
-        """Run `fn(connection)` on the store's thread, in order with every other store
-        operation; for parts that keep their own tables (the market recorder). `fn` owns
-        its transaction and must keep it short: lease commits wait behind it."""
-        return await self._run(fn)
 
     async def open(self) -> None:
         def do_open() -> SqliteDb:
@@ -349,7 +399,7 @@ class StateStore:
         except sqlite3.Error as exc:
             raise self._failed("commit", exc) from exc
 
-    def _failed(self, what: str, exc: sqlite3.Error) -> StoreFailed:
+    def _failed(self, what: str, exc: Exception) -> StoreFailed:
         name = getattr(exc, "sqlite_errorname", None)
         return StoreFailed(f"{self.path}: {what} failed: {exc}" + (f" ({name})" if name else ""))
 
@@ -365,33 +415,6 @@ class StateStore:
                            chunk)
 
         await self._run(delete)
-
-    async def barrier(self) -> None:
-        """Return once every store operation submitted before it has completed (the
-        store's one thread runs them in order)."""
-        await self._run(lambda db: None)
-
-    async def pending(self) -> list[OutboxRow]:
-        def q(db: SqliteDb) -> list[OutboxRow]:
-            return [
-                OutboxRow(t, bytes(p), qos, bool(ret), json.loads(pr) if pr else None, i)
-                for i, t, p, qos, ret, pr in db.execute(
-                    "SELECT id, topic, payload, qos, retain, props FROM outbox ORDER BY id")
-            ]
-
-        return await self._run(q)
-
-    async def leases(self, *, ended_since: datetime | None = None) -> list[Lease]:
-        """Active leases, plus leases that ended at or after `ended_since`."""
-        def q(db: SqliteDb) -> list[Lease]:
-            sql = "SELECT body FROM leases WHERE state = 'active'"
-            args: tuple[str, ...] = ()
-            if ended_since is not None:
-                sql += " OR updated_at >= ?"
-                args = (iso(ended_since),)
-            return [_lease_from(json.loads(b)) for (b,) in db.execute(sql, args)]
-
-        return await self._run(q)
 
     async def find_leases(self, keys: Sequence[tuple[str, str]]
                           ) -> dict[tuple[str, str], Lease]:
@@ -410,18 +433,11 @@ class StateStore:
                     out[(lease.scheduler, lease.request_id)] = lease
             return out
 
-        try:
-            return await self._run(q)
-        except sqlite3.Error as exc:
-            raise self._failed("lease lookup", exc) from exc
+        return await self._read("lease lookup", q)
 
     async def find_lease(self, scheduler: str, request_id: str) -> Lease | None:
-        def q(db: SqliteDb) -> Lease | None:
-            row = db.execute("SELECT body FROM leases WHERE scheduler=? AND request_id=?",
-                             (scheduler, request_id)).fetchone()
-            return _lease_from(json.loads(row[0])) if row else None
-
-        return await self._run(q)
+        found = await self.find_leases([(scheduler, request_id)])
+        return found.get((scheduler, request_id))
 
 
 _UPSERT_LEASE = (
