@@ -14,6 +14,9 @@ open-loop load at `--rate` messages per second, QoS 1, one aiomqtt client):
    re-polled (and its capacity summaries re-published) while the load runs
    (`--poll-phase-interval 0` skips it).
 
+`--state-url URL` keeps the daemon's state on PostgreSQL instead (a fresh database per
+phase on that server, dropped afterwards); `bench/ha.py` runs both side by side.
+
 Prints the figures (`--json`: as JSON); pass/fail is not its business.
 
     cd /work/main && python bench/latency.py [--rate 500] [--duration 20] [--json]
@@ -37,10 +40,11 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiomqtt
 
@@ -82,12 +86,15 @@ def free_port() -> int:
 
 class Mosquitto:
     """A private mosquitto on a free loopback port. Unlike tests/mqtt_helpers.py it logs
-    errors only (`log_type all` writes every PUBLISH/PUBACK, which would be measured
-    too) and keeps no persistence file. `max_queued_messages` is raised from 1000 so a
-    subscriber that falls behind shows up as latency, not as silently dropped events."""
+    errors and warnings only, unless `log_types` says otherwise (`log_type all` writes
+    every PUBLISH/PUBACK, which would be measured too), and keeps no persistence file.
+    `max_queued_messages` is raised from 1000 so a subscriber that falls behind shows up
+    as latency, not as silently dropped events."""
 
-    def __init__(self, workdir: Path, max_inflight: int | None = None) -> None:
+    def __init__(self, workdir: Path, max_inflight: int | None = None,
+                 log_types: Sequence[str] = ("error", "warning")) -> None:
         self.max_inflight = max_inflight
+        self.log_types = tuple(log_types)
         binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
         if not os.access(binary, os.X_OK):
             raise SystemExit("bench: mosquitto not found (apt-get install -y mosquitto)")
@@ -108,7 +115,7 @@ class Mosquitto:
             f"user {pwd.getpwuid(os.geteuid()).pw_name}",
             "persistence false",
             f"log_dest file {self.workdir / 'mosquitto.log'}",
-            "log_type error", "log_type warning",
+            *(f"log_type {t}" for t in self.log_types),
             "set_tcp_nodelay true",
             "max_queued_messages 1000000",
             *([] if self.max_inflight is None
@@ -179,14 +186,23 @@ class Daemon:
     is read all along so the pipe never fills."""
 
     def __init__(self, workdir: Path, mqtt_url: str, *, seed: int, regions: int,
-                 poll_interval: float) -> None:
+                 poll_interval: float, state_url: str | None = None, node: str | None = None,
+                 http_listen: str | None = None, root: Path = ROOT) -> None:
+        """`state_url`: the state on PostgreSQL instead of a SQLite file in `workdir`;
+        `node`, `http_listen`: those settings (default: the daemon's); `root`: the
+        checkout the daemon runs from."""
         self.workdir = workdir
+        self.root = root
         workdir.mkdir(parents=True, exist_ok=True)
         self.config = workdir / "config.yaml"
+        state = (f"state: {{url: '{state_url}'}}\n" if state_url
+                 else f"state: {{path: '{workdir / 'state.db'}'}}\n")
         self.config.write_text(
             "site: bench\n"
-            f"state: {{path: '{workdir / 'state.db'}'}}\n"
-            f"mqtt: {{url: '{mqtt_url}', topic_prefix: '{PREFIX}', client_id: gpubroker-bench}}\n"
+            + (f"node: {node}\n" if node else "")
+            + state
+            + (f"http: {{listen: '{http_listen}'}}\n" if http_listen else "")
+            + f"mqtt: {{url: '{mqtt_url}', topic_prefix: '{PREFIX}', client_id: gpubroker-bench}}\n"
             f"poll: {{interval_seconds: {poll_interval}, "
             f"stale_after_seconds: {max(300.0, 3 * poll_interval)}}}\n"
             "clouds:\n"
@@ -202,9 +218,10 @@ class Daemon:
 
     async def start(self) -> None:
         cmd = [sys.executable, "-m", "broker.cli", "run", "--config", str(self.config)]
+        env = None if self.root == ROOT else {**os.environ, "PYTHONPATH": str(self.root)}
         self.proc = await asyncio.create_subprocess_exec(
-            *cmd,
-            cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            *cmd, env=env,
+            cwd=self.root, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         self._reader = asyncio.create_task(self._read())
 
@@ -269,6 +286,24 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(self._reader, 2)
         return proc.returncode
+
+
+@contextlib.contextmanager
+def fresh_database(admin_url: str, prefix: str = "gpubroker_bench") -> Iterator[str]:
+    """A new, empty PostgreSQL database on the server of `admin_url` (a libpq URL of a
+    role that may create databases); yields its URL; drops it afterwards, with any
+    session still on it."""
+    import psycopg
+
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(admin_url, autocommit=True, connect_timeout=5) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        u = urlsplit(admin_url)
+        yield urlunsplit((u.scheme, u.netloc, f"/{name}", u.query, u.fragment))
+    finally:
+        with psycopg.connect(admin_url, autocommit=True, connect_timeout=5) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def run_echo(url: str, nodelay: bool) -> None:
@@ -548,10 +583,14 @@ def parse_event(msg: aiomqtt.Message) -> Answer | None:
 
 
 async def gpubroker(mosq: Mosquitto, args: argparse.Namespace, workdir: Path, *,
-                    name: str, poll_interval: float) -> PhaseResult:
+                    name: str, poll_interval: float, state_url: str | None = None,
+                    http_listen: str | None = None, root: Path = ROOT) -> PhaseResult:
+    """One phase on the real daemon; `state_url`: its state on PostgreSQL (a database
+    of its own, fresh) instead of a fresh SQLite file."""
     host, port = host_port(mosq.url)
     daemon = Daemon(workdir / name, mosq.url, seed=args.seed,
-                    regions=args.regions_per_cloud, poll_interval=poll_interval)
+                    regions=args.regions_per_cloud, poll_interval=poll_interval,
+                    state_url=state_url, http_listen=http_listen, root=root)
     t_start = time.monotonic()
     await daemon.start()
     try:
@@ -575,6 +614,8 @@ async def gpubroker(mosq: Mosquitto, args: argparse.Namespace, workdir: Path, *,
             rss_end_mib=round(end.get("VmRSS", 0) / 1024, 1),
             peak_rss_mib=round(end.get("VmHWM", 0) / 1024, 1),
             log_levels=dict(daemon.levels))
+        if state_url:
+            res.extra["state"] = "postgresql"
         return res
     finally:
         rc = await daemon.stop()
@@ -603,6 +644,8 @@ def report(results: list[PhaseResult], args: argparse.Namespace) -> dict[str, An
                             "p99": round(ratio(r.p99_ms, base.p99_ms), 2)}
                    for r in results[1:]},
     }
+    if args.state_url:
+        out["state"] = "postgresql"
     return out
 
 
@@ -624,7 +667,8 @@ def print_table(results: list[PhaseResult], args: argparse.Namespace) -> None:
           f"{args.regions_per_cloud} regions/cloud"
           + ("; bench clients with TCP_NODELAY" if args.nodelay else "; Nagle on everywhere")
           + (f"; EXPERIMENT: mosquitto max_inflight_messages {args.mosquitto_max_inflight}"
-             if args.mosquitto_max_inflight is not None else ""))
+             if args.mosquitto_max_inflight is not None else "")
+          + ("; state on PostgreSQL (a fresh database per phase)" if args.state_url else ""))
     for row in rows:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                         for i, (c, w) in enumerate(zip(row, widths, strict=True))))
@@ -679,6 +723,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--mosquitto-max-inflight", type=int, default=None, metavar="N",
                    help="experiment: mosquitto's max_inflight_messages (QoS 1 messages "
                         "it sends a client before waiting for PUBACKs; default 20)")
+    p.add_argument("--state-url", metavar="URL", default=None,
+                   help="keep the daemon's state on PostgreSQL: each gpubroker phase gets a "
+                        "fresh database on this server, dropped afterwards (a libpq URL of "
+                        "a role that may create databases, e.g. "
+                        "postgresql://postgres@127.0.0.1:5432/postgres); default SQLite")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     p.add_argument("--echo", metavar="URL", help=argparse.SUPPRESS)  # internal
@@ -694,12 +743,19 @@ async def amain(args: argparse.Namespace, workdir: Path) -> list[PhaseResult]:
     mosq = Mosquitto(workdir, args.mosquitto_max_inflight)
     mosq.start()
     try:
+        async def phase(name: str, poll_interval: float) -> PhaseResult:
+            if not args.state_url:
+                return await gpubroker(mosq, args, workdir, name=name,
+                                       poll_interval=poll_interval)
+            with fresh_database(args.state_url) as url:
+                return await gpubroker(mosq, args, workdir, name=name,
+                                       poll_interval=poll_interval, state_url=url,
+                                       http_listen=f"127.0.0.1:{free_port()}")
+
         results = [await baseline(mosq, args)]
-        results.append(await gpubroker(mosq, args, workdir, name="gpubroker",
-                                       poll_interval=args.poll_interval))
+        results.append(await phase("gpubroker", args.poll_interval))
         if args.poll_phase_interval > 0:
-            results.append(await gpubroker(mosq, args, workdir, name="gpubroker+polls",
-                                           poll_interval=args.poll_phase_interval))
+            results.append(await phase("gpubroker+polls", args.poll_phase_interval))
         return results
     finally:
         mosq.stop()
