@@ -6,7 +6,9 @@ leadership is a row (`leadership`: epoch, node, expiry in the database's clock):
 * A **standby** tries, every `claim_every` seconds, to take the row once it has expired
   (`expires_at < now()`), raising the epoch by one in the same statement; two standbys
   starting at once cannot both win, the row update is atomic.
-* The **leader** renews the expiry every `seconds / 3` on a connection of its own. It
+* The **leader** renews the expiry every `seconds / 3`, from a thread and a connection
+  of their own (a busy event loop must not let the claim lapse; a loop that has not run
+  for `LOOP_STALL_SECONDS` stops the renewals, so a stuck daemon cannot keep it). It
   counts itself leader only until `deadline`: the local monotonic time at which it sent
   its last successful renewal, plus `seconds`, minus a margin (`seconds / 3`, at least
   0.5 s). The database's expiry is at least `seconds` after that same moment, so the
@@ -27,6 +29,7 @@ The `nodes` table lists every node with its role, epoch and last heartbeat
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -68,6 +71,11 @@ ON CONFLICT (node) DO UPDATE SET boot_id = excluded.boot_id, role = excluded.rol
 
 
 _takeovers = 0
+_own_boots: set[str] = set()  # this process's boots, earlier terms included
+LOOP_STALL_SECONDS = 10.0
+"""The renewals stop when the event loop has not run for this long: a daemon whose loop
+is stuck must not keep the site's leadership (a slow start of a term, with tens of
+thousands of leases to restore, stalls it for a few seconds)."""
 
 
 def takeovers() -> int:
@@ -98,6 +106,11 @@ class Leadership:
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._complained = False
         self._name_checked = False
+        self._renewer: threading.Thread | None = None
+        self._stop_renewing = threading.Event()
+        self._lost: str | None = None  # why the renewals ended (the renewing thread)
+        self._loop_seen = time.monotonic()  # when the event loop last ran `hold`
+        _own_boots.add(boot_id)
 
     def valid(self) -> bool:
         """Whether this node may act as the leader now (publish, connect as the site)."""
@@ -154,21 +167,22 @@ class Leadership:
             try:
                 async with asyncio.timeout(self.seconds):
                     conn = await self._connection()
-                    async with conn.transaction():
-                        cur = await conn.execute(_CLAIM, self._args())
-                        row = await cur.fetchone()
-                        if row is None:
-                            cur = await conn.execute(
-                                "SELECT node, epoch FROM leadership WHERE site = %s",
-                                (self.site,))
-                            seen = await cur.fetchone()
-                            self.leader = None if seen is None else (seen[0], int(seen[1]))
-                        else:
-                            self.epoch, self.role = int(row[0]), "leader"
-                            self.leader = (self.node, self.epoch)
-                        if not self._name_checked:
-                            await self._check_name(conn)
-                        await conn.execute(_HEARTBEAT, self._args())
+                    # Statements of their own (autocommit): a claim that fails holds no
+                    # lock of the leadership row past its statement.
+                    cur = await conn.execute(_CLAIM, self._args())
+                    row = await cur.fetchone()
+                    if row is None:
+                        cur = await conn.execute(
+                            "SELECT node, epoch FROM leadership WHERE site = %s",
+                            (self.site,))
+                        seen = await cur.fetchone()
+                        self.leader = None if seen is None else (seen[0], int(seen[1]))
+                    else:
+                        self.epoch, self.role = int(row[0]), "leader"
+                        self.leader = (self.node, self.epoch)
+                    if not self._name_checked:
+                        await self._check_name(conn)
+                    await conn.execute(_HEARTBEAT, self._args())
             except psycopg.errors.LockNotAvailable:
                 # The old leader's transaction still holds the leadership row (a frozen
                 # process): the database answers; its session timeout ends that soon.
@@ -189,6 +203,7 @@ class Leadership:
                     self.deadline = sent + self.seconds - self.margin
                     log.info("leading the site", site=self.site, node=self.node,
                              epoch=self.epoch)
+                    self._start_renewing()
                     return self.epoch
             try:
                 async with asyncio.timeout(self.claim_every):
@@ -197,45 +212,81 @@ class Leadership:
                 pass
         return None
 
-    async def hold(self) -> NoReturn:
-        """Renew the leadership until it is lost; then raise `Deposed`."""
+    def _start_renewing(self) -> None:
+        """Renew from a thread of its own, from the claim on: the event loop may be
+        busy for seconds (a new term restoring tens of thousands of leases, a backlog
+        of requests), and the claim must not lapse meanwhile."""
+        self._stop_renewing = threading.Event()
+        self._lost = None
+        self._loop_seen = time.monotonic()
+        self._renewer = threading.Thread(target=self._renew_forever, name="leadership",
+                                         args=(self._stop_renewing, self.epoch),
+                                         daemon=True)
+        self._renewer.start()
+
+    def _renew_forever(self, stop: threading.Event, epoch: int) -> None:
         import psycopg
 
+        ms = max(200, int(self.seconds * 1000 / 3))
+        conn: psycopg.Connection[Any] | None = None
+        complained = False
+        try:
+            while not stop.wait(max(0.0, min(self.renew_every,
+                                             self.deadline - time.monotonic()))):
+                if time.monotonic() - self._loop_seen > LOOP_STALL_SECONDS:
+                    self._lost = (f"the event loop has not run for {LOOP_STALL_SECONDS:g} s: "
+                                  "the leadership is left to expire")
+                    return
+                sent = time.monotonic()
+                try:
+                    if conn is None or conn.closed:
+                        conn = self.store.connect(
+                            options=f"-c lock_timeout={ms} -c statement_timeout={ms * 2}")
+                    renewed = conn.execute(_RENEW, self._args(epoch=epoch)).fetchone()
+                    if renewed is not None:
+                        conn.execute(_HEARTBEAT, self._args(epoch=epoch, role="leader"))
+                except (psycopg.Error, OSError) as exc:
+                    if not complained:
+                        complained = True
+                        log.warning("renewing the leadership failed", database=self.store.name,
+                                    error=type(exc).__name__, detail=str(exc).strip()[:300])
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+                    continue
+                if renewed is None:
+                    self._lost = (f"another node leads site {self.site} now (this node's "
+                                  f"epoch was {epoch})")
+                    return
+                if stop.is_set():
+                    return  # stepped down meanwhile: the renewal must not revive it
+                if complained:
+                    complained = False
+                    log.info("leadership renewed again")
+                self.database_ok = True
+                self.deadline = sent + self.seconds - self.margin
+        finally:
+            if conn is not None:
+                conn.close()
+
+    async def hold(self) -> NoReturn:
+        """Watch the leadership the renewing thread keeps (and tell it the event loop
+        runs); raise `Deposed` as soon as it is lost or its deadline passes."""
+        every = min(0.25, self.renew_every / 2)
         while True:
-            await asyncio.sleep(max(0.0, min(self.renew_every,
-                                             self.deadline - time.monotonic())))
-            if not self.valid():
+            self._loop_seen = time.monotonic()
+            lost = self._lost
+            if lost is not None or not self.valid():
                 epoch = self.epoch
                 self.step_down()
-                raise Deposed(f"leadership of site {self.site} not renewed in time "
+                raise Deposed(lost or f"leadership of site {self.site} not renewed in time "
                               f"(epoch {epoch}): another node may lead now")
-            sent = time.monotonic()
-            try:
-                async with asyncio.timeout(max(0.05, self.deadline - sent)):
-                    conn = await self._connection()
-                    async with conn.transaction():
-                        cur = await conn.execute(_RENEW, self._args())
-                        renewed = await cur.fetchone()
-                        if renewed is not None:
-                            await conn.execute(_HEARTBEAT, self._args())
-            except (psycopg.Error, OSError, TimeoutError) as exc:
-                self._trouble("renewing the leadership", exc)
-                await self._drop()
-                continue
-            if renewed is None:
-                epoch = self.epoch
-                self.step_down()
-                raise Deposed(f"another node leads site {self.site} now (this node's "
-                              f"epoch was {epoch})")
-            self.database_ok = True
-            if self._complained:
-                self._complained = False
-                log.info("leadership renewed again")
-            self.deadline = sent + self.seconds - self.margin
+            await asyncio.sleep(every)
 
     def step_down(self) -> None:
         """Stop acting as the leader at once (no more publishing): a renewal in flight
         cannot make it leader again."""
+        self._stop_renewing.set()
         self.deadline, self.epoch, self.role = 0.0, 0, "standby"
 
     async def release(self) -> None:
@@ -244,6 +295,9 @@ class Leadership:
         if epoch <= 0:
             return
         self.step_down()
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None:  # a renewal in flight would undo the release
+            await asyncio.to_thread(renewer.join, 2 * self.seconds)
         try:
             async with asyncio.timeout(2.0):
                 conn = await self._connection()
@@ -254,6 +308,10 @@ class Leadership:
                         error=type(exc).__name__, detail=str(exc).strip()[:300])
 
     async def close(self) -> None:
+        self._stop_renewing.set()
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            await asyncio.to_thread(renewer.join, 2 * self.seconds)
         await self._drop()
 
     async def _check_name(self, conn: psycopg.AsyncConnection[Any]) -> None:
@@ -261,9 +319,9 @@ class Leadership:
         name, a copied config) would share its row in `nodes`; say so."""
         self._name_checked = True
         cur = await conn.execute(
-            "SELECT boot_id, role FROM nodes WHERE node = %s AND boot_id <> %s AND "
+            "SELECT boot_id, role FROM nodes WHERE node = %s AND NOT boot_id = ANY(%s) AND "
             "role <> 'stopped' AND seen_at > now() - make_interval(secs => %s)",
-            (self.node, self.boot_id, 2 * self.seconds))
+            (self.node, sorted(_own_boots), 2 * self.seconds))
         other = await cur.fetchone()
         if other is not None:
             log.error("another daemon of this site uses the same node name: give each "

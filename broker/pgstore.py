@@ -9,10 +9,13 @@ at the same version number; migrations run at open, under a transaction-scoped a
 lock so that two daemons starting at once apply them once.
 
 **Fencing.** While this daemon leads, `epoch` is its leadership epoch, and every write
-transaction first reads the site's leadership row `FOR SHARE` and is refused (`Deposed`)
-unless the epoch there is still its own. A standby's takeover updates that row, so it
-waits for a commit in flight and every later commit of the old leader fails in the
-database. Each lease and outbox row records the epoch that wrote it.
+transaction, just before its COMMIT, reads the site's leadership row `FOR SHARE` and is
+refused (`Deposed`) unless the epoch there is still its own. A standby's takeover
+updates that row, so it waits for a commit that has passed the fence, and every later
+commit of the old leader fails in the database. The lock is taken last, so a writer
+frozen in the middle of its writes holds up no takeover (one frozen between the fence
+and the COMMIT is idle in a transaction: `idle_in_transaction_session_timeout`, the
+claim's lifetime, ends it). Each lease and outbox row records the epoch that wrote it.
 
 Credentials: the password comes from `state.password_file` or libpq's own sources
 (`PGPASSWORD`, `~/.pgpass`, `PGSERVICEFILE`); a password in the URL is refused by the
@@ -147,6 +150,11 @@ class PgDb:
 
     def begin(self) -> None:
         self.conn.execute("BEGIN")
+
+    def commit(self) -> None:
+        """COMMIT, after the fence (when this connection has one): the fence's share
+        lock of the leadership row is held only from there to the COMMIT, so a writer
+        frozen in the middle of a transaction holds up no takeover."""
         if self._fence is not None:
             try:
                 self._fence(self)
@@ -159,8 +167,6 @@ class PgDb:
                 except Exception as exc:  # the connection is gone: the error that matters
                     log.debug("rollback failed", error=str(exc))
                 raise
-
-    def commit(self) -> None:
         self.conn.execute("COMMIT")
 
     def rollback(self) -> None:
@@ -261,7 +267,7 @@ class PgStateStore(OneThreadStore[PgDb]):
         self._executor.shutdown(wait=True)
 
     def _check_epoch(self, db: PgDb) -> None:
-        """The fence (see the module docstring); runs first in every write transaction."""
+        """The fence (see the module docstring); runs last in every write transaction."""
         if self.epoch <= 0:
             return
         row = db.execute("SELECT epoch, node FROM leadership WHERE site=? FOR SHARE",
@@ -285,15 +291,20 @@ class PgStateStore(OneThreadStore[PgDb]):
         outbox = [_outbox_row(r, epoch) for r in rows]
 
         def tx(db: PgDb) -> list[OutboxRow]:
-            db.begin()
+            conn = db.conn
+            ids: list[int] = []
             try:
-                if lease_rows:
-                    db.executemany(_UPSERT_LEASE, lease_rows)
-                ids: list[int] = []
+                # One round trip for the writes (a pipeline), one for the fence and the
+                # COMMIT (`PgDb.commit`).
+                with conn.pipeline():
+                    conn.execute("BEGIN")
+                    if lease_rows:
+                        conn.cursor().executemany(_pg_sql(_UPSERT_LEASE), lease_rows)
+                    cur = conn.cursor()
+                    if outbox:
+                        cur.executemany(_pg_sql(_INSERT_OUTBOX + " RETURNING id"), outbox,
+                                        returning=True)
                 if outbox:
-                    cur = db.conn.cursor()
-                    cur.executemany(_pg_sql(_INSERT_OUTBOX + " RETURNING id"), outbox,
-                                    returning=True)
                     while True:
                         ids.append(int(cur.fetchone()[0]))  # type: ignore[index]
                         if not cur.nextset():

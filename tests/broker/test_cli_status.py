@@ -207,6 +207,7 @@ async def test_an_expired_claim_and_a_node_gone_silent(store: PgStateStore,
     config = write_config(tmp_path, store.url, seconds=1)
     async with node(store, "node-a", 1) as a:
         assert await a.acquire(asyncio.Event()) == 1
+        a._stop_renewing.set()  # frozen: the renewals (a thread from the claim on) stop
         await asyncio.sleep(2.3)
 
         r = await status(config)

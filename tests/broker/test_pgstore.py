@@ -267,6 +267,28 @@ def row_lock_is_free(url: str) -> bool:
         return True
 
 
+async def test_a_writer_stopped_in_the_middle_of_its_writes_holds_up_no_takeover(
+        store: PgStateStore, pg_url: str) -> None:
+    """A leader frozen (SIGSTOP) while its writes are on the wire keeps its transaction
+    open, 'active', with no timeout of the server's to end it: the fence's lock of the
+    leadership row is taken only at the COMMIT, so the takeover goes through."""
+    lead(pg_url, 5, "n1")
+    store.epoch = 5
+
+    def stopped_mid_transaction(db: Any) -> None:
+        db.begin()
+        db.executemany("INSERT INTO outbox (topic, payload, qos, retain) VALUES (?,?,?,?)",
+                       [("t/x", b"1", 1, 0)])  # ... and the process stops here
+
+    await store.call(stopped_mid_transaction)
+    assert await store.call(lambda db: db.in_transaction) is True
+    assert await asyncio.to_thread(row_lock_is_free, pg_url)  # a takeover is not held up
+    lead(pg_url, 6, "n2")
+    with pytest.raises(Deposed):  # the stopped writer resumes: its COMMIT is refused
+        await store.call(lambda db: db.commit())
+    assert sql(pg_url, "SELECT count(*) FROM outbox") == [(0,)]
+
+
 async def test_after_a_takeover_a_commit_is_deposed_and_writes_nothing(
         store: PgStateStore, pg_url: str) -> None:
     lead(pg_url, 5, "n1")
@@ -289,8 +311,8 @@ async def test_after_a_takeover_a_commit_is_deposed_and_writes_nothing(
     # Every later write is refused too, the recorder's included.
     with pytest.raises(Deposed):
         await store.commit([], [OutboxRow("t/lost", b"3")])
-    with pytest.raises(Deposed):
-        await store.call(lambda db: db.begin())
+    with pytest.raises(Deposed):  # a transaction of the recorder's: refused at its COMMIT
+        await store.call(lambda db: (db.begin(), db.commit()))
     assert await store.call(lambda db: db.in_transaction) is False
     assert await asyncio.to_thread(row_lock_is_free, pg_url)
     # Nobody leading is no better.
@@ -625,3 +647,44 @@ async def test_a_former_leader_standing_by_again_does_not_lead(store: PgStateSto
         async with asyncio.timeout(5):
             assert await again is None
         assert (a.epoch, a.valid()) == (0, False)
+
+
+async def test_a_busy_event_loop_does_not_cost_the_leadership(store: PgStateStore,
+                                                              pg_url: str) -> None:
+    """The renewals run in a thread of their own: a new term whose loop is held for
+    twice the claim's lifetime (restoring tens of thousands of leases) still leads."""
+    import time
+
+    async with nodes(store, 1.0, "a") as (stop, (a,)):
+        async with asyncio.timeout(10):
+            assert await a.acquire(stop) == 1
+        time.sleep(2.0)  # noqa: ASYNC251 - the fault: the event loop held, not a wait
+        holding = asyncio.create_task(a.hold())
+        await asyncio.wait({holding}, timeout=0.5)
+        assert not holding.done() and a.valid() and a.epoch == 1
+        assert leadership_row(pg_url)[:2] == ("a", 1)
+        holding.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await holding
+
+
+async def test_a_stuck_event_loop_lets_the_leadership_go(
+        store: PgStateStore, pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop that has not run for LOOP_STALL_SECONDS stops the renewals: the claim
+    expires and a standby can take over; when the loop runs again, the node learns it
+    is deposed."""
+    import time
+
+    from broker import ha
+
+    monkeypatch.setattr(ha, "LOOP_STALL_SECONDS", 1.0)
+    async with nodes(store, 1.0, "a", "b") as (stop, (a, b)):
+        async with asyncio.timeout(10):
+            assert await a.acquire(stop) == 1
+        time.sleep(2.5)  # noqa: ASYNC251 - the fault: the loop stuck past the limit
+        with pytest.raises(Deposed, match="event loop has not run"):
+            async with asyncio.timeout(5):
+                await a.hold()
+        assert (a.epoch, a.valid()) == (0, False)
+        async with asyncio.timeout(10):
+            assert await b.acquire(stop) == 2
