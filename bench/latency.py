@@ -582,6 +582,28 @@ def parse_event(msg: aiomqtt.Message) -> Answer | None:
     return request_id, kind, data.get("code")
 
 
+def loop_lag(listen: str) -> dict[str, Any]:
+    """The daemon's event-loop lag over its life, from its /metrics: the longest (a
+    gauge) and how many of its 50 ms timers ran more than 20 ms late (the histogram)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{listen}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    buckets: dict[float, float] = {}
+    out: dict[str, Any] = {}
+    for line in text.splitlines():
+        if line.startswith("gpubroker_event_loop_lag_seconds_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[math.inf if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("gpubroker_event_loop_lag_max_seconds "):
+            out["loop_lag_max_ms"] = round(float(line.rsplit(" ", 1)[1]) * 1000, 1)
+    if buckets:
+        total = buckets[math.inf]
+        out["loop_lag_timers"] = int(total)
+        out["loop_lag_over_20ms"] = int(total - buckets.get(0.02, total))
+    return out
+
+
 async def gpubroker(mosq: Mosquitto, args: argparse.Namespace, workdir: Path, *,
                     name: str, poll_interval: float, state_url: str | None = None,
                     http_listen: str | None = None, root: Path = ROOT) -> PhaseResult:
@@ -607,6 +629,8 @@ async def gpubroker(mosq: Mosquitto, args: argparse.Namespace, workdir: Path, *,
                                    "bench": os.getpid()},
                              nodelay=args.nodelay)
         end = proc_status(daemon.pid)
+        if http_listen:
+            res.extra.update(loop_lag(http_listen))
         res.extra.update(
             offers=daemon.offers, poll_interval_s=poll_interval,
             start_to_ready_s=round(t_ready, 2), settle_s=round(settle, 2),
@@ -680,6 +704,10 @@ def print_table(results: list[PhaseResult], args: argparse.Namespace) -> None:
               f"poll interval {e.get('poll_interval_s'):g} s; "
               f"RSS after first poll {e.get('rss_after_first_poll_mib')} MiB, "
               f"peak (VmHWM) {e.get('peak_rss_mib')} MiB")
+        if "loop_lag_timers" in e:
+            print(f"  event loop: longest lag {e.get('loop_lag_max_ms')} ms; "
+                  f"{e['loop_lag_over_20ms']} of {e['loop_lag_timers']} timers (50 ms) "
+                  f"more than 20 ms late")
         codes = ", ".join(f"{k} {v}" for k, v in sorted(r.codes.items()))
         kinds = r.kinds
         print(f"  answers (warm-up included, {r.sent_total} sent): "
@@ -746,7 +774,8 @@ async def amain(args: argparse.Namespace, workdir: Path) -> list[PhaseResult]:
         async def phase(name: str, poll_interval: float) -> PhaseResult:
             if not args.state_url:
                 return await gpubroker(mosq, args, workdir, name=name,
-                                       poll_interval=poll_interval)
+                                       poll_interval=poll_interval,
+                                       http_listen=f"127.0.0.1:{free_port()}")
             with fresh_database(args.state_url) as url:
                 return await gpubroker(mosq, args, workdir, name=name,
                                        poll_interval=poll_interval, state_url=url,

@@ -68,8 +68,9 @@ from policies.model import Policy
 from policies.residency import Residency
 
 EXPIRY_HOLD_SECONDS = 30.0
-THREAD_MIN_BATCH = 16
-"""Batches of this many requests or more are solved in a worker thread (see `_place`)."""
+THREAD_MIN_BATCH = 1024
+"""Batches of this many requests or more are solved in a worker thread (see `_place`),
+and so is every batch that may go to the MILP."""
 
 log = structlog.get_logger("gpubroker.broker")
 
@@ -541,7 +542,8 @@ class Broker:
         settings = self.settings if self._requests.empty() else \
             dataclasses.replace(self.settings, exact_max_batch=0)
         batch = [a for _, _, a in todo]
-        if len(batch) < THREAD_MIN_BATCH:
+        milp = 1 < len(batch) <= settings.exact_max_batch and settings.exact_time_limit > 0
+        if not milp and len(batch) < THREAD_MIN_BATCH:
             result = placement.solve(batch, self.pool, self.policy, now=now,
                                      retry_after_seconds=self._retry_after, settings=settings,
                                      costs=self._cost_index())

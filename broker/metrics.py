@@ -147,6 +147,9 @@ def state_gauges(daemon: Any) -> Iterator[Metric]:
                             value=daemon.store.epoch)
     yield CounterMetricFamily("gpubroker_takeovers", "Times this process took the "
                               "leadership of its site", value=ha_takeovers())
+    yield GaugeMetricFamily("gpubroker_event_loop_lag_max_seconds",
+                            "The longest the event loop has been late so far",
+                            value=daemon.metrics.loop_lag_max)
     offers = GaugeMetricFamily("gpubroker_pool_offers", "Offers in the pool",
                                labels=["cloud", "market"])
     counts: dict[tuple[str, str], int] = {}
