@@ -68,6 +68,9 @@ from policies.model import Policy
 from policies.residency import Residency
 
 EXPIRY_HOLD_SECONDS = 30.0
+MILP_SHARE = 0.1
+"""The share of the CPU the MILP may take over time (see `Broker._milp_allowed`)."""
+MILP_BURST_SECONDS = 1.0
 THREAD_MIN_BATCH = 1024
 """Batches of this many requests or more are solved in a worker thread (see `_place`),
 and so is every batch that may go to the MILP."""
@@ -135,6 +138,10 @@ class Broker:
         self.settings = placement.Settings(exact_max_batch=batching.exact_max_batch,
                                            exact_time_limit=batching.exact_time_limit_seconds)
         self.last_batch: placement.BatchResult | None = None
+        # The MILP's share of the CPU (see `_milp_allowed`): seconds it may still spend,
+        # refilled at MILP_SHARE a second up to MILP_BURST_SECONDS.
+        self._milp_budget = MILP_BURST_SECONDS
+        self._milp_refilled = time.monotonic()
         self._lock = asyncio.Lock()
         self._requests: asyncio.Queue[Command] = asyncio.Queue(maxsize=10_000)
         # Failover triggers: at most one per lease, in order of first arrival.
@@ -538,8 +545,9 @@ class Broker:
             todo.append((cmd, req, placement.Ask(req, constraints=verdict)))
         if not todo:
             return
-        # The MILP only with time to spare: while requests wait, the heuristic answers.
-        settings = self.settings if self._requests.empty() else \
+        # The MILP only with time to spare: while requests wait, the heuristic answers,
+        # and the MILP takes at most its share of the CPU.
+        settings = self.settings if self._requests.empty() and self._milp_allowed() else \
             dataclasses.replace(self.settings, exact_max_batch=0)
         batch = [a for _, _, a in todo]
         milp = 1 < len(batch) <= settings.exact_max_batch and settings.exact_time_limit > 0
@@ -553,10 +561,13 @@ class Broker:
             # polls and HTTP meanwhile; the lock keeps every other change out until the
             # outcome is committed, here, on the loop.
             view = placement.Snapshot(self.pool, now)
+            costs = self._cost_index().frozen()
             result = await asyncio.to_thread(
                 placement.solve, batch, view, self.policy, now=now,
-                retry_after_seconds=self._retry_after, settings=settings)
+                retry_after_seconds=self._retry_after, settings=settings, costs=costs)
         self.last_batch = result
+        if settings.exact_max_batch and settings.exact_time_limit > 0:
+            self._milp_budget -= result.seconds  # what the solve took, MILP or not
         for (cmd, req, ask), out in zip(todo, result.outcomes, strict=True):
             if isinstance(out, placement.Rejection):
                 rejected[(req.scheduler, req.request_id)] = out
@@ -573,6 +584,18 @@ class Broker:
             self._expiry_changed.set()
         for observe in self.batch_observers:
             observe(result)
+
+    def _milp_allowed(self) -> bool:
+        """Whether a batch may go to the MILP now: a token bucket of solve time that
+        refills at MILP_SHARE of a second per second. Under a steady stream the queue
+        empties often, and each small batch sent to the MILP (up to its time limit) took
+        the CPU the next requests needed; now the MILP gets its share and the rest of
+        the time the heuristic answers."""
+        now = time.monotonic()
+        self._milp_budget = min(MILP_BURST_SECONDS, self._milp_budget
+                                + (now - self._milp_refilled) * MILP_SHARE)
+        self._milp_refilled = now
+        return self._milp_budget > 0
 
     def _note_key(self, lease: Lease) -> None:
         if self.stored_keys is not None:

@@ -174,6 +174,14 @@ class CostIndex:
                 self._placed[key] = (u, where)
         return got
 
+    def frozen(self) -> FrozenCosts:
+        """Every list, up to date now, copied: for a batch placed in a worker thread on
+        a `Snapshot` while the pool and this index go on changing (on the loop)."""
+        for gpu in self.pool.gpus():
+            for market in Market:
+                self.sorted(gpu, market)
+        return FrozenCosts(self.policy, {k: list(v) for k, v in self._lists.items()})
+
     def _place_again(self, hazard: HazardEstimator | None) -> None:
         import bisect
 
@@ -195,6 +203,21 @@ class CostIndex:
             u = unit_cost(offer, self.policy, hazard)
             bisect.insort(entries_or_none, (u, key, offer), key=_first_two)
             self._placed[key] = (u, where)
+
+
+class FrozenCosts:
+    """A `CostIndex` as it was at one moment (`CostIndex.frozen`)."""
+
+    def __init__(self, policy: Policy,
+                 lists: dict[tuple[str, Market], list[tuple[float, PoolKey, Offer]]]) -> None:
+        self.policy = policy
+        self._lists = lists
+
+    def sorted(self, gpu: str, market: Market) -> list[tuple[float, PoolKey, Offer]]:
+        return self._lists.get((gpu, market), [])
+
+
+Costs = CostIndex | FrozenCosts
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,7 +384,7 @@ def place(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
 
 def solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
           retry_after_seconds: float | None = None,
-          settings: Settings = Settings(), costs: CostIndex | None = None) -> BatchResult:
+          settings: Settings = Settings(), costs: Costs | None = None) -> BatchResult:
     """Place a batch of asks together: at most one pool each, within every pool's free
     capacity (its estimate minus what the broker holds), each quota's headroom, each
     team's `max_gpus`, `budget_per_hour` and spread limits, at the lowest total
@@ -383,7 +406,7 @@ def solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
 
 def _solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
            retry_after_seconds: float | None, settings: Settings,
-           costs: CostIndex | None = None) -> BatchResult:
+           costs: Costs | None = None) -> BatchResult:
     builder = _Builder(view, policy, now, settings.candidates,
                        indexed=len(asks) >= settings.index_min_batch, costs=costs)
     resident = Residency(policy.residency.tags)
@@ -443,7 +466,7 @@ class _Builder:
     limits."""
 
     def __init__(self, view: PoolView, policy: Policy, now: datetime, k: int,
-                 indexed: bool = False, costs: CostIndex | None = None) -> None:
+                 indexed: bool = False, costs: Costs | None = None) -> None:
         self.view = view
         self.indexed = indexed
         self.costs = costs

@@ -462,12 +462,16 @@ async def test_a_snapshot_places_as_the_pool_does() -> None:
     asks = [placement.Ask(PlaceRequest.from_json("s", {
         "request_id": f"r{i}", "gpu": ["H100-80GB", "A100-80GB"], "gpus": 8 * (1 + i % 2)}))
         for i in range(12)]
-    direct = placement.place(asks, pool, Policy(), now=T0)
+    policy = Policy()
+    direct = placement.place(asks, pool, policy, now=T0)
     snap = placement.Snapshot(pool, T0)
+    costs = placement.CostIndex(pool, policy).frozen()
     pool.replace(SLICE, [])  # every offer gone from the pool, not from the snapshot
-    on_snapshot = placement.place(asks, snap, Policy(), now=T0)
-    assert [getattr(o, "placement", None) for o in on_snapshot] == \
-        [getattr(o, "placement", None) for o in direct]
+    on_snapshot = placement.place(asks, snap, policy, now=T0)
+    by_cost = placement.solve(asks, snap, policy, now=T0, costs=costs).outcomes
+    for outcomes in (on_snapshot, by_cost):
+        assert [getattr(o, "placement", None) for o in outcomes] == \
+            [getattr(o, "placement", None) for o in direct]
     assert any(isinstance(o, placement.Decision) for o in direct)
 
 
@@ -560,3 +564,17 @@ async def test_a_renewal_queued_before_the_first_poll_renews_an_overdue_lease(
     now = broker.book.get(lease.lease_id)
     assert now is not None and now.state is LeaseState.ACTIVE
     assert now.expires_at > clock()
+
+
+async def test_the_milp_gets_its_share_of_the_cpu_and_no_more(setup: Any) -> None:
+    """A token bucket of solve time: spent, it refuses the MILP until it has refilled
+    at MILP_SHARE of a second per second (the heuristic answers meanwhile)."""
+    from broker import core
+
+    broker, _, _ = setup
+    assert broker._milp_allowed()
+    broker._milp_budget = -core.MILP_SHARE * 3600  # an hour's worth spent
+    assert not broker._milp_allowed()
+    broker._milp_refilled -= 3601  # an hour and a second later
+    assert broker._milp_allowed()
+    assert broker._milp_budget <= core.MILP_BURST_SECONDS
