@@ -423,28 +423,14 @@ class Daemon:
         return True
 
     async def _store_connection_alive(self) -> None:
-        """Just elected: make sure the store's connection still works. It was opened
-        when this node began to stand by and a standby never uses it, so a database
-        restart (or anything else that closed it meanwhile) goes unnoticed until the
-        first read as the leader; that read would fail, the node would step down at once
-        and leave the site without a leader until its claim expires. A lost connection
-        is replaced; one that cannot be replaced is `StoreFailed` (stand by again)."""
+        """Just elected: the store's connection was opened when this node began to stand
+        by and a standby never uses it, so a database restart meanwhile would go
+        unnoticed until the first read as the leader, which would fail and leave the
+        site without a leader until the claim expires. A lost connection is replaced;
+        one that cannot be is `StoreFailed` (stand by again)."""
         store = self.store
         assert isinstance(store, PgStateStore)
-        try:
-            await store.call(lambda db: db.execute("SELECT 1"))
-            return
-        except db_errors() as exc:
-            log.info("the database connection was lost while standing by; connecting again",
-                     database=store.name, error=type(exc).__name__,
-                     detail=str(exc).strip()[:300])
-        with contextlib.suppress(Exception):  # it is broken: closing may fail as well
-            await store.call(lambda db: db.close())
-        try:
-            await store.open()
-        except db_errors(OSError, RuntimeError) as exc:
-            raise StoreFailed(f"{store.name}: connecting again failed: "
-                              f"{str(exc).strip()[:300]}") from exc
+        await store.reconnect_if_lost()
 
     async def _standby_bus(self) -> None:
         """Standing by: stay connected to the MQTT server with a client of this node's

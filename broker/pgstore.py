@@ -266,6 +266,31 @@ class PgStateStore(OneThreadStore[PgDb]):
                 log.debug("closing the database connection failed", error=str(exc))
         self._executor.shutdown(wait=True)
 
+    async def reconnect_if_lost(self) -> bool:
+        """Replace the connection if it no longer answers (a database restart while it
+        sat unused, as a standby's does); True if it was replaced. Raises `StoreFailed`
+        when a new one cannot be made."""
+        import psycopg
+
+        try:
+            await self._run(lambda db: db.execute("SELECT 1"))
+            return False
+        except psycopg.Error as exc:
+            log.info("the database connection was lost; connecting again", database=self.name,
+                     error=type(exc).__name__, detail=str(exc).strip()[:300])
+        db, self._db = self._db, None
+        if db is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._executor, db.close)
+            except Exception as exc:  # it is broken: closing may fail as well
+                log.debug("closing the lost connection failed", error=str(exc))
+        try:
+            await self.open()
+        except (psycopg.Error, OSError, RuntimeError) as exc:
+            raise StoreFailed(f"{self.name}: connecting again failed: "
+                              f"{str(exc).strip()[:300]}") from exc
+        return True
+
     def _check_epoch(self, db: PgDb) -> None:
         """The fence (see the module docstring); runs last in every write transaction."""
         if self.epoch <= 0:

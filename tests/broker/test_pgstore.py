@@ -688,3 +688,15 @@ async def test_a_stuck_event_loop_lets_the_leadership_go(
         assert (a.epoch, a.valid()) == (0, False)
         async with asyncio.timeout(10):
             assert await b.acquire(stop) == 2
+
+
+async def test_a_lost_connection_is_replaced_when_asked(store: PgStateStore,
+                                                        pg_url: str) -> None:
+    """A standby's unused connection that the server ended (a restart) is replaced when
+    it is elected, so its first read as the leader does not fail."""
+    assert await store.reconnect_if_lost() is False
+    sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                "datname = current_database() AND pid <> pg_backend_pid()")
+    assert await store.reconnect_if_lost() is True
+    [row] = await store.commit([lease()], [OutboxRow("t/after", b"1")])
+    assert await store.pending() == [row]
