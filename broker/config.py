@@ -178,6 +178,9 @@ class PlacementConfig(_Section):
     exact_max_batch: int = Field(default=200, ge=0, le=10_000)
     """Batches up to this size that the heuristic cannot prove optimal go to the MILP."""
     exact_time_limit_seconds: float = Field(default=0.1, ge=0, le=60)
+    solve_budget_seconds: float = Field(default=2.0, gt=0, le=600)
+    """The whole solve of a batch after its first feasible answer: improvement and the
+    MILP stop when it is spent (the answer so far is kept)."""
 
 
 class _CloudBase(_Section):

@@ -136,7 +136,8 @@ class Broker:
         self._window = batching.batch_window_ms / 1000
         self._max_batch = batching.max_batch
         self.settings = placement.Settings(exact_max_batch=batching.exact_max_batch,
-                                           exact_time_limit=batching.exact_time_limit_seconds)
+                                           exact_time_limit=batching.exact_time_limit_seconds,
+                                           budget_seconds=batching.solve_budget_seconds)
         self.last_batch: placement.BatchResult | None = None
         # The MILP's share of the CPU (see `_milp_allowed`): seconds it may still spend,
         # refilled at MILP_SHARE a second up to MILP_BURST_SECONDS.

@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+import time
 from collections import Counter
 from collections.abc import Collection, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -349,13 +350,17 @@ class Settings:
     are listed when they run out). Batches of at most `exact_max_batch` requests that
     the heuristic cannot prove optimal go to the MILP for at most `exact_time_limit`
     seconds. Batches of at most `chain_max_batch` requests get the heuristic's costlier
-    improvement too (moving requests off a cheaper option another request wants)."""
+    improvement too (moving requests off a cheaper option another request wants).
+    `budget_seconds` bounds the whole solve after the first feasible answer: the
+    heuristic's improvement and the MILP (its LP rounds included) stop when it is spent,
+    keeping the best answer so far."""
 
     candidates: int = 8
     index_min_batch: int = 64
     exact_max_batch: int = 200
     exact_time_limit: float = 0.1
     chain_max_batch: int = 2000
+    budget_seconds: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,6 +412,7 @@ def solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
 def _solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
            retry_after_seconds: float | None, settings: Settings,
            costs: Costs | None = None) -> BatchResult:
+    deadline = time.perf_counter() + settings.budget_seconds
     builder = _Builder(view, policy, now, settings.candidates,
                        indexed=len(asks) >= settings.index_min_batch, costs=costs)
     resident = Residency(policy.residency.tags)
@@ -429,10 +435,11 @@ def _solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime
                            0.0)
     problem = solver.Problem(requests, builder.limits, builder.teams)
     builder.problem = problem
-    sol = solver.heuristic(problem, chains=len(problem.requests) <= settings.chain_max_batch)
-    if not sol.optimal and len(requests) <= settings.exact_max_batch and \
-            settings.exact_time_limit > 0:
-        sol = solver.exact(problem, time_limit=settings.exact_time_limit, incumbent=sol)
+    sol = solver.heuristic(problem, chains=len(problem.requests) <= settings.chain_max_batch,
+                           deadline=deadline)
+    left = min(settings.exact_time_limit, deadline - time.perf_counter())
+    if not sol.optimal and len(requests) <= settings.exact_max_batch and left > 0:
+        sol = solver.exact(problem, time_limit=left, incumbent=sol)
     note = (f"batch of {len(requests)} placed by {sol.solver}"
             + (", optimal" if sol.optimal else f", within {sol.gap:.2%} of optimal"))
     why = solver.why_unplaced(problem, sol.choice) if None in sol.choice else {}

@@ -354,8 +354,11 @@ def why_unplaced(p: Problem, choice: Sequence[Option | None]
 # --- the heuristic ----------------------------------------------------------------------
 
 
-def heuristic(p: Problem, *, improve_rounds: int = 2, chains: bool = True) -> Solution:
-    """Regret greedy, then local improvement. Never exceeds a resource or a limit."""
+def heuristic(p: Problem, *, improve_rounds: int = 2, chains: bool = True,
+              deadline: float = math.inf) -> Solution:
+    """Regret greedy, then local improvement. Never exceeds a resource or a limit.
+    `deadline` (a `time.perf_counter()` instant) stops the improvement early: the
+    greedy answer is always finished, the improvement only while time is left."""
     started = time.perf_counter()
     bound = trivial_bound(p)  # before lists grow without what this answer used up
     st = _State(p)
@@ -429,7 +432,8 @@ def heuristic(p: Problem, *, improve_rounds: int = 2, chains: bool = True) -> So
             first = _thrifty(st, i, first)
         st.take(i, first)
     p.live = None  # from here on resources are freed as well as taken
-    _improve(st, rounds=improve_rounds, best_two=best_two, chains=chains)
+    _improve(st, rounds=improve_rounds, best_two=best_two, chains=chains,
+             deadline=deadline)
     objective = st.objective()
     # A request alone is placed on the first option, in order of cost, that every
     # constraint admits (or on none when none does, the list grown to its end): the
@@ -491,15 +495,26 @@ def _unit(o: Option, by_gpus: bool) -> float:
     return max(float(o.gpus) if by_gpus else o.price, EPS)
 
 
+_CLOCK_EVERY = 256  # requests between two looks at the clock in the improvement
+
+
 def _improve(st: _State, *, rounds: int,
              best_two: Callable[[int], tuple[Option | None, float, float]],
-             chains: bool = True) -> None:
+             chains: bool = True, deadline: float = math.inf) -> None:
     p = st.p
     reqs = p.requests
+    timed = deadline < math.inf
+    clock = time.perf_counter
+
+    def late(i: int) -> bool:
+        return timed and i % _CLOCK_EVERY == 0 and clock() > deadline
+
     for _ in range(rounds):
         moved = 0
         # 1. Cheaper options freed up by later decisions (or never tried in this order).
         for i, cur in enumerate(st.choice):
+            if late(i):
+                return
             if cur is None:
                 continue
             r = reqs[i]
@@ -531,6 +546,8 @@ def _improve(st: _State, *, rounds: int,
         # 1b. A cheaper option held by others: move them on when that costs less
         #     (`chains`: about 0.4 s at 10,000 requests, for 0.15 % there).
         for i, cur in enumerate(st.choice if chains else ()):
+            if late(i):
+                return
             if cur is None or not reqs[i].options or reqs[i].options[0] is cur:
                 continue  # (a list regrown without used-up options may be empty)
             st.take(i, cur, -1)
@@ -545,6 +562,8 @@ def _improve(st: _State, *, rounds: int,
         # 2. Unplaced requests: any option that fits, else make room by moving the
         #    placed requests off the resources the option lacks.
         for i, cur in enumerate(st.choice):
+            if late(i):
+                return
             if cur is not None:
                 continue
             first, c1, _ = best_two(i)

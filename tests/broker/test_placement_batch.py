@@ -589,3 +589,19 @@ def test_a_batch_leaves_the_garbage_collector_as_it_found_it() -> None:
             assert gc.isenabled() is state
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_a_spent_solve_budget_places_the_heuristic_answer_without_the_milp() -> None:
+    # Both want a (one instance); the trivial bound (both on a) is below any answer, so
+    # only the MILP proves the heuristic's answer optimal. With the whole solve's budget
+    # gone the MILP is skipped: every request is still placed, nothing over capacity.
+    a = offer("us-east-1a", price=10.0, capacity=1)
+    b = offer("us-east-1b", price=11.0, capacity=1)
+    pool = pool_of([a, b])
+    reqs = [request("r0"), request("r1")]
+    proven = run(reqs, pool, settings=MILP)
+    assert proven.optimal
+    spent = Settings(exact_max_batch=1000, exact_time_limit=5, budget_seconds=1e-9)
+    r = run(reqs, pool, settings=spent)
+    assert r.solver == "heuristic" and not r.optimal
+    assert sorted(zones(r)) == ["us-east-1a", "us-east-1b"]

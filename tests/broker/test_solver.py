@@ -695,3 +695,15 @@ def test_the_exact_solver_prints_nothing(capfd: pytest.CaptureFixture[str]) -> N
     assert solver.exact(p).objective == pytest.approx(21)  # and again (LP and MILP)
     out, _ = capfd.readouterr()
     assert out == ""
+
+
+@FAST
+@given(specs())
+def test_a_deadline_already_past_keeps_the_greedy_answer_unimproved(spec: Spec) -> None:
+    greedy = solver.heuristic(spec.build(), improve_rounds=0)
+    p = spec.build()
+    late = solver.heuristic(p, deadline=0.0)  # perf_counter() is past 0 already
+    check_solution(p, late)
+    assert late.choice == greedy.choice or \
+        [o and o.uses for o in late.choice] == [o and o.uses for o in greedy.choice]
+    assert late.objective == pytest.approx(greedy.objective)
