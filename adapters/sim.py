@@ -13,11 +13,37 @@ it behaves like the real thing where the broker can tell the difference:
   per region, and a seeded subset (about 85%) of the catalog offered in each zone.
 * **Markets.** On-demand pools are steady: list price, high availability, a capacity
   that wanders, no interruption rate. Spot pools move: the discount does a mean-reverting
-  random walk around a per-pool base discount, availability and capacity rise and fall
-  (sometimes to zero; now and then a pool loses all capacity for a few polls), and the
-  interruption rate rises as availability falls.
-* **Signals.** `signals()` preempts leased spot pools at random, at their interruption
-  rate (times `preempt_rate_multiplier`), and passes on signals injected by `interrupt`.
+  random walk around a per-pool base discount, a hidden capacity pressure rises and falls
+  (now and then a pool loses all capacity for a few polls), and with it the pool's
+  hidden interruption hazard.
+* **Hidden truth.** A spot pool's true hazard (interruptions per hour of one instance) is
+  `(0.01 + 0.29 (1 - a)^2) × b × exp(w)`: `a` the hidden capacity pressure (an AR(1) pull
+  towards a per-pool level), `b` a persistent pool factor (lognormal, median 1, drawn once)
+  that no signal shows, `w` the hazard's own AR(1) log-noise; an outage makes it
+  `_OUTAGE_RATE`. `true_interruption_rate` gives it; nothing in an offer does.
+* **Observation.** What a spot offer reports is the cloud's signal of that truth: lagged
+  (`_SIGNALS`: the state of one to three polls ago), noisy (the capacity pressure seen
+  through Gaussian noise; the factor `b` and the noise `w` not at all), quantised the way
+  the cloud publishes it, and missing (`None`) on about `_MISSING` of polls:
+
+  - AWS: `availability` a spot placement score 1-10 in tenths; `interruption_rate` the
+    Spot Instance Advisor band (`<5%`, `5-10%`, `10-15%`, `15-20%`, `>20%`) read at its
+    midpoint, as `adapters.aws.pricing.band_rate` does.
+  - Azure: `interruption_rate` the eviction-rate band (`0-5`, `5-10`, `10-15`, `15-20`,
+    `20+` %) at its midpoint, as `adapters.azure.pricing` reads it; `availability` a
+    three-level placement score (High 0.9, Medium 0.5, Low 0.1).
+  - GCP: no spot risk signal at all: `availability` and `interruption_rate` are `None`.
+  - Alibaba: `interruption_rate` the `DescribeSpotAdvice` band (`0-3%`, `3-5%`, `5-10%`,
+    `10-100%`) at the middle `adapters.alibaba.pricing.RATE_BANDS` takes; `availability`
+    the stock category (`WithStock` 1.0, `ClosedWithStock` 0.3, `WithoutStock` 0.0).
+
+  The real bands count interruptions per month (AWS) or per day (Alibaba); this market
+  is far more eventful than a real one (hazards per hour, so that a week's backtest has
+  something to tell), so every band here is read as the chance of an interruption
+  within an hour, `rate = -ln(1 - p)`. The capacity a spot offer reports is lagged too.
+* **Signals.** `signals()` preempts leased spot pools at random, at their hidden true
+  hazard (times `preempt_rate_multiplier`), and passes on signals injected by
+  `interrupt`.
 
 **Determinism.** The market of one region depends only on `(seed, region, number of
 polls of that region)`: each region has its own `random.Random`, seeded from a stable
@@ -34,6 +60,7 @@ clouds; the offers' `PoolKey` carry the plain `cloud="aws", region="us-east-1"`.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
 import math
 import random
@@ -196,8 +223,21 @@ _OFFERED_SHARE: Final = 0.85
 _BASE_DISCOUNT: Final = (0.30, 0.70)
 _DISCOUNT_RANGE: Final = (0.10, 0.85)
 _DEFAULT_DISCOUNT: Final = 0.50
-# Spot interruption rate per hour, from availability 1 (low) to 0 (high).
+# Spot interruption rate per hour from the capacity pressure, availability 1 (low) to 0
+# (high): the part of the hazard a cloud's signal reflects.
 _RATE_RANGE: Final = (0.01, 0.30)
+# The hidden truth: the hazard of one instance is clipped to this range (per hour); an
+# outage reclaims running instances at `_OUTAGE_RATE` (most within its few polls).
+_TRUE_RATE_RANGE: Final = (0.002, 1.5)
+_OUTAGE_RATE: Final = 1.5
+# The persistent pool factor: lognormal with this sigma (median 1).
+_BIAS_SIGMA: Final = 0.5
+# The hazard's own log-noise: AR(1) coefficient and innovation sd per poll.
+_WOBBLE: Final = (0.8, 0.25)
+# The signal: sd of the noise on the capacity pressure it sees; chance per poll and
+# signal that it is missing.
+_OBS_NOISE: Final = 0.08
+_MISSING: Final = 0.03
 # Chance per poll that a spot pool loses all capacity, and for how many polls.
 _OUTAGE_CHANCE: Final = 0.004
 _OUTAGE_POLLS: Final = (2, 5)
@@ -214,6 +254,53 @@ def _stable_seed(*parts: object) -> int:
 
 def _clip(x: float, lo: float, hi: float) -> float:
     return lo if x < lo else hi if x > hi else x
+
+
+def _band(edges_pct: Sequence[float], mids_pct: Sequence[float]) -> Callable[[float], float]:
+    """A band quantiser: a rate per hour → the band its chance within an hour falls in →
+    that band's middle as a rate per hour (`-ln(1 - p)`, 4 significant digits)."""
+    rates = [float(f"{-math.log1p(-m / 100):.4g}") for m in mids_pct]
+    edges = [-math.log1p(-e / 100) for e in edges_pct]
+
+    def quantise(rate: float) -> float:
+        return rates[bisect.bisect_right(edges, rate)]
+
+    return quantise
+
+
+def _score_tenths(a: float) -> float:
+    """AWS: a spot placement score 1-10, as availability in tenths."""
+    return max(1, min(10, round(a * 10))) / 10
+
+
+def _score_three(a: float) -> float:
+    """Azure: a placement score High / Medium / Low."""
+    return 0.9 if a >= 0.65 else 0.5 if a >= 0.35 else 0.1
+
+
+def _stock(a: float) -> float:
+    """Alibaba: WithStock 1.0, ClosedWithStock 0.3, WithoutStock 0.0."""
+    return 1.0 if a >= 0.45 else 0.3 if a >= 0.15 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Signal:
+    """How one cloud shows a spot pool's state: `lag` polls late; availability and rate
+    quantised (None: the cloud publishes no such signal)."""
+
+    lag: int
+    availability: Callable[[float], float] | None
+    rate: Callable[[float], float] | None
+
+
+_FIVE_BANDS = _band((5, 10, 15, 20), (2.5, 7.5, 12.5, 17.5, 25))
+_SIGNALS: Final[MappingProxyType[str, _Signal]] = MappingProxyType({
+    "aws": _Signal(2, _score_tenths, _FIVE_BANDS),
+    "azure": _Signal(3, _score_three, _FIVE_BANDS),
+    "gcp": _Signal(1, None, None),
+    "alibaba": _Signal(2, _stock, _band((3, 5, 10), (1.5, 4.0, 7.5, 15.0))),
+})
+"""Each cloud's spot signal (see the module docstring)."""
 
 
 def _region_name(cloud: str, index: int) -> str:
@@ -242,12 +329,17 @@ def _price_multiplier(cloud: str, region: str, index: int) -> float:
 
 
 class _Pool:
-    """The mutable state of one simulated pool, plus what never changes about it."""
+    """The mutable state of one simulated pool, plus what never changes about it.
+
+    For a spot pool, `avail`, `capacity`, `outage` and `true_rate` are the hidden truth;
+    `obs_avail`, `obs_rate`, `obs_capacity` what the cloud's signal shows of it (see the
+    module docstring), set by each `step`."""
 
     __slots__ = (
-        "avail", "base_avail", "base_discount", "cap_scale", "capacity", "discount", "gpu",
-        "gpu_known", "gpu_memory_gb", "key", "list_price", "outage", "priced", "rate",
-        "spec", "spot",
+        "avail", "base_avail", "base_discount", "bias", "cap_scale", "capacity", "discount",
+        "gpu", "gpu_known", "gpu_memory_gb", "history", "key", "list_price", "obs_avail",
+        "obs_capacity", "obs_rate", "outage", "priced", "signal", "spec", "spot",
+        "true_rate", "wobble",
     )
 
     def __init__(self, key: PoolKey, spec: SimInstanceType, list_price: float,
@@ -261,6 +353,7 @@ class _Pool:
         # Typical free instances: many small ones, few 8-GPU machines.
         self.cap_scale = rng.uniform(16.0, 160.0) / spec.gpus
         self.outage = 0
+        self.signal = _SIGNALS[key.cloud]
         if self.spot:
             ref = (1.0 - spec.spot_per_hour / spec.on_demand_per_hour
                    if spec.spot_per_hour is not None else _DEFAULT_DISCOUNT)
@@ -268,18 +361,48 @@ class _Pool:
             self.discount = self.base_discount
             self.base_avail = rng.uniform(0.45, 0.95)
             self.priced = rng.random() >= spec.spot_unpriced_share
+            self.bias = math.exp(rng.gauss(0.0, _BIAS_SIGMA))
         else:
             self.base_discount = self.discount = 0.0
             self.base_avail = 0.96
             self.priced = True
+            self.bias = 1.0
+        self.wobble = 0.0
         self.avail = self.base_avail
         self.capacity = self.cap_scale * self.avail
-        self.rate = self._rate_for(self.avail) if self.spot else 0.0
+        self.true_rate = self._true_rate() if self.spot else 0.0
+        # (capacity pressure, capacity, outage) of the last `signal.lag` + 1 polls
+        self.history: list[tuple[float, float, bool]] = [(self.avail, self.capacity, False)]
+        self.obs_avail: float | None = None
+        self.obs_rate: float | None = None
+        self.obs_capacity = self.capacity
+        if self.spot:
+            self._observe(rng)
 
     @staticmethod
     def _rate_for(avail: float) -> float:
+        """The hazard the capacity pressure alone gives (what a signal reflects)."""
         lo, hi = _RATE_RANGE
-        return round(lo + (hi - lo) * (1.0 - avail) ** 2, 4)
+        return lo + (hi - lo) * (1.0 - avail) ** 2
+
+    def _true_rate(self) -> float:
+        if self.outage > 0:
+            return _OUTAGE_RATE
+        return _clip(self._rate_for(self.avail) * self.bias * math.exp(self.wobble),
+                     *_TRUE_RATE_RANGE)
+
+    def _observe(self, rng: random.Random) -> None:
+        """What the cloud's signal shows now: the state `lag` polls ago, seen through
+        noise, quantised, sometimes missing."""
+        signal = self.signal
+        a, capacity, outage = self.history[0]
+        self.obs_capacity = capacity
+        noisy = 0.0 if outage else _clip(a + rng.gauss(0.0, _OBS_NOISE), 0.0, 1.0)
+        missing = rng.random()
+        self.obs_avail = None if signal.availability is None or missing < _MISSING \
+            else signal.availability(noisy)
+        self.obs_rate = None if signal.rate is None or _MISSING <= missing < 2 * _MISSING \
+            else signal.rate(_RATE_RANGE[1] if outage else self._rate_for(noisy))
 
     def step(self, rng: random.Random) -> None:
         """Advance one poll."""
@@ -299,10 +422,17 @@ class _Pool:
             *_DISCOUNT_RANGE)
         self.avail = _clip(
             self.avail + 0.2 * (self.base_avail - self.avail) + rng.gauss(0.0, 0.08), 0.0, 1.0)
-        # Capacity follows availability, noisily, and is gone when availability is low.
+        keep, sd = _WOBBLE
+        self.wobble = keep * self.wobble + rng.gauss(0.0, sd)
+        # Capacity follows the pressure, noisily, and is gone when the pressure is high.
         level = self.avail * self.cap_scale * (0.5 + rng.random())
-        self.capacity = level if self.avail >= 0.15 else 0.0
-        self.rate = self._rate_for(self.avail)
+        self.capacity = 0.0 if self.outage > 0 or self.avail < 0.15 else level
+        self.true_rate = self._true_rate()
+        history = self.history
+        history.append((self.avail, self.capacity, self.outage > 0))
+        if len(history) > self.signal.lag + 1:
+            del history[0]
+        self._observe(rng)
 
 
 class _RegionMarket:
@@ -370,11 +500,12 @@ class _RegionMarket:
                 price = pinned[key]
             elif p.priced:
                 price = round(p.list_price * (1.0 - p.discount), 6)
-            avail, capacity, rate = round(p.avail, 4), int(p.capacity), p.rate
-            if p.outage > 0:
-                avail, capacity, rate = 0.0, 0, _RATE_RANGE[1]
-            elif key in scarce:
-                avail, capacity, rate = min(avail, 0.1), 0, max(rate, 0.25)
+            avail, capacity, rate = p.obs_avail, int(p.obs_capacity), p.obs_rate
+            if key in scarce:
+                capacity = 0
+                avail = None if avail is None else min(avail, 0.1)
+                if rate is not None and p.signal.rate is not None:
+                    rate = max(rate, p.signal.rate(0.25))
             append(Offer(key, p.gpu, spec.gpus, p.gpu_memory_gb, spec.vcpus, spec.memory_gb,
                          price, observed_at, avail, capacity, rate, quota[Market.SPOT],
                          p.gpu_known, qgroup[Market.SPOT], spec.gpus))
@@ -383,15 +514,6 @@ class _RegionMarket:
             if scarce[key] <= 0:
                 del scarce[key]
         return out
-
-    def interruption_rate(self, pool: _Pool) -> float:
-        """The interruption rate the pool's last report showed (or would show now)."""
-        if pool.outage > 0:
-            return _RATE_RANGE[1]
-        if pool.key in self.scarce:
-            return max(pool.rate, 0.25)
-        return pool.rate
-
 
 class SimAdapter(CloudAdapter):
     """The simulated multi-cloud market (see the module docstring).
@@ -487,10 +609,10 @@ class SimAdapter(CloudAdapter):
     async def signals(self, leased: LeasedPools) -> AsyncGenerator[CapacitySignal, None]:
         """Yield signals injected by `interrupt` at once, and every
         `signal_interval_seconds` preempt each leased spot pool of the sim with
-        probability `interruption_rate x interval in hours x preempt_rate_multiplier`
-        (the pool's latest rate). A preempted pool is reported scarce (no capacity, low
-        availability) for the next few polls of its region. Pools of other adapters in
-        `leased()` are ignored.
+        probability `true hazard x interval in hours x preempt_rate_multiplier` (the
+        pool's hidden true hazard, not the rate its offers report). A preempted pool is
+        reported scarce (no capacity, low availability) for the next few polls of its
+        region. Pools of other adapters in `leased()` are ignored.
         """
         loop = asyncio.get_running_loop()
         rng = random.Random(_stable_seed("signals", self._seed))
@@ -508,7 +630,7 @@ class SimAdapter(CloudAdapter):
                 if found is None:
                     continue
                 market, pool = found
-                chance = market.interruption_rate(pool) * hours * self._multiplier
+                chance = pool.true_rate * hours * self._multiplier
                 if rng.random() < chance:
                     market.scarce[key] = _SCARCE_POLLS
                     yield CapacitySignal(key, SignalKind.INTERRUPTED, self._clock(),
@@ -572,6 +694,22 @@ class SimAdapter(CloudAdapter):
             assert market is not None
             total += len(market.pools) - len(market.withdrawn)
         return total
+
+    def true_interruption_rate(self, pool: PoolKey) -> float | None:
+        """The hidden true hazard of spot `pool` now (interruptions per hour of one
+        instance), which its offers only hint at; None for an on-demand pool. For
+        simulations that judge a strategy (the backtest); a broker never sees it."""
+        _, state = self._require(pool)
+        return state.true_rate if state.spot else None
+
+    def true_rates(self, region: str) -> list[tuple[PoolKey, float]]:
+        """(pool, hidden true hazard) of every spot pool of `region` (a region id) now,
+        withdrawn ones included. Raises `InvalidConfig` for an unknown region id."""
+        market = self._market(region)
+        if market is None:
+            raise InvalidConfig(f"the sim has no region {region!r}", cloud="sim",
+                                region=region)
+        return [(p.key, p.true_rate) for p in market.pools if p.spot]
 
     # --- internals ---------------------------------------------------------------------
 

@@ -153,14 +153,16 @@ async def test_observed_at_comes_from_the_clock() -> None:
 
 
 async def test_fields_in_range_over_many_polls() -> None:
+    # Spot signals are each cloud's: sometimes missing (None), GCP's always (see
+    # test_spot_signals_are_shaped_like_each_clouds); on-demand pools report as before.
     adapter = sim(regions_per_cloud=4)
-    seen_zero_capacity = seen_outage = False
+    seen_zero_capacity = seen_outage = seen_missing = False
     for _ in range(60):
         for o in await poll_all(adapter):
             assert o.gpus >= 1 and o.vcpus and o.vcpus > 0
             assert o.memory_gb and o.memory_gb > 0
             assert o.gpu_memory_gb and o.gpu_memory_gb > 0
-            assert o.availability is not None and 0.0 <= o.availability <= 1.0
+            assert o.availability is None or 0.0 <= o.availability <= 1.0
             assert o.capacity is not None and o.capacity >= 0
             assert isinstance(o.capacity, int) and isinstance(o.quota_headroom, int)
             assert o.quota_headroom >= 0
@@ -169,13 +171,15 @@ async def test_fields_in_range_over_many_polls() -> None:
             if o.pool.market is Market.ON_DEMAND:
                 assert o.price_per_hour is not None
                 assert o.interruption_rate is None
-                assert o.availability >= 0.9
+                assert o.availability is not None and o.availability >= 0.9
             else:
-                assert o.interruption_rate is not None
-                assert 0.01 <= o.interruption_rate <= 0.3
+                if o.interruption_rate is not None:
+                    assert 0.01 <= o.interruption_rate <= 0.3
+                seen_missing |= o.pool.cloud != "gcp" and (o.interruption_rate is None
+                                                           or o.availability is None)
                 seen_zero_capacity |= o.capacity == 0
                 seen_outage |= o.availability == 0.0
-    assert seen_zero_capacity and seen_outage
+    assert seen_zero_capacity and seen_outage and seen_missing
 
 
 async def test_spot_is_cheaper_than_on_demand_on_average() -> None:
@@ -192,7 +196,7 @@ async def test_spot_is_cheaper_than_on_demand_on_average() -> None:
 
 
 async def test_interruption_rate_rises_as_availability_falls() -> None:
-    spot = [o for o in await poll_all(sim(regions_per_cloud=5))
+    spot = [o for o in await poll_all(sim(regions_per_cloud=5, clouds=["aws"]))
             if o.pool.market is Market.SPOT and o.availability]
     low = [o.interruption_rate or 0 for o in spot if o.availability is not None
            and o.availability < 0.4]
@@ -200,6 +204,64 @@ async def test_interruption_rate_rises_as_availability_falls() -> None:
             and o.availability > 0.8]
     assert low and high
     assert sum(low) / len(low) > sum(high) / len(high)
+
+
+async def test_spot_signals_are_shaped_like_each_clouds() -> None:
+    adapter = sim(regions_per_cloud=3)
+    rates: dict[str, set[float | None]] = {c: set() for c in ("aws", "gcp", "azure",
+                                                              "alibaba")}
+    avails: dict[str, set[float | None]] = {c: set() for c in rates}
+    for _ in range(40):
+        for o in await poll_all(adapter):
+            if o.pool.market is Market.SPOT:
+                rates[o.pool.cloud].add(o.interruption_rate)
+                avails[o.pool.cloud].add(o.availability)
+    # GCP publishes no spot risk signal
+    assert rates["gcp"] == {None} and avails["gcp"] == {None}
+    # AWS: advisor bands at their midpoints, placement scores 1-10 in tenths
+    five = {0.02532, 0.07796, 0.1335, 0.1924, 0.2877}
+    assert rates["aws"] - {None} <= five and len(rates["aws"] - {None}) >= 3
+    assert avails["aws"] - {None} <= {n / 10 for n in range(1, 11)}
+    # Azure: the same five eviction bands; a three-level placement score
+    assert rates["azure"] - {None} <= five
+    assert avails["azure"] - {None} <= {0.1, 0.5, 0.9}
+    # Alibaba: four release-rate bands; stock categories
+    assert len(rates["alibaba"] - {None}) <= 4
+    assert avails["alibaba"] - {None} <= {0.0, 0.3, 1.0}
+    # and each signal is now and then missing
+    for cloud in ("aws", "azure", "alibaba"):
+        assert None in rates[cloud] and None in avails[cloud]
+
+
+async def test_the_true_hazard_is_hidden_behind_the_signal() -> None:
+    adapter = sim(regions_per_cloud=3, clouds=["aws", "azure"])
+    pairs: list[tuple[float, float]] = []
+    lagged = 0
+    previous: dict[PoolKey, float] = {}
+    for _ in range(30):
+        for region in adapter.regions():
+            for o in await adapter.poll(region):
+                if o.pool.market is not Market.SPOT:
+                    continue
+                true = adapter.true_interruption_rate(o.pool)
+                assert true is not None
+                if o.interruption_rate is not None:
+                    pairs.append((o.interruption_rate, true))
+                if o.pool in previous and previous[o.pool] != true:
+                    lagged += 1
+                previous[o.pool] = true
+    # the hidden hazard moves every poll; the report is one of a few bands
+    assert lagged > len(previous) * 20
+    assert len({r for r, _ in pairs}) <= 5 < len({t for _, t in pairs})
+    # the report is not a function of the truth: pools in one band differ widely, and
+    # the truth is often in another band than the one reported
+    one_band = [t for r, t in pairs if r == 0.02532]
+    assert max(one_band) > 5 * min(one_band)
+    off = sum(abs(r - t) > 0.05 for r, t in pairs)
+    assert off > 0.2 * len(pairs)
+    od = next(o.pool for o in await adapter.poll("aws:us-east-1")
+              if o.pool.market is Market.ON_DEMAND)
+    assert adapter.true_interruption_rate(od) is None
 
 
 async def test_list_prices_come_from_the_catalog_in_the_first_region() -> None:
