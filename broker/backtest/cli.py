@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -30,9 +31,22 @@ def add_parser(sub: Any) -> None:
                    help="the gpubroker policy (YAML); default: market any, scoring "
                         "restart_hours = --restart-hours")
     p.add_argument("--seed", type=int, default=7,
-                   help="interruption draws, and sim:/gen: when they name no seed (7)")
+                   help="the default of --market-seed, --workload-seed and --draw-seed (7)")
+    p.add_argument("--market-seed", type=int, metavar="N",
+                   help="the simulated market's seed when sim: names none (--seed)")
+    p.add_argument("--workload-seed", type=int, metavar="N",
+                   help="the generated workload's seed when gen: names none (--seed)")
+    p.add_argument("--draw-seed", type=int, metavar="N",
+                   help="the interruption draws' seed (--seed)")
     p.add_argument("--restart-hours", type=float, default=0.5, metavar="H",
-                   help="work lost per interruption or move, at most (0.5)")
+                   help="what the embedded policy's optimizer assumes a restart costs "
+                        "(0.5); the backtest itself charges start-ups and checkpoints")
+    p.add_argument("--startup-minutes", type=float, default=10.0, metavar="M",
+                   help="boot, image pull and checkpoint load after every placement and "
+                        "move, paid and not useful, for jobs whose line names none (10)")
+    p.add_argument("--checkpoint-minutes", type=float, default=30.0, metavar="M",
+                   help="a job's checkpoint interval, for jobs whose line names none: a "
+                        "move loses the work since the last checkpoint (30; 0: none lost)")
     p.add_argument("--step-minutes", type=float, default=10.0, metavar="M",
                    help="the simulated market's poll interval, and how often waiting "
                         "requests retry and interruptions are drawn (10)")
@@ -46,7 +60,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--chart", type=Path, metavar="FILE.png",
                    help="cost per useful GPU-hour against interruptions, as a PNG")
     p.add_argument("--save-market", type=Path, metavar="FILE",
-                   help="write the market as a trace file (.jsonl or .csv, optionally .gz)")
+                   help="write the market as a trace file (.jsonl or .csv, optionally .gz): "
+                        "the observed rows only; a simulated market replayed from it draws "
+                        "interruptions from the observed rates, not its hidden truth")
     p.add_argument("--save-workload", type=Path, metavar="FILE",
                    help="write the workload as a workload file")
 
@@ -81,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
     for flag, value, low in (("--restart-hours", args.restart_hours, 0.0),
                              ("--max-wait-hours", args.max_wait_hours, 0.0),
                              ("--default-interruption-rate", args.default_interruption_rate,
-                              0.0)):
+                              0.0),
+                             ("--startup-minutes", args.startup_minutes, 0.0),
+                             ("--checkpoint-minutes", args.checkpoint_minutes, 0.0)):
         if not value >= low:
             problems.append(f"{flag}: must be >= {low:g}, got {value!r}")
     if not args.step_minutes > 0:
@@ -103,9 +121,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"gpubroker: {p}", file=err)
         return EXIT_USAGE
 
-    settings = Settings(seed=args.seed, step_seconds=args.step_minutes * 60.0,
+    seeds = {n: args.seed if getattr(args, f"{n}_seed") is None else getattr(args, f"{n}_seed")
+             for n in ("market", "workload", "draw")}
+    settings = Settings(seed=seeds["draw"], step_seconds=args.step_minutes * 60.0,
                         restart_hours=args.restart_hours, max_wait_hours=args.max_wait_hours,
-                        default_interruption_rate=args.default_interruption_rate)
+                        default_interruption_rate=args.default_interruption_rate,
+                        startup_minutes=args.startup_minutes,
+                        checkpoint_minutes=args.checkpoint_minutes)
     if args.policy is not None:
         policy = load_policy(args.policy)  # SourceError: gpubroker main prints it, exit 2
         policy_name = str(args.policy)
@@ -114,13 +136,15 @@ def run(args: argparse.Namespace) -> int:
         policy_name = f"embedded (market any, restart_hours {args.restart_hours:g})"
     progress = _progress(err)
     try:
-        market = load_market(args.market, seed=args.seed, step_seconds=settings.step_seconds,
+        market = load_market(args.market, seed=seeds["market"],
+                             step_seconds=settings.step_seconds,
                              progress=progress)
         if args.save_market is not None:
             n = save_market(market, args.save_market)
             _clear(progress, err)
             print(f"gpubroker: wrote {n} market rows to {args.save_market}", file=err)
-        workload = load_or_generate(args.workload, seed=args.seed, market=market)
+        workload = load_or_generate(args.workload, seed=seeds["workload"], market=market)
+        settings = replace(settings, market_seed=market.seed, workload_seed=workload.seed)
     except MarketError as exc:
         _clear(progress, err)
         print(f"gpubroker: {exc}", file=err)

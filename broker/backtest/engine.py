@@ -24,29 +24,40 @@ simulated present. Events, in time order (and in this order at one instant):
    better is free. A pool's capacity falling below what leases hold moves nothing:
    `capacity` is the cloud's estimate of *free* instances, and running instances are
    lost only by the events named here.
-2. **interruption** of a spot pool (`market.hazard_schedule`, the same draws for every
-   strategy): every lease on it is interrupted and moved (reason `interrupted`), and the
-   pool cools down for `failover.cooldown_seconds`, as the daemon does on a preemption
-   notice. An interruption always moves the lease, even when the policy switches the
-   `interrupted` trigger off (the scheduler's `report` would).
+2. **interruption** (`market.hazard_schedule`, the same draws for every strategy): a
+   pool-wide draw interrupts every lease on its pool; each lease on a spot pool also
+   meets its own draw per step, keyed on (draw seed, pool, step, job), which interrupts
+   a lease of n instances at the chance that any of them is reclaimed. The draws follow
+   a generated market's hidden true hazard, which the strategies never see. An
+   interrupted lease is moved (reason `interrupted`), and the pool cools down for
+   `failover.cooldown_seconds`, as the daemon does on a preemption notice. An
+   interruption always moves the lease, even when the policy switches the `interrupted`
+   trigger off (the scheduler's `report` would).
 3. **completion**: a job ends when it has done `duration_hours` of useful work.
 4. **placement**, at each arrival instant and at each step of the grid: the requests
    arriving then and (at a step) every request still waiting, oldest first, as one batch.
    Then, at a step, when the policy sets `failover.reoptimize_min_saving`, the daemon's
    health-check re-optimisation (`failover.reoptimize`) over every running lease.
 
-**Work and money.** A job works while it holds a placement. A move (an interruption, a
-capacity loss or a discretionary move) loses the work done since the job's last start,
-at most `restart_hours` (the job restarts from its last checkpoint). A lease pays its
-pool's price, as it changes, for every hour it holds instances; useful GPU-hours are the
-work kept times the GPUs asked (GPUs paid for but not asked for are idle, not useful).
+**Work and money.** Every placement, first or after a move, starts with the job's
+start-up (`startup_minutes`: boot, image pull, checkpoint load; paid, no useful work);
+then the job works, saving a checkpoint every `checkpoint_minutes` of work on that
+placement. A move (an interruption, a capacity loss or a discretionary move) keeps the
+work up to the last checkpoint and loses the rest (checkpoint 0: it loses nothing).
+Both come from the workload line, else from `Settings` (`--startup-minutes`,
+`--checkpoint-minutes`). The policy's `scoring.restart_hours` is only what the optimizer
+assumes a restart costs; it plays no part here. A lease pays its pool's price, as it
+changes, for every hour it holds instances; useful GPU-hours are the work kept times
+the GPUs asked; lost GPU-hours are the start-ups and the work lost, times the GPUs
+asked (so paid = useful + lost + idle); GPUs paid for but not asked for are idle.
 
 **Waiting.** A request that cannot be placed waits and is tried again at every step
 until placed, or counted never placed after `max_wait_hours` (or at the market's end).
 A failover that finds nowhere to go ends the lease (`lease.failed`, as in the daemon);
 the job then asks again at every step like a new request (its request_id suffixed `~N`)
 and is abandoned after `max_wait_hours` without a placement. A request the policy denies
-is never placed at once. At the market's end, running jobs stop and keep their work.
+is never placed at once. At the market's end, running jobs stop and keep their work (a
+start-up not finished then counts as lost).
 """
 
 from __future__ import annotations
@@ -60,7 +71,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from broker import failover
-from broker.backtest.market import MarketTrace, SliceId
+from broker.backtest.market import HazardSchedule, MarketTrace, SliceId
 from broker.backtest.strategies import Strategy, rid
 from broker.backtest.workload import Arrival, Workload
 from broker.hazard import HazardEstimator
@@ -92,15 +103,33 @@ DayProgress = Callable[[int, int], None]
 @dataclass(frozen=True, slots=True)
 class Settings:
     seed: int = 7
+    """The interruption draws' seed (`--draw-seed`)."""
     step_seconds: float = 600.0
     restart_hours: float = 0.5
+    """What the embedded policy's optimizer assumes a restart costs; not used here."""
     max_wait_hours: float = 24.0
     default_interruption_rate: float = 0.05
+    startup_minutes: float = 10.0
+    """Start-up of a job without its own (boot, image pull, checkpoint load)."""
+    checkpoint_minutes: float = 30.0
+    """Checkpoint interval of a job without its own (0: never loses work)."""
+    market_seed: int | None = None
+    """The generated market's seed, for the report (None: read from a file)."""
+    workload_seed: int | None = None
+    """The generated workload's seed, for the report (None: read from a file)."""
+
+    @property
+    def draw_seed(self) -> int:
+        return self.seed
 
     def to_json(self) -> dict[str, Any]:
-        return {"seed": self.seed, "step_minutes": self.step_seconds / 60,
+        return {"seed": self.seed, "market_seed": self.market_seed,
+                "workload_seed": self.workload_seed, "draw_seed": self.seed,
+                "step_minutes": self.step_seconds / 60,
                 "restart_hours": self.restart_hours, "max_wait_hours": self.max_wait_hours,
-                "default_interruption_rate": self.default_interruption_rate}
+                "default_interruption_rate": self.default_interruption_rate,
+                "startup_minutes": self.startup_minutes,
+                "checkpoint_minutes": self.checkpoint_minutes}
 
 
 @dataclass(slots=True, eq=False)
@@ -109,11 +138,15 @@ class _Job:
     arrival: Arrival
     req: PlaceRequest  # as the strategy asks for it
     need: float  # hours of work
+    startup: float = 0.0  # seconds of start-up after each placement
+    checkpoint: float = 0.0  # hours of work between checkpoints (0: continuous)
     leases: int = 0
     lease_id: str | None = None
     placement: Placement | None = None
     work: float = 0.0  # hours of work kept, before the current start
     started: float = 0.0  # seconds: the current start (placement or restart)
+    ready: float = 0.0  # seconds: the current start-up's end (work from then on)
+    armed: int = -1  # the last step whose lease draw was made for this placement
     paid_since: float = 0.0
     rate: float = 0.0  # USD per hour of the current placement
     version: int = 0
@@ -134,6 +167,9 @@ class Tally:
     cost: float = 0.0
     useful_gpu_hours: float = 0.0
     lost_gpu_hours: float = 0.0
+    """Start-ups and work lost to moves (see the module docstring)."""
+    startup_gpu_hours: float = 0.0
+    """The start-ups' part of `lost_gpu_hours`."""
     idle_gpu_hours: float = 0.0
     spot_gpu_hours: float = 0.0
     paid_gpu_hours: float = 0.0
@@ -193,7 +229,7 @@ class StrategyView:
 
 
 def simulate(market: MarketTrace, workload: Workload, strategies: Sequence[Strategy],
-             schedule: list[tuple[float, PoolKey]], settings: Settings,
+             schedule: HazardSchedule, settings: Settings,
              progress: DayProgress | None = None) -> list[Tally]:
     """Run each strategy through `market` and `workload` (see the module docstring)."""
     now = [market.start]
@@ -251,7 +287,7 @@ class Run:
     """One strategy through the market and the workload (see the module docstring)."""
 
     def __init__(self, market: MarketTrace, workload: Workload, strategy: Strategy,
-                 schedule: list[tuple[float, PoolKey]], settings: Settings,
+                 schedule: HazardSchedule, settings: Settings,
                  pool: ResourcePool) -> None:
         self.market = market
         self.strategy = strategy
@@ -261,15 +297,21 @@ class Run:
         self.pool = StrategyView(pool, lambda: self.now)
         self.book = LeaseBook()
         self.tally = Tally(requests=len(workload.arrivals))
+        self.schedule = schedule
         self._jobs: list[_Job] = [
-            _Job(i, a, strategy.adapt(a.request), a.duration_hours)
+            _Job(i, a, strategy.adapt(a.request), a.duration_hours,
+                 60.0 * (settings.startup_minutes if a.startup_minutes is None
+                         else a.startup_minutes),
+                 (settings.checkpoint_minutes if a.checkpoint_minutes is None
+                  else a.checkpoint_minutes) / 60.0)
             for i, a in enumerate(workload.arrivals)]
+        self._spot: dict[int, _Job] = {}  # jobs on a spot placement, by index
         self._by_lease: dict[str, _Job] = {}
         self._moves: dict[str, list[datetime]] = {}
         self._queue: list[_Job] = []  # waiting for a placement
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
-        for at, key in schedule:
+        for at, key in schedule.pool_hits:
             self._push(at, _INTERRUPT, key)
         ticks = max(1, math.ceil(market.seconds / settings.step_seconds - 1e-9))
         for k in range(ticks):
@@ -344,17 +386,38 @@ class Run:
         return sorted((self._by_lease[le.lease_id] for le in self.book.on_pool(key)),
                       key=lambda j: j.index)
 
-    def _interrupt(self, t: float, key: PoolKey) -> None:
+    def _interrupt(self, t: float, what: Any) -> None:
+        """A pool-wide interruption (`what` a PoolKey: every lease on the pool), or a
+        lease's own (`what` = (job, version): that job's lease, if it still holds it)."""
+        if isinstance(what, PoolKey):
+            jobs = self._on(what)
+        else:
+            job, version = what
+            if job.version != version or job.done or job.lease_id is None:
+                return
+            jobs = [job]
         reason = (FailoverReason.INTERRUPTED if self.policy.failover.triggers.interrupted
                   else FailoverReason.REPORTED)
         triggers = []
-        for job in self._on(key):
+        for job in jobs:
             lease = self.book.get(job.lease_id or "")
             assert lease is not None
             triggers.append(failover.Trigger(lease.lease_id, lease.epoch, reason,
                                              "spot interruption (backtest draw)",
                                              cool_down=True))
         self._handle(t, triggers)
+
+    def _arm(self, job: _Job, t: float, k: int) -> None:
+        """Make job's lease draw of step k (once per placement and step): an
+        interruption event if it hits at or after `t`."""
+        if job.armed == k:
+            return
+        job.armed = k
+        p = job.placement
+        assert p is not None
+        hit = self.schedule.lease_hit(p.pool, k, job.index, p.instances)
+        if hit is not None and hit >= t:
+            self._push(hit, _INTERRUPT, (job, job.version))
 
     def _handle(self, t: float, triggers: list[failover.Trigger]) -> None:
         order = {id(tr): self._by_lease[tr.lease_id].index for tr in triggers}
@@ -411,18 +474,28 @@ class Run:
     def _start(self, job: _Job, t: float, placement: Placement) -> None:
         job.placement = placement
         job.started = job.paid_since = t
+        job.ready = t + job.startup
         job.rate = placement.price_per_hour
         job.version += 1
-        self._push(t + (job.need - job.work) * 3600.0, _COMPLETE, (job, job.version))
+        self._push(job.ready + (job.need - job.work) * 3600.0, _COMPLETE, (job, job.version))
+        if placement.pool.market is Market.SPOT:
+            self._spot[job.index] = job
+            job.armed = -1
+            self._arm(job, t, math.floor(t / self.settings.step_seconds + 1e-9))
 
     def _stop(self, job: _Job, t: float, *, restart: bool) -> None:
-        """The job stops working on its placement at `t`: pay up to `t`; on a restart,
-        lose the work since the last start, at most `restart_hours`."""
+        """The job stops working on its placement at `t`: pay up to `t`; the start-up
+        is lost; on a restart, so is the work since the last checkpoint."""
         self._pay(job, t)
-        worked = (t - job.started) / 3600.0
-        lost = min(worked, self.settings.restart_hours) if restart else 0.0
-        job.work = min(job.need, job.work + worked - lost)
-        self.tally.lost_gpu_hours += lost * job.gpus
+        self._spot.pop(job.index, None)
+        startup = (min(t, job.ready) - job.started) / 3600.0
+        worked = max(0.0, t - job.ready) / 3600.0
+        kept = worked
+        if restart and job.checkpoint > 0:
+            kept = math.floor(worked / job.checkpoint + 1e-9) * job.checkpoint
+        job.work = min(job.need, job.work + kept)
+        self.tally.lost_gpu_hours += (worked - kept + startup) * job.gpus
+        self.tally.startup_gpu_hours += startup * job.gpus
         job.version += 1  # its completion, if scheduled, is void
 
     def _complete(self, t: float, job: _Job) -> None:
@@ -441,6 +514,9 @@ class Run:
         limit = self.settings.max_wait_hours * 3600.0
         batch: list[_Job] = []
         if tick:
+            k = round(t / self.settings.step_seconds)
+            for job in list(self._spot.values()):
+                self._arm(job, t, k)
             queue, self._queue = sorted(self._queue, key=lambda j: j.index), []
             for job in queue:
                 if job.lost_at is None and t - job.arrival.at >= limit:

@@ -9,24 +9,39 @@ snapshot) on a simulated clock: one poll of every region per step, only changes 
 the pools that changed (`None` for gone). A replay applies them to a real
 `ResourcePool`, a slice at a time, as the poller does.
 
-**Interruption draws** (`hazard_schedule`) are a property of the market and the seed,
-made once and shared by every strategy: for each step k of the fixed grid (`step`
-seconds from the start) and each spot pool offered at its start, two uniforms
-`u, v = H(seed, pool, k)` (a stable hash, not Python's salted `hash`); the pool is
-interrupted in step k, at `t_k + v × step`, when `u < 1 − exp(−rate × step)` with the
-pool's `interruption_rate` at `t_k` (`default_rate` when the trace has none). Every lease
-on that pool at that instant is interrupted, whichever strategy put it there, so all
-strategies meet the same interruptions wherever they hold the same pools.
+**Hidden truth.** A generated market carries, beside the rows, each spot pool's hidden
+true hazard at every step (`MarketTrace.truth`, from `SimAdapter.true_rates`): the
+simulated market's offers show only a lagged, noisy, quantised and sometimes missing
+signal of it (adapters/sim.py), and strategies see only those offers. The interruption
+draws use the truth. A market read from a trace file has none: its draws use each row's
+`interruption_rate` (`default_rate` when the row has none). `--save-market` writes the
+observed rows only (the trace format has no hidden column), so a saved simulated market
+replayed from its file draws from the observed rates, not from the truth.
+
+**Interruption draws** (`hazard_schedule`) are a property of the market and the draw
+seed, made once and shared by every strategy. For step k of the fixed grid (`step`
+seconds from the start) a spot pool offered at its start has the rate λ of `t_k` (the
+truth, else the row's rate). A share `POOL_WIDE_SHARE` of it is pool-wide, a capacity
+reclaim that hits every lease on the pool at once: `u, v = H(seed, pool, k)` (a stable
+hash, BLAKE2b, not Python's salted `hash`), a hit at `t_k + v × step` when
+`u < 1 − exp(−share × λ × step)`. The rest is per instance: a lease of n instances held
+by job j meets its own draw `u, v = H(seed, pool, k, j)` and is interrupted at
+`t_k + v × step` when `u < 1 − exp(−(1 − share) × λ × n × step)`, the chance that any of
+its n instances is reclaimed. One instance thus sees the hazard λ; a gang of 16 about
+`share × λ + (1 − share) × 16 λ`. The draws depend on (seed, pool, step, job) only, so
+every strategy that puts the same job on the same pool in the same step meets the same
+draw (common random numbers), whoever runs first or alongside.
 """
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import hashlib
 import math
 import re
 from collections.abc import Callable, Coroutine, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -68,6 +83,12 @@ class MarketTrace:
     """Priced pools per GPU model (every pool the trace ever offers)."""
     on_demand_ppg: dict[str, float]
     """The lowest on-demand price per GPU-hour seen per GPU model."""
+    seed: int | None = None
+    """A generated market's seed (None: read from a trace)."""
+    truth: dict[PoolKey, tuple[list[float], list[float]]] | None = None
+    """A generated market's hidden truth: per spot pool, the instants (seconds from the
+    start) at which its true hazard changed and the hazard (per hour) from then on. None
+    for a market read from a trace (which has only what was observed)."""
 
     @property
     def seconds(self) -> float:
@@ -162,7 +183,9 @@ class _Builder:
                                    tuple((s, tuple(c)) for s, c in self.pending.items())))
         self.pending = {}
 
-    def build(self, *, step_seconds: float, end: datetime | None) -> MarketTrace:
+    def build(self, *, step_seconds: float, end: datetime | None,
+              truth: dict[PoolKey, tuple[list[float], list[float]]] | None = None
+              ) -> MarketTrace:
         self._flush()
         if self.start is None or self.t is None:
             raise MarketError(f"{self.source}: the market trace has no rows")
@@ -174,7 +197,7 @@ class _Builder:
         return MarketTrace(source=self.source, start=self.start, end=stop,
                            steps=tuple(self.steps), rows=self.rows, pools=len(pools),
                            gpu_pools=dict(sorted(gpu_pools.items())),
-                           on_demand_ppg=dict(sorted(self.on_demand.items())))
+                           on_demand_ppg=dict(sorted(self.on_demand.items())), truth=truth)
 
 
 def from_rows(rows: Iterable[TraceRow], *, source: str, step_seconds: float,
@@ -278,7 +301,8 @@ def simulate_market(spec: SimSpec, *, step_seconds: float,
                     progress: Progress | None = None) -> MarketTrace:
     """Generate a market from the simulated market: every `step_seconds` of simulated
     time, one poll of each region (the sim's injectable clock set to that instant), and
-    a row for each pool that is new, changed or gone. No sleeping."""
+    a row for each pool that is new, changed or gone; beside them, each spot pool's
+    hidden true hazard at every poll (`MarketTrace.truth`). No sleeping."""
     from adapters.sim import SimAdapter
 
     now = [SIM_START]
@@ -290,6 +314,7 @@ def simulate_market(spec: SimSpec, *, step_seconds: float,
     b = _Builder(str(spec))
     days = math.ceil(spec.seconds / 86400 - 1e-9)
     day = -1
+    truth: dict[PoolKey, tuple[list[float], list[float]]] = {}
     for k in range(n):
         t = SIM_START + timedelta(seconds=k * step_seconds)
         now[0] = t
@@ -308,7 +333,17 @@ def simulate_market(spec: SimSpec, *, step_seconds: float,
                 if key not in current:
                     b.add(t, key, None)
             last[region] = current
-    return b.build(step_seconds=step_seconds, end=SIM_START + timedelta(seconds=spec.seconds))
+            at = k * step_seconds
+            for key, rate in sim.true_rates(region):
+                seen = truth.get(key)
+                if seen is None:
+                    truth[key] = ([at], [rate])
+                elif seen[1][-1] != rate:
+                    seen[0].append(at)
+                    seen[1].append(rate)
+    return replace(b.build(step_seconds=step_seconds,
+                           end=SIM_START + timedelta(seconds=spec.seconds), truth=truth),
+                   seed=spec.seed)
 
 
 def load_market(text: str, *, seed: int, step_seconds: float,
@@ -341,13 +376,83 @@ def uniforms(seed: int, key: PoolKey, k: int) -> tuple[float, float]:
     return _draw(_pool_hash(seed, key), k)
 
 
+POOL_WIDE_SHARE = 0.25
+"""The share of a spot pool's hazard that is pool-wide (a capacity reclaim hitting every
+lease on the pool at once); the rest strikes each instance on its own."""
+
+
+def _lease_draw(prefix: Any, k: int, job: int) -> tuple[float, float]:
+    h = prefix.copy()
+    h.update(f"{k}\x1f{job}".encode())
+    d = h.digest()
+    return (int.from_bytes(d[:8], "big") / 2.0**64, int.from_bytes(d[8:], "big") / 2.0**64)
+
+
+def lease_uniforms(seed: int, key: PoolKey, k: int, job: int) -> tuple[float, float]:
+    """Two uniforms in [0, 1) for job `job`'s lease on pool `key` in step `k`: a stable
+    hash of the four, independent of the pool-wide draw `uniforms(seed, key, k)`."""
+    return _lease_draw(_pool_hash(seed, key), k, job)
+
+
+@dataclass(slots=True)
+class HazardSchedule:
+    """The interruption draws of a market (see the module docstring): the pool-wide
+    hits, and what a lease meets (`lease_hit`). Pure functions of the market and the
+    seed: the same for every strategy, in any order of asking."""
+
+    seed: int
+    step_seconds: float
+    pool_hits: list[tuple[float, PoolKey]]
+    """Every pool-wide (instant, spot pool) interruption, in time order."""
+    rates: dict[PoolKey, tuple[list[int], list[float]]]
+    """Per spot pool: the steps from which its rate changed, and the rate (per hour)."""
+    hidden: bool
+    """The rates are the market's hidden truth (else the rows' observed rates)."""
+    pool_wide_share: float = POOL_WIDE_SHARE
+    _prefixes: dict[PoolKey, Any] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[tuple[float, PoolKey]]:
+        return iter(self.pool_hits)
+
+    def rate(self, key: PoolKey, k: int) -> float:
+        """The pool's interruption rate (per hour, one instance) in step k; 0 when it
+        is no spot pool offered then."""
+        found = self.rates.get(key)
+        if found is None:
+            return 0.0
+        steps, rates = found
+        i = bisect.bisect_right(steps, k) - 1
+        return rates[i] if i >= 0 else 0.0
+
+    def lease_hit(self, key: PoolKey, k: int, job: int, instances: int) -> float | None:
+        """When, in seconds from the start, a lease of `instances` instances held by job
+        `job` on `key` is interrupted in step k by its own draw; None if it is not."""
+        rate = self.rate(key, k)
+        if rate <= 0:
+            return None
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            prefix = self._prefixes[key] = _pool_hash(self.seed, key)
+        u, v = _lease_draw(prefix, k, job)
+        share = 1.0 - self.pool_wide_share
+        if u < -math.expm1(-share * rate * instances * self.step_seconds / 3600.0):
+            return (k + v) * self.step_seconds
+        return None
+
+
 def hazard_schedule(market: MarketTrace, *, seed: int, step_seconds: float,
-                    default_rate: float) -> list[tuple[float, PoolKey]]:
-    """Every (instant, spot pool) interruption of the market, in time order (see the
-    module docstring). The same for every strategy by construction."""
-    out: list[tuple[float, PoolKey]] = []
+                    default_rate: float, pool_wide_share: float = POOL_WIDE_SHARE
+                    ) -> HazardSchedule:
+    """The interruption draws of `market` (see the module docstring): the hidden truth's
+    rates when the market has it, else the rows' (`default_rate` for a spot row without
+    one). The same for every strategy by construction."""
+    pool_hits: list[tuple[float, PoolKey]] = []
     spot: dict[PoolKey, float] = {}
     prefixes: dict[PoolKey, Any] = {}
+    rates: dict[PoolKey, tuple[list[int], list[float]]] = {}
+    truth = market.truth
+    cursor: dict[PoolKey, int] = {}
+    gone: list[PoolKey] = []
     steps = market.steps
     i = 0
     hours = step_seconds / 3600.0
@@ -360,21 +465,42 @@ def hazard_schedule(market: MarketTrace, *, seed: int, step_seconds: float,
                     if key.market is not Market.SPOT:
                         continue
                     if offer is None:
-                        spot.pop(key, None)
+                        if spot.pop(key, None) is not None:
+                            gone.append(key)
                     else:
                         rate = offer.interruption_rate
                         spot[key] = default_rate if rate is None else rate
             i += 1
+        for key in gone:  # not offered from this step on: no rate
+            if key not in spot and (seen := rates.get(key)) is not None and seen[1][-1]:
+                seen[0].append(k)
+                seen[1].append(0.0)
+        gone.clear()
         hits = []
-        for key, rate in spot.items():
+        for key, observed in spot.items():
+            rate = observed
+            if truth is not None and (known := truth.get(key)) is not None:
+                times, values = known
+                j = cursor.get(key, 0)
+                while j + 1 < len(times) and times[j + 1] <= t_k:
+                    j += 1
+                cursor[key] = j
+                rate = values[j]
+            seen = rates.get(key)
+            if seen is None:
+                rates[key] = ([k], [rate])
+            elif seen[1][-1] != rate:
+                seen[0].append(k)
+                seen[1].append(rate)
             if rate <= 0:
                 continue
             prefix = prefixes.get(key)
             if prefix is None:
                 prefix = prefixes[key] = _pool_hash(seed, key)
             u, v = _draw(prefix, k)
-            if u < -math.expm1(-rate * hours):
+            if u < -math.expm1(-pool_wide_share * rate * hours):
                 hits.append((t_k + v * step_seconds, key))
         hits.sort()
-        out.extend(hits)
-    return out
+        pool_hits.extend(hits)
+    return HazardSchedule(seed, step_seconds, pool_hits, rates, truth is not None,
+                          pool_wide_share, prefixes)

@@ -4,18 +4,24 @@ One request per line:
 
     {"at": "2026-11-30T10:05:00Z", "scheduler": "s1", "request": {...}}
     {"at_hours": 1.5, "scheduler": "s1", "request": {...}}
+    {"at_hours": 2, "request": {...}, "startup_minutes": 25, "checkpoint_minutes": 60}
 
 `at` is an absolute time (with a time zone), `at_hours` hours after the market's start;
-exactly one of them. `scheduler` is the scheduler id S (default `backtest`). `request` is
-a placement request as on `P/requests/S/place` (SPEC §4), validated by the daemon's own
-`broker.requests.parse_place`, so the errors are the daemon's; a backtest also needs its
-`duration_hours` (the hours of useful work the job needs). Every problem is reported as
-`FILE:LINE: field: message`.
+exactly one of them. `startup_minutes` (boot, image pull and checkpoint load: paid, no
+useful work, after every placement and every move) and `checkpoint_minutes` (how often
+the job saves its work; an interruption or a move loses the work since the last one; 0:
+it loses nothing) are optional, numbers >= 0; a line without them takes the backtest's
+`--startup-minutes` and `--checkpoint-minutes`. `scheduler` is the scheduler id S
+(default `backtest`). `request` is a placement request as on `P/requests/S/place` (SPEC
+§4), validated by the daemon's own `broker.requests.parse_place`, so the errors are the
+daemon's; a backtest also needs its `duration_hours` (the hours of useful work the job
+needs). Every problem is reported as `FILE:LINE: field: message`.
 
 `gen:N[:SEED]` generates N requests, seeded: GPU models weighted by how many pools of the
 market offer them, 1/2/4/8/16 GPUs, durations lognormal around 3 hours, four teams, a
 quarter with a price cap, a fifth spot-only and a sixth on-demand-only, spread over the
-first 90 % of the market's span.
+first 90 % of the market's span. Generated requests name no start-up or checkpoint
+interval: `--startup-minutes` and `--checkpoint-minutes` apply to all of them.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class Arrival:
     at: float
     request: PlaceRequest
     line: int = 0  # in the workload file; 0 when generated
+    startup_minutes: float | None = None  # None: the backtest's --startup-minutes
+    checkpoint_minutes: float | None = None  # None: the backtest's --checkpoint-minutes
 
     @property
     def duration_hours(self) -> float:
@@ -65,6 +73,7 @@ class Workload:
     source: str
     arrivals: tuple[Arrival, ...]  # in time order (file order within an instant)
     outside: int = 0  # requests at or after the market's end, left out
+    seed: int | None = None  # a generated workload's seed (None: read from a file)
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "requests": len(self.arrivals),
@@ -80,6 +89,14 @@ def _number(v: Any) -> bool:
 def parse_line(text: str, *, market: MarketTrace) -> tuple[float, PlaceRequest]:
     """One workload line: (seconds after the market's start, the request). Raises
     ValueError with the message to show after `FILE:LINE: `."""
+    at, req, _, _ = parse_arrival(text, market=market)
+    return at, req
+
+
+def parse_arrival(text: str, *, market: MarketTrace
+                  ) -> tuple[float, PlaceRequest, float | None, float | None]:
+    """One workload line: (seconds after the market's start, the request, its
+    startup_minutes, its checkpoint_minutes). Raises ValueError as `parse_line` does."""
     try:
         d = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -122,7 +139,13 @@ def parse_line(text: str, *, market: MarketTrace) -> tuple[float, PlaceRequest]:
     if req.duration_hours is None:
         raise ValueError("request.duration_hours: required in a backtest (the hours of "
                          "useful work the job needs)")
-    return at, req
+    minutes: list[float | None] = []
+    for name in ("startup_minutes", "checkpoint_minutes"):
+        value = d.get(name)
+        if value is not None and (not _number(value) or value < 0):
+            raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
+        minutes.append(None if value is None else float(value))
+    return at, req, minutes[0], minutes[1]
 
 
 def load_workload(path: Path, *, market: MarketTrace) -> Workload:
@@ -140,7 +163,7 @@ def load_workload(path: Path, *, market: MarketTrace) -> Workload:
         if not line.strip():
             continue
         try:
-            at, req = parse_line(line, market=market)
+            at, req, startup, checkpoint = parse_arrival(line, market=market)
         except ValueError as exc:
             problems.append(f"{path}:{lineno}: {exc}")
             if len(problems) >= MAX_PROBLEMS:
@@ -157,7 +180,7 @@ def load_workload(path: Path, *, market: MarketTrace) -> Workload:
         if at >= market.seconds:
             outside += 1
             continue
-        arrivals.append(Arrival(at, req, lineno))
+        arrivals.append(Arrival(at, req, lineno, startup, checkpoint))
     if problems:
         raise WorkloadError(problems)
     if not arrivals:
@@ -171,8 +194,13 @@ def save_workload(workload: Workload, path: Path, *, market: MarketTrace) -> Non
     """Write `workload` as a workload file (absolute `at` times)."""
     with open(path, "w", encoding="utf-8") as f:
         for a in workload.arrivals:
-            line = {"at": _at_text(market.at(a.at)), "scheduler": a.request.scheduler,
-                    "request": a.request.to_json()}
+            line: dict[str, Any] = {"at": _at_text(market.at(a.at)),
+                                    "scheduler": a.request.scheduler,
+                                    "request": a.request.to_json()}
+            if a.startup_minutes is not None:
+                line["startup_minutes"] = a.startup_minutes
+            if a.checkpoint_minutes is not None:
+                line["checkpoint_minutes"] = a.checkpoint_minutes
             f.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 
@@ -249,7 +277,7 @@ def generate_workload(n: int, *, seed: int, market: MarketTrace) -> Workload:
         req = requests.parse_place(scheduler, json.dumps(body).encode())
         assert isinstance(req, PlaceRequest), req
         arrivals.append(Arrival(float(minute * 60), req))
-    return Workload(f"gen:{n}:{seed}", tuple(arrivals))
+    return Workload(f"gen:{n}:{seed}", tuple(arrivals), seed=seed)
 
 
 def load_or_generate(text: str, *, seed: int, market: MarketTrace) -> Workload:

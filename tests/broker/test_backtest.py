@@ -78,7 +78,10 @@ def workload(*arrivals: Arrival) -> Workload:
 
 def tallies(m: MarketTrace, w: Workload, names: Sequence[str] = STRATEGIES,
             policy: Policy | None = None, **kw: Any) -> dict[str, Tally]:
-    settings = Settings(**{"step_seconds": STEP, **kw})
+    # No start-up and 30-minute checkpoints unless a test says otherwise: the figures
+    # below are then easy to work out by hand.
+    settings = Settings(**{"step_seconds": STEP, "startup_minutes": 0.0,
+                           "checkpoint_minutes": 30.0, **kw})
     policy = policy or Policy(scoring=Scoring(restart_hours=settings.restart_hours))
     schedule = hazard_schedule(m, seed=settings.seed, step_seconds=settings.step_seconds,
                                default_rate=settings.default_interruption_rate)
@@ -158,9 +161,14 @@ def test_interruptions_are_the_same_draws_for_every_strategy_and_call_order() ->
     assert both["price_capacity"].losses == alone.losses
     assert reversed_["cheapest_spot"].losses == alone.losses
     assert reversed_["cheapest_spot"].cost == alone.cost
-    # and each is one of the market's own draws, which depend on (seed, pool, step) only
-    schedule = set(hazard_schedule(m, seed=7, step_seconds=STEP, default_rate=0.05))
-    assert {(t, pool) for t, _, pool in alone.losses} <= schedule
+    # and each is one of the market's own draws: a pool-wide one, which depends on
+    # (seed, pool, step) only, or a lease's own, which depends on (seed, pool, step, job)
+    schedule = hazard_schedule(m, seed=7, step_seconds=STEP, default_rate=0.05)
+    pool_wide = set(schedule.pool_hits)
+    for t, _, pool in alone.losses:
+        k = math.floor(t / STEP)
+        assert (t, pool) in pool_wide or any(
+            schedule.lease_hit(pool, k, j, 1) == t for j in range(len(w.arrivals)))
 
 
 def test_the_draws_are_a_stable_function_of_seed_pool_and_step() -> None:
@@ -178,11 +186,12 @@ def test_a_gone_pool_fails_the_lease_over() -> None:
     m = market([row(0, cheap, price=2.0), row(0, dear, price=3.0),
                 row(1, cheap, gone=True)], hours=8)
     d = metrics(m, workload(job(0, "j1", duration=5.0)), ["on_demand"],
-                restart_hours=0.5)["on_demand"]
+                checkpoint_minutes=40.0)["on_demand"]
     assert d["capacity_lost"] == 1 and d["failovers_by_reason"] == {"capacity_lost": 1}
-    assert d["lost_gpu_hours"] == pytest.approx(0.5)
-    # 1 h on the cheap pool, then the remaining 4.5 h of work on the dear one
-    assert d["total_cost"] == pytest.approx(1 * 2.0 + 4.5 * 3.0)
+    # 1 h on the cheap pool, checkpointed at 40 min: 20 min lost
+    assert d["lost_gpu_hours"] == pytest.approx(1 / 3)
+    # then the remaining 5 - 2/3 h of work on the dear one
+    assert d["total_cost"] == pytest.approx(1 * 2.0 + (5 - 2 / 3) * 3.0)
     assert d["completed"] == 1 and d["useful_gpu_hours"] == pytest.approx(5.0)
 
 
@@ -194,8 +203,9 @@ def test_a_lease_with_nowhere_to_go_waits_and_is_placed_again() -> None:
     assert t.failovers_nowhere == 1 and t.capacity_lost == 1
     assert t.hours_without_placement == pytest.approx(1.0)
     assert t.completed == 1
-    # 1 h, 0.5 h of it lost; 4.5 h more from 2 h on
-    assert t.cost == pytest.approx(2.0 * (1 + 4.5))
+    # 1 h, all of it kept (checkpoints every 30 min); 4 h more from 2 h on
+    assert t.cost == pytest.approx(2.0 * (1 + 4))
+    assert t.lost_gpu_hours == 0
 
 
 def test_requests_never_placed_are_counted_by_their_last_rejection() -> None:
@@ -219,14 +229,16 @@ def test_a_request_waits_for_capacity_and_its_wait_is_counted() -> None:
     assert d["mean_wait_hours"] == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize(("restart", "useful"), [(0.0, 3.0), (0.25, 2.75), (0.5, 2.5),
-                                                 (2.0, 2.0)])
-def test_restart_hours_reduce_useful_hours(restart: float, useful: float) -> None:
+@pytest.mark.parametrize(("checkpoint", "useful"), [(0.0, 3.0), (24.0, 2.8),
+                                                    (45.0, 2.75), (90.0, 2.0)])
+def test_checkpoints_decide_the_work_a_move_loses(checkpoint: float, useful: float) -> None:
+    # (the engine once lost min(work, restart_hours) per move; the work since the last
+    # checkpoint is what a restarted job really loses)
     a, b = key("us-east-1a"), key("us-east-1b")
     m = market([row(0, a, price=1.0), row(0, b, price=2.0), row(1, a, gone=True)], hours=3)
     d = metrics(m, workload(job(0, "long", duration=10.0)), ["on_demand"],
-                restart_hours=restart)["on_demand"]
-    # 1 h on a, then 2 h on b; the move loses min(1 h, restart) of work
+                checkpoint_minutes=checkpoint)["on_demand"]
+    # 1 h on a, then 2 h on b; the move loses the work since the last checkpoint on a
     assert d["useful_gpu_hours"] == pytest.approx(useful)
     assert d["lost_gpu_hours"] == pytest.approx(3.0 - useful)
     assert d["paid_gpu_hours"] == pytest.approx(d["useful_gpu_hours"] + d["lost_gpu_hours"]
@@ -241,7 +253,8 @@ def test_a_price_above_the_lease_cap_moves_it_without_an_interruption() -> None:
     d = metrics(m, w, ["on_demand"])["on_demand"]
     assert d["failovers_by_reason"] == {"price_above_cap": 1}
     assert d["interruptions"] == 0
-    assert d["total_cost"] == pytest.approx(1 * 2.0 + 1.5 * 3.0)
+    # 1 h on a (checkpointed: nothing lost), then the last hour on b
+    assert d["total_cost"] == pytest.approx(1 * 2.0 + 1 * 3.0)
 
 
 def test_reoptimize_min_saving_moves_running_leases_for_gpubroker_only() -> None:
@@ -251,10 +264,10 @@ def test_reoptimize_min_saving_moves_running_leases_for_gpubroker_only() -> None
                                     "failover": {"reoptimize_min_saving": 0.3}})
     w = workload(job(0, "j1", duration=3.0))
     d = metrics(m, w, ["on_demand", "gpubroker"], policy=policy)
-    # gpubroker moves at the first step after the cheaper pool appears, losing 0.5 h
+    # gpubroker moves at the first step after the cheaper pool appears, at a checkpoint
     assert d["gpubroker"]["failovers_by_reason"] == {"reoptimized": 1}
     assert d["gpubroker"]["interruptions"] == 0
-    assert d["gpubroker"]["total_cost"] == pytest.approx(1 * 3.0 + 2.5 * 1.0)
+    assert d["gpubroker"]["total_cost"] == pytest.approx(1 * 3.0 + 2 * 1.0)
     # the baselines keep the policy's triggers but do not re-optimise
     assert d["on_demand"]["failovers"] == 0
     assert d["on_demand"]["total_cost"] == pytest.approx(9.0)
@@ -510,3 +523,123 @@ def test_gpubrokers_hazard_estimates_never_see_the_future() -> None:
     assert early == [(t, e) for t, e in seen[True] if t < before]
     late = dict(seen[False])
     assert any(e != late[t] for t, e in seen[True] if t >= before)
+
+
+# --- hidden truth, per-instance draws, start-up and checkpoints, seeds ---------------------
+
+def test_the_draws_follow_the_hidden_truth_not_the_observed_signal() -> None:
+    import dataclasses
+
+    calm, wild = key("us-east-1a", "spot"), key("us-east-1b", "spot")
+    # both pools show the same signal all along; their hidden hazards differ tenfold
+    rows = [row(0, calm, rate=0.1), row(0, wild, rate=0.1)]
+    m = dataclasses.replace(market(rows, hours=500),
+                            truth={calm: ([0.0], [0.02]), wild: ([0.0], [0.2])})
+    schedule = hazard_schedule(m, seed=7, step_seconds=STEP, default_rate=0.05)
+    assert schedule.hidden
+    steps = int(500 * 3600 / STEP)
+    hits = {p: sum(schedule.lease_hit(p, k, 0, 1) is not None for k in range(steps))
+            + sum(1 for _, q in schedule.pool_hits if q == p) for p in (calm, wild)}
+    # expected about 0.02 × 500 = 10 and 0.2 × 500 = 100 interruptions
+    assert 3 <= hits[calm] <= 20 and 70 <= hits[wild] <= 130
+    # the same market read from its rows has no truth: the observed rate is drawn
+    plain = hazard_schedule(market(rows, hours=500), seed=7, step_seconds=STEP,
+                            default_rate=0.05)
+    assert not plain.hidden and plain.rate(calm, 10) == plain.rate(wild, 10) == 0.1
+    blind = hazard_schedule(market([row(0, calm, rate=None)], hours=1), seed=7,
+                            step_seconds=STEP, default_rate=0.05)
+    assert blind.rate(calm, 0) == 0.05
+
+
+def test_a_generated_market_hides_its_truth_and_gcp_shows_no_rate() -> None:
+    from broker.backtest.market import SimSpec, simulate_market
+
+    m = simulate_market(SimSpec(6 * 3600, 3, 1), step_seconds=STEP)
+    assert m.truth is not None and m.seed == 3
+    observed: dict[PoolKey, list[float | None]] = {}
+    for step in m.steps:
+        for _, changes in step.slices:
+            for k, o in changes:
+                if k.market is Market.SPOT and o is not None:
+                    observed.setdefault(k, []).append(o.interruption_rate)
+    assert set(m.truth) == set(observed)
+    gcp = [r for k, rs in observed.items() if k.cloud == "gcp" for r in rs]
+    assert gcp and set(gcp) == {None}
+    # the rows never carry the hidden hazard
+    shown = {r for rs in observed.values() for r in rs}
+    true = {r for _, rates in m.truth.values() for r in rates}
+    assert len(shown) <= 10 < len(true) and not (true & (shown - {None}))
+
+
+def test_a_gang_is_interrupted_more_often_than_one_instance() -> None:
+    pool = key("us-east-1a", "spot")
+    m = market([row(0, pool, rate=0.02)], hours=1000)
+    schedule = hazard_schedule(m, seed=7, step_seconds=STEP, default_rate=0.05)
+    steps = int(1000 * 3600 / STEP)
+    one = sum(schedule.lease_hit(pool, k, 3, 1) is not None for k in range(steps))
+    gang = sum(schedule.lease_hit(pool, k, 3, 16) is not None for k in range(steps))
+    # per-instance part: 0.75 × 0.02 × n per hour over 1000 h: about 15 against 240
+    assert 5 <= one <= 30 and 180 <= gang <= 300
+    # a draw is a pure function of (seed, pool, step, job): asking again, or in another
+    # order, gives the same; another job meets another draw
+    assert [schedule.lease_hit(pool, k, 3, 16) for k in reversed(range(200))][::-1] == \
+        [schedule.lease_hit(pool, k, 3, 16) for k in range(200)]
+    other = [schedule.lease_hit(pool, k, 4, 16) for k in range(steps)]
+    assert other != [schedule.lease_hit(pool, k, 3, 16) for k in range(steps)]
+
+
+def test_gangs_meet_the_same_draws_under_every_strategy() -> None:
+    rows = [row(0, SPOT, price=1.0, rate=0.4), row(0, OD, price=3.0)]
+    rows += [row(h, SPOT, price=1.0 + 0.01 * h, rate=0.4) for h in range(1, 24)]
+    arrivals = [job(0.5 * i, f"g{i}", gpus=4, duration=2.0) for i in range(30)]
+    m, w = market(rows, hours=24), workload(*arrivals)
+    alone = tallies(m, w, ["cheapest_spot"])["cheapest_spot"]
+    together = tallies(m, w, ["gpubroker", "price_capacity", "cheapest_spot"])
+    assert alone.interrupted > 5
+    assert together["cheapest_spot"].losses == alone.losses
+    assert together["price_capacity"].losses == alone.losses
+
+
+def test_start_up_and_checkpoints_as_worked_out_by_hand() -> None:
+    a, b = key("us-east-1a"), key("us-east-1b")
+    m = market([row(0, a, price=1.0), row(0, b, price=2.0), row(1, a, gone=True)], hours=6)
+    w = workload(job(0, "j", duration=2.0))
+    d = metrics(m, w, ["on_demand"], startup_minutes=15.0,
+                checkpoint_minutes=30.0)["on_demand"]
+    # on a: 0.25 h start-up, 0.75 h of work, checkpointed at 0.5 h: 0.25 h lost;
+    # on b: 0.25 h start-up again, then the remaining 1.5 h
+    assert d["total_cost"] == pytest.approx(1 * 1.0 + (0.25 + 1.5) * 2.0)
+    assert d["useful_gpu_hours"] == pytest.approx(2.0)
+    assert d["lost_gpu_hours"] == pytest.approx(0.25 + 0.25 + 0.25)
+    assert d["paid_gpu_hours"] == pytest.approx(2.75)
+    t = tallies(m, w, ["on_demand"], startup_minutes=15.0)["on_demand"]
+    assert t.startup_gpu_hours == pytest.approx(0.5)
+    # a job's own line wins over the settings: no start-up, checkpoints every 15 min
+    own = workload(Arrival(0.0, w.arrivals[0].request, 0, 0.0, 15.0))
+    d = metrics(m, own, ["on_demand"], startup_minutes=15.0,
+                checkpoint_minutes=30.0)["on_demand"]
+    assert d["lost_gpu_hours"] == pytest.approx(0.0)
+    assert d["total_cost"] == pytest.approx(1 * 1.0 + 1.0 * 2.0)
+
+
+def test_workload_lines_may_name_start_up_and_checkpoints(tmp_path: Path) -> None:
+    from broker.backtest.workload import save_workload
+
+    m = market([row(0, OD)], hours=10)
+    req = {"request_id": "a", "gpu": "L4", "gpus": 1, "duration_hours": 1}
+    path = _write(tmp_path, [
+        json.dumps({"at_hours": 0, "request": req, "startup_minutes": 20,
+                    "checkpoint_minutes": 0}),
+        json.dumps({"at_hours": 1, "request": {**req, "request_id": "b"}}),
+    ])
+    w = load_workload(path, market=m)
+    assert [(a.startup_minutes, a.checkpoint_minutes) for a in w.arrivals] == \
+        [(20.0, 0.0), (None, None)]
+    save_workload(w, tmp_path / "again.jsonl", market=m)
+    back = load_workload(tmp_path / "again.jsonl", market=m)
+    assert [(a.startup_minutes, a.checkpoint_minutes) for a in back.arrivals] == \
+        [(20.0, 0.0), (None, None)]
+    bad = _write(tmp_path, [json.dumps({"at_hours": 0, "request": req,
+                                        "startup_minutes": -1})])
+    with pytest.raises(WorkloadError, match="startup_minutes: expected a number >= 0"):
+        load_workload(bad, market=m)
