@@ -33,7 +33,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=7,
                    help="the default of --market-seed, --workload-seed and --draw-seed (7)")
     p.add_argument("--market-seed", type=int, metavar="N",
-                   help="the simulated market's seed when sim: names none (--seed)")
+                   help="the simulated market's seed when sim: names none, and the "
+                        "permutation of a trace file's zone labels (--seed)")
+    p.add_argument("--keep-zone-labels", action="store_true",
+                   help="replay a trace file's zones under their recorded labels (by "
+                        "default each zone's series takes another label of its cloud, "
+                        "seeded, so that no strategy gains from zone names in a tie)")
     p.add_argument("--workload-seed", type=int, metavar="N",
                    help="the generated workload's seed when gen: names none (--seed)")
     p.add_argument("--draw-seed", type=int, metavar="N",
@@ -138,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         market = load_market(args.market, seed=seeds["market"],
                              step_seconds=settings.step_seconds,
-                             progress=progress)
+                             progress=progress, keep_zone_labels=args.keep_zone_labels)
         if args.save_market is not None:
             n = save_market(market, args.save_market)
             _clear(progress, err)

@@ -31,6 +31,13 @@ its n instances is reclaimed. One instance thus sees the hazard λ; a gang of 16
 `share × λ + (1 − share) × 16 λ`. The draws depend on (seed, pool, step, job) only, so
 every strategy that puts the same job on the same pool in the same step meets the same
 draw (common random numbers), whoever runs first or alongside.
+
+**Zone labels** (`relabel_zones`). Strategies that tie on price and risk choose by pool
+key, that is by region and zone name; in a recorded trace the alphabetically first
+zone may well be the worst (in `data/traces`' 9-zone AWS trace, us-east-1a is available
+17 % of the time, and all spot prices are equal). So a market read from a file has its
+zone labels permuted, seeded by the market seed, before any strategy sees it: each
+zone's series takes another label of the same cloud. `--keep-zone-labels` keeps them.
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ import bisect
 import gzip
 import hashlib
 import math
+import random
 import re
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -89,6 +97,9 @@ class MarketTrace:
     """A generated market's hidden truth: per spot pool, the instants (seconds from the
     start) at which its true hazard changed and the hazard (per hour) from then on. None
     for a market read from a trace (which has only what was observed)."""
+    zone_labels: str = "generated"
+    """`generated` (sim:), `recorded` (a file as it is) or `permuted` (a file whose zone
+    labels `relabel_zones` permuted, with `seed`)."""
 
     @property
     def seconds(self) -> float:
@@ -112,7 +123,8 @@ class MarketTrace:
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "start": _iso(self.start), "end": _iso(self.end),
-                "hours": round(self.hours, 6), "rows": self.rows, "pools": self.pools}
+                "hours": round(self.hours, 6), "rows": self.rows, "pools": self.pools,
+                "zone_labels": self.zone_labels}
 
 
 def _iso(t: datetime) -> str:
@@ -211,13 +223,64 @@ def from_rows(rows: Iterable[TraceRow], *, source: str, step_seconds: float,
     return b.build(step_seconds=step_seconds, end=end)
 
 
-def read_market(path: Path, *, step_seconds: float) -> MarketTrace:
-    """A recorded market trace (JSON Lines or CSV, optionally gzipped). Raises
-    MarketError naming the file and line of a bad row."""
+def read_market(path: Path, *, step_seconds: float,
+                relabel_seed: int | None = None) -> MarketTrace:
+    """A recorded market trace (JSON Lines or CSV, optionally gzipped); with
+    `relabel_seed`, its zone labels permuted by `relabel_zones`. Raises MarketError
+    naming the file and line of a bad row."""
     try:
-        return from_rows(read_trace(path), source=str(path), step_seconds=step_seconds)
+        if relabel_seed is None:
+            return replace(from_rows(read_trace(path), source=str(path),
+                                     step_seconds=step_seconds), zone_labels="recorded")
+        rows = relabel_zones(list(read_trace(path)), seed=relabel_seed)
+        return replace(from_rows(rows, source=str(path), step_seconds=step_seconds),
+                       seed=relabel_seed, zone_labels="permuted")
     except TraceError as err:
         raise MarketError(str(err)) from None
+
+
+ZoneLabel = tuple[str, str, str]  # (cloud, region, zone)
+
+
+def zone_permutation(labels: Iterable[ZoneLabel], *, seed: int) -> dict[ZoneLabel, ZoneLabel]:
+    """A seeded permutation of zone labels within each cloud: label → the label its
+    series takes. The same for the same labels and seed (whatever their order), in every
+    process; another seed gives another permutation (of the n! there are)."""
+    by_cloud: dict[str, list[ZoneLabel]] = {}
+    for label in set(labels):
+        by_cloud.setdefault(label[0], []).append(label)
+    out: dict[ZoneLabel, ZoneLabel] = {}
+    for cloud, zones in sorted(by_cloud.items()):
+        zones.sort()
+        shuffled = list(zones)
+        random.Random(f"zone-labels:{seed}:{cloud}").shuffle(shuffled)
+        out.update(zip(zones, shuffled, strict=True))
+    return out
+
+
+def relabel_zones(rows: Sequence[TraceRow], *, seed: int) -> list[TraceRow]:
+    """`rows` with each zone's series moved to another zone label of the same cloud
+    (`zone_permutation`): every pool of zone z (all instance types, both markets, and its
+    `gone` rows) takes the region and zone of the label z maps to. Times, order and
+    states are kept, so the market holds the same series, only under other names.
+
+    The permutation is over all the zone labels of a cloud, not within each region:
+    region names break ties too (in the 9-zone AWS trace the first region, us-east-1, is
+    also the least available one), so permuting within regions would leave that
+    advantage. The labels themselves stay as recorded (each region keeps its number of
+    zones), and what the strategies compare (GPU models, instance types, prices) moves
+    with the series, so a generated workload (`gen:`, which names no region or zone)
+    fits the relabelled market as it fits the recorded one. A workload or policy that
+    names regions, though, names labels, not the series recorded there: replay it with
+    `--keep-zone-labels`."""
+    mapping = zone_permutation(((r.pool.cloud, r.pool.region, r.pool.zone) for r in rows),
+                               seed=seed)
+    out = []
+    for r in rows:
+        k = r.pool
+        _, region, zone = mapping[(k.cloud, k.region, k.zone)]
+        out.append(replace(r, pool=k._replace(region=region, zone=zone)))
+    return out
 
 
 def save_market(market: MarketTrace, path: Path) -> int:
@@ -347,12 +410,15 @@ def simulate_market(spec: SimSpec, *, step_seconds: float,
 
 
 def load_market(text: str, *, seed: int, step_seconds: float,
-                progress: Progress | None = None) -> MarketTrace:
-    """`--market`: `sim:...` or a trace file."""
+                progress: Progress | None = None,
+                keep_zone_labels: bool = False) -> MarketTrace:
+    """`--market`: `sim:...` or a trace file, whose zone labels are permuted with `seed`
+    (`relabel_zones`) unless `keep_zone_labels`."""
     spec = parse_sim_spec(text, default_seed=seed)
     if spec is not None:
         return simulate_market(spec, step_seconds=step_seconds, progress=progress)
-    return read_market(Path(text), step_seconds=step_seconds)
+    return read_market(Path(text), step_seconds=step_seconds,
+                       relabel_seed=None if keep_zone_labels else seed)
 
 
 # --- interruption draws -----------------------------------------------------------------
