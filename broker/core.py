@@ -48,6 +48,7 @@ import structlog
 from broker import failover, placement, requests
 from broker.config import PlacementConfig
 from broker.events import Messages, lease_subject, request_subject
+from broker.hazard import horizon_bucket
 from broker.keyfilter import KeyFilter
 from broker.leases import LeaseBook, LeaseError
 from broker.model import (
@@ -562,7 +563,8 @@ class Broker:
             # polls and HTTP meanwhile; the lock keeps every other change out until the
             # outcome is committed, here, on the loop.
             view = placement.Snapshot(self.pool, now)
-            costs = self._cost_index().frozen()
+            costs = self._cost_index().frozen(
+                {horizon_bucket(a.request.duration_hours) for a in batch})
             result = await asyncio.to_thread(
                 placement.solve, batch, view, self.policy, now=now,
                 retry_after_seconds=self._retry_after, settings=settings, costs=costs)

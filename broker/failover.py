@@ -230,7 +230,8 @@ def current_cost(lease: Lease, view: placement.PoolView, policy: Policy) -> floa
     offer = view.get(lease.placement.pool)
     if offer is None or offer.price_per_hour is None:
         return None
-    return placement.expected_cost(offer, lease.placement.instances, policy, hazard=view.hazard)
+    return placement.expected_cost(offer, lease.placement.instances, policy,
+                                   hazard=placement.hazard_for(view, policy, lease.request))
 
 
 def saving(lease: Lease, outcome: placement.Outcome, view: placement.PoolView,

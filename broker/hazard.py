@@ -39,7 +39,11 @@ the correlation ρ of consecutive deviations from the pools' averages, Δt apart
 
 `estimate(key)` answers for `horizon_hours`, from a table brought up to date on each of
 the pool's changes and for every pool each `refresh_seconds` of the fed clock: one dict
-lookup, for placement's inner loop. `over(key, hours)` computes any horizon. Memory:
+lookup, for placement's inner loop. **A request's own horizon**: `at(hours)` is a view
+answering for that horizon (placement asks for `horizon_bucket(duration_hours)`: 1, 4, 16
+or 64 hours, the nearest on a log scale, so that at most four tables are kept, each
+made on first use and then kept up to date like the first). `over(key, hours)` computes
+any horizon exactly. Memory:
 one small record per spot pool seen; pools gone longer than `forget_after_hours` are
 dropped. Pure: no I/O, no clock of its own (times are seconds on the caller's clock,
 non-decreasing per pool; an earlier time counts as the latest one).
@@ -49,7 +53,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker.model import Market, PoolKey
 
@@ -59,6 +63,50 @@ if TYPE_CHECKING:
 
 Estimate = tuple[float | None, float | None]
 """(interruption rate per hour, availability); None where the pool never showed one."""
+
+HORIZONS: tuple[float, ...] = (1.0, 4.0, 16.0, 64.0)
+"""The horizons (hours) placement scores requests over: one per request, by its duration."""
+DEFAULT_HORIZON = 4.0
+"""A request that gives no `duration_hours` is scored over this horizon."""
+
+
+def horizon_bucket(duration_hours: float | None) -> float:
+    """The horizon of `HORIZONS` nearest (on a log scale) to a request's duration."""
+    if duration_hours is None or not duration_hours > 0:
+        return DEFAULT_HORIZON
+    x = math.log(duration_hours)
+    return min(HORIZONS, key=lambda h: abs(math.log(h) - x))
+
+
+class Hazard(Protocol):
+    """What placement reads of an estimator: the estimate per pool for one horizon, and
+    how often every estimate was refreshed (a cache of costs is out of date then)."""
+
+    @property
+    def refreshes(self) -> int: ...
+
+    def estimate(self, key: PoolKey) -> Estimate | None: ...
+
+
+class HazardView:
+    """`HazardEstimator.at(hours)`: its estimates over another horizon (kept up to date
+    by the estimator with its own)."""
+
+    __slots__ = ("_est", "_g", "horizon_hours", "owner")
+
+    def __init__(self, owner: HazardEstimator, hours: float, g: float) -> None:
+        self.owner = owner
+        self.horizon_hours = hours
+        self._g = g
+        self._est: dict[PoolKey, Estimate] = {}
+
+    @property
+    def refreshes(self) -> int:
+        return self.owner.refreshes
+
+    def estimate(self, key: PoolKey) -> Estimate | None:
+        return self._est.get(key)
+
 
 _MIN_PAIRS = 50
 _MAX_PAIRS = 20_000  # then the sums are halved: θ follows the market slowly
@@ -114,6 +162,7 @@ class HazardEstimator:
         self.now = -math.inf
         self._pools: dict[PoolKey, _Pool] = {}
         self._est: dict[PoolKey, Estimate] = {}
+        self._views: dict[float, HazardView] = {}
         self.refreshes = 0
         """How many times `refresh` re-estimated every pool (a cache of costs computed
         from the estimates is out of date when it changes; other estimates change only
@@ -168,6 +217,8 @@ class HazardEstimator:
             self._accrue(p, t)
             p.rate, p.avail, p.gone_at = rate, availability, None
         self._est[key] = self._estimate(p, self._g, 0.0)
+        for v in self._views.values():
+            v._est[key] = self._estimate(p, v._g, 0.0)
         self._tick(t)
 
     def gone(self, key: PoolKey, t: float) -> None:
@@ -179,6 +230,8 @@ class HazardEstimator:
         self._accrue(p, t)
         p.avail, p.gone_at = 0.0, t
         self._est.pop(key, None)
+        for v in self._views.values():
+            v._est.pop(key, None)
         self._tick(t)
 
     def observe_change(self, change: PoolChange, t: float) -> None:
@@ -221,6 +274,20 @@ class HazardEstimator:
         as of the last refresh (None: a pool not seen, or gone)."""
         return self._est.get(key)
 
+    def at(self, hours: float) -> Hazard:
+        """The estimates over `hours` instead (`estimate` of the view returned): this
+        estimator for its own horizon, else a view kept up to date from now on."""
+        if hours == self.horizon_hours:
+            return self
+        v = self._views.get(hours)
+        if v is None:
+            v = self._views[hours] = HazardView(self, hours, _fade(self._theta, hours))
+            at = self._refreshed  # as of the last refresh, like the estimator's own
+            for k, p in self._pools.items():
+                if p.gone_at is None:
+                    v._est[k] = self._estimate(p, v._g, max(0.0, at - p.t))
+        return v
+
     def over(self, key: PoolKey, hours: float, now: float | None = None) -> Estimate | None:
         """The expected interruption rate and availability of `key` over the next `hours`
         from `now` (default: the latest time fed)."""
@@ -228,7 +295,7 @@ class HazardEstimator:
         if p is None or p.gone_at is not None:
             return None
         return self._estimate(p, _fade(self._theta, hours),
-                              0.0 if now is None else max(0.0, now - p.t))
+                              max(0.0, (self.now if now is None else now) - p.t))
 
     def average(self, key: PoolKey, now: float | None = None) -> Estimate | None:
         """The pool's moving averages `m` as of `now` (default: the latest time fed)."""
@@ -319,6 +386,12 @@ class HazardEstimator:
                   if p.gone_at is not None and now - p.gone_at > self.forget_after]
         for k in forget:
             del self._pools[k]
+        views = list(self._views.values())
+        for v in views:
+            v._g = _fade(self._theta, v.horizon_hours)
         for k, p in self._pools.items():
             if p.gone_at is None:
-                est[k] = self._estimate(p, g, max(0.0, now - p.t))
+                since = max(0.0, now - p.t)
+                est[k] = self._estimate(p, g, since)
+                for v in views:
+                    v._est[k] = self._estimate(p, v._g, since)

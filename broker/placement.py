@@ -10,9 +10,10 @@ capacity and quota for it alone — cheapest expected cost per hour first:
                            + spread_weight × share of the team's GPUs in that zone)
     + idle_gpu_weight × price of the GPUs paid for but not asked for
 
-(interruption risk counts for spot only; unknown signals take the policy's `unknown_*`
-values; a spot pool not `scoring.spot_min_discount` under on-demand for the same type
-and zone is skipped). Requests asking for the same thing share one list, read further
+(interruption risk counts for spot only, over the request's own duration when the pools'
+history is kept: `broker.hazard`; unknown signals take the policy's `unknown_*` values;
+a spot pool not `scoring.spot_min_discount` under on-demand for the same type and zone
+is skipped). Requests asking for the same thing share one list, read further
 only when its options run out. `broker.solver` then assigns the batch within every
 pool's free capacity, quota group, team `max_gpus`, `budget_per_hour` and spread limit;
 a request it leaves unplaced is rejected with the constraint that binds.
@@ -37,7 +38,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import solver
-from broker.hazard import HazardEstimator
+from broker.hazard import DEFAULT_HORIZON, Hazard, HazardEstimator, horizon_bucket
 from broker.model import Market, Offer, Placement, PlaceRequest, PoolKey, RejectCode
 from policies.evaluate import Constraints, Denied, evaluate
 from policies.evaluate import describe as describe_constraints
@@ -115,7 +116,16 @@ class Snapshot:
         return self._hazard
 
 
-def unit_cost(offer: Offer, policy: Policy, hazard: HazardEstimator | None) -> float:
+def hazard_for(view: PoolView, policy: Policy, request: PlaceRequest) -> Hazard | None:
+    """The hazard estimates a request is scored with: the view's, over the request's own
+    horizon (`broker.hazard.horizon_bucket` of its `duration_hours`)."""
+    hazard = view.hazard
+    if hazard is None or policy.scoring.hazard_half_life_hours <= 0:
+        return hazard
+    return hazard.at(horizon_bucket(request.duration_hours))
+
+
+def unit_cost(offer: Offer, policy: Policy, hazard: Hazard | None) -> float:
     """The expected cost of one of the offer's GPUs for an hour (`expected_cost` of one
     instance, per GPU): no option on the offer costs less per GPU asked for."""
     return expected_cost(offer, 1, policy, hazard=hazard) / offer.gpus
@@ -125,11 +135,16 @@ def _first_two(entry: tuple[float, PoolKey, Offer]) -> tuple[float, PoolKey]:
     return entry[0], entry[1]
 
 
+_Where = tuple[str, Market, float]  # (GPU model, market, horizon hours)
+
+
 class CostIndex:
-    """The pool's priced offers per (GPU model, market) in order of `unit_cost`, for
-    placing on the event loop: a request's walk can stop as soon as the next offer's
+    """The pool's priced offers per (GPU model, market, horizon) in order of `unit_cost`,
+    for placing on the event loop: a request's walk can stop as soon as the next offer's
     cost per GPU times the GPUs it asks for exceeds the options it has, which in order
-    of price alone can take hundreds of offers more (prices alike, risks not).
+    of price alone can take hundreds of offers more (prices alike, risks not). The
+    horizon is a request's (`broker.hazard.horizon_bucket`): spot risk is scored over
+    it, so a list is kept per horizon asked for (at most `broker.hazard.HORIZONS`).
 
     Built per list on first use, then kept up to date from the pool's changes: an offer
     that changed or went (and with it the hazard estimate of its pool, which changes
@@ -140,8 +155,8 @@ class CostIndex:
     def __init__(self, pool: ResourcePool, policy: Policy) -> None:
         self.pool = pool
         self.policy = policy
-        self._lists: dict[tuple[str, Market], list[tuple[float, PoolKey, Offer]]] = {}
-        self._placed: dict[PoolKey, tuple[float, tuple[str, Market]]] = {}
+        self._lists: dict[_Where, list[tuple[float, PoolKey, Offer]]] = {}
+        self._placed: dict[PoolKey, list[tuple[float, _Where]]] = {}
         self._dirty: set[PoolKey] = set()
         self._hazard_seen: tuple[int, int] = (0, -1)
         self.close = pool.subscribe(self._observe)
@@ -152,10 +167,23 @@ class CostIndex:
             self._dirty.update(change.updated)
             self._dirty.update(change.removed)
 
-    def sorted(self, gpu: str, market: Market) -> list[tuple[float, PoolKey, Offer]]:
+    def _hazard(self, horizon: float) -> Hazard | None:
+        hazard = self.pool.hazard
+        if hazard is None or self.policy.scoring.hazard_half_life_hours <= 0:
+            return hazard
+        return hazard.at(horizon)
+
+    def _horizon(self, horizon: float) -> float:
+        """Every horizon scores alike without an estimator in use: one list for all."""
+        if self.pool.hazard is None or self.policy.scoring.hazard_half_life_hours <= 0:
+            return DEFAULT_HORIZON
+        return horizon
+
+    def sorted(self, gpu: str, market: Market, horizon: float = DEFAULT_HORIZON
+               ) -> list[tuple[float, PoolKey, Offer]]:
         """(unit cost, pool key, offer) of the priced offers of `gpu` in `market`,
-        cheapest first, as of now (an offer re-read unchanged since may be newer in the
-        pool: `ResourcePool.get`)."""
+        scored over `horizon` hours, cheapest first, as of now (an offer re-read
+        unchanged since may be newer in the pool: `ResourcePool.get`)."""
         hazard = self.pool.hazard
         seen = (id(hazard), hazard.refreshes if hazard is not None else 0)
         if seen != self._hazard_seen:
@@ -164,58 +192,78 @@ class CostIndex:
             self._dirty.clear()
             self._hazard_seen = seen
         if self._dirty:
-            self._place_again(hazard)
-        got = self._lists.get((gpu, market))
+            self._place_again()
+        where = (gpu, market, self._horizon(horizon))
+        got = self._lists.get(where)
         if got is None:
-            policy, where = self.policy, (gpu, market)
-            got = sorted(((unit_cost(o, policy, hazard), o.pool, o)
+            policy, hz = self.policy, self._hazard(where[2])
+            got = sorted(((unit_cost(o, policy, hz), o.pool, o)
                           for o in self.pool.by_gpu(gpu, market)), key=_first_two)
             self._lists[where] = got
+            placed = self._placed
             for u, key, _ in got:
-                self._placed[key] = (u, where)
+                placed.setdefault(key, []).append((u, where))
         return got
 
-    def frozen(self) -> FrozenCosts:
-        """Every list, up to date now, copied: for a batch placed in a worker thread on
-        a `Snapshot` while the pool and this index go on changing (on the loop)."""
+    def frozen(self, horizons: Iterable[float] = (DEFAULT_HORIZON,)) -> FrozenCosts:
+        """Every list for these horizons, up to date now, copied: for a batch placed in a
+        worker thread on a `Snapshot` while the pool and this index go on changing (on
+        the loop)."""
+        want = sorted({self._horizon(h) for h in horizons})
+        for h in want:
+            self._hazard(h)  # an estimator's view is made here, on the loop, not in a thread
         for gpu in self.pool.gpus():
             for market in Market:
-                self.sorted(gpu, market)
-        return FrozenCosts(self.policy, {k: list(v) for k, v in self._lists.items()})
+                for h in want:
+                    self.sorted(gpu, market, h)
+        return FrozenCosts(self.policy, {k: list(v) for k, v in self._lists.items()
+                                         if k[2] in want},
+                           normalise=self._horizon(1.0) != 1.0)
 
-    def _place_again(self, hazard: HazardEstimator | None) -> None:
+    def _place_again(self) -> None:
         import bisect
 
         dirty, self._dirty = self._dirty, set()
+        lists, placed = self._lists, self._placed
+        horizons = {w[2] for w in lists}
         for key in dirty:
-            old = self._placed.pop(key, None)
-            if old is not None:
-                entries = self._lists[old[1]]
-                i = bisect.bisect_left(entries, (old[0], key), key=_first_two)
+            for u, where in placed.pop(key, ()):
+                entries = lists[where]
+                i = bisect.bisect_left(entries, (u, key), key=_first_two)
                 if i < len(entries) and entries[i][1] == key:
                     del entries[i]
             offer = self.pool.get(key)
             if offer is None or offer.price_per_hour is None or offer.gpus <= 0:
                 continue
-            where = (offer.gpu, key.market)
-            entries_or_none = self._lists.get(where)
-            if entries_or_none is None:
-                continue  # that list is built when first asked for
-            u = unit_cost(offer, self.policy, hazard)
-            bisect.insort(entries_or_none, (u, key, offer), key=_first_two)
-            self._placed[key] = (u, where)
+            for h in horizons:
+                where = (offer.gpu, key.market, h)
+                entries_or_none = lists.get(where)
+                if entries_or_none is None:
+                    continue  # that list is built when first asked for
+                u = unit_cost(offer, self.policy, self._hazard(h))
+                bisect.insort(entries_or_none, (u, key, offer), key=_first_two)
+                placed.setdefault(key, []).append((u, where))
 
 
 class FrozenCosts:
-    """A `CostIndex` as it was at one moment (`CostIndex.frozen`)."""
+    """A `CostIndex` as it was at one moment (`CostIndex.frozen`), for the horizons it
+    was frozen for (`normalise`: every horizon scores alike, one list serves all)."""
 
-    def __init__(self, policy: Policy,
-                 lists: dict[tuple[str, Market], list[tuple[float, PoolKey, Offer]]]) -> None:
+    def __init__(self, policy: Policy, lists: dict[_Where, list[tuple[float, PoolKey, Offer]]],
+                 normalise: bool = False) -> None:
         self.policy = policy
         self._lists = lists
+        self._normalise = normalise
+        self._horizons = {w[2] for w in lists}
 
-    def sorted(self, gpu: str, market: Market) -> list[tuple[float, PoolKey, Offer]]:
-        return self._lists.get((gpu, market), [])
+    def sorted(self, gpu: str, market: Market, horizon: float = DEFAULT_HORIZON
+               ) -> list[tuple[float, PoolKey, Offer]]:
+        if self._normalise:
+            horizon = DEFAULT_HORIZON
+        elif self._horizons and horizon not in self._horizons:
+            raise KeyError(f"costs frozen for horizons {sorted(self._horizons)}, "
+                           f"not {horizon:g} h")
+        return self._lists.get((gpu, market, horizon), [])
 
 
 Costs = CostIndex | FrozenCosts
@@ -264,7 +312,7 @@ class _Scan:
     best: list[tuple[float, int, Offer, int]] = field(default_factory=list)
 
 
-def signals(offer: Offer, policy: Policy, hazard: HazardEstimator | None = None
+def signals(offer: Offer, policy: Policy, hazard: Hazard | None = None
             ) -> tuple[float | None, float | None]:
     """The interruption rate and availability an offer is scored with: for a spot pool
     the `hazard` estimator knows, what it expects over a job (when the policy's
@@ -283,7 +331,7 @@ def signals(offer: Offer, policy: Policy, hazard: HazardEstimator | None = None
 
 
 def cost_terms(offer: Offer, policy: Policy, zone_share: float = 0.0,
-               hazard: HazardEstimator | None = None) -> dict[str, float]:
+               hazard: Hazard | None = None) -> dict[str, float]:
     """The expected-cost multipliers of an offer, each as a share of its price."""
     s = policy.scoring
     rate, avail = signals(offer, policy, hazard)
@@ -299,7 +347,7 @@ def cost_terms(offer: Offer, policy: Policy, zone_share: float = 0.0,
 
 
 def expected_cost(offer: Offer, instances: int, policy: Policy,
-                  zone_share: float = 0.0, hazard: HazardEstimator | None = None) -> float:
+                  zone_share: float = 0.0, hazard: Hazard | None = None) -> float:
     """instances × price × (1 + the `cost_terms`) (the interruption cost per GPU is one
     of them, as a share of the price), computed inline: this runs for every
     candidate of every request. With a `hazard` estimator, a spot pool's signals are
@@ -481,7 +529,7 @@ class _Builder:
         self._index: dict[tuple[str, Market], _Arrays] = {}
         self._masks: dict[Hashable, tuple[Any, Any]] = {}
         self._inside_masks: dict[Hashable, Any] = {}
-        self._sizes: dict[tuple[str, Market, int], _Sized] = {}
+        self._sizes: dict[tuple[str, Market, int, float], _Sized] = {}
         # Large batches: per offer of `_index`, the instances it may still have room
         # for while the solver places (see `_Source`); inf: not known to be short.
         self.room: Any = None
@@ -493,31 +541,50 @@ class _Builder:
         self.limits: dict[Hashable, float] = {}
         self.teams: dict[str, solver.Team] = {}
         self._groups: dict[Hashable, tuple[solver.Group, _Scan]] = {}
-        self._options: dict[tuple[PoolKey, int, int], solver.Option] = {}
+        self._options: dict[tuple[PoolKey, int, int, float], solver.Option] = {}
         self._rules: list[str | None] = []
+        # Spot risk is scored over each request's own horizon when an estimator is used;
+        # otherwise every horizon scores alike and all share one.
+        self._by_horizon = view.hazard is not None and policy.scoring.hazard_half_life_hours > 0
+        self._hazards: dict[float, Hazard | None] = {}
+
+    def horizon(self, req: PlaceRequest) -> float:
+        """The horizon (hours) the request's spot risk is scored over."""
+        return horizon_bucket(req.duration_hours) if self._by_horizon else DEFAULT_HORIZON
+
+    def hazard(self, h: float) -> Hazard | None:
+        """The estimates over `h` hours (the view's estimator when it scores alike)."""
+        try:
+            return self._hazards[h]
+        except KeyError:
+            hazard = self.view.hazard
+            got = self._hazards[h] = hazard.at(h) if hazard is not None and \
+                self._by_horizon else hazard
+            return got
 
     def rule_of(self, n: int) -> str | None:
         return self._rules[n]
 
     def request(self, ask: Ask, c: Constraints) -> tuple[solver.Request | None, _Scan]:
         req = ask.request
+        h = self.horizon(req)
         sig = (req.gpus, c.gpus, c.markets, c.cap, c.clouds, c.deny_clouds, c.regions,
-               c.deny_regions, c.residency, req.clouds, req.regions, ask.exclude)
+               c.deny_regions, c.residency, req.clouds, req.regions, ask.exclude, h)
         got = self._groups.get(sig)
         if got is None and self.indexed:
-            source = _Source(self, self._ranked(ask, c), req.gpus, ask.exclude)
+            source = _Source(self, self._ranked(ask, c, h), req.gpus, ask.exclude, h)
             group = solver.Group([], 0.0, source.more)
             source.group = group
             group.options, group.upto = source.more(self.k, None, None)
             scan = _Scan() if group.options else self._scan(ask, c)
             got = self._groups[sig] = (group, scan)
         if got is None:
-            options, upto, scan = self._walk(ask, c, self.k, None)
+            options, upto, scan = self._walk(ask, c, self.k, None, h=h)
 
             def more(k: int | None, below: float | None, alive: solver.Alive | None,
                      ask: Ask = ask, c: Constraints = c
                      ) -> tuple[list[solver.Option], float]:
-                found, upto, _ = self._walk(ask, c, k, below, alive)
+                found, upto, _ = self._walk(ask, c, k, below, alive, h=h)
                 return found, upto
 
             got = self._groups[sig] = (solver.Group(options, upto, more), scan)
@@ -571,9 +638,9 @@ class _Builder:
             grace=c.spread_grace, total=c.team_gpus, by_zone=dict(c.gpus_by_zone),
             by_cloud=dict(by_cloud))
 
-    def _option(self, offer: Offer, instances: int, need: int) -> solver.Option:
+    def _option(self, offer: Offer, instances: int, need: int, h: float) -> solver.Option:
         key = offer.pool
-        got = self._options.get((key, instances, need))
+        got = self._options.get((key, instances, need, h))
         if got is not None:
             return got
         if self.costs is not None:
@@ -594,13 +661,13 @@ class _Builder:
             self.limits.setdefault(qkey, have)
             uses.append((qkey, instances * units))
         price = instances * offer.price_per_hour  # type: ignore[operator]
-        cost = expected_cost(offer, instances, self.policy, hazard=self.view.hazard)
+        cost = expected_cost(offer, instances, self.policy, hazard=self.hazard(h))
         idle = self.policy.scoring.idle_gpu_weight
         if idle:
             cost += idle * (instances * offer.gpus - need) * (price / (instances * offer.gpus))
         o = solver.Option(cost, tuple(uses), instances * offer.gpus, price, key.cloud,
                           key.zone, (offer, instances))
-        self._options[(key, instances, need)] = o
+        self._options[(key, instances, need, h)] = o
         return o
 
     def _arrays(self, gpu: str, m: Market) -> _Arrays:
@@ -638,7 +705,7 @@ class _Builder:
             got = self._masks[key] = (own, allowed)
         return got
 
-    def _ranked(self, ask: Ask, c: Constraints) -> _Ranked:
+    def _ranked(self, ask: Ask, c: Constraints, h: float) -> _Ranked:
         """The request's candidates over every acceptable model and market (large
         batches): filtered and costed at once on the batch's offer arrays; `_Source`
         makes options of them, cheapest expected cost per hour first, as they are read."""
@@ -659,7 +726,7 @@ class _Builder:
                 arr = self._arrays(gpu, m)
                 if not arr.offers:
                     continue
-                inst, fits, cost, price, options = self._sized(gpu, m, arr, need)
+                inst, fits, cost, price, options = self._sized(gpu, m, arr, need, h)
                 ok = self._inside(gpu, m, arr, ask, c, need, fits)
                 if cap is not None:
                     ok = ok & (arr.ppg <= cap)
@@ -687,20 +754,20 @@ class _Builder:
             got = self._inside_masks[key] = own & allowed & fits
         return got
 
-    def _sized(self, gpu: str, m: Market, arr: _Arrays, need: int) -> _Sized:
+    def _sized(self, gpu: str, m: Market, arr: _Arrays, need: int, h: float) -> _Sized:
         """Per offer of `arr`, for `need` GPUs: the instances, whether its free capacity,
         quota and spot discount allow them, their expected cost and price per hour, and
         the option once made; shared by the batch's requests for as many GPUs."""
-        got = self._sizes.get((gpu, m, need))
+        got = self._sizes.get((gpu, m, need, h))
         if got is None:
             inst = -(-need // arr.gpus)
             paid = inst * arr.gpus
             fits = (arr.free >= inst) & (arr.quota >= paid) & arr.disc_ok
-            cost = paid * arr.eff
+            cost = paid * arr.eff(h, self.policy, self.hazard(h))
             idle = self.policy.scoring.idle_gpu_weight
             if idle:
                 cost = cost + idle * (paid - need) * arr.ppg
-            got = self._sizes[(gpu, m, need)] = (inst, fits, cost, paid * arr.ppg,
+            got = self._sizes[(gpu, m, need, h)] = (inst, fits, cost, paid * arr.ppg,
                                                  [None] * len(arr.offers))
         return got
 
@@ -761,18 +828,18 @@ class _Builder:
             ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
             yield ppg, offer, ppg, None  # free instances: computed where needed
 
-    def _by_cost(self, gpu: str, m: Market
+    def _by_cost(self, gpu: str, m: Market, h: float
                  ) -> Iterator[tuple[float, Offer, float, int | None]]:
         """`_plain` in order of `unit_cost` (from the `CostIndex`), which is the bound."""
         assert self.costs is not None
         view, stale, cooling = self.view, self.stale, self.cooling
-        for u, key, offer in self.costs.sorted(gpu, m):
+        for u, key, offer in self.costs.sorted(gpu, m, h):
             if (cooling and key in cooling) or (stale and view.slice_of(key) in stale):
                 continue
             yield u, offer, offer.price_per_hour / offer.gpus, None  # type: ignore[operator]
 
     def _walk(self, ask: Ask, c: Constraints, k: int | None, limit: float | None,
-              alive: solver.Alive | None = None
+              alive: solver.Alive | None = None, *, h: float
               ) -> tuple[list[solver.Option], float, _Scan]:
         """The request's options, cheapest expected cost per hour first: the best `k`,
         or all of them up to `limit` per hour; the cost per hour below which the list
@@ -786,6 +853,7 @@ class _Builder:
         min_discount = policy.scoring.spot_min_discount
         idle = policy.scoring.idle_gpu_weight
         need = req.gpus
+        hazard = self.hazard(h)
         scan = _Scan()
         keep = k if limit is None else None
         heap: list[tuple[float, int, solver.Option]] = []
@@ -798,7 +866,7 @@ class _Builder:
         for gpu in c.gpus:
             for m in c.markets:
                 for mult, entries in ((need, self._plain(gpu, m) if by_price
-                                       else self._by_cost(gpu, m)),):
+                                       else self._by_cost(gpu, m, h)),):
                     for bound, offer, ppg, _ in entries:
                         key = offer.pool
                         if own_clouds is not None and key.cloud not in own_clouds:
@@ -836,12 +904,12 @@ class _Builder:
                         if min_discount and not spot_discount_ok(offer, view, min_discount):
                             continue
                         # The cost first: most offers walked never make the list.
-                        cost = expected_cost(offer, instances, policy, hazard=view.hazard)
+                        cost = expected_cost(offer, instances, policy, hazard=hazard)
                         if idle:
                             cost += idle * (instances * offer.gpus - need) * ppg
                         if keep is not None and len(heap) == keep and cost >= -heap[0][0]:
                             continue
-                        o = self._option(offer, instances, need)
+                        o = self._option(offer, instances, need, h)
                         if alive is not None and not alive(o):
                             continue
                         cost = o.cost_per_hour
@@ -874,6 +942,7 @@ class _Arrays:
     def __init__(self) -> None:
         self.offers: list[Offer] = []
         self.regions: list[tuple[str, str]] = []
+        self._eff: dict[float, Any] = {}
 
     @classmethod
     def of(cls, entries: Iterable[tuple[float, Offer, float, int | None]], policy: Policy,
@@ -882,14 +951,12 @@ class _Arrays:
 
         a = cls()
         codes: dict[tuple[str, str], int] = {}
-        eff, ppg, gpus, free, quota, region, disc = [], [], [], [], [], [], []
+        ppg, gpus, free, quota, region, disc = [], [], [], [], [], []
         min_discount = policy.scoring.spot_min_discount
-        hazard = view.hazard
         for p, offer, _, _ in entries:
             key = offer.pool
             f = None if offer.capacity is None else offer.capacity - view.held(key)
             a.offers.append(offer)
-            eff.append(unit_cost(offer, policy, hazard))  # the one cost formula
             ppg.append(p)
             gpus.append(offer.gpus)
             free.append(math.inf if f is None else f)
@@ -899,14 +966,23 @@ class _Arrays:
             disc.append(not min_discount or spot_discount_ok(offer, view, min_discount))
         a.regions = list(codes)
         a.gpus = np.array(gpus, dtype=np.int64)
-        a.eff = np.array(eff, dtype=float)
         a.ppg = np.array(ppg, dtype=float)
         a.free, a.quota = np.array(free, dtype=float), np.array(quota, dtype=float)
         a.region = np.array(region, dtype=np.int64)
         a.disc_ok = np.array(disc, dtype=bool)
         return a
 
-    eff: Any
+    def eff(self, h: float, policy: Policy, hazard: Hazard | None) -> Any:
+        """Expected cost per GPU-hour of each offer, spot risk over `h` hours (made on
+        first use per horizon)."""
+        got = self._eff.get(h)
+        if got is None:
+            import numpy as np
+
+            got = self._eff[h] = np.array([unit_cost(o, policy, hazard)  # the one formula
+                                           for o in self.offers], dtype=float)
+        return got
+
     ppg: Any
     gpus: Any
     free: Any
@@ -1001,8 +1077,9 @@ class _Source:
     CHUNK = 256
 
     def __init__(self, builder: _Builder, ranked: _Ranked, need: int,
-                 exclude: frozenset[PoolKey]) -> None:
+                 exclude: frozenset[PoolKey], h: float) -> None:
         self.builder = builder
+        self.h = h
         self.ranked = ranked
         self.need = need
         self.exclude = exclude
@@ -1046,7 +1123,7 @@ class _Source:
                 o = ranked.made[p][row]
                 if o is None:
                     o = ranked.made[p][row] = builder._option(ranked.arrays[p].offers[row],
-                                                              inst, need)
+                                                              inst, need, self.h)
                 if exclude and o.ref[0].pool in exclude:
                     continue
                 if alive is None or alive(o):
@@ -1162,7 +1239,7 @@ def explain(ask: Ask, view: PoolView, policy: Policy, *, now: datetime, top: int
     out["verdict"] = describe_constraints(c)
     excluded: Counter[str] = Counter()
     stale, cooling = view.stale_slices(now), view.cooling(now)
-    hazard = view.hazard
+    hazard = hazard_for(view, policy, req)
     candidates: list[tuple[float, Offer, int, dict[str, float]]] = []
     models = list(dict.fromkeys([*c.gpus, *all_gpus]))
     for gpu in models:
@@ -1218,7 +1295,7 @@ def explain(ask: Ask, view: PoolView, policy: Policy, *, now: datetime, top: int
     return out
 
 
-def _scored_with(offer: Offer, policy: Policy, hazard: HazardEstimator | None
+def _scored_with(offer: Offer, policy: Policy, hazard: Hazard | None
                  ) -> dict[str, Any]:
     """The signals a candidate was scored with, when they are the hazard estimator's."""
     rate, avail = signals(offer, policy, hazard)

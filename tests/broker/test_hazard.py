@@ -190,3 +190,33 @@ def test_it_is_fed_by_a_pools_changes_spot_only() -> None:
     pool.replace(("aws", "us-east-1"), [od])
     assert h.estimate(spot.pool) is None and spot.pool in h
     unsubscribe()
+
+
+def test_a_view_over_another_horizon_answers_as_over_does() -> None:
+    """`at(h)` answers `over(key, h)` as of the last refresh, and for a pool just fed, as
+    of then; views made late start from the pools' history like the estimator's own."""
+    from broker.hazard import HORIZONS, horizon_bucket
+
+    rng = random.Random(9)
+    h = HazardEstimator(half_life_hours=6.0, refresh_seconds=1800.0)
+    assert h.at(h.horizon_hours) is h
+    early = h.at(1.0)
+    feed(h, A, wander(rng, 0.7, 6 * 12))
+    end = feed(h, B, wander(rng, 0.5, 6 * 12), t0=300.0)
+    late = h.at(64.0)
+    h.refresh()
+    for view, hours in ((early, 1.0), (late, 64.0)):
+        assert view.refreshes == h.refreshes
+        for k in (A, B):
+            got, want = view.estimate(k), h.over(k, hours)
+            assert got is not None and want is not None
+            assert got == pytest.approx(want)
+    h.observe(A, end + STEP, rate_for(0.2), 0.2)
+    est = early.estimate(A)
+    assert est == pytest.approx(h.over(A, 1.0, now=end + STEP))
+    assert est is not None and est[1] is not None and est[1] < 0.5  # the short one follows it
+    h.gone(B, end + 2 * STEP)
+    assert early.estimate(B) is None and late.estimate(B) is None
+    assert [horizon_bucket(d) for d in (None, 0, 0.1, 1.9, 3, 6, 12, 30, 1000)] == \
+        [4.0, 4.0, 1.0, 1.0, 4.0, 4.0, 16.0, 16.0, 64.0]
+    assert set(HORIZONS) == {1.0, 4.0, 16.0, 64.0}

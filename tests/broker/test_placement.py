@@ -546,6 +546,74 @@ def test_a_pool_calm_now_but_stormy_in_its_history_loses_to_a_steady_one(batch: 
         {flaky.pool}
 
 
+def _stormy_now_calm_before(hours: float = 24) -> tuple[ResourcePool, Clock, Offer, Offer]:
+    """The other way round: `dip` calm (availability 0.9, 0.01 interruptions an hour)
+    all along but stormy at the last poll (0.3, 0.2); `steady`, 5 % dearer, at 0.85
+    (0.02) throughout."""
+    from broker.hazard import HazardEstimator
+
+    clock = Clock(T0 - timedelta(hours=hours))
+    pool = ResourcePool(stale_after_seconds=300, clock=clock)
+    pool.hazard = HazardEstimator(half_life_hours=6.0)
+    pool.feed_hazard(pool.hazard)
+    steady = offer("us-east-1b", price=21.0, availability=0.85, interruption_rate=0.02)
+    for _ in range(int(hours * 6)):
+        dip = offer("us-east-1a", price=20.0, availability=0.9, interruption_rate=0.01)
+        pool.replace(SLICE, [dip, steady])
+        clock.advance(600)
+    dip = offer("us-east-1a", price=20.0, availability=0.3, interruption_rate=0.2)
+    pool.replace(SLICE, [dip, steady])
+    return pool, clock, dip, steady
+
+
+@pytest.mark.parametrize("costs", [False, True], ids=["walk", "index"])
+@pytest.mark.parametrize("batch", [1, 70])  # per request, and the large-batch arrays
+def test_spot_risk_is_scored_over_the_requests_own_duration(batch: int, costs: bool) -> None:
+    """A short job takes the pool that is calm now, a long one the pool that is calm on
+    the whole; in one batch, each its own (no duration: the 4 h default)."""
+    for make, short_goes, long_goes in ((_calm_now_stormy_before, "us-east-1a", "us-east-1b"),
+                                        (_stormy_now_calm_before, "us-east-1b", "us-east-1a")):
+        pool, clock, _, _ = make()
+        index = CostIndex(pool, POLICY) if costs else None
+        asks = [Ask(request(f"r{n}", gpus=8, market="spot",
+                            duration_hours=(0.5, 48.0)[n % 2])) for n in range(batch + 1)]
+        got = solve(asks, pool, POLICY, now=clock(), costs=index).outcomes
+        zones = [decided(o).placement.pool.zone for o in got]
+        assert set(zones[0::2]) == {short_goes}, make.__name__
+        assert set(zones[1::2]) == {long_goes}, make.__name__
+        # A request that gives no duration is scored as a 4 h one.
+        [plain, four] = place([Ask(request("p", gpus=8, market="spot")),
+                               Ask(request("f", gpus=8, market="spot", duration_hours=4.0))],
+                              pool, POLICY, now=clock())
+        assert decided(plain).expected_cost_per_hour == decided(four).expected_cost_per_hour
+        if index is not None:
+            index.close()
+
+
+def test_costs_frozen_for_a_batch_hold_its_horizons_only() -> None:
+    from broker.hazard import HORIZONS
+
+    pool, _, flaky, steady = _calm_now_stormy_before(hours=6)
+    index = CostIndex(pool, POLICY)
+    frozen = index.frozen({1.0, 64.0})
+    gpu = flaky.gpu
+    assert [e[1] for e in frozen.sorted(gpu, Market.SPOT, 1.0)] == [flaky.pool, steady.pool]
+    assert [e[1] for e in frozen.sorted(gpu, Market.SPOT, 64.0)] == [steady.pool, flaky.pool]
+    with pytest.raises(KeyError, match="not 16 h"):
+        frozen.sorted(gpu, Market.SPOT, 16.0)
+    # Every list kept is the one a fresh index makes, whichever horizon.
+    for h in HORIZONS:
+        index.sorted(gpu, Market.SPOT, h)
+    pool.replace(SLICE, [dataclasses.replace(flaky, price_per_hour=19.0), steady])
+    fresh = CostIndex(pool, POLICY)
+    for h in HORIZONS:
+        assert index.sorted(gpu, Market.SPOT, h) == fresh.sorted(gpu, Market.SPOT, h)
+    # Without an estimator every horizon scores alike: one list answers for all.
+    pool.hazard = None
+    plain = CostIndex(pool, POLICY).frozen({1.0})
+    assert plain.sorted(gpu, Market.SPOT, 64.0) == plain.sorted(gpu, Market.SPOT, 1.0)
+
+
 def test_explain_shows_the_signals_expected_over_a_job() -> None:
     from broker.placement import explain
 
