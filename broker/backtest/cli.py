@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +33,10 @@ def add_parser(sub: Any) -> None:
                         "restart_hours = --restart-hours")
     p.add_argument("--seed", type=int, default=7,
                    help="the default of --market-seed, --workload-seed and --draw-seed (7)")
+    p.add_argument("--seeds", type=int, default=1, metavar="N",
+                   help="run N times, with --seed, --seed+1, ... for each of the three "
+                        "seeds not given explicitly, and report per strategy the mean and "
+                        "a 95%% Student-t confidence interval over the runs (1)")
     p.add_argument("--market-seed", type=int, metavar="N",
                    help="the simulated market's seed when sim: names none, and the "
                         "permutation of a trace file's zone labels (--seed)")
@@ -86,7 +91,13 @@ def _progress(err: TextIO) -> Any:
 def run(args: argparse.Namespace) -> int:
     from broker.backtest import compare as cmp
     from broker.backtest.engine import Settings
-    from broker.backtest.market import MarketError, load_market, save_market
+    from broker.backtest.market import (
+        MarketError,
+        MarketTrace,
+        load_market,
+        parse_sim_spec,
+        save_market,
+    )
     from broker.backtest.workload import WorkloadError, load_or_generate, save_workload
     from policies.loader import load_policy
     from policies.model import Policy, Scoring
@@ -109,6 +120,16 @@ def run(args: argparse.Namespace) -> int:
             problems.append(f"{flag}: must be >= {low:g}, got {value!r}")
     if not args.step_minutes > 0:
         problems.append(f"--step-minutes: must be > 0, got {args.step_minutes!r}")
+    if not args.seeds >= 1:
+        problems.append(f"--seeds: must be >= 1, got {args.seeds!r}")
+    elif args.seeds > 1:
+        if args.chart is not None:
+            problems.append("--chart: draws one run; leave out --seeds")
+        try:
+            importlib.import_module("scipy.stats")
+        except ModuleNotFoundError:
+            problems.append("--seeds: the confidence intervals need scipy: pip install "
+                            "'gpubroker[report]'")
     if args.chart is not None:
         try:
             cmp.check_chart()
@@ -126,9 +147,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"gpubroker: {p}", file=err)
         return EXIT_USAGE
 
-    seeds = {n: args.seed if getattr(args, f"{n}_seed") is None else getattr(args, f"{n}_seed")
-             for n in ("market", "workload", "draw")}
-    settings = Settings(seed=seeds["draw"], step_seconds=args.step_minutes * 60.0,
+    settings = Settings(step_seconds=args.step_minutes * 60.0,
                         restart_hours=args.restart_hours, max_wait_hours=args.max_wait_hours,
                         default_interruption_rate=args.default_interruption_rate,
                         startup_minutes=args.startup_minutes,
@@ -139,51 +158,71 @@ def run(args: argparse.Namespace) -> int:
     else:
         policy = Policy(scoring=Scoring(restart_hours=args.restart_hours))
         policy_name = f"embedded (market any, restart_hours {args.restart_hours:g})"
-    progress = _progress(err)
-    try:
-        market = load_market(args.market, seed=seeds["market"],
-                             step_seconds=settings.step_seconds,
-                             progress=progress, keep_zone_labels=args.keep_zone_labels)
-        if args.save_market is not None:
-            n = save_market(market, args.save_market)
+    show = _progress(err)
+    markets: dict[Any, MarketTrace] = {}
+    runs: list[cmp.Comparison] = []
+    for i in range(args.seeds):
+        # run i: each seed not given explicitly is --seed + i
+        seeds = {n: args.seed + i if getattr(args, f"{n}_seed") is None
+                 else getattr(args, f"{n}_seed") for n in ("market", "workload", "draw")}
+        progress = show if show is None or args.seeds == 1 else \
+            (lambda text, i=i: show(f"seed {i + 1}/{args.seeds}: {text}"))
+        try:
+            spec = parse_sim_spec(args.market, default_seed=seeds["market"])
+            same = str(spec) if spec is not None else \
+                None if args.keep_zone_labels else seeds["market"]
+            market = markets.get(same)
+            if market is None:
+                market = markets[same] = load_market(
+                    args.market, seed=seeds["market"], step_seconds=settings.step_seconds,
+                    progress=progress, keep_zone_labels=args.keep_zone_labels)
+            if args.save_market is not None and i == 0:
+                n = save_market(market, args.save_market)
+                _clear(progress, err)
+                print(f"gpubroker: wrote {n} market rows to {args.save_market}", file=err)
+            workload = load_or_generate(args.workload, seed=seeds["workload"], market=market)
+            run_settings = replace(settings, seed=seeds["draw"], market_seed=market.seed,
+                                   workload_seed=workload.seed)
+        except MarketError as exc:
             _clear(progress, err)
-            print(f"gpubroker: wrote {n} market rows to {args.save_market}", file=err)
-        workload = load_or_generate(args.workload, seed=seeds["workload"], market=market)
-        settings = replace(settings, market_seed=market.seed, workload_seed=workload.seed)
-    except MarketError as exc:
-        _clear(progress, err)
-        print(f"gpubroker: {exc}", file=err)
-        return EXIT_USAGE
-    except WorkloadError as exc:
-        _clear(progress, err)
-        for p in exc.problems:
-            print(f"gpubroker: {p}", file=err)
-        return EXIT_USAGE
-    except OSError as exc:  # writing --save-market (the checks above make it rare)
-        _clear(progress, err)
-        print(f"gpubroker: --save-market: {_why(exc)}", file=err)
-        return EXIT_RUNTIME
+            print(f"gpubroker: {exc}", file=err)
+            return EXIT_USAGE
+        except WorkloadError as exc:
+            _clear(progress, err)
+            for p in exc.problems:
+                print(f"gpubroker: {p}", file=err)
+            return EXIT_USAGE
+        except OSError as exc:  # writing --save-market (the checks above make it rare)
+            _clear(progress, err)
+            print(f"gpubroker: --save-market: {_why(exc)}", file=err)
+            return EXIT_RUNTIME
+        try:
+            if args.save_workload is not None and i == 0:
+                save_workload(workload, args.save_workload, market=market)
+                print(f"gpubroker: wrote {len(workload.arrivals)} requests to "
+                      f"{args.save_workload}", file=err)
+            runs.append(cmp.compare(market, workload, names, policy, run_settings,
+                                    policy_name=policy_name, progress=progress))
+        except OSError as exc:  # --save-workload could not be written after all
+            _clear(progress, err)
+            print(f"gpubroker: {_why(exc)}", file=err)
+            return EXIT_RUNTIME
+    result = cmp.Seeds(tuple(runs))
     try:
-        if args.save_workload is not None:
-            save_workload(workload, args.save_workload, market=market)
-            print(f"gpubroker: wrote {len(workload.arrivals)} requests to "
-                  f"{args.save_workload}", file=err)
-        result = cmp.compare(market, workload, names, policy, settings,
-                             policy_name=policy_name, progress=progress)
-        _clear(progress, err)
+        _clear(show, err)
         report = result.dumps()
         if args.json_out is not None:
             args.json_out.write_text(report, encoding="utf-8")
         if args.format == "json":
             sys.stdout.write(report)
         else:
-            cmp.write_table(result, sys.stdout)
+            cmp.write_seeds_table(result, sys.stdout)
         if args.chart is not None:
-            cmp.write_chart(result, args.chart)
+            cmp.write_chart(result.first, args.chart)
     except BrokenPipeError:  # stdout's reader has gone: `gpubroker main` ends quietly
         raise
     except OSError as exc:  # a file could not be written after all (disk full ...)
-        _clear(progress, err)
+        _clear(show, err)
         print(f"gpubroker: {_why(exc)}", file=err)
         return EXIT_RUNTIME
     print(f"gpubroker: {result.speed_line()}", file=err)

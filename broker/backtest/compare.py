@@ -5,12 +5,17 @@ Every strategy gets its own holdings, cool-downs, `LeaseBook` and jobs over the 
 market, the same requests and the same interruption schedule (`engine.simulate`). The
 JSON report holds no wall-clock figures, so the same inputs give a byte-identical
 report; how fast the backtest ran is `Comparison.speed_line()` (printed on stderr).
+
+`Seeds` holds the comparisons of several seeds (`--seeds N`) and summarises each
+strategy's headline figures over them: the mean and a Student-t confidence interval
+(`t_interval`).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -118,6 +123,110 @@ class Comparison:
                 f"({self.cpu_seconds:.1f} s CPU): {rate:,.1f} simulated hours per second")
 
 
+REPORT_FORMAT = 2
+"""The JSON report's `report_format`: 2 added `report_format`, `market.zone_labels`,
+`seeds` and `summary` to the keys of 1 (which had no `report_format`)."""
+
+CONFIDENCE = 0.95
+SUMMARY_METRICS = ("cost_per_useful_gpu_hour", "interruptions_per_1000_gpu_hours",
+                   "unplaced")
+"""The figures summarised over seeds: $ per useful GPU-hour, interruptions per 1,000
+useful GPU-hours, and requests never placed or abandoned."""
+
+
+def t_interval(xs: Sequence[float], confidence: float = CONFIDENCE
+               ) -> tuple[float, float | None]:
+    """The mean of `xs` and the half-width of its two-sided Student-t confidence
+    interval, `t(1 − (1 − confidence)/2, n − 1) × s / √n` with s the sample standard
+    deviation; the half-width is None for fewer than two values."""
+    if not xs:
+        raise ValueError("t_interval: no values")
+    mean = statistics.fmean(xs)
+    if len(xs) < 2:
+        return mean, None
+    from scipy.stats import t
+
+    q = float(t.ppf(1 - (1 - confidence) / 2, len(xs) - 1))
+    return mean, q * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def headline(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one strategy's metrics that `Seeds` summarises, and what they come
+    from."""
+    return {"cost_per_useful_gpu_hour": metrics["cost_per_useful_gpu_hour"],
+            "interruptions_per_1000_gpu_hours": metrics["interruptions_per_1000_gpu_hours"],
+            "unplaced": metrics["never_placed"] + metrics["abandoned"],
+            "never_placed": metrics["never_placed"], "abandoned": metrics["abandoned"],
+            "useful_gpu_hours": metrics["useful_gpu_hours"],
+            "total_cost": metrics["total_cost"]}
+
+
+@dataclass(frozen=True, slots=True)
+class Seeds:
+    """The comparisons of the same strategies over several seeds, in seed order."""
+
+    runs: tuple[Comparison, ...]
+
+    @property
+    def first(self) -> Comparison:
+        return self.runs[0]
+
+    def per_seed(self) -> list[dict[str, Any]]:
+        out = []
+        for c in self.runs:
+            s = c.settings
+            out.append({"market_seed": s.market_seed, "workload_seed": s.workload_seed,
+                        "draw_seed": s.seed, "market": c.market.describe(),
+                        "workload": c.workload.describe(),
+                        "strategies": [{"strategy": r.strategy, **headline(r.metrics())}
+                                       for r in c.results]})
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Per strategy and figure: mean, half-width, low and high of the confidence
+        interval (None with one seed), and n, the seeds with the figure (a strategy
+        without useful GPU-hours has no cost per useful GPU-hour)."""
+        rows = []
+        for i, r in enumerate(self.first.results):
+            figures = [headline(c.results[i].metrics()) for c in self.runs]
+            row: dict[str, Any] = {"strategy": r.strategy}
+            for name in SUMMARY_METRICS:
+                xs = [f[name] for f in figures if f[name] is not None]
+                if not xs:
+                    row[name] = {"mean": None, "half_width": None, "low": None,
+                                 "high": None, "n": 0}
+                    continue
+                mean, half = t_interval(xs)
+                row[name] = {"mean": _r(mean), "half_width": None if half is None
+                             else _r(half), "low": None if half is None else _r(mean - half),
+                             "high": None if half is None else _r(mean + half),
+                             "n": len(xs)}
+            rows.append(row)
+        return {"seeds": len(self.runs), "confidence": CONFIDENCE,
+                "interval": "Student t over seeds", "strategies": rows}
+
+    def to_json(self) -> dict[str, Any]:
+        """The first seed's report (the keys of a single-seed report), its format, every
+        seed's headline figures and their summary."""
+        return {"report_format": REPORT_FORMAT, **self.first.to_json(),
+                "seeds": self.per_seed(), "summary": self.summary()}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n"
+
+    def speed_line(self) -> str:
+        if len(self.runs) == 1:
+            return self.first.speed_line()
+        wall = sum(c.wall_seconds for c in self.runs)
+        cpu = sum(c.cpu_seconds for c in self.runs)
+        hours = sum(c.simulated_hours for c in self.runs)
+        n = len(self.first.results)
+        rate = hours / wall if wall > 0 else 0.0
+        return (f"backtest: {len(self.runs)} seeds × {n} strateg{'y' if n == 1 else 'ies'} "
+                f"× {self.first.market.hours:g} simulated hours in {wall:.1f} s wall "
+                f"({cpu:.1f} s CPU): {rate:,.1f} simulated hours per second")
+
+
 def compare(market: MarketTrace, workload: Workload, names: Sequence[str], policy: Policy,
             settings: Settings, *, policy_name: str = "embedded",
             progress: Progress | None = None) -> Comparison:
@@ -163,7 +272,7 @@ def write_table(c: Comparison, out: TextIO) -> None:
                                 "left out)" if w["left_out_after_market_end"] else ""),
           file=out)
     s = c.settings
-    print(f"policy {c.policy}; seed {s.seed}, step {s.step_seconds / 60:g} min, restart "
+    print(f"policy {c.policy}; {_seeds(s)}, step {s.step_seconds / 60:g} min, restart "
           f"{s.restart_hours:g} h, max wait {s.max_wait_hours:g} h", file=out)
     rows = [tuple(h for h, _, _ in _COLUMNS)]
     for r in c.results:
@@ -171,6 +280,89 @@ def write_table(c: Comparison, out: TextIO) -> None:
         rows.append(tuple("-" if d[k] is None else fmt.format(d[k]) for _, k, fmt in _COLUMNS))
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     print(file=out)
+    for row in rows:
+        print("  ".join(cell.ljust(wd) if i == 0 else cell.rjust(wd)
+                        for i, (cell, wd) in enumerate(zip(row, widths, strict=True))),
+              file=out)
+
+
+def _seeds(s: Settings) -> str:
+    """Which seeds a run used: the draws' always; the market's and the workload's when
+    generated (or, for a trace file, the zone labels' permutation)."""
+    named = [f"draw seed {s.seed}"]
+    if s.market_seed is not None:
+        named.append(f"market seed {s.market_seed}")
+    if s.workload_seed is not None:
+        named.append(f"workload seed {s.workload_seed}")
+    return ", ".join(named)
+
+
+def _span(values: Sequence[int | None]) -> str:
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    if len(set(known)) == 1:
+        return str(known[0])
+    if known == list(range(known[0], known[0] + len(known))):
+        return f"{known[0]}..{known[-1]}"
+    return ",".join(str(v) for v in known)
+
+
+def _pm(d: dict[str, Any], fmt: str) -> str:
+    if d["mean"] is None:
+        return "-"
+    text = fmt.format(d["mean"])
+    return text if d["half_width"] is None else f"{text} ± {fmt.format(d['half_width'])}"
+
+
+_SUMMARY_COLUMNS = (("$/USEFUL GPU-H", "cost_per_useful_gpu_hour", "{:.4f}"),
+                    ("INTR/1K GPU-H", "interruptions_per_1000_gpu_hours", "{:.2f}"),
+                    ("UNPLACED", "unplaced", "{:.1f}"))
+
+
+def write_seeds_table(seeds: Seeds, out: TextIO) -> None:
+    """Per strategy, the mean ± the confidence interval's half-width over the seeds of
+    $ per useful GPU-hour, interruptions per 1,000 useful GPU-hours and requests never
+    placed or abandoned; then each seed's figures. One seed: `write_table`."""
+    if len(seeds.runs) == 1:
+        write_table(seeds.first, out)
+        return
+    c = seeds.first
+    m, w, s = c.market.describe(), c.workload.describe(), c.settings
+    runs = [r.settings for r in seeds.runs]
+    print(f"market {m['source']}: {m['start']} to {m['end']} ({m['hours']:g} h, "
+          f"{m['pools']} pools, {m['rows']} rows, zone labels {m['zone_labels']})",
+          file=out)
+    sources = {r.workload.source for r in seeds.runs}
+    source = w["source"] if len(sources) == 1 else f"gen:{w['requests']} (seeded as below)"
+    print(f"workload {source}: {w['requests']} requests", file=out)
+    print(f"policy {c.policy}; step {s.step_seconds / 60:g} min, restart "
+          f"{s.restart_hours:g} h, max wait {s.max_wait_hours:g} h", file=out)
+    print(f"{len(runs)} seeds: market {_span([r.market_seed for r in runs])}, workload "
+          f"{_span([r.workload_seed for r in runs])}, draws {_span([r.seed for r in runs])}; "
+          f"mean ± half-width of the {CONFIDENCE:.0%} Student-t interval", file=out)
+    summary = seeds.summary()["strategies"]
+    rows = [("STRATEGY", *(h for h, _, _ in _SUMMARY_COLUMNS))]
+    rows += [(d["strategy"], *(_pm(d[k], fmt) for _, k, fmt in _SUMMARY_COLUMNS))
+             for d in summary]
+    print(file=out)
+    _print_rows(rows, out)
+    print(file=out)
+    print("per seed (market/workload/draws): $/useful GPU-h, interruptions/1k GPU-h, "
+          "unplaced", file=out)
+    rows = [("SEEDS", *(r.strategy for r in c.results))]
+    for run in seeds.per_seed():
+        label = "/".join("-" if run[k] is None else str(run[k])
+                         for k in ("market_seed", "workload_seed", "draw_seed"))
+        rows.append((label, *(" / ".join(
+            "-" if f[k] is None else fmt.format(f[k])
+            for _, k, fmt in (*_SUMMARY_COLUMNS[:2], ("", "unplaced", "{}")))
+            for f in run["strategies"])))
+    _print_rows(rows, out)
+
+
+def _print_rows(rows: Sequence[Sequence[str]], out: TextIO) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(wd) if i == 0 else cell.rjust(wd)
                         for i, (cell, wd) in enumerate(zip(row, widths, strict=True))),
