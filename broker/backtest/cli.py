@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from broker.backtest import STRATEGIES
+from broker.stdio import stdout_to_stderr
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
@@ -161,52 +162,55 @@ def run(args: argparse.Namespace) -> int:
     show = _progress(err)
     markets: dict[Any, MarketTrace] = {}
     runs: list[cmp.Comparison] = []
-    for i in range(args.seeds):
-        # run i: each seed not given explicitly is --seed + i
-        seeds = {n: args.seed + i if getattr(args, f"{n}_seed") is None
-                 else getattr(args, f"{n}_seed") for n in ("market", "workload", "draw")}
-        progress = show if show is None or args.seeds == 1 else \
-            (lambda text, i=i: show(f"seed {i + 1}/{args.seeds}: {text}"))
-        try:
-            spec = parse_sim_spec(args.market, default_seed=seeds["market"])
-            same = str(spec) if spec is not None else \
-                None if args.keep_zone_labels else seeds["market"]
-            market = markets.get(same)
-            if market is None:
-                market = markets[same] = load_market(
-                    args.market, seed=seeds["market"], step_seconds=settings.step_seconds,
-                    progress=progress, keep_zone_labels=args.keep_zone_labels)
-            if args.save_market is not None and i == 0:
-                n = save_market(market, args.save_market)
+    # While the backtest computes, native code (HiGHS) writing to fd 1 must not get
+    # into the report: fd 1 points at stderr until the report is written.
+    with stdout_to_stderr():
+        for i in range(args.seeds):
+            # run i: each seed not given explicitly is --seed + i
+            seeds = {n: args.seed + i if getattr(args, f"{n}_seed") is None
+                     else getattr(args, f"{n}_seed") for n in ("market", "workload", "draw")}
+            progress = show if show is None or args.seeds == 1 else \
+                (lambda text, i=i: show(f"seed {i + 1}/{args.seeds}: {text}"))
+            try:
+                spec = parse_sim_spec(args.market, default_seed=seeds["market"])
+                same = str(spec) if spec is not None else \
+                    None if args.keep_zone_labels else seeds["market"]
+                market = markets.get(same)
+                if market is None:
+                    market = markets[same] = load_market(
+                        args.market, seed=seeds["market"], step_seconds=settings.step_seconds,
+                        progress=progress, keep_zone_labels=args.keep_zone_labels)
+                if args.save_market is not None and i == 0:
+                    n = save_market(market, args.save_market)
+                    _clear(progress, err)
+                    print(f"gpubroker: wrote {n} market rows to {args.save_market}", file=err)
+                workload = load_or_generate(args.workload, seed=seeds["workload"], market=market)
+                run_settings = replace(settings, seed=seeds["draw"], market_seed=market.seed,
+                                       workload_seed=workload.seed)
+            except MarketError as exc:
                 _clear(progress, err)
-                print(f"gpubroker: wrote {n} market rows to {args.save_market}", file=err)
-            workload = load_or_generate(args.workload, seed=seeds["workload"], market=market)
-            run_settings = replace(settings, seed=seeds["draw"], market_seed=market.seed,
-                                   workload_seed=workload.seed)
-        except MarketError as exc:
-            _clear(progress, err)
-            print(f"gpubroker: {exc}", file=err)
-            return EXIT_USAGE
-        except WorkloadError as exc:
-            _clear(progress, err)
-            for p in exc.problems:
-                print(f"gpubroker: {p}", file=err)
-            return EXIT_USAGE
-        except OSError as exc:  # writing --save-market (the checks above make it rare)
-            _clear(progress, err)
-            print(f"gpubroker: --save-market: {_why(exc)}", file=err)
-            return EXIT_RUNTIME
-        try:
-            if args.save_workload is not None and i == 0:
-                save_workload(workload, args.save_workload, market=market)
-                print(f"gpubroker: wrote {len(workload.arrivals)} requests to "
-                      f"{args.save_workload}", file=err)
-            runs.append(cmp.compare(market, workload, names, policy, run_settings,
-                                    policy_name=policy_name, progress=progress))
-        except OSError as exc:  # --save-workload could not be written after all
-            _clear(progress, err)
-            print(f"gpubroker: {_why(exc)}", file=err)
-            return EXIT_RUNTIME
+                print(f"gpubroker: {exc}", file=err)
+                return EXIT_USAGE
+            except WorkloadError as exc:
+                _clear(progress, err)
+                for p in exc.problems:
+                    print(f"gpubroker: {p}", file=err)
+                return EXIT_USAGE
+            except OSError as exc:  # writing --save-market (the checks above make it rare)
+                _clear(progress, err)
+                print(f"gpubroker: --save-market: {_why(exc)}", file=err)
+                return EXIT_RUNTIME
+            try:
+                if args.save_workload is not None and i == 0:
+                    save_workload(workload, args.save_workload, market=market)
+                    print(f"gpubroker: wrote {len(workload.arrivals)} requests to "
+                          f"{args.save_workload}", file=err)
+                runs.append(cmp.compare(market, workload, names, policy, run_settings,
+                                        policy_name=policy_name, progress=progress))
+            except OSError as exc:  # --save-workload could not be written after all
+                _clear(progress, err)
+                print(f"gpubroker: {_why(exc)}", file=err)
+                return EXIT_RUNTIME
     result = cmp.Seeds(tuple(runs))
     try:
         _clear(show, err)
