@@ -19,7 +19,8 @@ half-width per strategy, then each seed's figures), two goal lines —
     gpubroker $/useful ≤ cheapest_spot + 1 %: met/not met (x vs y)
     gpubroker intr/1k ≤ price_capacity: met/not met (x vs y)
 
-(means over the seeds) — and its wall and CPU time. `--policy FILE` runs gpubroker (and
+(means over the seeds; the figures add the paired difference, seed by seed, with its
+95 % interval) — and its wall and CPU time. `--policy FILE` runs gpubroker (and
 the baselines' copies of it, zero-weighted) under that policy instead of the embedded
 one (market any, `scoring.restart_hours` = `--restart-hours`). About 2 minutes of CPU
 at the defaults.
@@ -51,6 +52,7 @@ from broker.backtest.compare import (
     Result,
     Seeds,
     compare,
+    t_interval,
     write_seeds_table,
     write_table,
 )
@@ -93,8 +95,12 @@ VARIANTS: tuple[tuple[str, dict[str, float]], ...] = (
 
 
 def goals(seeds: Seeds) -> list[tuple[str, bool | None, str]]:
-    """The two goal lines of a market: (goal, met (None: not measurable), x vs y)."""
+    """The two goal lines of a market: (goal, met (None: not measurable), x vs y), met
+    on the means over the seeds. The figures add the paired difference, gpubroker's
+    figure less the other's seed by seed, mean ± its 95 % t interval: the seeds move all
+    strategies together, so it is much tighter than either interval."""
     means = {row["strategy"]: row for row in seeds.summary()["strategies"]}
+    runs = [{f["strategy"]: f for f in run["strategies"]} for run in seeds.per_seed()]
 
     def mean(strategy: str, figure: str) -> float | None:
         row = means.get(strategy)
@@ -109,8 +115,14 @@ def goals(seeds: Seeds) -> list[tuple[str, bool | None, str]]:
         x, y = mean("gpubroker", figure), mean(other, figure)
         if x is None or y is None:
             out.append((goal, None, "not measured"))
-        else:
-            out.append((goal, x <= y * slack, f"{fmt.format(x)} vs {fmt.format(y)}"))
+            continue
+        text = f"{fmt.format(x)} vs {fmt.format(y)}"
+        diffs = [r["gpubroker"][figure] - r[other][figure] for r in runs
+                 if r["gpubroker"][figure] is not None and r[other][figure] is not None]
+        if len(diffs) > 1:
+            d, half = t_interval(diffs)
+            text += f"; paired difference {fmt.format(d)} ± {fmt.format(half or 0.0)}"
+        out.append((goal, x <= y * slack, text))
     return out
 
 
