@@ -331,13 +331,14 @@ def signals(offer: Offer, policy: Policy, hazard: Hazard | None = None
 
 
 def cost_terms(offer: Offer, policy: Policy, zone_share: float = 0.0,
-               hazard: Hazard | None = None) -> dict[str, float]:
-    """The expected-cost multipliers of an offer, each as a share of its price."""
+               hazard: Hazard | None = None, instances: int = 1) -> dict[str, float]:
+    """The expected-cost multipliers of `instances` of an offer, each as a share of their
+    price."""
     s = policy.scoring
     rate, avail = signals(offer, policy, hazard)
     risk = 0.0
     if offer.pool.market is Market.SPOT:
-        rate = rate if rate is not None else s.unknown_interruption_rate
+        rate = (rate if rate is not None else s.unknown_interruption_rate) * instances
         risk = s.restart_hours * rate
         if s.interruption_cost_per_gpu and offer.price_per_hour:
             risk += offer.gpus * s.interruption_cost_per_gpu * rate / offer.price_per_hour
@@ -351,7 +352,14 @@ def expected_cost(offer: Offer, instances: int, policy: Policy,
     """instances × price × (1 + the `cost_terms`) (the interruption cost per GPU is one
     of them, as a share of the price), computed inline: this runs for every
     candidate of every request. With a `hazard` estimator, a spot pool's signals are
-    the ones it expects over a job (`signals`)."""
+    the ones it expects over a job (`signals`).
+
+    A spot pool's interruption rate is per instance, and a lease of n instances is a
+    gang: it is interrupted when any of them is (n × the rate, instances taken as
+    independent), and then all of its work since the last checkpoint is lost, so its
+    interruption terms grow with n² — fewer, larger instances are safer at one price
+    per GPU. The cost per GPU is therefore lowest for one instance: `unit_cost`, the
+    bound the walks stop at, stays a bound."""
     s = policy.scoring
     assert offer.price_per_hour is not None
     spot = offer.pool.market is Market.SPOT
@@ -365,6 +373,7 @@ def expected_cost(offer: Offer, instances: int, policy: Policy,
     if spot:
         if rate is None:
             rate = s.unknown_interruption_rate
+        rate *= instances  # the gang's
         factor += s.restart_hours * rate
         if s.interruption_cost_per_gpu:
             extra = offer.gpus * s.interruption_cost_per_gpu * rate
@@ -763,7 +772,8 @@ class _Builder:
             inst = -(-need // arr.gpus)
             paid = inst * arr.gpus
             fits = (arr.free >= inst) & (arr.quota >= paid) & arr.disc_ok
-            cost = paid * arr.eff(h, self.policy, self.hazard(h))
+            eff, gang = arr.eff(h, self.policy, self.hazard(h))
+            cost = paid * (eff + (inst - 1) * gang)
             idle = self.policy.scoring.idle_gpu_weight
             if idle:
                 cost = cost + idle * (paid - need) * arr.ppg
@@ -972,15 +982,23 @@ class _Arrays:
         a.disc_ok = np.array(disc, dtype=bool)
         return a
 
-    def eff(self, h: float, policy: Policy, hazard: Hazard | None) -> Any:
-        """Expected cost per GPU-hour of each offer, spot risk over `h` hours (made on
-        first use per horizon)."""
+    def eff(self, h: float, policy: Policy, hazard: Hazard | None) -> tuple[Any, Any]:
+        """Per offer, spot risk over `h` hours (made on first use per horizon): the
+        expected cost per GPU-hour of one instance (`unit_cost`), and what each further
+        instance of a gang adds to it per GPU-hour (the interruption terms, which grow
+        with the instances: `expected_cost`), so that n instances cost
+        n × GPUs × (eff + (n − 1) × gang). Both from the one cost formula."""
         got = self._eff.get(h)
         if got is None:
             import numpy as np
 
-            got = self._eff[h] = np.array([unit_cost(o, policy, hazard)  # the one formula
-                                           for o in self.offers], dtype=float)
+            one, two = [], []
+            for o in self.offers:
+                one.append(expected_cost(o, 1, policy, hazard=hazard) / o.gpus)
+                two.append(expected_cost(o, 2, policy, hazard=hazard) / o.gpus)
+            eff = np.array(one, dtype=float)
+            gang = np.maximum(np.array(two, dtype=float) / 2 - eff, 0.0)
+            got = self._eff[h] = (eff, gang)
         return got
 
     ppg: Any
@@ -1278,7 +1296,7 @@ def explain(ask: Ask, view: PoolView, policy: Policy, *, now: datetime, top: int
                 excluded[reason] += 1
                 continue
             share = c.zone_share.get((key.cloud, key.zone), 0.0)
-            terms = cost_terms(offer, policy, share, hazard)
+            terms = cost_terms(offer, policy, share, hazard, instances)
             candidates.append((expected_cost(offer, instances, policy, share, hazard), offer,
                                instances, terms))
     candidates.sort(key=lambda t: (t[0], t[1].pool))

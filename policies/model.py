@@ -77,11 +77,12 @@ class Team(_Strict):
 
 
 class Scoring(_Strict):
-    """Expected cost per hour of a placement =
-    price × (1 + restart_hours × interruption_rate
+    """Expected cost per hour of a placement of n instances =
+    price × (1 + restart_hours × n × interruption_rate
                 + availability_weight × (1 − availability)
                 + spread_weight × share of the team's GPUs already in that zone)
-    + GPUs × interruption_cost_per_gpu × interruption_rate (spot).
+    + GPUs × interruption_cost_per_gpu × n × interruption_rate (spot: the gang is
+    interrupted when any of its n instances is).
     Unknown signals are taken at the `unknown_*` values; a spot pool's signals are the
     ones expected over a job from its history (`hazard_half_life_hours`)."""
 

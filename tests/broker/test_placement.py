@@ -336,6 +336,7 @@ def brute_force_costs(req: PlaceRequest, offers: Sequence[Offer], pool: Resource
         if k.market is Market.SPOT:
             rate = (o.interruption_rate if o.interruption_rate is not None
                     else s.unknown_interruption_rate)
+            rate *= instances  # a gang is interrupted when any of its instances is
         avail = o.availability if o.availability is not None else s.unknown_availability
         costs.append(instances * o.price_per_hour
                      * (1 + s.restart_hours * rate + s.availability_weight * (1 - avail)))
@@ -590,6 +591,33 @@ def test_spot_risk_is_scored_over_the_requests_own_duration(batch: int, costs: b
             index.close()
 
 
+@pytest.mark.parametrize("batch", [1, 70])  # per request, and the large-batch arrays
+def test_a_gang_of_many_small_instances_is_riskier_than_a_few_large_ones(batch: int) -> None:
+    """At one price per GPU and one interruption rate per instance, 16 GPUs as two
+    8-GPU instances beat sixteen 1-GPU ones: the gang is interrupted when any of its
+    instances is."""
+    from broker.placement import expected_cost
+
+    small = dict(instance_type="g5.xlarge", gpu="A10G", gpus=1)
+    large = dict(instance_type="g5.48xlarge", gpu="A10G", gpus=8)
+    offers = [offer("us-east-1a", price=1.0, interruption_rate=0.05, **small),  # type: ignore[arg-type]
+              offer("us-east-1b", price=8.0, interruption_rate=0.05, **large)]  # type: ignore[arg-type]
+    pool = pool_of(offers)
+    asks = [Ask(request(f"g{n}", gpu="A10G", gpus=16, market="spot")) for n in range(batch)]
+    got = place(asks, pool, POLICY, now=T0)
+    assert {decided(o).placement.instances for o in got} == {2}
+    one = place([Ask(request("one", gpu="A10G", gpus=1, market="spot"))], pool, POLICY, now=T0)
+    assert decided(one[0]).placement.pool.zone == "us-east-1a"  # one GPU: no gang
+    # The cost says so: sixteen instances pay 16 × the rate in lost work, two pay 2 ×.
+    restart = POLICY.scoring.restart_hours
+    costs = {decided(o).placement.instances: decided(o).expected_cost_per_hour for o in got}
+    assert costs[2] == pytest.approx(16.0 * (1 + restart * 2 * 0.05))
+    assert decided(got[0]).alternatives[0].instances == 16
+    small_gang = expected_cost(offers[0], 16, POLICY)
+    assert small_gang == pytest.approx(16.0 * (1 + restart * 16 * 0.05))
+    assert small_gang > costs[2]
+
+
 def test_costs_frozen_for_a_batch_hold_its_horizons_only() -> None:
     from broker.hazard import HORIZONS
 
@@ -662,11 +690,15 @@ def test_an_interruption_cost_per_gpu_prices_interruptions_alike_for_every_model
                                      interruption_cost_per_gpu=1.0))
     assert zones(per_gpu, "T4", 1) == {"us-east-1b"}
     assert zones(per_gpu, "H100-80GB", 8) == {"us-east-1a"}
-    # The figures: price + GPUs × rate × cost, and cost_terms' share says the same.
+    # The figures: price + GPUs × rate × cost, and cost_terms' share says the same; a
+    # gang of two instances is interrupted twice as often, and loses both.
     stormy_h100 = offers[2]
-    assert expected_cost(stormy_h100, 2, per_gpu) == pytest.approx(2 * (36.0 + 8 * 0.2))
+    assert expected_cost(stormy_h100, 1, per_gpu) == pytest.approx(36.0 + 8 * 0.2)
+    assert expected_cost(stormy_h100, 2, per_gpu) == pytest.approx(2 * (36.0 + 8 * 0.4))
     terms = cost_terms(stormy_h100, per_gpu)
     assert 36.0 * (1 + sum(terms.values())) == pytest.approx(36.0 + 8 * 0.2)
+    terms = cost_terms(stormy_h100, per_gpu, instances=2)
+    assert 72.0 * (1 + sum(terms.values())) == pytest.approx(2 * (36.0 + 8 * 0.4))
     # On-demand pools carry no interruption risk.
     od = offer(market="on_demand", price=40.0, interruption_rate=None)
     assert expected_cost(od, 1, per_gpu) == pytest.approx(40.0)

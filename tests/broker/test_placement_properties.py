@@ -263,7 +263,8 @@ class Choice:
 
 def choices(w: World, req: PlaceRequest) -> list[Choice]:
     """Every placement of `req` that it alone may take, with its cost from the
-    documented formula: instances × price × (1 + restart_hours × interruption (spot) +
+    documented formula: instances × price × (1 + restart_hours × instances ×
+    interruption rate (spot) +
     availability_weight × (1 − availability) + spread_weight × the team's share in the
     zone), plus idle_gpu_weight × the idle GPUs' price, times the horizon."""
     c = w.constraints(req)
@@ -291,6 +292,7 @@ def choices(w: World, req: PlaceRequest) -> list[Choice]:
         if k.market is Market.SPOT:
             rate = o.interruption_rate if o.interruption_rate is not None \
                 else s.unknown_interruption_rate
+            rate *= n  # a gang of n instances is interrupted when any of them is
         avail = o.availability if o.availability is not None else s.unknown_availability
         share = 0.0
         if u is not None and u.gpus and s.spread_weight:
