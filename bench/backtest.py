@@ -22,7 +22,8 @@ half-width per strategy, then each seed's figures), two goal lines —
 (means over the seeds; the figures add the paired difference, seed by seed, with its
 95 % interval) — and its wall and CPU time. `--policy FILE` runs gpubroker (and
 the baselines' copies of it, zero-weighted) under that policy instead of the embedded
-one (market any, `scoring.restart_hours` = `--restart-hours`). About 2 minutes of CPU
+one (the daemon's default policy; `--restart-hours` sets its
+`scoring.restart_hours`). About 2 minutes of CPU
 at the defaults.
 
 **One simulated week** (`--single`, or `--variants`): the backtest table (the same as
@@ -47,6 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from broker.backtest import STRATEGIES
+from broker.backtest.cli import embedded_policy
 from broker.backtest.compare import (
     Comparison,
     Result,
@@ -61,7 +63,7 @@ from broker.backtest.market import SimSpec, hazard_schedule, load_market, simula
 from broker.backtest.strategies import Strategy, build
 from broker.backtest.workload import generate_workload
 from policies.loader import load_policy
-from policies.model import Policy, Scoring
+from policies.model import Policy
 
 TRACES = Path(__file__).resolve().parent.parent / "data" / "traces"
 # (trace file, requests generated for it)
@@ -128,7 +130,7 @@ def goals(seeds: Seeds) -> list[tuple[str, bool | None, str]]:
 
 def all_markets(args: argparse.Namespace, policy: Policy, policy_name: str) -> int:
     settings = Settings(step_seconds=args.step_minutes * 60,
-                        restart_hours=args.restart_hours)
+                        restart_hours=policy.scoring.restart_hours)
     markets = [(f"sim:{args.days:g}d", args.requests if args.requests is not None else 1000)]
     markets += [(os.path.relpath(TRACES / name), n) for name, n in TRACE_MARKETS]
     t_all, c_all = time.perf_counter(), time.process_time()
@@ -187,11 +189,13 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=5,
                     help="runs per market, seeds --seed, --seed+1, ... (every market; 5)")
     ap.add_argument("--regions", type=int, default=3, help="regions per cloud")
-    ap.add_argument("--restart-hours", type=float, default=0.5)
+    ap.add_argument("--restart-hours", type=float,
+                    help="the embedded policy's scoring.restart_hours (default: the "
+                         "default policy's)")
     ap.add_argument("--step-minutes", type=float, default=10.0)
     ap.add_argument("--policy", type=Path, metavar="FILE",
-                    help="gpubroker's policy (YAML); default: market any, scoring "
-                         "restart_hours = --restart-hours")
+                    help="gpubroker's policy (YAML); default: the daemon's default "
+                         "policy, with --restart-hours if given")
     ap.add_argument("--variants", action="store_true",
                     help="also gpubroker under other scoring weights (one simulated week)")
     ap.add_argument("--json", action="store_true", help="the report as JSON")
@@ -203,15 +207,14 @@ def main() -> int:
     if args.policy is not None:
         policy, policy_name = load_policy(args.policy), str(args.policy)
     else:
-        policy = Policy(scoring=Scoring(restart_hours=args.restart_hours))
-        policy_name = f"embedded (market any, restart_hours {args.restart_hours:g})"
+        policy, policy_name = embedded_policy(args.restart_hours)
     if not (args.single or args.variants):
         return all_markets(args, policy, policy_name)
     if args.requests is None:
         args.requests = 3000
 
     settings = Settings(seed=args.seed, step_seconds=args.step_minutes * 60,
-                        restart_hours=args.restart_hours)
+                        restart_hours=policy.scoring.restart_hours)
     t0, c0 = time.perf_counter(), time.process_time()
     market = simulate_market(SimSpec(args.days * 86400, args.seed, args.regions),
                              step_seconds=settings.step_seconds)

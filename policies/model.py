@@ -86,7 +86,7 @@ class Scoring(_Strict):
     Unknown signals are taken at the `unknown_*` values; a spot pool's signals are the
     ones expected over a job from its history (`hazard_half_life_hours`)."""
 
-    restart_hours: float = Field(default=1.0, ge=0)
+    restart_hours: float = Field(default=0.5, ge=0)
     availability_weight: float = Field(default=0.25, ge=0)
     spread_weight: float = Field(default=0.0, ge=0)
     unknown_interruption_rate: float = Field(default=0.05, ge=0)

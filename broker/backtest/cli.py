@@ -30,8 +30,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--strategy", default=",".join(STRATEGIES),
                    help=f"comma-separated, any of {','.join(STRATEGIES)} (default: all)")
     p.add_argument("--policy", type=Path, metavar="FILE",
-                   help="the gpubroker policy (YAML); default: market any, scoring "
-                        "restart_hours = --restart-hours")
+                   help="the gpubroker policy (YAML); default: the daemon's default "
+                        "policy (no file), with --restart-hours if given")
     p.add_argument("--seed", type=int, default=7,
                    help="the default of --market-seed, --workload-seed and --draw-seed (7)")
     p.add_argument("--seeds", type=int, default=1, metavar="N",
@@ -49,9 +49,10 @@ def add_parser(sub: Any) -> None:
                    help="the generated workload's seed when gen: names none (--seed)")
     p.add_argument("--draw-seed", type=int, metavar="N",
                    help="the interruption draws' seed (--seed)")
-    p.add_argument("--restart-hours", type=float, default=0.5, metavar="H",
+    p.add_argument("--restart-hours", type=float, metavar="H",
                    help="what the embedded policy's optimizer assumes a restart costs "
-                        "(0.5); the backtest itself charges start-ups and checkpoints")
+                        "(default: the default policy's scoring.restart_hours); the "
+                        "backtest itself charges start-ups and checkpoints")
     p.add_argument("--startup-minutes", type=float, default=10.0, metavar="M",
                    help="boot, image pull and checkpoint load after every placement and "
                         "move, paid and not useful, for jobs whose line names none (10)")
@@ -78,6 +79,18 @@ def add_parser(sub: Any) -> None:
                    help="write the workload as a workload file")
 
 
+def embedded_policy(restart_hours: float | None = None) -> tuple[Any, str]:
+    """The policy gpubroker runs under without a file, and its name in the report: the
+    daemon's own default policy (`Policy()`: market any, the default scoring), with
+    `scoring.restart_hours` set when given."""
+    from policies.model import Policy, Scoring
+
+    if restart_hours is None:
+        return Policy(), "embedded (the daemon's default policy)"
+    return (Policy(scoring=Scoring(restart_hours=restart_hours)),
+            f"embedded (the daemon's default policy, restart_hours {restart_hours:g})")
+
+
 def _progress(err: TextIO) -> Any:
     if not err.isatty():
         return None
@@ -101,7 +114,6 @@ def run(args: argparse.Namespace) -> int:
     )
     from broker.backtest.workload import WorkloadError, load_or_generate, save_workload
     from policies.loader import load_policy
-    from policies.model import Policy, Scoring
 
     err = sys.stderr
     names = [n.strip() for n in args.strategy.split(",") if n.strip()]
@@ -111,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
         problems.append("--strategy: name at least one strategy")
     if len(set(names)) != len(names):
         problems.append("--strategy: a strategy is named twice")
-    for flag, value, low in (("--restart-hours", args.restart_hours, 0.0),
+    for flag, value, low in (("--restart-hours", 0.0 if args.restart_hours is None
+                              else args.restart_hours, 0.0),
                              ("--max-wait-hours", args.max_wait_hours, 0.0),
                              ("--default-interruption-rate", args.default_interruption_rate,
                               0.0),
@@ -149,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
     settings = Settings(step_seconds=args.step_minutes * 60.0,
-                        restart_hours=args.restart_hours, max_wait_hours=args.max_wait_hours,
+                        max_wait_hours=args.max_wait_hours,
                         default_interruption_rate=args.default_interruption_rate,
                         startup_minutes=args.startup_minutes,
                         checkpoint_minutes=args.checkpoint_minutes)
@@ -157,8 +170,8 @@ def run(args: argparse.Namespace) -> int:
         policy = load_policy(args.policy)  # SourceError: gpubroker main prints it, exit 2
         policy_name = str(args.policy)
     else:
-        policy = Policy(scoring=Scoring(restart_hours=args.restart_hours))
-        policy_name = f"embedded (market any, restart_hours {args.restart_hours:g})"
+        policy, policy_name = embedded_policy(args.restart_hours)
+    settings = replace(settings, restart_hours=policy.scoring.restart_hours)
     show = _progress(err)
     markets: dict[Any, MarketTrace] = {}
     runs: list[cmp.Comparison] = []

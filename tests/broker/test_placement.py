@@ -54,15 +54,15 @@ def test_cheapest_expected_cost_wins() -> None:
 
 
 def test_spot_interruption_risk_can_make_on_demand_win() -> None:
-    spot = offer("us-east-1a", market="spot", price=20.0, interruption_rate=0.5)
+    spot = offer("us-east-1a", market="spot", price=20.0, interruption_rate=1.0)
     od = offer("us-east-1a", market="on_demand", price=24.0, interruption_rate=None)
-    # spot: 20 × (1 + 1 h × 0.5) = 30 > on-demand 24
+    # spot: 20 × (1 + 0.5 h × 1.0) = 30 > on-demand 24
     d = decided(place_one(request(), pool_of([spot, od])))
     assert d.placement.pool.market is Market.ON_DEMAND
     assert d.expected_cost_per_hour == pytest.approx(24.0)
     # the same spot pool at a low interruption rate wins
     d = decided(place_one(request(), pool_of([
-        offer("us-east-1a", market="spot", price=20.0, interruption_rate=0.1), od])))
+        offer("us-east-1a", market="spot", price=20.0, interruption_rate=0.2), od])))
     assert d.placement.pool.market is Market.SPOT
     assert d.expected_cost_per_hour == pytest.approx(22.0)
 

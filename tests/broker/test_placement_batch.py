@@ -368,7 +368,7 @@ def test_idle_gpus_cost_only_when_the_policy_weighs_them() -> None:
 def test_interruption_and_availability_make_a_dearer_pool_the_better_one(
         settings: Settings) -> None:
     risky = offer("us-east-1a", market="spot", price=20.0, capacity=1,
-                  interruption_rate=0.5)  # 20 × (1 + 1 h × 0.5) = 30
+                  interruption_rate=1.0)  # 20 × (1 + 0.5 h × 1.0) = 30
     scarce = offer("us-east-1b", market="spot", price=22.0, capacity=1,
                    availability=0.0)  # 22 × (1 + 0.25 × 1) = 27.5
     safe = offer("us-east-1c", market="on_demand", price=24.0, capacity=1)  # 24
