@@ -992,12 +992,15 @@ class _Arrays:
         if got is None:
             import numpy as np
 
-            one, two = [], []
-            for o in self.offers:
-                one.append(expected_cost(o, 1, policy, hazard=hazard) / o.gpus)
-                two.append(expected_cost(o, 2, policy, hazard=hazard) / o.gpus)
-            eff = np.array(one, dtype=float)
-            gang = np.maximum(np.array(two, dtype=float) / 2 - eff, 0.0)
+            n = len(self.offers)
+            eff, gang = np.empty(n, dtype=float), np.zeros(n, dtype=float)
+            spot = Market.SPOT
+            for i, o in enumerate(self.offers):
+                one = expected_cost(o, 1, policy, hazard=hazard)
+                eff[i] = one / o.gpus
+                if o.pool.market is spot:  # only spot risk grows with the gang
+                    gang[i] = max(0.0, (expected_cost(o, 2, policy, hazard=hazard) / 2 - one)
+                                  / o.gpus)
             got = self._eff[h] = (eff, gang)
         return got
 
