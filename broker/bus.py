@@ -136,6 +136,9 @@ class Bus:
         self._receiving = True
         self.connected = asyncio.Event()
         self.reconnects = 0
+        self.connections = 0
+        """Sessions made so far (each connect, the first one included)."""
+        self._connection_made = asyncio.Event()
         self.last_ack = time.monotonic()
         self.v5 = cfg.protocol == "5"
         self._dropped = Every(30.0)  # one warning per 30 s about invalid scheduler ids
@@ -155,6 +158,14 @@ class Bus:
     @property
     def outbox_depth(self) -> int:
         return len(self._pending)
+
+    async def connection_after(self, n: int) -> None:
+        """Wait until more than `n` sessions were made (`connections`): after a server
+        restart, `connected` may still be set from before the loss was noticed; this
+        waits for the session on the new server."""
+        while self.connections <= n:
+            self._connection_made.clear()
+            await self._connection_made.wait()
 
     async def drained(self, timeout: float) -> bool:
         """Wait until every outbox row was acknowledged and deleted from the store;
@@ -288,6 +299,8 @@ class Bus:
                             timeout=10)
         self._queue = deque(self._pending)  # everything not acknowledged, in order
         self._new.set()
+        self.connections += 1
+        self._connection_made.set()
         self.connected.set()
         log.info("mqtt connected", url=self.cfg.url, outbox=len(self._pending),
                  protocol=self.cfg.protocol)

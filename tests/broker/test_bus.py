@@ -78,11 +78,12 @@ async def test_the_daemon_rides_out_server_kills_under_load(
                                             json.dumps(small(rid)).encode(), qos=0)
         async with asyncio.timeout(10):
             await busy.wait()  # decisions are being published: now kill
+        sessions = rd.daemon.bus.connections
         await mosquitto.akill()
         assert not rd.task.done()
         await mosquitto.astart()
-        async with asyncio.timeout(15):
-            await rd.daemon.bus.connected.wait()
+        async with asyncio.timeout(15):  # subscribed again, on the new server
+            await rd.daemon.bus.connection_after(sessions)
     # Every request that reached the daemon decided and committed (the last round's may
     # still be queued: an empty outbox a moment before its next batch is committed says
     # nothing), then every row acknowledged.
