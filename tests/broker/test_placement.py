@@ -510,10 +510,12 @@ def test_the_cost_index_follows_the_pool_as_a_fresh_one_would(hazard: bool) -> N
 # --- the pools' history ---------------------------------------------------------------------
 
 
-def _calm_now_stormy_before(hours: float = 24) -> tuple[ResourcePool, Clock, Offer, Offer]:
-    """Two spot pools polled every ten minutes for `hours`: `flaky` at availability 0.45
-    (0.1 interruptions an hour) all along but calm at the last poll; `steady`, 5 % dearer,
-    at 0.85 (0.02) throughout. The pool feeds a hazard estimator."""
+def _history(before: tuple[float, float], last: tuple[float, float], hours: float = 24
+             ) -> tuple[ResourcePool, Clock, Offer, Offer]:
+    """Two spot pools polled every ten minutes for `hours`: `changing` (us-east-1a, $20)
+    at (availability, interruption rate) `before` all along and `last` at the last poll;
+    `steady` (us-east-1b), 5 % dearer, at (0.85, 0.02) throughout. The pool feeds a
+    hazard estimator."""
     from broker.hazard import HazardEstimator
 
     clock = Clock(T0 - timedelta(hours=hours))
@@ -521,13 +523,20 @@ def _calm_now_stormy_before(hours: float = 24) -> tuple[ResourcePool, Clock, Off
     pool.hazard = HazardEstimator(half_life_hours=6.0)
     pool.feed_hazard(pool.hazard)
     steady = offer("us-east-1b", price=21.0, availability=0.85, interruption_rate=0.02)
+    changing = offer("us-east-1a", price=20.0, availability=before[0],
+                     interruption_rate=before[1])
     for _ in range(int(hours * 6)):
-        flaky = offer("us-east-1a", price=20.0, availability=0.45, interruption_rate=0.1)
-        pool.replace(SLICE, [flaky, steady])
+        pool.replace(SLICE, [changing, steady])
         clock.advance(600)
-    flaky = offer("us-east-1a", price=20.0, availability=0.95, interruption_rate=0.01)
-    pool.replace(SLICE, [flaky, steady])
-    return pool, clock, flaky, steady
+    changing = offer("us-east-1a", price=20.0, availability=last[0], interruption_rate=last[1])
+    pool.replace(SLICE, [changing, steady])
+    return pool, clock, changing, steady
+
+
+def _calm_now_stormy_before(hours: float = 24) -> tuple[ResourcePool, Clock, Offer, Offer]:
+    """`flaky` at availability 0.45 (0.1 interruptions an hour) all along but calm at the
+    last poll (0.95, 0.01), and `steady`."""
+    return _history((0.45, 0.1), (0.95, 0.01), hours)
 
 
 @pytest.mark.parametrize("batch", [1, 70])  # per request, and the large-batch arrays
@@ -548,23 +557,9 @@ def test_a_pool_calm_now_but_stormy_in_its_history_loses_to_a_steady_one(batch: 
 
 
 def _stormy_now_calm_before(hours: float = 24) -> tuple[ResourcePool, Clock, Offer, Offer]:
-    """The other way round: `dip` calm (availability 0.9, 0.01 interruptions an hour)
-    all along but stormy at the last poll (0.3, 0.2); `steady`, 5 % dearer, at 0.85
-    (0.02) throughout."""
-    from broker.hazard import HazardEstimator
-
-    clock = Clock(T0 - timedelta(hours=hours))
-    pool = ResourcePool(stale_after_seconds=300, clock=clock)
-    pool.hazard = HazardEstimator(half_life_hours=6.0)
-    pool.feed_hazard(pool.hazard)
-    steady = offer("us-east-1b", price=21.0, availability=0.85, interruption_rate=0.02)
-    for _ in range(int(hours * 6)):
-        dip = offer("us-east-1a", price=20.0, availability=0.9, interruption_rate=0.01)
-        pool.replace(SLICE, [dip, steady])
-        clock.advance(600)
-    dip = offer("us-east-1a", price=20.0, availability=0.3, interruption_rate=0.2)
-    pool.replace(SLICE, [dip, steady])
-    return pool, clock, dip, steady
+    """The other way round: `dip` calm (0.9, 0.01) all along but stormy at the last poll
+    (0.3, 0.2), and `steady`."""
+    return _history((0.9, 0.01), (0.3, 0.2), hours)
 
 
 @pytest.mark.parametrize("costs", [False, True], ids=["walk", "index"])
