@@ -137,8 +137,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.seeds >= 1:
         problems.append(f"--seeds: must be >= 1, got {args.seeds!r}")
     elif args.seeds > 1:
-        if args.chart is not None:
-            problems.append("--chart: draws one run; leave out --seeds")
         try:
             importlib.import_module("scipy.stats")
         except ModuleNotFoundError:
@@ -235,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             cmp.write_seeds_table(result, sys.stdout)
         if args.chart is not None:
-            cmp.write_chart(result.first, args.chart)
+            cmp.write_chart(result, args.chart)
     except BrokenPipeError:  # stdout's reader has gone: `gpubroker main` ends quietly
         raise
     except OSError as exc:  # a file could not be written after all (disk full ...)

@@ -393,6 +393,8 @@ class _Point:
     y: float  # cost per useful GPU-hour
     legend: str
     style: int  # marker and colour
+    xerr: float | None = None  # half-widths of the confidence interval (over seeds)
+    yerr: float | None = None
 
 
 def _points(c: Comparison) -> tuple[list[_Point], list[str]]:
@@ -414,16 +416,43 @@ def _points(c: Comparison) -> tuple[list[_Point], list[str]]:
     return points, unplotted
 
 
-def write_chart(c: Comparison, path: Path) -> None:
+def _seed_points(seeds: Seeds) -> tuple[list[_Point], list[str]]:
+    """`_points` over several seeds: each strategy at its means, with the half-widths of
+    their confidence intervals, and its mean unplaced requests."""
+    points, unplotted = [], []
+    for i, row in enumerate(seeds.summary()["strategies"]):
+        cost = row["cost_per_useful_gpu_hour"]
+        intr = row["interruptions_per_1000_gpu_hours"]
+        unplaced = f"{row['unplaced']['mean']:.1f} requests unplaced on average"
+        name = row["strategy"]
+        if cost["mean"] is None or intr["mean"] is None:
+            unplotted.append(f"{name}: no useful GPU-hours; {unplaced}")
+            continue
+        x, y = intr["mean"], cost["mean"]
+        xe, ye = intr["half_width"], cost["half_width"]
+        points.append(_Point(name, x, y, f"{name}: ${y:.4f} ± {ye or 0:.4f} per useful "
+                             f"GPU-h, {x:.2f} ± {xe or 0:.2f} interruptions per 1,000; "
+                             f"{unplaced}", i, xe, ye))
+    return points, unplotted
+
+
+def write_chart(c: Comparison | Seeds, path: Path) -> None:
     """Cost per useful GPU-hour against interruptions per 1,000 GPU-hours, one point per
     strategy, as a PNG (matplotlib's Agg renderer, no display needed). Both axes start at
     0 (lower-left is better); each strategy has its own marker and colour, and its
     legend line gives its figures and its unplaced requests; points that (nearly)
-    coincide are drawn inside one another and share one label, a name a line."""
+    coincide are drawn inside one another and share one label, a name a line. Over
+    several seeds (`Seeds`), each point is at the strategy's means, with bars for the
+    95 % confidence intervals of both."""
     figure = _matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    points, unplotted = _points(c)
+    runs = len(c.runs) if isinstance(c, Seeds) else 1
+    if isinstance(c, Seeds):
+        points, unplotted = _points(c.first) if runs == 1 else _seed_points(c)
+        c = c.first
+    else:
+        points, unplotted = _points(c)
     lines = len(points) + len(unplotted)
     legend_in = 0.2 * lines + 0.3
     fig = figure.Figure(figsize=(9.0, 5.6 + legend_in), dpi=110)
@@ -441,8 +470,13 @@ def write_chart(c: Comparison, path: Path) -> None:
             ax.scatter([p.x], [p.y], s=size, marker=_MARKERS[p.style % len(_MARKERS)],
                        color=colours[p.style % len(colours)], edgecolors="black",
                        linewidths=0.6, zorder=3 + k, clip_on=False)
-    xmax = max((p.x for p in points), default=0.0)
-    ymax = max((p.y for p in points), default=0.0)
+    for p in points:
+        if p.xerr or p.yerr:
+            ax.errorbar([p.x], [p.y], xerr=[p.xerr or 0.0], yerr=[p.yerr or 0.0], fmt="none",
+                        ecolor=colours[p.style % len(colours)], elinewidth=1.0, capsize=4,
+                        zorder=2, clip_on=False)
+    xmax = max((p.x + (p.xerr or 0.0) for p in points), default=0.0)
+    ymax = max((p.y + (p.yerr or 0.0) for p in points), default=0.0)
     ax.set_xlim(0, xmax * 1.18 if xmax > 0 else 1.0)
     ax.set_ylim(0, ymax * 1.18 if ymax > 0 else 1.0)
     ax.set_xlabel("interruptions per 1,000 useful GPU-hours")
@@ -456,7 +490,8 @@ def write_chart(c: Comparison, path: Path) -> None:
     fig.suptitle("Backtest: cost against interruptions, per strategy", fontsize=13,
                  fontweight="bold", y=1 - 0.18 / height)
     ax.set_title(f"market {m['source']} ({m['hours']:g} h, {m['pools']} pools), workload "
-                 f"{w['source']} ({w['requests']} requests), restart {s.restart_hours:g} h",
+                 f"{w['source']} ({w['requests']} requests), restart {s.restart_hours:g} h"
+                 + (f"; means over {runs} seeds, bars: 95 % intervals" if runs > 1 else ""),
                  fontsize=9, color="0.3")
     _label(fig, ax, groups)
     from matplotlib.lines import Line2D

@@ -475,6 +475,30 @@ def test_the_chart_names_unplaced_requests_and_separates_coinciding_points(
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_chart_over_seeds_puts_each_strategy_at_its_means_with_their_intervals(
+        tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    m, w = _hazard_market()
+    policy = Policy(scoring=Scoring(restart_hours=0.5))
+    runs = tuple(cmp.compare(m, w, STRATEGIES, policy, Settings(step_seconds=STEP, seed=s))
+                 for s in (1, 2, 3))
+    seeds = cmp.Seeds(runs)
+    points, unplotted = cmp._seed_points(seeds)
+    assert [p.name for p in points] == list(STRATEGIES) and unplotted == []
+    for i, p in enumerate(points):
+        figures = [c.results[i].metrics() for c in runs]
+        x_mean, x_half = cmp.t_interval([f["interruptions_per_1000_gpu_hours"]
+                                         for f in figures])
+        y_mean, y_half = cmp.t_interval([f["cost_per_useful_gpu_hour"] for f in figures])
+        assert (p.x, p.y) == pytest.approx((x_mean, y_mean), rel=1e-5)
+        assert (p.xerr, p.yerr) == pytest.approx((x_half, y_half), rel=1e-4, abs=1e-6)
+        assert "±" in p.legend and "unplaced on average" in p.legend
+    assert any(p.xerr for p in points)  # the draws differ between seeds
+    path = tmp_path / "seeds.png"
+    cmp.write_chart(seeds, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_gpubrokers_hazard_estimates_never_see_the_future() -> None:
     from broker.backtest.strategies import Gpubroker
     from broker.hazard import HazardEstimator

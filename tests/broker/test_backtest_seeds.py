@@ -7,6 +7,7 @@ import json
 import math
 import statistics
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -104,6 +105,15 @@ def test_explicit_seeds_stay_fixed_and_bad_counts_are_refused(
     bad = in_process(capsys, "backtest", "--market", "sim:2h", "--workload", "gen:5",
                      "--seeds", "0")
     assert bad.returncode == 2 and "--seeds: must be >= 1" in bad.stderr
-    chart = in_process(capsys, "backtest", "--market", "sim:2h", "--workload", "gen:5",
-                       "--seeds", "2", "--chart", "x.png")
-    assert chart.returncode == 2 and "--chart: draws one run" in chart.stderr
+
+
+
+def test_the_chart_over_seeds_is_drawn(capsys: pytest.CaptureFixture[str],
+                                       tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    chart = tmp_path / "seeds.png"
+    out = in_process(capsys, "backtest", "--market", "sim:2h:1:1", "--workload", "gen:10",
+                     "--seeds", "2", "--format", "json", "--chart", str(chart))
+    assert out.returncode == 0, out.stderr
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(out.stdout)["summary"]["seeds"] == 2
