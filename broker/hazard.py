@@ -283,7 +283,9 @@ class HazardEstimator:
         if v is None:
             v = self._views[hours] = HazardView(self, hours, _fade(self._theta, hours))
             at = self._refreshed  # as of the last refresh, like the estimator's own
-            for k, p in self._pools.items():
+            # A copy (one C-level step under the GIL): a view may be made in a worker
+            # thread while the loop feeds the estimator.
+            for k, p in list(self._pools.items()):
                 if p.gone_at is None:
                     v._est[k] = self._estimate(p, v._g, max(0.0, at - p.t))
         return v

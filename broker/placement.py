@@ -205,6 +205,10 @@ class CostIndex:
                 placed.setdefault(key, []).append((u, where))
         return got
 
+    def covers(self, horizon: float) -> bool:
+        """Every horizon's list is made when first asked for."""
+        return True
+
     def frozen(self, horizons: Iterable[float] = (DEFAULT_HORIZON,)) -> FrozenCosts:
         """Every list for these horizons, up to date now, copied: for a batch placed in a
         worker thread on a `Snapshot` while the pool and this index go on changing (on
@@ -255,6 +259,10 @@ class FrozenCosts:
         self._lists = lists
         self._normalise = normalise
         self._horizons = {w[2] for w in lists}
+
+    def covers(self, horizon: float) -> bool:
+        """Whether lists for `horizon` were frozen."""
+        return self._normalise or not self._horizons or horizon in self._horizons
 
     def sorted(self, gpu: str, market: Market, horizon: float = DEFAULT_HORIZON
                ) -> list[tuple[float, PoolKey, Offer]]:
@@ -872,7 +880,7 @@ class _Builder:
         cut = False
         # In order of price when there is a price cap (the walk ends at the cap), else in
         # order of cost when the index is there (it ends once no option can make the list).
-        by_price = self.costs is None or cap is not None
+        by_price = self.costs is None or cap is not None or not self.costs.covers(h)
         for gpu in c.gpus:
             for m in c.markets:
                 for mult, entries in ((need, self._plain(gpu, m) if by_price

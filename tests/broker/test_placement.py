@@ -624,6 +624,11 @@ def test_costs_frozen_for_a_batch_hold_its_horizons_only() -> None:
     assert [e[1] for e in frozen.sorted(gpu, Market.SPOT, 64.0)] == [steady.pool, flaky.pool]
     with pytest.raises(KeyError, match="not 16 h"):
         frozen.sorted(gpu, Market.SPOT, 16.0)
+    # A request of another horizon than those frozen is still placed (by price order).
+    assert not frozen.covers(16.0) and frozen.covers(64.0)
+    [out] = solve([Ask(request("x", gpu=gpu, gpus=8, market="spot", duration_hours=16.0))],
+                  pool, POLICY, now=T0, costs=frozen).outcomes
+    assert isinstance(out, Decision)
     # Every list kept is the one a fresh index makes, whichever horizon.
     for h in HORIZONS:
         index.sorted(gpu, Market.SPOT, h)
