@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import errno
 import functools
-import gc
 import json
 import os
 import signal
@@ -373,7 +372,6 @@ class Daemon:
                 await self.leadership.close()
             await self.store.close()
             self.notifier.close()
-            gc.unfreeze()  # a daemon made next in this process (standing by) starts clean
             self.stopped.set()
             log.info("stopped")
 
@@ -541,7 +539,6 @@ class Daemon:
         self.ready.set()
         self.notifier.ready(self.status_line())
         log.info("ready", offers=len(self.pool), leases=len(self.book.active()))
-        _freeze_heap()
 
     def progressing(self, within: float) -> bool:
         """Whether polling and publishing make progress: a poll finished within `within`
@@ -686,18 +683,6 @@ def _quiet_closed_socket_callbacks(loop: asyncio.AbstractEventLoop) -> None:
 
 async def _ready(payload: bytes) -> bytes:
     return payload
-
-
-def _freeze_heap() -> None:
-    """Move what the start made — modules, SDK clients, the configuration, the first
-    poll's offers, the leases loaded — out of the cyclic garbage collector's reach
-    (`gc.freeze`), once, when the daemon is ready. A full collection then walks only
-    what was made since: under load its pauses, which held the event loop 45–130 ms
-    every few seconds with ~20,000 offers, drop to 13–27 ms (bench/latency.py). What
-    is frozen is long-lived; a cycle among it that dies before the daemon stops is
-    reclaimed only then (`run` unfreezes on the way out)."""
-    gc.collect()
-    gc.freeze()
 
 
 def _hazard_estimator(policy: Policy, hazard: HazardEstimator | None) -> HazardEstimator:
