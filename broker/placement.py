@@ -116,13 +116,23 @@ class Snapshot:
         return self._hazard
 
 
+def by_horizon(hazard: HazardEstimator | None, policy: Policy) -> bool:
+    """Whether spot risk is scored over each request's own horizon: with an estimator the
+    policy uses (`scoring.hazard_half_life_hours` > 0); otherwise every horizon scores
+    alike, and all share `DEFAULT_HORIZON`'s."""
+    return hazard is not None and policy.scoring.hazard_half_life_hours > 0
+
+
+def hazard_over(hazard: HazardEstimator | None, policy: Policy, hours: float
+                ) -> Hazard | None:
+    """The estimates spot risk is scored with over `hours`."""
+    return hazard.at(hours) if hazard is not None and by_horizon(hazard, policy) else hazard
+
+
 def hazard_for(view: PoolView, policy: Policy, request: PlaceRequest) -> Hazard | None:
     """The hazard estimates a request is scored with: the view's, over the request's own
     horizon (`broker.hazard.horizon_bucket` of its `duration_hours`)."""
-    hazard = view.hazard
-    if hazard is None or policy.scoring.hazard_half_life_hours <= 0:
-        return hazard
-    return hazard.at(horizon_bucket(request.duration_hours))
+    return hazard_over(view.hazard, policy, horizon_bucket(request.duration_hours))
 
 
 def unit_cost(offer: Offer, policy: Policy, hazard: Hazard | None) -> float:
@@ -168,16 +178,11 @@ class CostIndex:
             self._dirty.update(change.removed)
 
     def _hazard(self, horizon: float) -> Hazard | None:
-        hazard = self.pool.hazard
-        if hazard is None or self.policy.scoring.hazard_half_life_hours <= 0:
-            return hazard
-        return hazard.at(horizon)
+        return hazard_over(self.pool.hazard, self.policy, horizon)
 
     def _horizon(self, horizon: float) -> float:
         """Every horizon scores alike without an estimator in use: one list for all."""
-        if self.pool.hazard is None or self.policy.scoring.hazard_half_life_hours <= 0:
-            return DEFAULT_HORIZON
-        return horizon
+        return horizon if by_horizon(self.pool.hazard, self.policy) else DEFAULT_HORIZON
 
     def sorted(self, gpu: str, market: Market, horizon: float = DEFAULT_HORIZON
                ) -> list[tuple[float, PoolKey, Offer]]:
@@ -222,7 +227,7 @@ class CostIndex:
                     self.sorted(gpu, market, h)
         return FrozenCosts(self.policy, {k: list(v) for k, v in self._lists.items()
                                          if k[2] in want},
-                           normalise=self._horizon(1.0) != 1.0)
+                           normalise=not by_horizon(self.pool.hazard, self.policy))
 
     def _place_again(self) -> None:
         import bisect
@@ -562,7 +567,7 @@ class _Builder:
         self._rules: list[str | None] = []
         # Spot risk is scored over each request's own horizon when an estimator is used;
         # otherwise every horizon scores alike and all share one.
-        self._by_horizon = view.hazard is not None and policy.scoring.hazard_half_life_hours > 0
+        self._by_horizon = by_horizon(view.hazard, policy)
         self._hazards: dict[float, Hazard | None] = {}
 
     def horizon(self, req: PlaceRequest) -> float:
@@ -574,9 +579,7 @@ class _Builder:
         try:
             return self._hazards[h]
         except KeyError:
-            hazard = self.view.hazard
-            got = self._hazards[h] = hazard.at(h) if hazard is not None and \
-                self._by_horizon else hazard
+            got = self._hazards[h] = hazard_over(self.view.hazard, self.policy, h)
             return got
 
     def rule_of(self, n: int) -> str | None:
