@@ -44,6 +44,7 @@ from broker.store import (
     OneThreadStore,
     OutboxRow,
     StoreFailed,
+    _head,
     _lease_from,
     _lease_row,
     _outbox_row,
@@ -96,6 +97,14 @@ _MIGRATIONS: dict[int, str] = {
     # Version 2: SQLite's schema 1 and its migration to 2 (broker.store), plus the site's
     # leadership and its nodes (broker.ha).
     2: postgres_ddl(_SQLITE_SCHEMA + _SQLITE_MIGRATIONS[2]) + _HA_TABLES,
+    # Version 3: a lease's part of a split request, the key unique per part (SQLite
+    # rebuilds its table for it; PostgreSQL changes the constraint in place, the old one
+    # under the name PostgreSQL gave it).
+    3: postgres_ddl(
+        "ALTER TABLE leases ADD COLUMN part INTEGER NOT NULL DEFAULT 0;"
+        "ALTER TABLE leases DROP CONSTRAINT leases_scheduler_request_id_key;"
+        "ALTER TABLE leases ADD CONSTRAINT leases_scheduler_request_id_part_key "
+        "UNIQUE (scheduler, request_id, part);"),
 }
 
 _MIGRATE_LOCK = 0x67707562726B  # "gpubrk": the advisory lock key of migrations
@@ -367,26 +376,26 @@ class PgStateStore(OneThreadStore[PgDb]):
                         rows=len(ids), error=str(exc).strip())
 
     async def find_leases(self, keys: Sequence[tuple[str, str]]
-                          ) -> dict[tuple[str, str], Lease]:
-        if not keys:
+                          ) -> dict[tuple[str, str], list[Lease]]:
+        unique = list(dict.fromkeys(keys))  # a key given twice would join its rows twice
+        if not unique:
             return {}
 
-        def q(db: PgDb) -> dict[tuple[str, str], Lease]:
-            out: dict[tuple[str, str], Lease] = {}
+        def q(db: PgDb) -> dict[tuple[str, str], list[Lease]]:
+            out: dict[tuple[str, str], list[Lease]] = {}
             rows = db.execute(
                 "SELECT l.body FROM leases l JOIN unnest(?::text[], ?::text[]) AS k(s, r) "
-                "ON l.scheduler = k.s AND l.request_id = k.r",
-                ([k[0] for k in keys], [k[1] for k in keys]))
+                "ON l.scheduler = k.s AND l.request_id = k.r ORDER BY l.part",
+                ([k[0] for k in unique], [k[1] for k in unique]))
             for (b,) in rows:
                 lease = _lease_from(json.loads(b))
-                out[(lease.scheduler, lease.request_id)] = lease
+                out.setdefault((lease.scheduler, lease.request_id), []).append(lease)
             return out
 
         return await self._read("lease lookup", q)
 
     async def find_lease(self, scheduler: str, request_id: str) -> Lease | None:
-        found = await self.find_leases([(scheduler, request_id)])
-        return found.get((scheduler, request_id))
+        return _head(await self.find_leases([(scheduler, request_id)]), scheduler, request_id)
 
 
 def migrate(db: PgDb, site: str) -> int:

@@ -41,7 +41,7 @@ from broker.model import Lease, LeaseState, Placement, PlaceRequest, iso, parse_
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -96,11 +96,35 @@ CREATE TABLE IF NOT EXISTS market_changes (
 CREATE TABLE IF NOT EXISTS market_snapshots (t INTEGER PRIMARY KEY);
 """
 
+# `_SCHEMA` is schema 1 (plus the market tables): a new file gets it and then every
+# migration, so that new and migrated files end with the same tables. A migration's
+# statements are split on ";" and run in the transaction that opens the file.
 _MIGRATIONS: dict[int, str] = {
     # The leader's fencing epoch on every lease and outbox row (0 without high
     # availability: one daemon, no election).
     2: "ALTER TABLE leases ADD COLUMN leader_epoch INTEGER NOT NULL DEFAULT 0;"
        "ALTER TABLE outbox ADD COLUMN leader_epoch INTEGER NOT NULL DEFAULT 0;",
+    # A lease's part of a split request (0: a whole request's lease; 1..n: part k, 1 the
+    # head): a split request has one row per part, so the key is unique per part. SQLite
+    # cannot change a table's UNIQUE constraint in place: the table is built anew
+    # (dropping the old one drops its index, made again).
+    3: """CREATE TABLE leases_3 (
+    lease_id     TEXT PRIMARY KEY,
+    scheduler    TEXT NOT NULL,
+    request_id   TEXT NOT NULL,
+    state        TEXT NOT NULL,
+    updated_at   TEXT NOT NULL,
+    body         TEXT NOT NULL,
+    leader_epoch INTEGER NOT NULL DEFAULT 0,
+    part         INTEGER NOT NULL DEFAULT 0,
+    UNIQUE (scheduler, request_id, part)
+);
+INSERT INTO leases_3 (lease_id, scheduler, request_id, state, updated_at, body, leader_epoch)
+    SELECT lease_id, scheduler, request_id, state, updated_at, body, leader_epoch FROM leases;
+DROP TABLE leases;
+ALTER TABLE leases_3 RENAME TO leases;
+CREATE INDEX leases_state ON leases (state, updated_at);
+""",
 }
 
 
@@ -230,15 +254,18 @@ class Store(Protocol):
     async def leases(self, *, ended_since: datetime | None = None) -> list[Lease]: ...
 
     async def find_leases(self, keys: Sequence[tuple[str, str]]
-                          ) -> dict[tuple[str, str], Lease]: ...
+                          ) -> dict[tuple[str, str], list[Lease]]:
+        """Every lease of each of these (scheduler, request_id) keys that has any: one
+        for a whole request, each part of a split one, in part order (head first)."""
 
-    async def find_lease(self, scheduler: str, request_id: str) -> Lease | None: ...
+    async def find_lease(self, scheduler: str, request_id: str) -> Lease | None:
+        """The lease of a request, or of a split request its head (part 1)."""
 
 
 
 def lease_keys(db: Db) -> KeyFilter:
     """A filter of every (scheduler, request_id) the store holds a lease for (run it
-    with `Store.call`; either engine)."""
+    with `Store.call`; either engine). A split request's key is added once per part."""
     (count,) = db.execute("SELECT count(*) FROM leases").fetchone()
     keys = KeyFilter.sized_for(int(count))
     for scheduler, request_id in db.execute("SELECT scheduler, request_id FROM leases"):
@@ -417,43 +444,54 @@ class StateStore(OneThreadStore[SqliteDb]):
         await self._run(delete)
 
     async def find_leases(self, keys: Sequence[tuple[str, str]]
-                          ) -> dict[tuple[str, str], Lease]:
-        """The leases of these (scheduler, request_id) keys that exist, in one query."""
-        if not keys:
+                          ) -> dict[tuple[str, str], list[Lease]]:
+        """The leases of these (scheduler, request_id) keys that exist, every part of a
+        split request in part order, a query per 250 keys."""
+        unique = list(dict.fromkeys(keys))  # a key in two chunks would be read twice
+        if not unique:
             return {}
 
-        def q(db: SqliteDb) -> dict[tuple[str, str], Lease]:
-            out: dict[tuple[str, str], Lease] = {}
-            for i in range(0, len(keys), 250):
-                chunk = keys[i:i + 250]
+        def q(db: SqliteDb) -> dict[tuple[str, str], list[Lease]]:
+            out: dict[tuple[str, str], list[Lease]] = {}
+            for i in range(0, len(unique), 250):
+                chunk = unique[i:i + 250]
                 where = " OR ".join("(scheduler=? AND request_id=?)" for _ in chunk)
                 args = [x for k in chunk for x in k]
-                for (b,) in db.execute(f"SELECT body FROM leases WHERE {where}", args):
+                for (b,) in db.execute(f"SELECT body FROM leases WHERE {where} "
+                                       "ORDER BY part", args):
                     lease = _lease_from(json.loads(b))
-                    out[(lease.scheduler, lease.request_id)] = lease
+                    out.setdefault((lease.scheduler, lease.request_id), []).append(lease)
             return out
 
         return await self._read("lease lookup", q)
 
     async def find_lease(self, scheduler: str, request_id: str) -> Lease | None:
-        found = await self.find_leases([(scheduler, request_id)])
-        return found.get((scheduler, request_id))
+        return _head(await self.find_leases([(scheduler, request_id)]), scheduler, request_id)
+
+
+def _head(found: dict[tuple[str, str], list[Lease]], scheduler: str, request_id: str
+          ) -> Lease | None:
+    """A request's lease, or its split's head, of what `find_leases` found: the lowest
+    part (0 or 1)."""
+    parts = found.get((scheduler, request_id))
+    return parts[0] if parts else None
 
 
 _UPSERT_LEASE = (
     "INSERT INTO leases (lease_id, scheduler, request_id, state, updated_at, body, "
-    "leader_epoch) VALUES (?,?,?,?,?,?,?) ON CONFLICT (lease_id) DO UPDATE SET "
+    "leader_epoch, part) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (lease_id) DO UPDATE SET "
     "state=excluded.state, updated_at=excluded.updated_at, body=excluded.body, "
-    "leader_epoch=excluded.leader_epoch")
+    "leader_epoch=excluded.leader_epoch, part=excluded.part")
 _INSERT_OUTBOX = ("INSERT INTO outbox (topic, payload, qos, retain, props, leader_epoch) "
                   "VALUES (?,?,?,?,?,?)")
 
 
-def _lease_row(lease: Lease, epoch: int) -> tuple[str, str, str, str, str, str, int]:
+def _lease_row(lease: Lease, epoch: int) -> tuple[str, str, str, str, str, str, int, int]:
     body = lease.to_json()
     body["request"] = lease.request.to_json()
     return (lease.lease_id, lease.scheduler, lease.request_id, lease.state.value,
-            iso(lease.updated_at), json.dumps(body, separators=(",", ":")), epoch)
+            iso(lease.updated_at), json.dumps(body, separators=(",", ":")), epoch,
+            lease.part)
 
 
 def _outbox_row(r: OutboxRow, epoch: int) -> tuple[str, bytes, int, int, str | None, int]:
@@ -476,6 +514,8 @@ def _lease_from(d: dict[str, Any]) -> Lease:
         lease_seconds=d["lease_seconds"],
         max_price_per_gpu_hour=d["max_price_per_gpu_hour"],
         updated_at=parse_iso(d["updated_at"]),
+        part=d.get("part", 0),
+        parts=tuple(d.get("parts", ())),
     )
 
 

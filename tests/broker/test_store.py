@@ -22,6 +22,7 @@ from factories import T0, offer, placement, request
 from broker.leases import LeaseBook
 from broker.model import Lease, LeaseState, Market
 from broker.store import (
+    SCHEMA_VERSION,
     Db,
     OutboxRow,
     StateStore,
@@ -29,6 +30,7 @@ from broker.store import (
     StoreFailed,
     _lease_row,
     db_errors,
+    lease_keys,
 )
 
 
@@ -39,6 +41,19 @@ def lease(request_id: str = "r1", *, scheduler: str = "sched-a", at: float = 0,
     return book.create(request(request_id, scheduler=scheduler, **req),
                        placement(offer(), 2), lease_seconds=900, cap=3.5,
                        now=T0 + timedelta(seconds=at))
+
+
+def split(request_id: str = "s1", parts: int = 3, *, scheduler: str = "sched-a") -> list[Lease]:
+    """The leases of a request split over `parts` pools (what the lease book makes of a
+    request with gang false and max_parts > 1): the same key, parts 1..n, each part's
+    request for its own GPUs, every part listing all parts' lease ids."""
+    whole = request(request_id, scheduler=scheduler, gang=False, gpus=8 * parts)
+    made = [replace(lease(request_id, scheduler=scheduler), lease_id=f"L-{request_id}-{k}",
+                    request=replace(whole, gpus=8), part=k,
+                    placement=placement(offer(f"us-east-1{'abcdefgh'[k - 1]}")))
+            for k in range(1, parts + 1)]
+    ids = tuple(le.lease_id for le in made)
+    return [replace(le, parts=ids) for le in made]
 
 
 @dataclass
@@ -154,6 +169,48 @@ async def test_leases_lists_active_plus_recently_ended(store: Store) -> None:
     assert len(everything) == 3
 
 
+async def test_a_split_lease_round_trips_with_its_parts(store: Store) -> None:
+    parts = split("s1", 3)
+    whole = lease("w1")
+    # Committed out of order: the lookups give the parts in part order all the same.
+    await store.commit([parts[2], whole, parts[0], parts[1]], [])
+    assert sorted(await store.leases(), key=lambda le: (le.request_id, le.part)) == [
+        *parts, whole]
+    assert [(le.part, le.parts) for le in parts] == [
+        (k, ("L-s1-1", "L-s1-2", "L-s1-3")) for k in (1, 2, 3)]
+    key = ("sched-a", "s1")
+    # A key asked for twice is still found once.
+    assert await store.find_leases([key, ("sched-a", "w1"), key, ("sched-a", "none")]) == {
+        key: parts, ("sched-a", "w1"): [whole]}
+    assert await store.find_lease("sched-a", "s1") == parts[0]  # the head
+    assert await store.find_lease("sched-a", "w1") == whole
+    assert await store.call(lambda db: sorted(db.execute(
+        "SELECT lease_id, part FROM leases").fetchall())) == sorted([
+        ("L-s1-1", 1), ("L-s1-2", 2), ("L-s1-3", 3), (whole.lease_id, 0)])
+    # A part's update stays that part.
+    ended = replace(parts[1], state=LeaseState.RELEASED, updated_at=T0 + timedelta(hours=1))
+    await store.commit([ended], [])
+    assert await store.find_leases([key]) == {key: [parts[0], ended, parts[2]]}
+
+
+async def test_a_requests_parts_are_unique_per_part(store: Store) -> None:
+    one, two = split("s1", 2)
+    await store.commit([one], [])
+    await store.commit([two], [])  # the same key, another part: accepted
+    again = replace(two, lease_id="L-s1-again")
+    with pytest.raises(StoreFailed, match=r"commit failed: .*(UNIQUE|unique)"):
+        await store.commit([again], [OutboxRow("t/lost", b"1")])
+    assert await store.find_leases([("sched-a", "s1")]) == {("sched-a", "s1"): [one, two]}
+    assert await store.pending() == []
+
+
+async def test_the_key_filter_holds_split_requests(store: Store) -> None:
+    await store.commit([*split("s1", 3), lease("w1")], [])
+    keys = await store.call(lease_keys)
+    assert keys.may_hold("sched-a", "s1") and keys.may_hold("sched-a", "w1")
+    assert not keys.full
+
+
 # --- the outbox --------------------------------------------------------------------------
 
 
@@ -243,7 +300,7 @@ async def test_find_leases_looks_up_many_keys_at_once(store: Store) -> None:
     await store.commit(leases, [])
     keys = [(le.scheduler, le.request_id) for le in leases[::2]] + [("s0", "missing")]
     found = await store.find_leases(keys)
-    assert found == {(le.scheduler, le.request_id): le for le in leases[::2]}
+    assert found == {(le.scheduler, le.request_id): [le] for le in leases[::2]}
     assert await store.find_leases([]) == {}
 
 
@@ -304,7 +361,8 @@ async def test_a_newer_schema_is_refused(engine: Engine) -> None:
                                        ("999",)))
     await s.close()
     newer = engine.make()
-    with pytest.raises(RuntimeError, match=r"newer gpubroker \(schema 999, this one knows 2\)"):
+    with pytest.raises(RuntimeError, match=rf"newer gpubroker \(schema 999, this one knows "
+                                           rf"{SCHEMA_VERSION}\)"):
         await newer.open()
     await newer.close()
     # The refusal changed nothing: still refused.
@@ -452,9 +510,10 @@ async def test_a_schema_1_file_is_migrated_and_keeps_its_state(tmp_path: Path) -
         [row] = await store.pending()
         assert (row.topic, row.payload, row.retain) == ("t/old", b"\x01", True)
         assert await store.call(lambda db: db.execute(
-            "SELECT value FROM meta WHERE key='schema'").fetchone()[0]) == "2"
+            "SELECT value FROM meta WHERE key='schema'").fetchone()[0]) == str(SCHEMA_VERSION)
         assert await store.call(lambda db: db.execute(
-            "SELECT lease_id, leader_epoch FROM leases").fetchall()) == [(kept.lease_id, 0)]
+            "SELECT lease_id, leader_epoch, part FROM leases").fetchall()) == [
+            (kept.lease_id, 0, 0)]
         # The new column is written from now on.
         moved = replace(kept, epoch=2, updated_at=T0 + timedelta(seconds=5))
         await store.commit([moved], [OutboxRow("t/new", b"2")])
@@ -470,7 +529,77 @@ async def test_a_schema_1_file_is_migrated_and_keeps_its_state(tmp_path: Path) -
         assert await again.call(lambda db: db.execute(
             "SELECT t FROM market_snapshots").fetchall()) == [(1700000000,)]
         assert await again.call(lambda db: db.execute(
-            "SELECT value FROM meta WHERE key='schema'").fetchall()) == [("2",)]
+            "SELECT value FROM meta WHERE key='schema'").fetchall()) == [(str(SCHEMA_VERSION),)]
+    finally:
+        await again.close()
+    assert schema(path) == schema(await new_file(tmp_path / "new.db"))
+
+
+# Schema 2 as release 2 wrote it (broker/store.py before the lease parts): schema 1 and
+# the leader epochs, each request's key unique.
+_SCHEMA_2 = _SCHEMA_1.replace("'1'", "'2'") + """
+ALTER TABLE leases ADD COLUMN leader_epoch INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE outbox ADD COLUMN leader_epoch INTEGER NOT NULL DEFAULT 0;
+"""
+
+
+def schema(path: Path) -> list[tuple[str, str, str]]:
+    """Every table's and index's definition, as SQLite keeps it."""
+    db = sqlite3.connect(path)
+    try:
+        return db.execute("SELECT type, name, sql FROM sqlite_master WHERE name NOT LIKE "
+                          "'sqlite_%' ORDER BY name").fetchall()
+    finally:
+        db.close()
+
+
+async def new_file(path: Path) -> Path:
+    s = await reopened(path)
+    await s.close()
+    return path
+
+
+async def test_a_schema_2_file_is_migrated_keeps_its_leases_and_takes_parts(
+        tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    kept = lease("old-one")
+    ended = replace(lease("old-two", at=1), state=LeaseState.RELEASED)
+    db = sqlite3.connect(path)
+    db.executescript(_SCHEMA_2)
+    with db:
+        db.executemany("INSERT INTO leases VALUES (?,?,?,?,?,?,?)",
+                       [_lease_row(kept, 4)[:7], _lease_row(ended, 5)[:7]])
+        db.execute("INSERT INTO outbox (topic, payload, qos, retain, props, leader_epoch) "
+                   "VALUES ('t/old', x'01', 1, 1, NULL, 4)")
+    db.close()
+    assert "part" not in columns(path, "leases")
+
+    store = await reopened(path)
+    try:
+        assert await store.leases(ended_since=T0) == [kept, ended]
+        assert await store.find_leases([("sched-a", "old-one"), ("sched-a", "old-two")]) == {
+            ("sched-a", "old-one"): [kept], ("sched-a", "old-two"): [ended]}
+        assert [r.topic for r in await store.pending()] == ["t/old"]
+        assert await store.call(lambda db: db.execute(
+            "SELECT lease_id, leader_epoch, part FROM leases ORDER BY lease_id").fetchall()
+        ) == sorted([(kept.lease_id, 4, 0), (ended.lease_id, 5, 0)])
+        assert await store.call(lambda db: db.execute(
+            "SELECT value FROM meta WHERE key='schema'").fetchone()[0]) == "3"
+        # The key is unique per part now: a split request's parts are kept.
+        parts = split("s1", 3)
+        await store.commit(parts, [])
+        assert await store.find_leases([("sched-a", "s1")]) == {("sched-a", "s1"): parts}
+        assert await store.find_lease("sched-a", "s1") == parts[0]
+        with pytest.raises(StoreFailed, match="UNIQUE"):
+            await store.commit([replace(kept, lease_id="L-other")], [])
+    finally:
+        await store.close()
+    # The same tables and indexes as a new file's, the state index among them.
+    assert schema(path) == schema(await new_file(tmp_path / "new.db"))
+    assert ("index", "leases_state") in [(t, n) for t, n, _ in schema(path)]
+    again = await reopened(path)
+    try:
+        assert len(await again.leases(ended_since=T0)) == 5
     finally:
         await again.close()
 
@@ -488,12 +617,13 @@ async def test_a_newer_schema_leaves_the_file_alone(tmp_path: Path) -> None:
     away with (here the outbox) comes back."""
     path = tmp_path / "state.db"
     db = sqlite3.connect(path)
-    db.executescript(_SCHEMA_1.replace("'1'", "'3'"))
+    db.executescript(_SCHEMA_1.replace("'1'", f"'{SCHEMA_VERSION + 1}'"))
     db.executescript("DROP TABLE outbox")
     db.close()
     before = tables(path)
     with pytest.raises(RuntimeError, match=rf"{path} was written by a newer gpubroker "
-                                           r"\(schema 3, this one knows 2\)"):
+                                           rf"\(schema {SCHEMA_VERSION + 1}, this one "
+                                           rf"knows {SCHEMA_VERSION}\)"):
         await reopened(path)
     assert tables(path) == before and "outbox" not in before
     assert "leader_epoch" not in columns(path, "leases")
@@ -506,6 +636,7 @@ async def test_a_new_file_gets_every_table_at_once(tmp_path: Path) -> None:
     assert tables(path) == {"meta", "leases", "outbox", "market_pools", "market_changes",
                             "market_snapshots", "sqlite_sequence"}
     assert "leader_epoch" in columns(path, "outbox")
+    assert columns(path, "leases")[-2:] == ["leader_epoch", "part"]
 
 
 async def test_open_creates_missing_directories(tmp_path: Path) -> None:
