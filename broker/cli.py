@@ -797,6 +797,9 @@ def _add_client_parsers(sub: Any) -> None:
                        help="lease period before it must be renewed (default: the policy's)")
     place.add_argument("--duration-hours", type=float, metavar="HOURS",
                        help="how long the job expects to run (placement weighs it)")
+    place.add_argument("--max-parts", type=int, metavar="N",
+                       help="allow a split into up to N leases, one per pool, when no one "
+                            "pool has room or the split is cheaper (sends gang: false)")
     place.add_argument("--label", action="append", metavar="KEY=VALUE",
                        help="a label kept with the lease (repeatable)")
     place.add_argument("--request-id", metavar="ID",
@@ -905,7 +908,9 @@ def _place(args: argparse.Namespace) -> int:
                 market=args.market, request_id=rid, timeout=args.timeout,
                 max_price_per_gpu_hour=args.max_price, clouds=args.cloud,
                 regions=args.region, team=args.team, lease_seconds=args.lease_seconds,
-                duration_hours=args.duration_hours, labels=labels or None)
+                duration_hours=args.duration_hours, labels=labels or None,
+                **({"gang": False, "max_parts": args.max_parts}
+                   if args.max_parts and args.max_parts > 1 else {}))
 
     again = f"; ask again with --request-id {rid} (the same id cannot place twice)"
     try:
@@ -930,23 +935,28 @@ def _place(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(dict(lease.decided), separators=(",", ":")))
         return EXIT_OK
-    p = lease.placement
-    if lease.active:
-        print(f"placed {lease.lease_id} for request {lease.request_id} "
-              f"(scheduler {lease.scheduler}, epoch {lease.epoch})")
-    else:
-        print(f"request {lease.request_id} already had lease {lease.lease_id}, which has "
-              f"{lease.state.value} (scheduler {lease.scheduler}, epoch {lease.epoch})")
-    for name, value in (
-            ("where", f"{p.pool.cloud} {p.pool.region}, zone {p.pool.zone}, "
-                      f"{p.pool.instance_type}, {p.pool.market.value}"),
-            ("gpus", f"{_instances(p.instances, p.gpus, p.gpu)} = {p.total_gpus} GPUs"),
-            ("price", f"${p.price_per_gpu_hour:.4f} per GPU-hour, "
-                      f"${p.price_per_hour:.2f} per hour"),
-            ("expires", _expiry(lease.expires_at.isoformat(), lease.active)
-             + (" unless its scheduler renews it" if lease.active else "")),
-            ("why", lease.reason)):
-        print(f"  {name + ':':9}{value}")
+    if len(lease.parts) > 1:
+        print(f"request {lease.request_id} split into {len(lease.parts)} leases, one per "
+              f"pool; each is renewed and released on its own")
+    for n, part in enumerate(lease.parts):
+        p = part.placement
+        if part.active:
+            print(f"placed {part.lease_id} for request {part.request_id} "
+                  f"(scheduler {part.scheduler}, epoch {part.epoch})")
+        else:
+            print(f"request {part.request_id} already had lease {part.lease_id}, which has "
+                  f"{part.state.value} (scheduler {part.scheduler}, epoch {part.epoch})")
+        for name, value in (
+                ("where", f"{p.pool.cloud} {p.pool.region}, zone {p.pool.zone}, "
+                          f"{p.pool.instance_type}, {p.pool.market.value}"),
+                ("gpus", f"{_instances(p.instances, p.gpus, p.gpu)} = {p.total_gpus} GPUs"),
+                ("price", f"${p.price_per_gpu_hour:.4f} per GPU-hour, "
+                          f"${p.price_per_hour:.2f} per hour"),
+                ("expires", _expiry(part.expires_at.isoformat(), part.active)
+                 + (" unless its scheduler renews it" if part.active else "")),
+                ("why", lease.reason if n == 0 else "")):
+            if value:
+                print(f"  {name + ':':9}{value}")
     return EXIT_OK
 
 

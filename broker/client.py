@@ -284,6 +284,10 @@ class Lease:
         self._count = 0  # events ever appended
         self._pulse = asyncio.Event()
         self._keep_alive: asyncio.Task[None] | None = None
+        self.parts: list[Lease] = [self]
+        """A request split across pools (`max_parts`): every part's lease, this one
+        first; each is renewed, released and failed over on its own. `[self]` for a
+        request placed whole."""
 
     def __repr__(self) -> str:
         p = self.placement
@@ -695,6 +699,7 @@ class BrokerClient:
                     clouds: Sequence[str] | None = None, regions: Sequence[str] | None = None,
                     team: str | None = None, duration_hours: float | None = None,
                     lease_seconds: int | None = None, labels: Mapping[str, str] | None = None,
+                    max_parts: int | None = None,
                     keep_alive: bool | float = False, on_failover: Callback | None = None,
                     on_end: Callback | None = None, **extra: Any) -> Lease:
         """Ask for `gpus` GPUs of model `gpu` (one name or a list of acceptable ones).
@@ -704,6 +709,9 @@ class BrokerClient:
         `InvalidRequest`, or `PlacementTimeout` after `timeout` seconds without an answer
         (re-sent meanwhile with the same `request_id`, so a repeat cannot place twice).
         `keep_alive=True` renews before expiry (a number: that margin in seconds).
+        With `gang=False` and `max_parts` above 1 the request may be split across pools:
+        the returned lease is the first part, `lease.parts` all of them (the callbacks
+        and the keep-alive apply to each).
         Extra keyword arguments are sent as further request fields."""
         scheduler = self._need_scheduler()
         rid = str(uuid.uuid4()) if request_id is None else request_id
@@ -719,6 +727,7 @@ class BrokerClient:
                     "clouds": None if clouds is None else list(clouds),
                     "regions": None if regions is None else list(regions), "team": team,
                     "duration_hours": duration_hours, "lease_seconds": lease_seconds,
+                    "max_parts": max_parts,
                     "labels": None if labels is None else dict(labels), **extra}
         body.update({k: v for k, v in optional.items() if v is not None})
         payload = json.dumps(body, separators=(",", ":")).encode()
@@ -749,12 +758,13 @@ class BrokerClient:
             raise InvalidRequest(data.get("errors") or [], rid, env)
         lease = answer.lease
         assert lease is not None
-        if on_failover is not None:
-            lease.on_failover = on_failover
-        if on_end is not None:
-            lease.on_end = on_end
-        if keep_alive is not False and lease.active:
-            lease.keep_alive(None if keep_alive is True else float(keep_alive))
+        for part in lease.parts:
+            if on_failover is not None:
+                part.on_failover = on_failover
+            if on_end is not None:
+                part.on_end = on_end
+            if keep_alive is not False and part.active:
+                part.keep_alive(None if keep_alive is True else float(keep_alive))
         return lease
 
     async def release(self, lease_id: str, timeout: float = 30.0) -> LeaseState:
@@ -1158,19 +1168,29 @@ class BrokerClient:
 
     def _lease_of(self, env: Mapping[str, Any]) -> Lease:
         d = env["data"]
-        expires = parse_iso(d["expires_at"])
         assert self.scheduler is not None
-        lease = Lease(self, lease_id=d["lease_id"], scheduler=self.scheduler,
-                      request_id=d["request_id"], epoch=int(d["epoch"]),
-                      placement=Placement.from_json(d["placement"]), expires_at=expires,
-                      remaining=_remaining(expires, env),
-                      state=LeaseState(d.get("state", "active")),
-                      reason=str(d.get("reason", "")),
-                      alternatives=[Placement.from_json(a) for a in d.get("alternatives", [])],
-                      decided=d)
-        if lease.active:
-            self._leases[lease.lease_id] = lease
-        return lease
+        made: list[Lease] = []
+        for part in d.get("parts") or [d]:
+            held = self._leases.get(part["lease_id"]) if made else None
+            if held is not None:  # a part this client already holds
+                made.append(held)
+                continue
+            expires = parse_iso(part["expires_at"])
+            lease = Lease(self, lease_id=part["lease_id"], scheduler=self.scheduler,
+                          request_id=d["request_id"], epoch=int(part["epoch"]),
+                          placement=Placement.from_json(part["placement"]),
+                          expires_at=expires, remaining=_remaining(expires, env),
+                          state=LeaseState(part.get("state", "active")),
+                          reason=str(d.get("reason", "")),
+                          alternatives=[Placement.from_json(a)
+                                        for a in d.get("alternatives", [])] if not made else [],
+                          decided=d)
+            if lease.active:
+                self._leases[lease.lease_id] = lease
+            made.append(lease)
+        for lease in made:
+            lease.parts = made
+        return made[0]
 
     def _forget(self, lease: Lease) -> None:
         self._leases.pop(lease.lease_id, None)

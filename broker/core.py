@@ -522,12 +522,14 @@ class Broker:
             known = self.stored_keys = None
         unknown = list(dict.fromkeys(
             (r.scheduler, r.request_id) for r in reqs
-            if self.book.find(r.scheduler, r.request_id) is None
+            if ((head := self.book.find(r.scheduler, r.request_id)) is None
+                or self.book.siblings(head) is None)  # a part forgotten before its head
             and (known is None or known.may_hold(r.scheduler, r.request_id))))
         if not unknown:
             return
-        for lease in (await self.store.find_leases(unknown)).values():
-            self.book.remember(lease)
+        for parts in (await self.store.find_leases(unknown)).values():
+            for lease in parts:
+                self.book.remember(lease)
 
     async def _place(self, b: _Batch, asks: Sequence[tuple[Command, PlaceRequest]],
                      rejected: dict[tuple[str, str], placement.Rejection]) -> None:
@@ -578,12 +580,18 @@ class Broker:
                 continue
             c = ask.constraints
             assert c is not None
-            lease = self.book.create(req, out.placement, lease_seconds=c.lease_seconds,
-                                     cap=c.cap, now=now)
+            if out.parts:
+                made = self.book.create_split(req, out.parts, lease_seconds=c.lease_seconds,
+                                              cap=c.cap, now=now)
+            else:
+                made = [self.book.create(req, out.placement, lease_seconds=c.lease_seconds,
+                                         cap=c.cap, now=now)]
+            lease = made[0]
             self._note_key(lease)
-            self.pool.hold(lease.placement.pool, lease.placement.instances)
+            for part in made:
+                self.pool.hold(part.placement.pool, part.placement.instances)
             b.answered[(req.scheduler, req.request_id)] = lease
-            self._decided(b, lease, cmd, out.reason, out.alternatives)
+            self._decided(b, lease, cmd, out.reason, out.alternatives, made)
             self._expiry_changed.set()
         for observe in self.batch_observers:
             observe(result)
@@ -625,8 +633,12 @@ class Broker:
                             request_subject(req.request_id), req.request_id), cmd)
 
     def _decided(self, b: _Batch, lease: Lease, cmd: Command | None, reason: str,
-                 alternatives: Sequence[Any]) -> None:
-        data = {
+                 alternatives: Sequence[Any], parts: Sequence[Lease] | None = None) -> None:
+        """`placement.decided` for `lease`; for a split request's head, with `parts`:
+        every part's lease as it is now (the book's, when not given)."""
+        if lease.parts and parts is None:
+            parts = self.book.siblings(lease)
+        data: dict[str, Any] = {
             "request_id": lease.request_id,
             "lease_id": lease.lease_id,
             "epoch": lease.epoch,
@@ -637,11 +649,15 @@ class Broker:
         }
         if lease.state is not LeaseState.ACTIVE:
             data["state"] = lease.state.value
+        if lease.parts and parts:
+            data["parts"] = [part_json(p) for p in parts]
         b.leases[lease.lease_id] = lease
         self._emit(b, Event("placement.decided", lease.scheduler, data,
                             lease_subject(lease.lease_id), lease.request_id),
                    cmd)
-        b.rows.append(self.messages.lease_state(lease))
+        for part in parts or (lease,):
+            b.leases[part.lease_id] = part
+            b.rows.append(self.messages.lease_state(part))
 
     def _lease_verb(self, b: _Batch, cmd: Command) -> None:
         parsed = requests.parse_lease_ref(cmd.payload)
@@ -844,6 +860,16 @@ class Broker:
             cmd = self._requests.get_nowait()
             self._requests.task_done()
             _refuse(cmd, self.failed)
+
+
+def part_json(lease: Lease) -> dict[str, Any]:
+    """One part of a split request in its `placement.decided` (`parts`)."""
+    d: dict[str, Any] = {"lease_id": lease.lease_id, "part": lease.part, "epoch": lease.epoch,
+                         "gpus": lease.request.gpus, "placement": lease.placement.to_json(),
+                         "expires_at": iso(lease.expires_at)}
+    if lease.state is not LeaseState.ACTIVE:
+        d["state"] = lease.state.value
+    return d
 
 
 def _refuse(cmd: Command, exc: StoreFailed) -> None:

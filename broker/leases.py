@@ -6,6 +6,10 @@
     active ──TTL passes without renew──▶ expired
     active ──failover finds nowhere to go──▶ failed
 
+A request split across pools (`gang: false`, `max_parts`) is several leases, one per
+pool, each with its own state machine; the request's idempotency finds the head (part 1),
+whose `parts` names the others.
+
 Ended leases are final. The book does no I/O: each transition returns the new `Lease`,
 which the caller commits to the `StateStore` together with the events it causes.
 Ended leases stay in memory for `keep_ended` so that a repeated request is answered
@@ -120,6 +124,36 @@ class LeaseBook:
         self._put(lease)
         return lease
 
+    def create_split(self, request: PlaceRequest, parts: Iterable[tuple[Placement, int]], *,
+                     lease_seconds: int, cap: float | None, now: datetime) -> list[Lease]:
+        """One lease per part of a split request: `parts` are (placement, GPUs the part
+        covers). Each part's own request asks for its GPUs in one pool (what a failover
+        of it places again); all keep the request's id and labels."""
+        now = _ms(now)
+        if (request.scheduler, request.request_id) in self._by_request:
+            raise LeaseError(f"request {request.request_id!r} already has a lease")
+        parts = list(parts)
+        ids = tuple(f"L-{uuid.uuid4().hex}" for _ in parts)
+        out = []
+        for n, ((placement, gpus), lease_id) in enumerate(zip(parts, ids, strict=True), 1):
+            out.append(self._put(Lease(
+                lease_id=lease_id, scheduler=request.scheduler,
+                request_id=request.request_id,
+                request=replace(request, gpus=gpus, max_parts=1), placement=placement,
+                epoch=1, state=LeaseState.ACTIVE, created_at=now,
+                expires_at=now + timedelta(seconds=lease_seconds),
+                lease_seconds=lease_seconds, max_price_per_gpu_hour=cap, updated_at=now,
+                part=n, parts=ids)))
+        return out
+
+    def siblings(self, lease: Lease) -> list[Lease] | None:
+        """Every part of `lease`'s split request, in order (None if one is not in memory);
+        `[lease]` for a whole request's lease."""
+        if not lease.parts:
+            return [lease]
+        got = [self._leases.get(i) for i in lease.parts]
+        return None if None in got else got  # type: ignore[return-value]
+
     def renew(self, lease_id: str, scheduler: str, now: datetime) -> Lease:
         lease = self._active(lease_id, scheduler)
         now = _ms(now)
@@ -145,7 +179,9 @@ class LeaseBook:
                if le.state is not LeaseState.ACTIVE and le.updated_at < cutoff]
         for lease in old:
             del self._leases[lease.lease_id]
-            self._by_request.pop((lease.scheduler, lease.request_id), None)
+            key = (lease.scheduler, lease.request_id)
+            if self._by_request.get(key) == lease.lease_id:
+                del self._by_request[key]
         return len(old)
 
     def remember(self, lease: Lease) -> None:
@@ -173,7 +209,8 @@ class LeaseBook:
                 if not ids:
                     del self._by_pool[old.placement.pool]
         self._leases[lease.lease_id] = lease
-        self._by_request[(lease.scheduler, lease.request_id)] = lease.lease_id
+        if lease.part <= 1:  # the request's idempotency finds a split's head
+            self._by_request[(lease.scheduler, lease.request_id)] = lease.lease_id
         if lease.state is LeaseState.ACTIVE:
             self._tally(lease, +1)
             self._by_pool.setdefault(lease.placement.pool, set()).add(lease.lease_id)

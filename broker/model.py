@@ -263,6 +263,7 @@ class PlaceRequest:
     duration_hours: float | None = None
     lease_seconds: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    max_parts: int = 1  # with gang False: how many leases (pools) it may be split into
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -271,6 +272,8 @@ class PlaceRequest:
             "gpus": self.gpus,
             "gang": self.gang,
         }
+        if self.max_parts != 1:
+            d["max_parts"] = self.max_parts
         for name in ("market", "max_price_per_gpu_hour", "team", "duration_hours",
                      "lease_seconds"):
             v = getattr(self, name)
@@ -302,6 +305,7 @@ class PlaceRequest:
             duration_hours=r.get("duration_hours"),
             lease_seconds=r.get("lease_seconds"),
             labels=dict(r.get("labels", {})),
+            max_parts=r.get("max_parts", 1),
         )
 
 
@@ -319,6 +323,11 @@ class Lease:
     lease_seconds: int
     max_price_per_gpu_hour: float | None  # the cap the lease was decided under
     updated_at: datetime
+    # A split request (gang false, max_parts > 1) is several leases, one per pool: `part`
+    # is this one's number (1 is the head, which the request's idempotency finds), `parts`
+    # every part's lease id in order. A whole request's lease: 0 and ().
+    part: int = 0
+    parts: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The retained `P/leases/S/<lease_id>` payload and the HTTP lease shape."""
@@ -334,6 +343,7 @@ class Lease:
             "updated_at": iso(self.updated_at),
             "lease_seconds": self.lease_seconds,
             "max_price_per_gpu_hour": self.max_price_per_gpu_hour,
+            **({"part": self.part, "parts": list(self.parts)} if self.part else {}),
         }
 
 

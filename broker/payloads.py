@@ -33,6 +33,7 @@ __all__ = [
     "LeaseEnded",
     "LeaseFailed",
     "LeaseFailover",
+    "LeasePart",
     "LeaseRefPayload",
     "LeaseRenewed",
     "LeaseStateJson",
@@ -128,6 +129,29 @@ class FieldError(TypedDict):
 # --- event data -----------------------------------------------------------------------
 
 
+PartNumber = Annotated[int, Field(ge=1, le=16, description=(
+    "Which part of a split request this lease is: 1 is the head, the lease the "
+    "request's idempotency answers with."))]
+
+
+@with_config(_SENT)
+class LeasePart(TypedDict):
+    """One part of a request split across pools: a lease of its own (renewed, released
+    and failed over by its own `lease_id`), holding `gpus` of the request's GPUs."""
+
+    lease_id: LeaseId
+    part: PartNumber
+    epoch: Epoch
+    gpus: Annotated[int, Field(ge=1, description=(
+        "The request's GPUs this part holds (its placement may have more: whole "
+        "instances)."))]
+    placement: PlacementJson
+    expires_at: Timestamp
+    state: NotRequired[Annotated[
+        Literal["released", "expired", "failed"],
+        _doc("Only on a repetition, for a part that has ended since: how it ended.")]]
+
+
 @with_config(_SENT)
 class PlacementDecided(TypedDict):
     """A lease: the answer to a placement request, and to every repetition of it."""
@@ -147,6 +171,11 @@ class PlacementDecided(TypedDict):
         Literal["released", "expired", "failed"],
         _doc("Only when the request repeats one whose lease has since ended: how it ended. "
              "Absent while the lease is active.")]]
+    parts: NotRequired[Annotated[list[LeasePart], Field(min_length=2, max_length=16,
+                                                        description=(
+        "Only for a request split across pools (`gang: false` with `max_parts` above 1): "
+        "every part, in order, the first being `lease_id` and `placement` above. Each "
+        "part is a lease of its own; together they hold the request's `gpus`."))]]
 
 
 @with_config(_SENT)
@@ -452,6 +481,10 @@ class LeaseStateJson(TypedDict):
     max_price_per_gpu_hour: Annotated[Price | None, _doc(
         "The price cap the lease was decided under (the request's, the policy's or a "
         "rule's, the lowest); failovers keep it. null: none.")]
+    part: NotRequired[PartNumber]
+    parts: NotRequired[Annotated[list[LeaseId], Field(min_length=2, max_length=16,
+                                                       description=(
+        "Only for a part of a split request: the lease ids of all its parts, in order."))]]
 
 
 @with_config(_SENT)

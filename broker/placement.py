@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 
 ALTERNATIVES = 3
 PENALTY = 100  # leaving a request unplaced costs this many times its cheapest option
+SPLIT_MIN_SAVING = 0.05
+"""A request that one pool can take is split across pools only when that saves at least
+this share of its expected cost: each part is a lease the scheduler launches and renews."""
 
 
 class PoolView(Protocol):
@@ -295,11 +298,16 @@ class Ask:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """Where a request goes. A request split across pools has its `parts` — each a
+    placement and the GPUs of the request it covers, `placement` the first — and one
+    lease per part; otherwise `parts` is empty."""
+
     ask: Ask
     placement: Placement
     expected_cost_per_hour: float
     reason: str
     alternatives: tuple[Placement, ...]
+    parts: tuple[tuple[Placement, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,18 +497,26 @@ def _solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime
     outcomes: list[Outcome | None] = [None] * len(asks)
     index: list[int] = []  # request of the problem -> ask
     requests: list[solver.Request] = []
+    splits: list[tuple[int, Constraints, int | None]] = []  # ask, verdict, request
     for k, ask in enumerate(asks):
         c = constraints_for(ask, policy, resident)
         if isinstance(c, Denied):
             outcomes[k] = Rejection(ask, c.code, c.detail, None)
             continue
+        if ask.request.max_parts > 1:
+            builder.team_of(c)
         req, scan = builder.request(ask, c)
+        if ask.request.max_parts > 1:
+            splits.append((k, c, len(requests) if req is not None else None))
         if req is None:
             outcomes[k] = _reject(ask, c, scan, retry_after_seconds)
             continue
         index.append(k)
         requests.append(req)
     if not requests:
+        if splits:
+            _split(builder, solver.Problem([], builder.limits, builder.teams), [], asks,
+                   splits, outcomes)
         return BatchResult([o for o in outcomes if o is not None], "none", 0.0, 0.0, True,
                            0.0)
     problem = solver.Problem(requests, builder.limits, builder.teams)
@@ -530,8 +546,57 @@ def _solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime
             reason=_reason(placement, offer, cost, ask.request.duration_hours,
                            builder.rule_of(n)) + (f"; {note}" if len(requests) > 1 else ""),
             alternatives=tuple(Placement.of(*x.ref) for x in others))
+    if splits:
+        _split(builder, problem, sol.choice, asks, splits, outcomes)
     return BatchResult([o for o in outcomes if o is not None], sol.solver, sol.objective,
                        sol.bound, sol.optimal, sol.seconds)
+
+
+def _split(builder: _Builder, problem: solver.Problem, choice: Sequence[solver.Option | None],
+           asks: Sequence[Ask], splits: Sequence[tuple[int, Constraints, int | None]],
+           outcomes: list[Outcome | None]) -> None:
+    """After the batch is solved: each request that may be split (`gang: false`,
+    `max_parts` > 1) and that no one pool could take is split across pools in what the
+    batch left free, if it fits; one that was placed whole is split instead when that
+    saves `SPLIT_MIN_SAVING` of its expected cost. Greedy, in the batch's order: each
+    part is the option of lowest expected cost per GPU it covers, and the last allowed
+    part must cover the rest."""
+    st = solver.State(problem)
+    for n, o in enumerate(choice):
+        if o is not None:
+            st.take(n, o)
+    for k, c, at in splits:
+        ask = asks[k]
+        whole = choice[at] if at is not None else None
+        if at is not None and whole is not None:
+            st.take(at, whole, -1)
+        parts = builder.split(ask, c, st)
+        cost = sum(o.cost_per_hour for o, _ in parts) if parts else math.inf
+        if parts is None or len(parts) < 2 or (
+                whole is not None and cost > (1 - SPLIT_MIN_SAVING) * whole.cost_per_hour):
+            for o, _ in parts or ():
+                st.use(c.team, o, -1)
+            if at is not None and whole is not None:
+                st.take(at, whole)
+            elif parts is not None and len(parts) == 1:
+                # One pool takes it after all (what the batch left): a whole placement.
+                o = parts[0][0]
+                placement = Placement.of(*o.ref)
+                st.use(c.team, o)
+                outcomes[k] = Decision(ask, placement, o.cost_per_hour, _reason(
+                    placement, o.ref[0], o.cost_per_hour, ask.request.duration_hours,
+                    c.rule), ())
+            continue
+        placed = tuple((Placement.of(*o.ref), gpus) for o, gpus in parts)
+        where = "; ".join(f"{p.total_gpus}×{p.gpu} {p.pool.market.value} "
+                          f"{p.pool.cloud}/{p.pool.zone} {p.pool.instance_type}"
+                          for p, _ in placed)
+        why = "no one pool has room for it" if whole is None else \
+            f"{1 - cost / whole.cost_per_hour:.0%} below one pool's expected cost"
+        outcomes[k] = Decision(
+            ask, placed[0][0], cost,
+            f"split across {len(placed)} pools ({why}): {where}; expected ${cost:.4g}/h"
+            + (f" under rule {c.rule!r}" if c.rule else ""), (), placed)
 
 
 _Sized = tuple[Any, Any, Any, Any, list[solver.Option | None]]
@@ -645,6 +710,72 @@ class _Builder:
         best = min(o.cost_per_hour for o in group.options[:ALTERNATIVES + 1])
         return solver.Request(group=group, horizon=horizon, penalty=PENALTY * horizon * best,
                               team=c.team, extra=extra, min_gpus=req.gpus), scan
+
+    def team_of(self, c: Constraints) -> None:
+        """Count the verdict's team in the batch's limits (a request with options does
+        this as it is listed)."""
+        if c.team is not None:
+            self._team(c)
+
+    def split(self, ask: Ask, c: Constraints, st: solver.State
+              ) -> list[tuple[solver.Option, int]] | None:
+        """The request in up to `max_parts` parts, each one pool's option and the GPUs
+        of the request it covers, taken from `st` (given back if it does not fit; None).
+        """
+        req = ask.request
+        h = self.horizon(req)
+        offers = list(self._eligible(ask, c))
+        parts: list[tuple[solver.Option, int]] = []
+        left = req.gpus
+        while left > 0 and len(parts) < req.max_parts:
+            # Each part covers at least an even share of what is left over the parts
+            # still allowed; a spot part's cost per GPU grows with its instances (a
+            # gang's risk), an on-demand one's does not: the fewest and the most
+            # instances are the candidates, and the cheaper per GPU wins (the larger
+            # on a tie).
+            share = -(-left // (req.max_parts - len(parts)))
+            best: tuple[float, int, solver.Option, int] | None = None
+            for offer in offers:
+                want = -(-left // offer.gpus)
+                fit = st.room(self._option(offer, 1, min(left, offer.gpus), h))
+                most = int(min(want, fit))
+                for n in {-(-share // offer.gpus), most}:
+                    if n < 1 or n > most:
+                        continue
+                    covers = min(left, n * offer.gpus)
+                    o = self._option(offer, n, covers, h)
+                    if not st.allows(c.team, o):
+                        continue
+                    rank = (o.cost_per_hour / covers, -covers)
+                    if best is None or rank < best[:2]:
+                        best = (*rank, o, covers)
+            if best is None:
+                break
+            _, _, o, covers = best
+            st.use(c.team, o)
+            parts.append((o, covers))
+            left -= covers
+        if left > 0:
+            for o, _ in parts:
+                st.use(c.team, o, -1)
+            return None
+        return parts
+
+    def _eligible(self, ask: Ask, c: Constraints) -> Iterator[Offer]:
+        """Every fresh offer the request may use, whatever its free capacity."""
+        req = ask.request
+        for gpu in c.gpus:
+            for m in c.markets:
+                for _, offer, ppg, _ in self._plain(gpu, m):
+                    key = offer.pool
+                    if (req.clouds and key.cloud not in req.clouds) or \
+                            (req.regions and key.region not in req.regions) or \
+                            key in ask.exclude or not c.region_ok(key.cloud, key.region) or \
+                            (c.cap is not None and ppg > c.cap) or \
+                            not spot_discount_ok(offer, self.view,
+                                                 self.policy.scoring.spot_min_discount):
+                        continue
+                    yield offer
 
     def _team(self, c: Constraints) -> None:
         if c.team is None or c.team in self.teams:

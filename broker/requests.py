@@ -33,6 +33,9 @@ FieldError = dict[str, str]
 
 _Name = Annotated[StrictStr, Field(min_length=1, max_length=64)]
 
+MAX_PARTS = 16
+"""Most leases one request may be split into (`max_parts`)."""
+
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, use_attribute_docstrings=True)
@@ -50,8 +53,8 @@ class PlacePayload(_Lenient):
     gpus: Annotated[int, Field(ge=1, le=4096)]
     """GPUs wanted in all."""
     gang: StrictBool = True
-    """All instances in one zone. A placement is always one pool (one zone), so `false`
-    changes nothing."""
+    """All instances in one pool (one zone). `false` alone changes nothing; with
+    `max_parts` above 1 it lets the request be split across pools."""
     market: Literal["spot", "on_demand", "any"] | None = None
     """Default: the policy's `defaults.market`."""
     max_price_per_gpu_hour: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
@@ -70,6 +73,10 @@ class PlacePayload(_Lenient):
     labels: Annotated[dict[_Name, Annotated[StrictStr, Field(max_length=256)]],
                       Field(max_length=64)] | None = None
     """Free-form; policy rules may match on them."""
+    max_parts: Annotated[int, Field(ge=1, le=MAX_PARTS)] = 1
+    """With `gang: false`: the request may be split into up to this many leases, one per
+    pool, when no one pool can hold it or the split is cheaper. A scheduler that sends it
+    reads the decision's `parts`. Default 1: one lease, one pool."""
 
 
 class LeaseRefPayload(_Lenient):
@@ -327,6 +334,10 @@ def parse_place(scheduler: str, payload: bytes) -> PlaceRequest | Invalid:
         p = PlacePayload.model_validate(data)
     except ValidationError as err:
         return Invalid(_errors(err), _rid(data))
+    if p.max_parts > 1 and p.gang:
+        return Invalid([{"field": "max_parts",
+                         "message": "above 1 needs gang: false (a gang is one pool)"}],
+                       p.request_id)
     return PlaceRequest(
         scheduler=scheduler,
         request_id=p.request_id,
@@ -341,6 +352,7 @@ def parse_place(scheduler: str, payload: bytes) -> PlaceRequest | Invalid:
         duration_hours=p.duration_hours,
         lease_seconds=p.lease_seconds,
         labels=dict(p.labels or {}),
+        max_parts=p.max_parts,
     )
 
 

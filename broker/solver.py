@@ -201,7 +201,7 @@ class Solution:
 # --- state shared by the heuristic's phases ------------------------------------------
 
 
-class _State:
+class State:
     """Residual resources and team tallies for one candidate solution."""
 
     __slots__ = ("choice", "left", "p", "teams")
@@ -234,7 +234,9 @@ class _State:
         return limit
 
     def team_ok(self, i: int, o: Option) -> bool:
-        team = self.p.requests[i].team
+        return self.team_allows(self.p.requests[i].team, o)
+
+    def team_allows(self, team: str | None, o: Option) -> bool:
         if team is not None:
             t = self.teams.get(team)
             if t is not None:
@@ -248,7 +250,9 @@ class _State:
         return self.global_ok(o) and self.team_ok(i, o)
 
     def fits_spread(self, i: int, o: Option) -> bool:
-        team = self.p.requests[i].team
+        return self.spread_allows(self.p.requests[i].team, o)
+
+    def spread_allows(self, team: str | None, o: Option) -> bool:
         t = self.teams.get(team) if team is not None else None
         if t is None or not t.spreads:
             return True
@@ -274,12 +278,32 @@ class _State:
     def fits(self, i: int, o: Option) -> bool:
         return self.fits_static(i, o) and self.fits_spread(i, o)
 
+    def allows(self, team: str | None, o: Option) -> bool:
+        """Whether `o` fits what is left, for a request of `team` (any request)."""
+        return self.global_ok(o) and self.team_allows(team, o) and self.spread_allows(team, o)
+
+    def room(self, o: Option) -> float:
+        """How many times `o`'s use of shared resources fits in what is left (inf: it
+        uses none that is limited)."""
+        fit = math.inf
+        for key, amount in o.uses:
+            have = self.left.get(key)
+            if have is None:
+                have = self._limit(key)
+            if have is not None and amount > 0:
+                fit = min(fit, math.floor((have + EPS) / amount))
+        return fit
+
     def take(self, i: int, o: Option, sign: int = 1) -> None:
+        self.use(self.p.requests[i].team, o, sign)
+        self.choice[i] = o if sign > 0 else None
+
+    def use(self, team: str | None, o: Option, sign: int = 1) -> None:
+        """Count `o` (sign 1) or no longer count it (-1) against what is left."""
         left = self.left
         for key, amount in o.uses:
             if key in left or self._limit(key) is not None:
                 left[key] -= sign * amount
-        team = self.p.requests[i].team
         t = self.teams.get(team) if team is not None else None
         if t is not None:
             if t.gpus_left is not None:
@@ -290,7 +314,6 @@ class _State:
             zk = (o.cloud, o.zone)
             t.by_zone[zk] = t.by_zone.get(zk, 0) + sign * o.gpus
             t.by_cloud[o.cloud] = t.by_cloud.get(o.cloud, 0) + sign * o.gpus
-        self.choice[i] = o if sign > 0 else None
 
     def objective(self) -> float:
         p = self.p
@@ -302,7 +325,7 @@ def trivial_bound(p: Problem) -> float:
     """Every request at its cheapest option that fits on its own (in the pools, quotas
     and team limits as they are before the batch; its spread limit too when it is
     alone), as if nothing were shared. Options not listed yet cost at least `upto`."""
-    st = _State(p)
+    st = State(p)
     alone = len(p.requests) == 1
     total = 0.0
     for i, r in enumerate(p.requests):
@@ -324,7 +347,7 @@ def why_unplaced(p: Problem, choice: Sequence[Option | None]
     given the others' choices: ("resource", key), ("team_gpus", GPUs the team has
     left), ("team_budget", budget per hour left), ("spread", team), or ("penalty", None)
     when leaving it unplaced was merely cheaper."""
-    st = _State(p)
+    st = State(p)
     for j, o in enumerate(choice):
         if o is not None:
             st.take(j, o)
@@ -361,7 +384,7 @@ def heuristic(p: Problem, *, improve_rounds: int = 2, chains: bool = True,
     greedy answer is always finished, the improvement only while time is left."""
     started = time.perf_counter()
     bound = trivial_bound(p)  # before lists grow without what this answer used up
-    st = _State(p)
+    st = State(p)
     reqs = p.requests
     global_ok, team_ok, fits_spread = st.global_ok, st.team_ok, st.fits_spread
 
@@ -462,7 +485,7 @@ def _short_teams(p: Problem) -> dict[str, bool]:
     return out
 
 
-def _thrifty(st: _State, i: int, first: Option, look: int = 8) -> Option:
+def _thrifty(st: State, i: int, first: Option, look: int = 8) -> Option:
     """For a request of a team short of budget: of its cheapest `look` options that fit,
     the one with the lowest price (the budget it leaves buys other requests' places)."""
     r = st.p.requests[i]
@@ -498,7 +521,7 @@ def _unit(o: Option, by_gpus: bool) -> float:
 _CLOCK_EVERY = 256  # requests between two looks at the clock in the improvement
 
 
-def _improve(st: _State, *, rounds: int,
+def _improve(st: State, *, rounds: int,
              best_two: Callable[[int], tuple[Option | None, float, float]],
              chains: bool = True, deadline: float = math.inf) -> None:
     p = st.p
@@ -580,7 +603,7 @@ def _improve(st: _State, *, rounds: int,
             return
 
 
-def _make_room(st: _State, i: int, users: dict[Hashable, list[int]], tries: int = 4,
+def _make_room(st: State, i: int, users: dict[Hashable, list[int]], tries: int = 4,
                per_key: int = 32, scan: int = 16, worth: float | None = None) -> bool:
     """Place request `i` (not placed now) on one of its cheapest options by moving as
     many placed requests off the resources it lacks as it takes, each to its cheapest
@@ -642,7 +665,7 @@ def _make_room(st: _State, i: int, users: dict[Hashable, list[int]], tries: int 
     return False
 
 
-def _team_swaps(st: _State) -> int:
+def _team_swaps(st: State) -> int:
     """For each unplaced request of a team whose `gpus_left` or `budget_left` rules out
     all its options, unplace the team's placed requests of lowest value per unit of that
     limit (value: penalty − cost) until it fits, when what they are worth together is
@@ -842,7 +865,7 @@ def exact(p: Problem, *, time_limit: float = 1.0, incumbent: Solution | None = N
         return Solution(inc.choice, inc.objective, bound, inc.solver, seconds,
                         detail=detail)
     choice = lp.choice(res.x)
-    st = _State(p)
+    st = State(p)
     for i, o in enumerate(choice):
         if o is not None:
             st.take(i, o)

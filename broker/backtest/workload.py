@@ -136,6 +136,9 @@ def parse_arrival(text: str, *, market: MarketTrace
     if isinstance(req, requests.Invalid):
         raise ValueError("; ".join(f"request.{e['field']}: {e['message']}" if e["field"]
                                    else f"request: {e['message']}" for e in req.errors))
+    if req.max_parts > 1:
+        raise ValueError("request.max_parts: the backtest places every request whole; "
+                         "splits across pools are not simulated (leave it out)")
     if req.duration_hours is None:
         raise ValueError("request.duration_hours: required in a backtest (the hours of "
                          "useful work the job needs)")

@@ -395,6 +395,8 @@ def test_workload_errors_name_the_line_with_the_daemons_messages(tmp_path: Path)
         json.dumps({"request": {**req, "request_id": "e"}}),
         json.dumps({"at_hours": 1, "scheduler": "no spaces", "request": {**req,
                                                                          "request_id": "f"}}),
+        json.dumps({"at_hours": 1, "request": {**req, "request_id": "g", "gang": False,
+                                               "max_parts": 2}}),
     ])
     with pytest.raises(WorkloadError) as err:
         load_workload(path, market=m)
@@ -408,8 +410,10 @@ def test_workload_errors_name_the_line_with_the_daemons_messages(tmp_path: Path)
     assert problems[4].startswith(f"{path}:6: at: '2026-11-29T00:00:00Z' is before the "
                                   "market starts")
     assert problems[5].startswith(f"{path}:7: needs exactly one of at")
+    assert problems[7].startswith(f"{path}:9: request.max_parts: the backtest places every "
+                                  "request whole")
     assert problems[6].startswith(f"{path}:8: scheduler:")
-    assert len(problems) == 7
+    assert len(problems) == 8
 
 
 def test_generated_workloads_fit_the_market_and_repeat() -> None:

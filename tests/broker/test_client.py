@@ -421,3 +421,32 @@ async def test_a_lease_watch_lists_and_follows_leases(start_daemon: StartDaemon,
         finally:
             await other.close()
     assert json.dumps(dict(watch.states[before.lease_id]))
+
+
+async def test_a_split_placement_gives_a_lease_per_part(start_daemon: StartDaemon,
+                                                        mosquitto: Mosquitto) -> None:
+    rd = await start_daemon()
+    # More GPUs than any one pool has free: only a split can place it.
+    room = [o.capacity * o.gpus for o in rd.daemon.pool.by_gpu("A100-80GB")
+            if o.capacity is not None and o.price_per_hour is not None]
+    assert room
+    want = max(room) + 1
+    async with client(mosquitto) as c:
+        assert await c.wait_daemon_online(5)
+        with pytest.raises(Rejected):
+            await c.place(gpu="A100-80GB", gpus=want, request_id="whole")
+        lease = await c.place(gpu="A100-80GB", gpus=want, request_id="split", gang=False,
+                              max_parts=16, keep_alive=True)
+        assert len(lease.parts) >= 2 and lease.parts[0] is lease
+        assert {p.lease_id for p in lease.parts} <= {le.lease_id for le in c.leases}
+        assert all(p.keeping_alive for p in lease.parts)
+        assert sum(p.placement.total_gpus for p in lease.parts) >= want
+        held = leases_for(rd, "split")
+        assert sorted(le.lease_id for le in held) == sorted(p.lease_id for p in lease.parts)
+        # The same request again: the same parts, not new ones.
+        again = await c.place(gpu="A100-80GB", gpus=want, request_id="split", gang=False,
+                              max_parts=16)
+        assert [p.lease_id for p in again.parts] == [p.lease_id for p in lease.parts]
+        for part in lease.parts:
+            await part.release()
+        assert not any(le.state is LeaseState.ACTIVE for le in leases_for(rd, "split"))

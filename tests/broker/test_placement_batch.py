@@ -520,7 +520,7 @@ def test_an_offer_used_up_is_skipped_by_every_group_while_the_greedy_phase_runs(
         reqs.append(r)
     p = solver.Problem(reqs, builder.limits, builder.teams)
     builder.problem = p
-    st = solver._State(p)
+    st = solver.State(p)
     st.left[("pool", offers[0].pool)] = st.left[("pool", offers[1].pool)] = 0
     p.live = st.left
     looked: list[str] = []
@@ -543,7 +543,7 @@ def test_an_offer_used_up_is_skipped_by_every_group_while_the_greedy_phase_runs(
     looked.clear()
     assert reqs[2].group.grow(k=1, alive=alive)
     assert looked == ["us-east-1b", "us-east-1c"]
-    st = solver._State(p)  # b free again (`alive` reads this state from here on)
+    st = solver.State(p)  # b free again (`alive` reads this state from here on)
     p.live = st.left
     looked.clear()
     assert reqs[3].group.grow(k=1, alive=alive)

@@ -121,7 +121,7 @@ def within_spread(team: Team, usage: TeamUsage) -> bool:
 
 
 @st.composite
-def worlds(draw: st.DrawFn, max_requests: int = 5) -> World:
+def worlds(draw: st.DrawFn, max_requests: int = 5, split: bool = False) -> World:
     offers, group_quota = draw(offers_())
     held = {i: draw(st.integers(1, 2)) for i, o in enumerate(offers)
             if o.capacity and draw(st.booleans())}
@@ -150,8 +150,9 @@ def worlds(draw: st.DrawFn, max_requests: int = 5) -> World:
                         restart_hours=draw(st.sampled_from([0.0, 1.0]))))
     requests: list[PlaceRequest] = []
     for i in range(draw(st.integers(1, max_requests))):
+        parts = draw(st.sampled_from([1, 1, 1, 2, 3])) if split else 1
         requests.append(request(
-            f"r{i}", gpu=draw(st.sampled_from([["H100-80GB"], ["A100-80GB"], MODELS, MODELS])),
+            f"r{i}", gang=parts == 1, max_parts=parts, gpu=draw(st.sampled_from([["H100-80GB"], ["A100-80GB"], MODELS, MODELS])),
             gpus=draw(st.sampled_from([1, 2, 4, 6, 8, 8, 8, 16])),
             market=draw(st.sampled_from([None, None, "spot", "on_demand", "any"])),
             max_price_per_gpu_hour=draw(st.sampled_from([None, None, None, 2.0, 3.0])),
@@ -183,22 +184,29 @@ def check_constraints(w: World, result: BatchResult, *, bound: bool = True) -> N
             continue
         if not isinstance(out, Decision):
             continue
-        p = out.placement
-        i = offers[p.pool]
-        o = w.offers[i]
-        by_pool[i] += p.instances
-        # The policy's and the request's own filters.
-        assert p.gpu == o.gpu and p.gpu in c.gpus
-        assert p.gpu in {*req.gpu, *(e for g in req.gpu
-                                     for e in w.policy.gpus.equivalent.get(g, ()))}
-        assert p.pool.market in c.markets
-        assert c.region_ok(p.pool.cloud, p.pool.region)
-        assert not req.clouds or p.pool.cloud in req.clouds
-        if c.cap is not None:
-            assert o.price_per_gpu_hour is not None and o.price_per_gpu_hour <= c.cap + TOL
-        # One pool, whole instances, enough GPUs: no more instances than needed.
-        assert p.instances == -(-req.gpus // o.gpus)
-        assert p.price_per_hour == pytest.approx(p.instances * (o.price_per_hour or 0))
+        # A split (gang false, max_parts): its parts hold the request's GPUs, in at most
+        # max_parts distinct pools; each part is checked as a placement of its own GPUs.
+        parts = out.parts or ((out.placement, req.gpus),)
+        assert len(parts) <= req.max_parts and sum(g for _, g in parts) == req.gpus
+        assert out.placement == parts[0][0]
+        assert len({p.pool for p, _ in parts}) == len(parts)
+        for p, gpus in parts:
+            i = offers[p.pool]
+            o = w.offers[i]
+            by_pool[i] += p.instances
+            # The policy's and the request's own filters.
+            assert p.gpu == o.gpu and p.gpu in c.gpus
+            assert p.gpu in {*req.gpu, *(e for g in req.gpu
+                                         for e in w.policy.gpus.equivalent.get(g, ()))}
+            assert p.pool.market in c.markets
+            assert c.region_ok(p.pool.cloud, p.pool.region)
+            assert not req.clouds or p.pool.cloud in req.clouds
+            if c.cap is not None:
+                assert o.price_per_gpu_hour is not None and \
+                    o.price_per_gpu_hour <= c.cap + TOL
+            # Whole instances, enough GPUs: no more instances than needed.
+            assert p.instances == -(-gpus // o.gpus)
+            assert p.price_per_hour == pytest.approx(p.instances * (o.price_per_hour or 0))
     # Capacity less what the broker holds; quota per pool and per group.
     group_used: dict[str, int] = defaultdict(int)
     for i, n in by_pool.items():
@@ -214,8 +222,9 @@ def check_constraints(w: World, result: BatchResult, *, bound: bool = True) -> N
         assert used <= w.group_quota[g], g
     # The teams' limits, counting what they hold already.
     for name, team in w.policy.teams.items():
-        mine = [out.placement for out in result.outcomes
-                if isinstance(out, Decision) and out.ask.request.team == name]
+        mine = [p for out in result.outcomes
+                if isinstance(out, Decision) and out.ask.request.team == name
+                for p, _ in (out.parts or ((out.placement, 0),))]
         if not mine:
             continue
         u = w.usage[name]
@@ -455,3 +464,14 @@ def test_a_request_alone_gets_its_cheapest_placement(w: World) -> None:
         best = min(ch.cost for ch in options)
         assert out.expected_cost_per_hour * (req.duration_hours or 1.0) == \
             pytest.approx(best)
+
+
+@PATHS
+@FAST
+@given(w=worlds(split=True))
+def test_splits_keep_every_constraint(path: dict[str, int], w: World) -> None:
+    """Requests that may be split (gang false, max_parts 2–3) among others: every part
+    and all of them together keep every limit, for both solvers."""
+    for s in (HEURISTIC, MILP):
+        check_constraints(w, solve(w.asks(), w.pool(), w.policy, now=T0,
+                                   settings=replace(s, **path)), bound=False)
