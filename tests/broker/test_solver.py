@@ -586,7 +586,7 @@ def test_a_team_swap_gives_its_gpus_to_the_request_worth_most_per_gpu() -> None:
                  req(opt(10, gpus=4), team="t", penalty=50),
                  req(opt(20, gpus=8), team="t", penalty=1000)],
                 limits={}, teams={"t": Team(gpus_left=8)})
-    st = solver._State(p)
+    st = solver.State(p)
     st.take(0, p.requests[0].options[0])
     st.take(1, p.requests[1].options[0])
     assert solver._team_swaps(st) == 1
@@ -595,7 +595,7 @@ def test_a_team_swap_gives_its_gpus_to_the_request_worth_most_per_gpu() -> None:
     assert violations(p, st.choice) == []
     # Not when the left-out request is worth less than those it would displace.
     p.requests[2].penalty = 90
-    st = solver._State(p)
+    st = solver.State(p)
     st.take(0, p.requests[0].options[0])
     st.take(1, p.requests[1].options[0])
     assert solver._team_swaps(st) == 0
@@ -614,7 +614,7 @@ def test_making_room_moves_every_request_in_the_way() -> None:
     small = [req(opt(10, ("A", 1)), opt(11, ("B", 1))), req(opt(10, ("A", 1)), opt(11, ("C", 1)))]
     big = req(opt(30, ("A", 2)), penalty=1000)
     p = Problem([*small, big], limits={"A": 2, "B": 1, "C": 1})
-    st = solver._State(p)
+    st = solver.State(p)
     for i in (0, 1):
         st.take(i, p.requests[i].options[0])
     users = {"A": [0, 1]}
@@ -623,7 +623,7 @@ def test_making_room_moves_every_request_in_the_way() -> None:
     assert violations(p, st.choice) == []
     # When one of them has nowhere else to go, nothing moves.
     p.limits["C"] = 0
-    st = solver._State(p)
+    st = solver.State(p)
     for i in (0, 1):
         st.take(i, p.requests[i].options[0])
     assert not solver._make_room(st, 2, {"A": [0, 1]})
@@ -671,7 +671,7 @@ def test_a_request_takes_a_cheaper_pool_by_moving_its_holder_on(chains: bool) ->
     p = Problem([req(opt(10, ("A", 1)), opt(12, ("B", 1))),
                  req(opt(10, ("A", 1)), opt(10.5, ("C", 1)))],
                 limits={"A": 1, "B": 1, "C": 1})
-    st = solver._State(p)
+    st = solver.State(p)
     st.take(0, p.requests[0].options[1])
     st.take(1, p.requests[1].options[0])
 
