@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import random
 import socket
@@ -59,6 +60,24 @@ and must not yield to the event loop after reading, so that the read and the pub
 are one step: a newer state committed meanwhile is always published after it."""
 ACK_BATCH = 512
 ACK_COALESCE_SECONDS = 0.05
+
+
+class _LateAck(logging.Filter):
+    """aiomqtt logs an error with a traceback when an acknowledgement (SUBACK, UNSUBACK,
+    PUBACK) arrives for a call that was already cancelled or timed out, which happens
+    whenever a task is cancelled mid-call (a standby elected while it subscribes, a
+    shutdown). Nothing is wrong then: the record becomes a debug line without the
+    traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Unexpected message ID"):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info = record.exc_text = None
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+logging.getLogger("mqtt").addFilter(_LateAck())
 
 
 def make_client(cfg: MqttConfig, client_id: str, *, will: aiomqtt.Will | None = None,
