@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     offers.add_argument("--cloud", action="extend", nargs="+", metavar="CLOUD",
                         help="only these clouds (aws, gcp, azure, alibaba); several as "
                              "--gpu takes them")
-    offers.add_argument("--market", choices=["spot", "on_demand"],
+    offers.add_argument("--market", choices=["spot", "on_demand", "reserved"],
                         help="only this market (default: both)")
     offers.add_argument("--format", choices=["table", "json"], default="table",
                         help="table: for people (default); json: JSON Lines, one offer a "
@@ -123,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
                               "--gpu A B or --gpu A --gpu B")
     history.add_argument("--cloud", action="extend", nargs="+", metavar="NAME",
                          help="only these clouds, as --gpu")
-    history.add_argument("--market", choices=["spot", "on_demand"],
+    history.add_argument("--market", choices=["spot", "on_demand", "reserved"],
                          help="only this market (default: both)")
     history.add_argument("--format", choices=["csv", "jsonl"],
                          help="default: from --output's name, else jsonl")
@@ -784,7 +784,7 @@ def _add_client_parsers(sub: Any) -> None:
                             "(repeatable)")
     place.add_argument("--gpus", type=int, required=True, metavar="N",
                        help="GPUs wanted in all")
-    place.add_argument("--market", choices=["spot", "on_demand", "any"],
+    place.add_argument("--market", choices=["spot", "on_demand", "reserved", "any"],
                        help="market (default: the policy's)")
     place.add_argument("--max-price", type=float, metavar="USD",
                        help="highest acceptable price per GPU-hour, in USD")

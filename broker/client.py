@@ -693,7 +693,7 @@ class BrokerClient:
     # --- verbs -------------------------------------------------------------------------
 
     async def place(self, gpu: str | Sequence[str], gpus: int, *,
-                    market: Literal["spot", "on_demand", "any"] | None = None,
+                    market: Literal["spot", "on_demand", "reserved", "any"] | None = None,
                     request_id: str | None = None, timeout: float = 60.0,
                     gang: bool | None = None, max_price_per_gpu_hour: float | None = None,
                     clouds: Sequence[str] | None = None, regions: Sequence[str] | None = None,

@@ -209,7 +209,8 @@ class Broker:
         """Load the lease book from the store at start-up."""
         self.book.load(leases)
         for lease in self.book.active():
-            self.pool.hold(lease.placement.pool, lease.placement.instances)
+            self.pool.hold(lease.placement.pool, lease.placement.instances,
+                           lease.placement.targets)
 
     async def learn_stored_keys(self) -> None:
         """Read the keys of every stored lease into `stored_keys` (at start, while the
@@ -539,7 +540,7 @@ class Broker:
         todo: list[tuple[Command, PlaceRequest, placement.Ask]] = []
         for cmd, req in asks:
             verdict = evaluate(self.policy, req, self.book.team_usage(req.team),
-                               self._resident)
+                               self._resident, self.pool.owned_gpus)
             if isinstance(verdict, Denied):
                 outcome = placement.Rejection(placement.Ask(req), verdict.code,
                                               verdict.detail)
@@ -580,16 +581,17 @@ class Broker:
                 continue
             c = ask.constraints
             assert c is not None
+            # The pool holds each placement's instances and names the reservations or
+            # servers it launches into, before the lease records it.
             if out.parts:
-                made = self.book.create_split(req, out.parts, lease_seconds=c.lease_seconds,
+                parts = tuple((self.pool.take(p), gpus) for p, gpus in out.parts)
+                made = self.book.create_split(req, parts, lease_seconds=c.lease_seconds,
                                               cap=c.cap, now=now)
             else:
-                made = [self.book.create(req, out.placement, lease_seconds=c.lease_seconds,
-                                         cap=c.cap, now=now)]
+                made = [self.book.create(req, self.pool.take(out.placement),
+                                         lease_seconds=c.lease_seconds, cap=c.cap, now=now)]
             lease = made[0]
             self._note_key(lease)
-            for part in made:
-                self.pool.hold(part.placement.pool, part.placement.instances)
             b.answered[(req.scheduler, req.request_id)] = lease
             self._decided(b, lease, cmd, out.reason, out.alternatives, made)
             self._expiry_changed.set()
@@ -785,7 +787,7 @@ class Broker:
                cmd: Command | None = None, *, released: bool = False) -> None:
         """Publish the end of `lease`; release its instances unless `released`."""
         if not released:
-            self.pool.unhold(lease.placement.pool, lease.placement.instances)
+            self.pool.give_back(lease.placement)
         self._moves.pop(lease.lease_id, None)
         b.leases[lease.lease_id] = lease
         self._emit(b, Event(kind, lease.scheduler, data, lease_subject(lease.lease_id),

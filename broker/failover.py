@@ -14,6 +14,10 @@ Triggers, each switched by the policy's `failover.triggers`:
   → `cloud_unhealthy`;
 * a new policy that forbids where or what a lease runs on → `policy_changed`;
 * a scheduler's report (handled in the broker, always on) → `reported`;
+* on paid-for capacity, a lease's reservation or server named as draining by its
+  adapter (a maintenance window is near) → `maintenance` (always on; with nowhere to go
+  the lease stays until the window starts), or gone from the pool's targets (a server
+  down, a reservation ended) → `capacity_lost`;
 * with `failover.reoptimize_min_saving` set, a placement whose expected cost is at
   least that share below the lease's, at today's prices → `reoptimized`. Without it, or
   for a smaller saving, a running lease is never moved by re-optimisation.
@@ -42,6 +46,7 @@ from broker.model import (
     PoolKey,
     RejectCode,
     SignalKind,
+    Target,
 )
 from broker.pool import PoolChange
 from policies.evaluate import Constraints, Denied, evaluate
@@ -76,6 +81,7 @@ def enabled(reason: FailoverReason, policy: Failover) -> bool:
         FailoverReason.POLICY_CHANGED: t.policy_changed,
         FailoverReason.REPORTED: True,
         FailoverReason.REOPTIMIZED: policy.reoptimize_min_saving is not None,
+        FailoverReason.MAINTENANCE: True,
     }[reason]
 
 
@@ -108,6 +114,12 @@ def from_pool_change(change: PoolChange, book: LeaseBook, policy: Failover | Non
         if not leases:
             continue
         offer = change.offers[key]
+        if offer.targets or any(le.placement.targets for le in leases):
+            moving = list(_target_triggers(key, offer.targets, offer.draining, leases, lost))
+            out.extend(moving)
+            if moving:
+                gone = {t.lease_id for t in moving}
+                leases = [le for le in leases if le.lease_id not in gone]
         if offer.availability == 0 and lost:
             for le in leases:
                 out.append(Trigger(le.lease_id, le.epoch, FailoverReason.CAPACITY_LOST,
@@ -124,11 +136,30 @@ def from_pool_change(change: PoolChange, book: LeaseBook, policy: Failover | Non
                 out.append(Trigger(le.lease_id, le.epoch, FailoverReason.PRICE_ABOVE_CAP,
                                    f"{key} now costs ${ppg:.4g}/GPU-h, above the lease's cap "
                                    f"${cap:g}/GPU-h"))
-            elif spike is not None and ppg > spike * decided:
+            elif spike is not None and decided > 0 and ppg > spike * decided:
                 out.append(Trigger(le.lease_id, le.epoch, FailoverReason.PRICE_ABOVE_CAP,
                                    f"{key} now costs ${ppg:.4g}/GPU-h, over {spike:g}× the "
                                    f"${decided:.4g}/GPU-h it was decided at"))
     return out
+
+
+def _target_triggers(key: PoolKey, targets: Sequence[Target], draining: Sequence[str],
+                     leases: Sequence[Lease], lost: bool) -> Iterator[Trigger]:
+    """Leases on paid-for capacity whose reservation or server is going: into a
+    maintenance window (`draining`: always moved, before the window starts), or gone
+    from the pool's targets (a server down or unhealthy, a reservation ended or
+    cancelled: `capacity_lost`, when that trigger is on)."""
+    listed = {t.id for t in targets}
+    drain = set(draining)
+    for le in leases:
+        mine = [t for t, _ in le.placement.targets]
+        if going := [t for t in mine if t in drain]:
+            yield Trigger(le.lease_id, le.epoch, FailoverReason.MAINTENANCE,
+                          f"{', '.join(going)} on {key} enter a maintenance window")
+        elif lost and (missing := [t for t in mine if t not in listed]):
+            yield Trigger(le.lease_id, le.epoch, FailoverReason.CAPACITY_LOST,
+                          f"{', '.join(missing)} on {key} are no longer available "
+                          "(down, unhealthy or ended)", cool_down=False)
 
 
 def supersedes(new: Trigger, waiting: Trigger) -> bool:
@@ -170,14 +201,16 @@ def ladder(c: Constraints, leaving: PoolKey, policy: Failover) -> Iterator[Const
         return
     here = frozenset({leaving.cloud})
     for step in policy.ladder:
+        # Paid-for capacity (`reserved`) is never worse than spot or on-demand: a step
+        # for either may take it too.
         if step in ("same_region_spot", "other_region_spot"):
             if Market.SPOT not in c.markets:
                 continue
-            markets: tuple[Market, ...] = (Market.SPOT,)
+            markets: tuple[Market, ...] = tuple(m for m in c.markets if m is not Market.ON_DEMAND)
         elif step == "on_demand":
             if Market.ON_DEMAND not in c.markets:
                 continue
-            markets = (Market.ON_DEMAND,)
+            markets = tuple(m for m in c.markets if m is not Market.SPOT)
         else:
             markets = c.markets
         if step == "other_cloud":
@@ -264,9 +297,10 @@ class Holdings(placement.PoolView, Protocol):
     """A pool view that also keeps the broker's holdings and cool-downs: the daemon's
     `ResourcePool`, a backtest strategy's view."""
 
-    def hold(self, key: PoolKey, instances: int) -> None: ...
+    def take(self, placement: Placement) -> Placement:
+        """Hold a placement's instances; the placement with its targets assigned."""
 
-    def unhold(self, key: PoolKey, instances: int) -> None: ...
+    def give_back(self, placement: Placement) -> None: ...
 
     def cool_down(self, key: PoolKey, seconds: float) -> None: ...
 
@@ -304,21 +338,23 @@ def step(trigger: Trigger, *, book: LeaseBook, pool: Holdings, policy: Policy,
     old = lease.placement
     if trigger.cool_down:
         pool.cool_down(old.pool, policy.failover.cooldown_seconds)
-    pool.unhold(old.pool, old.instances)
+    pool.give_back(old)
     outcome = find(lease)
     if trigger.reason is FailoverReason.REOPTIMIZED:
         gain = saving(lease, outcome, pool, policy)
         threshold = policy.failover.reoptimize_min_saving
         if gain is None or threshold is None or gain < threshold:
-            pool.hold(old.pool, old.instances)  # the saving is gone: stay
+            pool.take(old)  # the saving is gone: stay
             return Step("stays", lease, old, outcome)
     if isinstance(outcome, placement.Decision):
-        moved = book.failover(lease.lease_id, outcome.placement, now)
-        pool.hold(moved.placement.pool, moved.placement.instances)
+        moved = book.failover(lease.lease_id, pool.take(outcome.placement), now)
         moves[moved.lease_id] = [*recent(moves.get(moved.lease_id, ()), now), now]
         return Step("moved", moved, old, outcome)
-    if trigger.reason in DISCRETIONARY:
-        pool.hold(old.pool, old.instances)  # a move by choice: the lease stays
+    if trigger.reason in DISCRETIONARY or trigger.reason is FailoverReason.MAINTENANCE:
+        # A move by choice, or ahead of a maintenance window (the server is still up;
+        # when the window starts it leaves the pool and the lease moves or fails then):
+        # the lease stays.
+        pool.take(old)
         return Step("stays", lease, old, outcome)
     ended = book.end(lease.lease_id, LeaseState.FAILED, now)
     moves.pop(lease.lease_id, None)

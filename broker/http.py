@@ -102,7 +102,7 @@ async def offers(request: web.Request) -> web.Response:
         limit = int(q.get("limit", "1000"))
         market = Market(q["market"]) if "market" in q else None
     except ValueError:
-        return _json({"error": "limit must be a number; market spot or on_demand"}, 400)
+        return _json({"error": "limit must be a number; market spot, on_demand or reserved"}, 400)
     now = utcnow() if q.get("fresh") in ("1", "true") else None
     rows = [o for o in d.pool
             if (not q.get("gpu") or o.gpu == q["gpu"])

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
-from broker.model import Lease, LeaseState, Placement, PlaceRequest, PoolKey
+from broker.model import OWNED, Lease, LeaseState, Placement, PlaceRequest, PoolKey
 from policies.evaluate import TeamUsage
 
 
@@ -77,7 +77,7 @@ class LeaseBook:
         tally = self._teams.get(team) if team else None
         if tally is None:
             return TeamUsage()
-        return TeamUsage(tally.gpus, tally.price, dict(tally.by_zone))
+        return TeamUsage(tally.gpus, tally.price, dict(tally.by_zone), tally.owned)
 
     def leased_pools(self) -> set[PoolKey]:
         return set(self._by_pool)
@@ -234,6 +234,8 @@ class LeaseBook:
         p = lease.placement
         t.gpus += sign * p.total_gpus
         t.price += sign * p.price_per_hour
+        if p.pool.market is OWNED:
+            t.owned += sign * p.total_gpus
         t.by_zone[(p.pool.cloud, p.pool.zone)] += sign * p.total_gpus
         if t.by_zone[(p.pool.cloud, p.pool.zone)] <= 0:
             del t.by_zone[(p.pool.cloud, p.pool.zone)]
@@ -245,4 +247,5 @@ class LeaseBook:
 class _TeamTally:
     gpus: int = 0
     price: float = 0.0
+    owned: int = 0
     by_zone: Counter[tuple[str, str]] = field(default_factory=Counter)

@@ -49,12 +49,30 @@ GPU_MODELS: MappingProxyType[str, GpuModel] = MappingProxyType({m.name: m for m 
     GpuModel("MI300X", 192, vendor="amd"),
 )})
 
-CLOUDS = ("aws", "gcp", "azure", "alibaba")
+CLOUDS = ("aws", "gcp", "azure", "alibaba", "private")
+"""`private`: the company's own GPU servers, declared by the ops team (adapters.private)."""
 
 
 class Market(StrEnum):
     SPOT = "spot"
     ON_DEMAND = "on_demand"
+    RESERVED = "reserved"  # paid-for capacity: a cloud reservation, or a private server
+
+
+OWNED = Market.RESERVED
+"""The market of capacity already paid for: cloud capacity reservations and private
+servers. It is never interrupted, and priced at the margin."""
+
+
+def markets_for(choice: str) -> frozenset[Market]:
+    """The markets a request's `market` may be placed on: paid-for capacity (`reserved`)
+    is at least as good as on-demand and never interrupted, so it serves a request for
+    spot or on-demand too; `reserved` asks for it alone."""
+    if choice == "any":
+        return frozenset(Market)
+    if choice == "reserved":
+        return frozenset({Market.RESERVED})
+    return frozenset({Market(choice), Market.RESERVED})
 
 
 class LeaseState(StrEnum):
@@ -72,6 +90,7 @@ class FailoverReason(StrEnum):
     REPORTED = "reported"
     POLICY_CHANGED = "policy_changed"
     REOPTIMIZED = "reoptimized"  # a better placement saves more than the policy's threshold
+    MAINTENANCE = "maintenance"  # the server goes into a maintenance window (private pools)
 
 
 class RejectCode(StrEnum):
@@ -125,6 +144,17 @@ class PoolKey(NamedTuple):
         return cls(d["cloud"], d["region"], d["zone"], d["instance_type"], Market(d["market"]))
 
 
+class Target(NamedTuple):
+    """One thing a scheduler launches into, inside a pool of paid-for capacity: a cloud
+    capacity reservation (`id` its id, `instances` its size, `free` what the cloud says
+    is free in it now) or a private server (`id` its name; 1 and 1, or 0 free when it is
+    down or drained)."""
+
+    id: str
+    instances: int
+    free: int
+
+
 @dataclass(frozen=True, slots=True)
 class Offer:
     """A pool's current state, as one poll of its cloud saw it.
@@ -139,6 +169,11 @@ class Offer:
     `quota_group` names the quota the pool shares with others (`aws:us-east-1:G:spot`),
     and `quota_units` what one instance counts against it (its vCPUs, or GPUs where the
     cloud's quota counts GPUs); `None` when the headroom is the pool's own.
+
+    Paid-for capacity (market `reserved`) lists its `targets`: the reservations or
+    servers a lease is launched into, each assigned to leases by the pool; `draining`
+    names the targets a maintenance window is about to take (leases on them move with
+    reason `maintenance`). `owned_gpus` is the pool's paid-for GPUs, free or not.
     """
 
     pool: PoolKey
@@ -156,6 +191,12 @@ class Offer:
     gpu_known: bool = True
     quota_group: str | None = None
     quota_units: int | None = None
+    targets: tuple[Target, ...] = ()
+    draining: tuple[str, ...] = ()
+
+    @property
+    def owned_gpus(self) -> int:
+        return sum(t.instances for t in self.targets) * self.gpus
 
     @property
     def price_per_gpu_hour(self) -> float | None:
@@ -184,6 +225,7 @@ class Offer:
             "capacity": self.capacity,
             "interruption_rate": self.interruption_rate,
             "quota_headroom": self.quota_headroom,
+            **({"owned_gpus": self.owned_gpus} if self.targets else {}),
         }
 
 
@@ -193,7 +235,8 @@ def _round(x: float | None) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where a lease's GPUs are: one pool, `instances` instances of it."""
+    """Where a lease's GPUs are: one pool, `instances` instances of it. On paid-for
+    capacity, `targets` says which reservations or servers, as (id, instances)."""
 
     pool: PoolKey
     instances: int
@@ -201,6 +244,7 @@ class Placement:
     gpus: int  # per instance
     price_per_hour: float  # the whole placement
     price_observed_at: datetime
+    targets: tuple[tuple[str, int], ...] = ()
 
     @property
     def total_gpus(self) -> int:
@@ -232,6 +276,8 @@ class Placement:
             "price_per_hour": round(self.price_per_hour, 6),
             "price_per_gpu_hour": round(self.price_per_gpu_hour, 6),
             "price_observed_at": iso(self.price_observed_at),
+            **({"targets": [{"id": t, "instances": n} for t, n in self.targets]}
+               if self.targets else {}),
         }
 
     @classmethod
@@ -243,6 +289,7 @@ class Placement:
             gpus=int(d["gpus"]),
             price_per_hour=float(d["price_per_hour"]),
             price_observed_at=parse_iso(d["price_observed_at"]),
+            targets=tuple((str(t["id"]), int(t["instances"])) for t in d.get("targets", ())),
         )
 
 
@@ -255,7 +302,7 @@ class PlaceRequest:
     gpu: tuple[str, ...]
     gpus: int
     gang: bool = True
-    market: str | None = None  # spot | on_demand | any
+    market: str | None = None  # spot | on_demand | reserved | any
     max_price_per_gpu_hour: float | None = None
     clouds: tuple[str, ...] | None = None
     regions: tuple[str, ...] | None = None

@@ -78,20 +78,35 @@ SchedulerId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", descriptio
     "The scheduler id `S`, the topic level the request came in on."))]
 Price = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 # The names of broker.model's enums (tests/broker/test_payloads.py checks they agree).
-CloudName = Literal["aws", "gcp", "azure", "alibaba"]
-MarketName = Annotated[Literal["spot", "on_demand"], Field(description="`spot` or `on_demand`.")]
+CloudName = Annotated[Literal["aws", "gcp", "azure", "alibaba", "private"], Field(
+    description="`private`: the company's own GPU servers, declared by its ops team.")]
+MarketName = Annotated[Literal["spot", "on_demand", "reserved"], Field(
+    description="`spot`, `on_demand` or `reserved`: paid-for capacity (a cloud capacity "
+                "reservation, or a private server), never interrupted, priced at the margin.")]
 RejectCodeName = Literal["no_capacity", "over_price_cap", "over_budget", "policy_denied"]
 FailoverReasonName = Literal["interrupted", "capacity_lost", "price_above_cap",
-                             "cloud_unhealthy", "reported", "policy_changed", "reoptimized"]
+                             "cloud_unhealthy", "reported", "policy_changed", "reoptimized",
+                             "maintenance"]
 LeaseStateName = Literal["active", "released", "expired", "failed"]
 LeaseFailedReason = Literal["interrupted", "capacity_lost", "price_above_cap", "cloud_unhealthy",
-                            "reported", "policy_changed", "reoptimized", "ended"]
+                            "reported", "policy_changed", "reoptimized", "maintenance",
+                            "ended"]
 Epoch = Annotated[int, Field(ge=1, description=(
     "The lease's fencing token: 1 when decided, one more at each failover. A scheduler "
     "acts only on the highest epoch it has seen for a lease."))]
 
 
 # --- the shared shapes ------------------------------------------------------------------
+
+
+@with_config(ConfigDict(extra="forbid", title="Target"))
+class TargetJson(TypedDict):
+    """What to launch into, on paid-for capacity."""
+
+    id: Annotated[str, Field(min_length=1, max_length=256, description=(
+        "A cloud capacity reservation's id (AWS `cr-…`, GCP reservation name, Azure "
+        "capacity reservation resource id) or a private server's name."))]
+    instances: Annotated[int, Field(ge=1, description="How many instances go into it.")]
 
 
 @with_config(ConfigDict(extra="forbid", title="Placement"))
@@ -114,6 +129,11 @@ class PlacementJson(TypedDict):
         "USD per hour for the whole placement (all instances), at decision time.")]
     price_per_gpu_hour: Annotated[Price, _doc("`price_per_hour` / `total_gpus`.")]
     price_observed_at: Annotated[Timestamp, _doc("When the cloud's price was read.")]
+    targets: NotRequired[Annotated[list[TargetJson], Field(min_length=1, max_length=1024,
+        description=(
+            "Market `reserved` only: the reservations or private servers to launch the "
+            "instances into, with how many go into each (they add up to `instances`). "
+            "Absent on other markets (an addition within v1, §9)."))]]
 
 
 @with_config(_SENT)
@@ -551,3 +571,6 @@ class OfferJson(TypedDict):
     capacity: Annotated[int | None, _doc("Estimated free instances.")]
     interruption_rate: Annotated[float | None, _doc("Interruptions per hour (spot).")]
     quota_headroom: Annotated[int | None, _doc("GPUs the quota still allows.")]
+    owned_gpus: NotRequired[Annotated[int, Field(ge=0, description=(
+        "Market `reserved` only: the pool's paid-for GPUs (its reservations' or servers' "
+        "that are up), free or not; `capacity` is what is free of them."))]]

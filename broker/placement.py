@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import solver
 from broker.hazard import DEFAULT_HORIZON, Hazard, HazardEstimator, horizon_bucket
-from broker.model import Market, Offer, Placement, PlaceRequest, PoolKey, RejectCode
+from broker.model import OWNED, Market, Offer, Placement, PlaceRequest, PoolKey, RejectCode
 from policies.evaluate import Constraints, Denied, evaluate
 from policies.evaluate import describe as describe_constraints
 from policies.model import Policy
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 ALTERNATIVES = 3
 PENALTY = 100  # leaving a request unplaced costs this many times its cheapest option
+PENALTY_FLOOR_PER_GPU_HOUR = 1.0
 SPLIT_MIN_SAVING = 0.05
 """A request that one pool can take is split across pools only when that saves at least
 this share of its expected cost: each part is a lease the scheduler launches and renews."""
@@ -708,6 +709,11 @@ class _Builder:
             self._team(c)
         self._rules.append(c.rule)
         best = min(o.cost_per_hour for o in group.options[:ALTERNATIVES + 1])
+        if best <= 0:
+            # Paid-for capacity may cost nothing: then the penalty is that of the
+            # cheapest option that costs something, and never below $1 per GPU-hour.
+            best = max(min((o.cost_per_hour for o in group.options if o.cost_per_hour > 0),
+                           default=0.0), PENALTY_FLOOR_PER_GPU_HOUR * req.gpus)
         return solver.Request(group=group, horizon=horizon, penalty=PENALTY * horizon * best,
                               team=c.team, extra=extra, min_gpus=req.gpus), scan
 
@@ -736,6 +742,8 @@ class _Builder:
             share = -(-left // (req.max_parts - len(parts)))
             best: tuple[float, int, solver.Option, int] | None = None
             for offer in offers:
+                if any(o.ref[0].pool == offer.pool for o, _ in parts):
+                    continue  # one part per pool: a part is one lease of one pool
                 want = -(-left // offer.gpus)
                 fit = st.room(self._option(offer, 1, min(left, offer.gpus), h))
                 most = int(min(want, fit))
@@ -787,7 +795,7 @@ class _Builder:
             gpus_left=c.gpus_left, budget_left=c.budget_left,
             zone_share=c.max_zone_share, cloud_share=c.max_cloud_share,
             grace=c.spread_grace, total=c.team_gpus, by_zone=dict(c.gpus_by_zone),
-            by_cloud=dict(by_cloud))
+            by_cloud=dict(by_cloud), owned_left=c.owned_left)
 
     def _option(self, offer: Offer, instances: int, need: int, h: float) -> solver.Option:
         key = offer.pool
@@ -817,7 +825,8 @@ class _Builder:
         if idle:
             cost += idle * (instances * offer.gpus - need) * (price / (instances * offer.gpus))
         o = solver.Option(cost, tuple(uses), instances * offer.gpus, price, key.cloud,
-                          key.zone, (offer, instances))
+                          key.zone, (offer, instances),
+                          instances * offer.gpus if key.market is OWNED else 0)
         self._options[(key, instances, need, h)] = o
         return o
 
@@ -1320,6 +1329,11 @@ def _unplaced(ask: Ask, problem: solver.Problem, why: tuple[str, Hashable | None
                          f"{team} has too little of its budget_per_hour (${key:.2f}/h left) "
                          f"after this batch's other placements for a placement of "
                          f"{req.gpus} GPUs", retry_after)
+    if what == "team_owned":
+        return Rejection(ask, RejectCode.OVER_BUDGET,
+                         f"{team} has {key:g} GPUs of its private_share of paid-for capacity "
+                         f"left after this batch's other placements; no placement of "
+                         f"{req.gpus} GPUs fits", retry_after)
     if what == "spread":
         return Rejection(ask, RejectCode.POLICY_DENIED,
                          f"{team}'s spread limit (max_zone_share/max_cloud_share) leaves no "

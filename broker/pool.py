@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from broker.hazard import HazardEstimator
-from broker.model import Market, Offer, PoolKey, utcnow
+from broker.model import Market, Offer, Placement, PoolKey, utcnow
 
 SliceId = tuple[str, str]
 _STALE_CACHE = timedelta(seconds=1)
@@ -80,6 +80,8 @@ class ResourcePool:
         # would cost more than placing).
         self._by_gpu: dict[tuple[str, Market | None], list[Offer]] = {}
         self._held: Counter[PoolKey] = Counter()
+        self._held_targets: dict[PoolKey, Counter[str]] = {}
+        self._owned: dict[SliceId, int] = {}
         self._cooldown: dict[PoolKey, datetime] = {}
         self._listeners: list[Listener] = []
         self._stale_cache: tuple[datetime | None, set[SliceId]] = (None, set())
@@ -117,6 +119,7 @@ class ResourcePool:
             self._offers[key] = offer
             self._slice_of[key] = slice_id
         self._slices[slice_id] = set(new)
+        self._owned[slice_id] = sum(o.owned_gpus for o in new.values() if o.targets)
         health = self._health.setdefault(slice_id, SliceHealth(slice_id))
         health.ok, health.last_ok_at, health.last_error = True, self._clock(), None
         self._stale_cache = (None, set())
@@ -153,19 +156,85 @@ class ResourcePool:
 
     # --- the broker's own holdings -----------------------------------------------------
 
-    def hold(self, key: PoolKey, instances: int) -> None:
+    def hold(self, key: PoolKey, instances: int,
+             targets: Iterable[tuple[str, int]] = ()) -> None:
         self._held[key] += instances
+        for target, n in targets:
+            self._held_targets.setdefault(key, Counter())[target] += n
 
-    def unhold(self, key: PoolKey, instances: int) -> None:
+    def unhold(self, key: PoolKey, instances: int,
+               targets: Iterable[tuple[str, int]] = ()) -> None:
         self._held[key] -= instances
         if self._held[key] <= 0:
             del self._held[key]
+        by_target = self._held_targets.get(key)
+        if by_target is None:
+            return
+        for target, n in targets:
+            by_target[target] -= n
+            if by_target[target] <= 0:
+                del by_target[target]
+        if not by_target:
+            del self._held_targets[key]
+
+    def take(self, placement: Placement) -> Placement:
+        """Hold a decided placement's instances; on paid-for capacity, assign it the
+        reservations or servers it launches into first (`Placement.targets`)."""
+        placement = self.assign(placement)
+        self.hold(placement.pool, placement.instances, placement.targets)
+        return placement
+
+    def give_back(self, placement: Placement) -> None:
+        self.unhold(placement.pool, placement.instances, placement.targets)
+
+    def assign(self, placement: Placement) -> Placement:
+        """`placement` with the targets its instances go to: the offer's targets in the
+        order the adapter lists them, each filled as far as it has room (what its cloud
+        says is free, and what the broker's leases do not hold); none are draining. A
+        pool without targets, or a placement that has them already: as it is."""
+        offer = self._offers.get(placement.pool)
+        if offer is None or not offer.targets or placement.targets:
+            return placement
+        left, out = placement.instances, []
+        for t in offer.targets:
+            if left <= 0:
+                break
+            n = min(left, self._room(placement.pool, offer, t.id, t.instances, t.free))
+            if n > 0:
+                out.append((t.id, n))
+                left -= n
+        return dataclasses.replace(placement, targets=tuple(out))
+
+    def _room(self, key: PoolKey, offer: Offer, target: str, size: int, free: int) -> int:
+        """A target's instances a new lease may have: no more than its cloud says are
+        free (which counts the broker's own instances once launched, and anyone else's),
+        nor than its size less what the broker's leases hold on it."""
+        if target in offer.draining:
+            return 0
+        held = self._held_targets.get(key)
+        return max(0, min(free, size - (held[target] if held else 0)))
 
     def held(self, key: PoolKey) -> int:
+        """Instances of `key` the broker's leases take from its `capacity`. On paid-for
+        capacity the cloud's free count may or may not include them yet (a reservation
+        counts an instance once it runs), so that is what per target room leaves."""
+        offer = self._offers.get(key)
+        if offer is not None and offer.targets and offer.capacity is not None:
+            room = sum(self._room(key, offer, *t) for t in offer.targets)
+            return max(0, offer.capacity - room)
         return self._held.get(key, 0)
 
     def held_pools(self) -> set[PoolKey]:
         return set(self._held)
+
+    @property
+    def owned_gpus(self) -> int:
+        """The paid-for GPUs the adapters list (reservations and private servers that
+        are up), free or not."""
+        return sum(self._owned.values())
+
+    def held_targets(self, key: PoolKey) -> dict[str, int]:
+        return dict(self._held_targets.get(key, {}))
 
     def free_capacity(self, key: PoolKey) -> int | None:
         """Estimated free instances less what the broker's leases hold; None if unknown."""
@@ -174,7 +243,7 @@ class ResourcePool:
             return 0
         if offer.capacity is None:
             return None
-        return max(0, offer.capacity - self._held.get(key, 0))
+        return max(0, offer.capacity - self.held(key))
 
     def cool_down(self, key: PoolKey, seconds: float) -> None:
         """Keep new placements off `key` for a while (after a preemption or failure)."""

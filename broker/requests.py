@@ -55,7 +55,7 @@ class PlacePayload(_Lenient):
     gang: StrictBool = True
     """All instances in one pool (one zone). `false` alone changes nothing; with
     `max_parts` above 1 it lets the request be split across pools."""
-    market: Literal["spot", "on_demand", "any"] | None = None
+    market: Literal["spot", "on_demand", "reserved", "any"] | None = None
     """Default: the policy's `defaults.market`."""
     max_price_per_gpu_hour: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     """USD per GPU-hour, at most."""

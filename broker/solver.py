@@ -56,6 +56,7 @@ class Option:
     cloud: str
     zone: str
     ref: Any = None
+    owned: int = 0  # of its GPUs, those on paid-for capacity (the team's private_share)
 
 
 Alive = Callable[[Option], bool]
@@ -157,6 +158,7 @@ class Team:
     total: int = 0
     by_zone: dict[tuple[str, str], int] = field(default_factory=dict)
     by_cloud: dict[str, int] = field(default_factory=dict)
+    owned_left: float | None = None  # paid-for GPUs it may still take (private_share)
 
     @property
     def spreads(self) -> bool:
@@ -210,7 +212,8 @@ class State:
         self.p = p
         self.left = dict(p.limits)
         self.teams = {name: Team(t.gpus_left, t.budget_left, t.zone_share, t.cloud_share,
-                                 t.grace, t.total, dict(t.by_zone), dict(t.by_cloud))
+                                 t.grace, t.total, dict(t.by_zone), dict(t.by_cloud),
+                                 t.owned_left)
                       for name, t in p.teams.items()}
         self.choice: list[Option | None] = [None] * len(p.requests)
 
@@ -243,6 +246,8 @@ class State:
                 if t.gpus_left is not None and t.gpus_left < o.gpus - EPS:
                     return False
                 if t.budget_left is not None and t.budget_left < o.price - EPS:
+                    return False
+                if o.owned and t.owned_left is not None and t.owned_left < o.owned - EPS:
                     return False
         return True
 
@@ -310,6 +315,8 @@ class State:
                 t.gpus_left -= sign * o.gpus
             if t.budget_left is not None:
                 t.budget_left -= sign * o.price
+            if t.owned_left is not None:
+                t.owned_left -= sign * o.owned
             t.total += sign * o.gpus
             zk = (o.cloud, o.zone)
             t.by_zone[zk] = t.by_zone.get(zk, 0) + sign * o.gpus
@@ -345,8 +352,9 @@ def why_unplaced(p: Problem, choice: Sequence[Option | None]
                  ) -> dict[int, tuple[str, Hashable | None]]:
     """For each unplaced request with options, what keeps it off its cheapest option
     given the others' choices: ("resource", key), ("team_gpus", GPUs the team has
-    left), ("team_budget", budget per hour left), ("spread", team), or ("penalty", None)
-    when leaving it unplaced was merely cheaper."""
+    left), ("team_budget", budget per hour left), ("team_owned", paid-for GPUs left),
+    ("spread", team), or ("penalty", None) when leaving it unplaced was merely
+    cheaper."""
     st = State(p)
     for j, o in enumerate(choice):
         if o is not None:
@@ -369,6 +377,8 @@ def why_unplaced(p: Problem, choice: Sequence[Option | None]
                     out[i] = ("team_gpus", t.gpus_left)
                 elif t.budget_left is not None and t.budget_left < o.price - EPS:
                     out[i] = ("team_budget", t.budget_left)
+                elif o.owned and t.owned_left is not None and t.owned_left < o.owned - EPS:
+                    out[i] = ("team_owned", t.owned_left)
                 elif not st.fits_spread(i, o):
                     out[i] = ("spread", r.team)
     return out
@@ -397,7 +407,8 @@ def heuristic(p: Problem, *, improve_rounds: int = 2, chains: bool = True,
         budget = t.budget_left if t is not None else None
         if t is not None and t.gpus_left is not None and t.gpus_left < r.min_gpus - EPS:
             return None, r.penalty, r.penalty  # the team has no room for any option
-        limited = t is not None and (t.gpus_left is not None or budget is not None)
+        limited = t is not None and (t.gpus_left is not None or budget is not None
+                                     or t.owned_left is not None)
         spread = t is not None and t.spreads
         while True:
             opts = g.options
@@ -975,6 +986,8 @@ class _LP:
                 entries.append(((r.team or "", "gpus"), t.gpus_left, o.gpus))
             if t.budget_left is not None:
                 entries.append(((r.team or "", "budget"), t.budget_left, o.price))
+            if t.owned_left is not None and o.owned:
+                entries.append(((r.team or "", "owned"), max(t.owned_left, 0.0), o.owned))
             if t.spreads:
                 entries.append(((r.team or "", "total"), 0.0, -o.gpus))
                 # A zone or cloud the team already holds more than its share of takes

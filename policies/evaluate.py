@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.model import Market, PlaceRequest, PoolKey, RejectCode
+from broker.model import Market, PlaceRequest, PoolKey, RejectCode, markets_for
 from policies.model import Policy, Rule
 from policies.residency import Residency
 
@@ -32,6 +32,7 @@ class TeamUsage:
     gpus: int = 0
     price_per_hour: float = 0.0
     gpus_by_zone: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    owned_gpus: int = 0  # on paid-for capacity (the `reserved` market)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,7 @@ class Constraints:
     gpus_by_zone: Mapping[tuple[str, str], int] = field(default_factory=dict)
     rule: str | None = None  # the rule that matched, for explanations
     resident: Residency | None = None
+    owned_left: float | None = None  # paid-for GPUs the team may still take (private_share)
     _region_ok: dict[tuple[str, str], bool] = field(default_factory=dict)
 
     def region_ok(self, cloud: str, region: str) -> bool:
@@ -114,7 +116,10 @@ def matching_rule(policy: Policy, request: PlaceRequest) -> Rule | None:
 
 
 def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = None,
-             resident: Residency | None = None) -> Constraints | Denied:
+             resident: Residency | None = None, owned_gpus: int = 0) -> Constraints | Denied:
+    """The request's constraints under the policy, or why it is denied. `usage`: what
+    the request's team holds; `owned_gpus`: the paid-for GPUs there are (for the team's
+    `private_share`)."""
     usage = usage or TeamUsage()
     resident = resident or Residency(policy.residency.tags)
     rule = matching_rule(policy, request)
@@ -125,10 +130,10 @@ def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = No
 
     # Markets: the request's (or the default), narrowed by the rule and the team.
     market = request.market or policy.defaults.market
-    markets = {Market.SPOT, Market.ON_DEMAND} if market == "any" else {Market(market)}
+    markets = set(markets_for(market))
     team = policy.teams.get(request.team) if request.team else None
     if req and req.market:
-        markets &= {Market(req.market)}
+        markets &= markets_for(req.market)
     if team and team.markets is not None:
         markets &= {Market(m) for m in team.markets}
     if not markets:
@@ -193,7 +198,7 @@ def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = No
     total = sum(usage.gpus_by_zone.values())
     return Constraints(
         gpus=tuple(gpus),
-        markets=tuple(m for m in (Market.SPOT, Market.ON_DEMAND) if m in markets),
+        markets=tuple(m for m in Market if m in markets),
         cap=min(caps) if caps else None,
         clouds=frozenset(clouds) if clouds is not None else None,
         deny_clouds=frozenset(policy.clouds.deny),
@@ -213,6 +218,8 @@ def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = No
         gpus_by_zone=usage.gpus_by_zone,
         rule=rule.name if rule else None,
         resident=resident,
+        owned_left=(team.private_share * owned_gpus - usage.owned_gpus
+                    if team and team.private_share is not None else None),
     )
 
 

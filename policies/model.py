@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from policies.residency import BUILT_IN_TAGS
 
-MarketChoice = Literal["spot", "on_demand", "any"]
-MarketName = Literal["spot", "on_demand"]
+MarketChoice = Literal["spot", "on_demand", "reserved", "any"]
+MarketName = Literal["spot", "on_demand", "reserved"]
 LadderStep = Literal["same_region_spot", "other_region_spot", "on_demand", "other_cloud"]
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 Price = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -44,7 +44,7 @@ class AllowDeny(_Strict):
 
 
 class Clouds(AllowDeny):
-    """`aws`, `gcp`, `azure`, `alibaba`."""
+    """`aws`, `gcp`, `azure`, `alibaba`, `private`."""
 
 
 class Regions(AllowDeny):
@@ -74,6 +74,10 @@ class Team(_Strict):
     max_cloud_share: float | None = Field(default=None, gt=0, le=1)
     """The same, per cloud."""
     spread_grace_gpus: int = Field(default=8, ge=0)
+    private_share: float | None = Field(default=None, ge=0, le=1)
+    """At most this share of the paid-for GPUs (private servers and cloud reservations:
+    the `reserved` market) may be the team's at once, so one team cannot take them all.
+    Unset: no limit."""
 
 
 class Scoring(_Strict):

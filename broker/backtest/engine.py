@@ -224,6 +224,12 @@ class StrategyView:
     def unhold(self, key: PoolKey, instances: int) -> None:
         self.own.unhold(key, instances)
 
+    def take(self, placement: Placement) -> Placement:
+        return self.own.take(placement)
+
+    def give_back(self, placement: Placement) -> None:
+        self.own.give_back(placement)
+
     def cool_down(self, key: PoolKey, seconds: float) -> None:
         self.own.cool_down(key, seconds)
 

@@ -195,7 +195,7 @@ def test_policy_check(tmp_path: Path) -> None:
 
 
 def test_usage_error_exits_2() -> None:
-    r = gpubroker("offers", "--market", "reserved")
+    r = gpubroker("offers", "--market", "preemptible")
     assert r.returncode == 2
 
 

@@ -205,8 +205,10 @@ def test_ladder_goes_step_by_step_and_skips_impossible_steps() -> None:
     here = key("us-east-1a")
     steps = list(failover.ladder(c, here, p.failover))
     assert [(s.markets, s.clouds) for s in steps] == [
-        ((Market.SPOT,), frozenset({"aws"})), ((Market.SPOT,), frozenset({"aws"})),
-        ((Market.ON_DEMAND,), frozenset({"aws"})), ((Market.SPOT, Market.ON_DEMAND), None)]
+        ((Market.SPOT, Market.RESERVED), frozenset({"aws"})),
+        ((Market.SPOT, Market.RESERVED), frozenset({"aws"})),
+        ((Market.ON_DEMAND, Market.RESERVED), frozenset({"aws"})),
+        ((Market.SPOT, Market.ON_DEMAND, Market.RESERVED), None)]
     assert steps[0].region_ok("aws", "us-east-1") and not steps[0].region_ok("aws", "us-west-2")
     assert steps[1].region_ok("aws", "us-west-2")
     assert not steps[3].region_ok("aws", "us-west-2") and steps[3].region_ok("gcp", "us-east1")
@@ -214,7 +216,7 @@ def test_ladder_goes_step_by_step_and_skips_impossible_steps() -> None:
     od = evaluate(p, request(market="on_demand"))
     assert isinstance(od, Constraints)
     assert [s.markets for s in failover.ladder(od, here, p.failover)] == [
-        (Market.ON_DEMAND,), (Market.ON_DEMAND,)]
+        (Market.ON_DEMAND, Market.RESERVED), (Market.ON_DEMAND, Market.RESERVED)]
 
 
 def test_replacement_takes_the_first_ladder_step_that_places() -> None:

@@ -58,7 +58,7 @@ async def test_health_offers_leases_policy(api: Any) -> None:
     assert all(o["gpu"] == "H100-80GB" and o["market"] == "spot" for o in offers)
     prices = [o["price_per_gpu_hour"] for o in offers]
     assert prices == sorted(prices)
-    async with session.get("/v1/offers?market=reserved") as r:
+    async with session.get("/v1/offers?market=preemptible") as r:
         assert r.status == 400
     assert await get_json(session, "/v1/leases") == []
     async with session.get("/v1/leases/L-nope") as r:

@@ -45,7 +45,7 @@ S = "sched-a"
 
 
 def test_the_names_in_the_types_are_the_models_enums() -> None:
-    assert get_args(payloads.CloudName) == CLOUDS
+    assert get_args(get_args(payloads.CloudName)[0]) == CLOUDS
     assert get_args(get_args(payloads.MarketName)[0]) == tuple(m.value for m in Market)
     assert get_args(payloads.RejectCodeName) == tuple(c.value for c in RejectCode)
     assert get_args(payloads.FailoverReasonName) == tuple(r.value for r in FailoverReason)

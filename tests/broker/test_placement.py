@@ -317,7 +317,8 @@ def brute_force_costs(req: PlaceRequest, offers: Sequence[Offer], pool: Resource
         k = o.pool
         if o.gpu not in req.gpu or o.price_per_hour is None:
             continue
-        if market != "any" and k.market.value != market:
+        # Paid-for capacity (`reserved`) serves spot and on-demand requests too.
+        if market != "any" and k.market.value not in (market, "reserved"):
             continue
         if (req.clouds and k.cloud not in req.clouds) or (
                 req.regions and k.region not in req.regions):

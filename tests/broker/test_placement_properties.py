@@ -152,7 +152,8 @@ def worlds(draw: st.DrawFn, max_requests: int = 5, split: bool = False) -> World
     for i in range(draw(st.integers(1, max_requests))):
         parts = draw(st.sampled_from([1, 1, 1, 2, 3])) if split else 1
         requests.append(request(
-            f"r{i}", gang=parts == 1, max_parts=parts, gpu=draw(st.sampled_from([["H100-80GB"], ["A100-80GB"], MODELS, MODELS])),
+            f"r{i}", gang=parts == 1, max_parts=parts,
+            gpu=draw(st.sampled_from([["H100-80GB"], ["A100-80GB"], MODELS, MODELS])),
             gpus=draw(st.sampled_from([1, 2, 4, 6, 8, 8, 8, 16])),
             market=draw(st.sampled_from([None, None, "spot", "on_demand", "any"])),
             max_price_per_gpu_hour=draw(st.sampled_from([None, None, None, 2.0, 3.0])),

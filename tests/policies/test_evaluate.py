@@ -43,7 +43,7 @@ def test_first_matching_rule_wins_and_deny_names_it() -> None:
     assert d.code is RejectCode.POLICY_DENIED and "interns-no-h100" in d.detail
     assert "ask ops" in d.detail
     c = allowed(p, team="interns", gpu="A100-80GB")
-    assert c.rule == "interns-spot" and c.markets == (Market.SPOT,)
+    assert c.rule == "interns-spot" and c.markets == (Market.SPOT, Market.RESERVED)
     assert allowed(p, team="research").rule is None
 
 

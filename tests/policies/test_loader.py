@@ -75,7 +75,7 @@ def test_file_errors_name_the_file_line_column_and_key(tmp_path: Path) -> None:
     with pytest.raises(SourceError) as info:
         load_policy(path)
     assert str(info.value) == (
-        f"{path}:3:3: defaults.market: Input should be 'spot', 'on_demand' or 'any'")
+        f"{path}:3:3: defaults.market: Input should be 'spot', 'on_demand', 'reserved' or 'any'")
 
 
 def test_a_missing_file(tmp_path: Path) -> None:
