@@ -13,7 +13,7 @@ from adapters.base import CloudAdapter
 from adapters.errors import AdapterError
 from broker.config import Config
 
-_REAL = ("aws", "gcp", "azure", "alibaba")
+_REAL = ("aws", "gcp", "azure", "alibaba", "private")
 
 
 def build_adapters(cfg: Config) -> tuple[list[CloudAdapter], list[tuple[str, str]]]:

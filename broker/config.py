@@ -183,6 +183,16 @@ class PlacementConfig(_Section):
     MILP stop when it is spent (the answer so far is kept)."""
 
 
+class ReservationsConfig(_Section):
+    """The cloud's capacity reservations, offered in the `reserved` market."""
+
+    enabled: bool = True
+    price_per_gpu_hour: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    """What a GPU-hour in a reservation costs at the margin: 0 when it is paid for
+    whether used or not (the usual case); the on-demand rate less a discount, say, when
+    an unused reservation is refunded or resold."""
+
+
 class _CloudBase(_Section):
     regions: list[_Region] = Field(default_factory=list)
     endpoint: str | None = None
@@ -217,6 +227,7 @@ def _http_url(v: str) -> str:
 
 
 class AwsConfig(_CloudBase):
+    reservations: ReservationsConfig = Field(default_factory=ReservationsConfig)
     interruption_queue_url: str | None = None
     """The SQS queue EventBridge sends EC2 interruption warnings to (README "AWS")."""
 
@@ -227,10 +238,12 @@ class AwsConfig(_CloudBase):
 
 
 class GcpConfig(_CloudBase):
+    reservations: ReservationsConfig = Field(default_factory=ReservationsConfig)
     project: str | None = None
 
 
 class AzureConfig(_CloudBase):
+    reservations: ReservationsConfig = Field(default_factory=ReservationsConfig)
     subscription_id: Annotated[str, Field(min_length=1)]
     """Required: the subscription whose quotas and offers are read."""
 
@@ -248,6 +261,17 @@ class SimConfig(_Section):
     signal_interval_seconds: float = Field(default=1.0, gt=0)
 
 
+class PrivateConfig(_Section):
+    """The company's own GPU servers (adapters.private): declared in `file`, which is
+    read again whenever it changes (a file with errors is reported and the last good
+    one kept)."""
+
+    file: Path
+    health_timeout_seconds: float = Field(default=3.0, gt=0, le=60)
+    """How long a server's health endpoint may take to answer before the server counts
+    as not answering."""
+
+
 class CloudsConfig(_Section):
     """Each cloud section is optional; an empty one (`sim:`) means its defaults."""
 
@@ -255,6 +279,7 @@ class CloudsConfig(_Section):
     gcp: GcpConfig | None = None
     azure: AzureConfig | None = None
     alibaba: AlibabaConfig | None = None
+    private: PrivateConfig | None = None
     sim: SimConfig | None = None
 
     @model_validator(mode="before")
@@ -275,7 +300,8 @@ class CloudsConfig(_Section):
         return self
 
     def configured(self) -> list[str]:
-        return [n for n in ("aws", "gcp", "azure", "alibaba", "sim") if getattr(self, n)]
+        return [n for n in ("aws", "gcp", "azure", "alibaba", "private", "sim")
+                if getattr(self, n)]
 
 
 def _hostname() -> str:

@@ -339,7 +339,7 @@ def test_the_example_config_shows_every_key_and_loads(tmp_path: Path) -> None:
     copy = tmp_path / "config.yaml"
     copy.write_text(yaml.safe_dump(data))
     loaded = load_config(copy)
-    assert loaded.clouds.configured() == ["aws", "gcp", "azure", "alibaba"]
+    assert loaded.clouds.configured() == ["aws", "gcp", "azure", "alibaba", "private"]
     aws, gcp, azure, alibaba = (loaded.clouds.aws, loaded.clouds.gcp, loaded.clouds.azure,
                                 loaded.clouds.alibaba)
     assert aws is not None and aws.interruption_queue_url and aws.regions
