@@ -366,6 +366,12 @@ def _table(offers: Sequence[Offer], out: TextIO) -> None:
                          for i, (c, w) in enumerate(zip(r, widths, strict=True)))
         print(line.rstrip(), file=out)
     print(f"{len(offers)} offers", file=out)
+    owned = [o for o in offers if o.targets]
+    if owned:
+        free = sum((o.capacity or 0) * o.gpus for o in owned)
+        print(f"paid-for capacity (market reserved): {sum(o.owned_gpus for o in owned)} GPUs "
+              f"in {len(owned)} pools, {free} free now (idle unless a lease is about to use "
+              "them)", file=out)
 
 
 def _policy_explain(args: argparse.Namespace) -> int:

@@ -38,7 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -154,7 +154,12 @@ class Broker:
         self.batch_observers: list[Callable[[placement.BatchResult], None]] = []
         self.decision_latency: Callable[[float], None] | None = None
         self.on_launch_failed: Callable[[PoolKey, str], None] | None = None
-        self._resident = Residency(policy.residency.tags)
+        self.region_tags: list[Callable[[], Mapping[str, Sequence[str]]]] = []
+        """Residency tags that come from elsewhere than the policy: the private servers
+        file's sites (`private:<site>` regions). Read at every batch; merged with the
+        policy's own `residency.tags`."""
+        self._resident_of = Residency(policy.residency.tags)
+        self._resident_for: tuple[Policy, dict[str, list[str]]] = (policy, {})
         self._reopt_next = 0  # where the next re-optimisation pass starts
         # lease_id -> its failover times within the anti-flap window (active leases only)
         self._moves: dict[str, list[datetime]] = {}
@@ -329,7 +334,7 @@ class Broker:
         chunk = self._reoptimize_chunk(limit)
         if not chunk:
             return []
-        triggers = failover.reoptimize(chunk, self.pool, self.policy, self._resident,
+        triggers = failover.reoptimize(chunk, self.pool, self.policy, self._resident_now(),
                                        self._clock())
         for t in triggers:
             self._trigger(t)
@@ -345,7 +350,7 @@ class Broker:
         now = self._clock()
         triggers = await asyncio.to_thread(
             failover.reoptimize, chunk, placement.Snapshot(self.pool, now), self.policy,
-            self._resident, now)
+            self._resident_now(), now)
         for t in triggers:
             self._trigger(t)
         return triggers
@@ -372,17 +377,31 @@ class Broker:
 
     # --- policy --------------------------------------------------------------------
 
+    def _resident_now(self) -> Residency:
+        """The residency tags: the policy's, and those from `region_tags`."""
+        extra: dict[str, list[str]] = {}
+        for source in self.region_tags:
+            for tag, regions in source().items():
+                extra.setdefault(tag, []).extend(regions)
+        policy, was = self._resident_for
+        if policy is not self.policy or was != extra:
+            merged = {t: list(r) for t, r in self.policy.residency.tags.items()}
+            for tag, regions in extra.items():
+                merged.setdefault(tag, []).extend(regions)
+            self._resident_of = Residency(merged)
+            self._resident_for = (self.policy, extra)
+        return self._resident_of
+
     async def apply_policy(self, policy: Policy, digest: str, source: str) -> int:
         """Swap in a validated policy, publish `policy.applied`, and fail over the leases
         it forbids (subject to the anti-flap limits). Returns how many were triggered."""
         async with self._changing():
             self.policy = policy
-            self._resident = Residency(policy.residency.tags)
             triggers = []
             for lease in self.book.active():
                 p = lease.placement
                 why = forbids(policy, lease.request, p.pool, p.gpu, p.price_per_gpu_hour,
-                              self._resident)
+                              self._resident_now())
                 if why:
                     triggers.append(failover.Trigger(lease.lease_id, lease.epoch,
                                                      FailoverReason.POLICY_CHANGED, why))
@@ -540,7 +559,7 @@ class Broker:
         todo: list[tuple[Command, PlaceRequest, placement.Ask]] = []
         for cmd, req in asks:
             verdict = evaluate(self.policy, req, self.book.team_usage(req.team),
-                               self._resident, self.pool.owned_gpus)
+                               self._resident_now(), self.pool.owned_gpus)
             if isinstance(verdict, Denied):
                 outcome = placement.Rejection(placement.Ask(req), verdict.code,
                                               verdict.detail)
@@ -749,7 +768,7 @@ class Broker:
         step = failover.step(
             trigger, book=self.book, pool=self.pool, policy=self.policy, moves=self._moves,
             now=now, find=lambda lease: failover.replacement(lease, self.pool, self.policy,
-                                                             self._resident, now))
+                                                             self._resident_now(), now))
         lease, old, outcome = step.lease, step.old, step.outcome
         if step.kind == "held_back":
             assert lease is not None

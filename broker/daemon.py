@@ -115,6 +115,10 @@ class Daemon:
                              publish=self.bus.enqueue,
                              retry_after_seconds=cfg.poll.interval_seconds,
                              batching=cfg.placement)
+        for adapter in self.adapters:  # the private servers' sites carry residency tags
+            tags = getattr(adapter, "residency_tags", None)
+            if callable(tags):
+                self.broker.region_tags.append(tags)
         # Slices whose capacity summaries are due, in poll order, each at most once: the
         # publisher reads the slice when its turn comes, so a second poll adds nothing.
         self._polled: dict[SliceId, None] = {}
@@ -129,6 +133,10 @@ class Daemon:
         self._reloading = asyncio.Lock()
         self.metrics = Metrics()
         self.metrics.watch(lambda: state_gauges(self))
+        # Paid-for GPUs left idle, integrated over time: before each change of the
+        # broker's holdings of them, and after each poll (scrapes add a point too).
+        self.pool.on_holdings = lambda: self.metrics.idle_owned(self.pool.idle_owned_gpus())
+        self.pool.subscribe(lambda _: self.metrics.idle_owned(self.pool.idle_owned_gpus()))
         self.broker.observers.append(self.metrics.observe_event)
         self.broker.batch_observers.append(self.metrics.observe_batch)
         self.broker.decision_latency = self.metrics.decision_seconds.observe

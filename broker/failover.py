@@ -238,9 +238,13 @@ def ladder(c: Constraints, leaving: PoolKey, policy: Failover) -> Iterator[Const
 def replacement(lease: Lease, view: placement.PoolView, policy: Policy,
                 resident: Residency | None, now: datetime) -> placement.Outcome:
     """Where a failing lease goes: down the policy's fallback ladder, never back to the
-    pool it leaves; a move is not held back by the team's budget or GPU limit."""
+    pool it leaves (on paid-for capacity, never back to its reservation or server: the
+    pool may give it another one); a move is not held back by the team's budget or GPU
+    limit."""
     verdict = evaluate(policy, lease.request, None, resident)
-    exclude = frozenset({lease.placement.pool})
+    here = view.get(lease.placement.pool)
+    exclude = frozenset() if here is not None and here.targets else \
+        frozenset({lease.placement.pool})
     if isinstance(verdict, Denied):
         return placement.Rejection(placement.Ask(lease.request, exclude), verdict.code,
                                    verdict.detail)

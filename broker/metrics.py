@@ -8,6 +8,7 @@ Prometheus scrapes, from the parts themselves.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -79,6 +80,17 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=r)
         self.loop_lag_max = 0.0
+        self.idle_owned_gpu_hours = 0.0
+        self._idle: tuple[float, int] | None = None  # (monotonic time, idle GPUs since)
+
+    def idle_owned(self, idle_gpus: int) -> None:
+        """Integrate paid-for GPUs left idle over time: called with the idle count just
+        after it may have changed (polls, holdings) and at each scrape."""
+        now = time.monotonic()
+        if self._idle is not None:
+            since, gpus = self._idle
+            self.idle_owned_gpu_hours += gpus * (now - since) / 3600
+        self._idle = (now, idle_gpus)
 
     async def watch_loop_lag(self) -> None:
         """Sleep `LAG_EVERY_SECONDS` at a time and record how much later than asked the
@@ -185,6 +197,15 @@ def state_gauges(daemon: Any) -> Iterator[Metric]:
     yield GaugeMetricFamily("gpubroker_pool_oldest_data_age_seconds",
                             "Age of the oldest region's last good poll",
                             value=max(ages) if ages else 0.0)
+    idle = pool.idle_owned_gpus()
+    daemon.metrics.idle_owned(idle)
+    yield GaugeMetricFamily("gpubroker_owned_gpus", "Paid-for GPUs (cloud reservations and "
+                            "private servers that are up), leased or not", value=pool.owned_gpus)
+    yield GaugeMetricFamily("gpubroker_idle_owned_gpus", "Paid-for GPUs that no lease holds "
+                            "and that could be launched now", value=idle)
+    yield CounterMetricFamily("gpubroker_idle_owned_gpu_hours", "Paid-for GPU-hours left "
+                              "idle (no lease held them)",
+                              value=daemon.metrics.idle_owned_gpu_hours)
     active = GaugeMetricFamily("gpubroker_active_leases", "Active leases", labels=["market"])
     by_market = {m.value: 0 for m in Market}
     for lease in book.active():

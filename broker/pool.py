@@ -82,6 +82,10 @@ class ResourcePool:
         self._held: Counter[PoolKey] = Counter()
         self._held_targets: dict[PoolKey, Counter[str]] = {}
         self._owned: dict[SliceId, int] = {}
+        self._held_at_poll: dict[PoolKey, Counter[str]] = {}
+        self.on_holdings: Callable[[], None] | None = None
+        """Called when the broker's holdings of paid-for capacity changed (the idle
+        owned GPU-hours metric integrates over time)."""
         self._cooldown: dict[PoolKey, datetime] = {}
         self._listeners: list[Listener] = []
         self._stale_cache: tuple[datetime | None, set[SliceId]] = (None, set())
@@ -120,6 +124,13 @@ class ResourcePool:
             self._slice_of[key] = slice_id
         self._slices[slice_id] = set(new)
         self._owned[slice_id] = sum(o.owned_gpus for o in new.values() if o.targets)
+        for key, offer in new.items():
+            if offer.targets:
+                self._held_at_poll[key] = Counter(self._held_targets.get(key, {}))
+            else:
+                self._held_at_poll.pop(key, None)
+        for key in removed:
+            self._held_at_poll.pop(key, None)
         health = self._health.setdefault(slice_id, SliceHealth(slice_id))
         health.ok, health.last_ok_at, health.last_error = True, self._clock(), None
         self._stale_cache = (None, set())
@@ -161,6 +172,8 @@ class ResourcePool:
         self._held[key] += instances
         for target, n in targets:
             self._held_targets.setdefault(key, Counter())[target] += n
+        if self.on_holdings is not None and key.market is Market.RESERVED:
+            self.on_holdings()
 
     def unhold(self, key: PoolKey, instances: int,
                targets: Iterable[tuple[str, int]] = ()) -> None:
@@ -168,14 +181,15 @@ class ResourcePool:
         if self._held[key] <= 0:
             del self._held[key]
         by_target = self._held_targets.get(key)
-        if by_target is None:
-            return
-        for target, n in targets:
-            by_target[target] -= n
-            if by_target[target] <= 0:
-                del by_target[target]
-        if not by_target:
-            del self._held_targets[key]
+        if by_target is not None:
+            for target, n in targets:
+                by_target[target] -= n
+                if by_target[target] <= 0:
+                    del by_target[target]
+            if not by_target:
+                del self._held_targets[key]
+        if self.on_holdings is not None and key.market is Market.RESERVED:
+            self.on_holdings()
 
     def take(self, placement: Placement) -> Placement:
         """Hold a decided placement's instances; on paid-for capacity, assign it the
@@ -206,13 +220,18 @@ class ResourcePool:
         return dataclasses.replace(placement, targets=tuple(out))
 
     def _room(self, key: PoolKey, offer: Offer, target: str, size: int, free: int) -> int:
-        """A target's instances a new lease may have: no more than its cloud says are
-        free (which counts the broker's own instances once launched, and anyone else's),
-        nor than its size less what the broker's leases hold on it."""
+        """A target's instances a new lease may have. Its cloud's free count (`free`)
+        counts everyone's running instances, the broker's leases' too once they run; the
+        instances the broker took since that count was read are taken as not running yet
+        and come off it. Never more than its size less what the broker holds on it, and
+        nothing on a draining server."""
         if target in offer.draining:
             return 0
-        held = self._held_targets.get(key)
-        return max(0, min(free, size - (held[target] if held else 0)))
+        held_map = self._held_targets.get(key)
+        held = held_map[target] if held_map else 0
+        before = self._held_at_poll.get(key)
+        since = max(0, held - (before[target] if before else 0))
+        return max(0, min(free - since, size - held))
 
     def held(self, key: PoolKey) -> int:
         """Instances of `key` the broker's leases take from its `capacity`. On paid-for
@@ -232,6 +251,22 @@ class ResourcePool:
         """The paid-for GPUs the adapters list (reservations and private servers that
         are up), free or not."""
         return sum(self._owned.values())
+
+    def idle_owned_gpus(self) -> int:
+        """Paid-for GPUs no lease of the broker holds and that could be launched now
+        (per target: what its cloud says is free, less what the broker holds; draining
+        servers count as busy)."""
+        idle = 0
+        for key in self._owned_keys():
+            offer = self._offers[key]
+            idle += offer.gpus * sum(self._room(key, offer, *t) for t in offer.targets)
+        return idle
+
+    def _owned_keys(self) -> Iterator[PoolKey]:
+        for slice_id, owned in self._owned.items():
+            if owned:
+                yield from (k for k in self._slices.get(slice_id, ())
+                            if self._offers[k].targets)
 
     def held_targets(self, key: PoolKey) -> dict[str, int]:
         return dict(self._held_targets.get(key, {}))

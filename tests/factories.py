@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from broker.model import Market, Offer, Placement, PlaceRequest, PoolKey
+from broker.model import Market, Offer, Placement, PlaceRequest, PoolKey, Target
 from broker.pool import ResourcePool, SliceId
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -50,6 +50,27 @@ def offer(zone: str = "us-east-1a", *, cloud: str = "aws", region: str = "us-eas
         price_per_hour=price, observed_at=observed_at, availability=availability,
         capacity=capacity, interruption_rate=interruption_rate,
         quota_headroom=quota_headroom)
+
+
+def owned(zone: str = "fra1", *, servers: Iterable[str] | int = 2, draining: Iterable[str] = (),
+          cloud: str = "private", region: str = "fra1", instance_type: str = "a100-pod",
+          gpu: str = "H100-80GB", gpus: int = 8, price_per_gpu_hour: float = 0.0,
+          targets: Iterable[Target] | None = None) -> Offer:
+    """Paid-for capacity (market `reserved`): private servers (`servers`: names, or how
+    many, named s01, s02, …) or, with `targets`, cloud reservations."""
+    if targets is None:
+        names = [f"s{i + 1:02d}" for i in range(servers)] if isinstance(servers, int) \
+            else list(servers)
+        targets = [Target(n, 1, 1) for n in names]
+    targets = tuple(targets)
+    drain = tuple(draining)
+    return Offer(
+        pool=key(zone, cloud=cloud, region=region, instance_type=instance_type,
+                 market=Market.RESERVED),
+        gpu=gpu, gpus=gpus, gpu_memory_gb=80.0, vcpus=96, memory_gb=1024.0,
+        price_per_hour=price_per_gpu_hour * gpus, observed_at=T0, availability=1.0,
+        capacity=sum(t.free for t in targets if t.id not in drain),
+        targets=targets, draining=drain)
 
 
 def request(request_id: str = "r1", gpu: str | Iterable[str] = "H100-80GB", gpus: int = 8, *,
