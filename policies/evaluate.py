@@ -135,7 +135,7 @@ def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = No
     if req and req.market:
         markets &= markets_for(req.market)
     if team and team.markets is not None:
-        markets &= {Market(m) for m in team.markets}
+        markets &= {m for name in team.markets for m in markets_for(name)}
     if not markets:
         return Denied(RejectCode.POLICY_DENIED,
                       f"market {market!r} is not allowed for this request ({why}"

@@ -70,7 +70,7 @@ def test_team_limits() -> None:
         teams:
           ml: {max_gpus: 16, budget_per_hour: 100, markets: [spot], gpus: [H100-80GB]}
     """)
-    assert allowed(p, team="ml").markets == (Market.SPOT,)
+    assert allowed(p, team="ml").markets == (Market.SPOT, Market.RESERVED)
     d = denied(p, TeamUsage(gpus=12), team="ml")
     assert d.code is RejectCode.OVER_BUDGET and "max_gpus 16" in d.detail
     d = denied(p, TeamUsage(gpus=0, price_per_hour=100.0), team="ml")
@@ -78,7 +78,9 @@ def test_team_limits() -> None:
     c = evaluate(p, request(team="ml"), TeamUsage(gpus=0, price_per_hour=60.0))
     assert isinstance(c, Constraints) and c.budget_left == 40.0
     assert denied(p, team="ml", gpu="A100-80GB").code is RejectCode.POLICY_DENIED
-    assert denied(p, team="ml", market="on_demand").code is RejectCode.POLICY_DENIED
+    # A spot-only team asking for on-demand may still have paid-for capacity (never
+    # interrupted, and allowed with spot); nothing else.
+    assert allowed(p, team="ml", market="on_demand").markets == (Market.RESERVED,)
 
 
 def test_caps_request_replaces_default_rule_always_holds() -> None:
