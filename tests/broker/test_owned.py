@@ -224,3 +224,15 @@ def test_a_spot_lease_moves_to_freed_private_capacity_under_reoptimize_min_savin
                          find=lambda le: failover.replacement(le, pool, policy, None, T0))
     assert step.kind == "moved" and step.lease is not None
     assert step.lease.placement.targets == (("a", 1),)
+
+
+def test_after_a_restart_the_held_servers_are_not_given_again() -> None:
+    """The daemon holds each restored lease's targets again (`Broker.restore`)."""
+    pool = pool_of([owned(servers=3)])
+    book = LeaseBook()
+    kept = _leased(pool, book, "x", gpus=16)
+    fresh = pool_of([owned(servers=3)])  # the restarted daemon's pool, first poll
+    fresh.hold(kept.placement.pool, kept.placement.instances, kept.placement.targets)
+    assert fresh.free_capacity(kept.placement.pool) == 1
+    got = fresh.take(decided(place(fresh, request("y"))[0]).placement)
+    assert got.targets == (("s03", 1),)

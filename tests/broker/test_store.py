@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import T0, offer, placement, request
+from factories import T0, offer, owned, placement, request
 
 from broker.leases import LeaseBook
 from broker.model import Lease, LeaseState, Market
@@ -118,6 +118,19 @@ async def test_a_lease_round_trips_exactly(store: Store) -> None:
     assert back == original
     assert back.placement.pool.market is Market.SPOT
     assert back.state is LeaseState.ACTIVE
+
+
+async def test_a_lease_on_paid_for_capacity_keeps_its_targets(store: Store) -> None:
+    """A lease on private servers or a reservation keeps which ones it was given (a
+    restarted daemon holds them again: no second lease gets the same server)."""
+    on_servers = replace(placement(owned(servers=["gpu-a01", "gpu-a02"]), 2),
+                         targets=(("gpu-a01", 1), ("gpu-a02", 1)))
+    original = LeaseBook().create(request("owned", market="reserved"), on_servers,
+                                  lease_seconds=900, cap=None, now=T0)
+    await store.commit([original], [])
+    [back] = await store.leases()
+    assert back == original and back.placement.pool.market is Market.RESERVED
+    assert back.placement.targets == (("gpu-a01", 1), ("gpu-a02", 1))
 
 
 async def test_a_lease_made_now_round_trips_exactly(store: Store) -> None:
@@ -405,7 +418,7 @@ async def test_committed_state_survives_a_killed_process(tmp_path: Path) -> None
     script = textwrap.dedent(f"""
         import asyncio, os, sys
         sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
-        from factories import T0, offer, placement, request
+        from factories import T0, offer, owned, placement, request
         from broker.leases import LeaseBook
         from broker.store import OutboxRow, StateStore
 
