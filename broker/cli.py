@@ -111,6 +111,12 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("--format", choices=["text", "json"], default="text",
                       help="text: for people (default); json: every affected lease")
 
+    private = sub.add_parser("private", help="the company's own GPU servers (clouds.private)")
+    prsub = private.add_subparsers(dest="private_command", required=True, metavar="SUBCOMMAND")
+    pcheck = prsub.add_parser("check", help="validate a servers file")
+    pcheck.add_argument("file", type=Path, metavar="FILE",
+                        help="the servers file (YAML); every problem is listed, by line")
+
     history = sub.add_parser("history", help="export the recorded market history as a trace")
     history.add_argument("--config", type=Path, help="daemon configuration (its state.path)")
     history.add_argument("--state", type=Path, help="the state file (instead of --config)")
@@ -194,6 +200,8 @@ def _main(argv: Sequence[str] | None) -> int:
             from broker.backtest.cli import run as run_backtest
 
             return run_backtest(args)
+        if args.command == "private":
+            return _private_check(args.file)
         if args.command == "policy":
             if args.policy_command == "explain":
                 return _policy_explain(args)
@@ -509,6 +517,15 @@ def _policy_check(path: Path) -> int:
 
     policy = load_policy(path)
     print(f"{path}: ok (version {policy.version})")
+    return EXIT_OK
+
+
+def _private_check(path: Path) -> int:
+    from adapters.private.servers import load_servers
+
+    servers = load_servers(path)  # raises SourceError: every problem, by line
+    print(f"{path}: ok: {len(servers.sites)} sites, {len(servers.groups)} groups, "
+          f"{servers.server_count} servers")
     return EXIT_OK
 
 
