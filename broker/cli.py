@@ -972,6 +972,7 @@ def _place(args: argparse.Namespace) -> int:
         for name, value in (
                 ("where", f"{p.pool.cloud} {p.pool.region}, zone {p.pool.zone}, "
                           f"{p.pool.instance_type}, {p.pool.market.value}"),
+                ("launch", ", ".join(f"{n} into {t}" if n > 1 else t for t, n in p.targets)),
                 ("gpus", f"{_instances(p.instances, p.gpus, p.gpu)} = {p.total_gpus} GPUs"),
                 ("price", f"${p.price_per_gpu_hour:.4f} per GPU-hour, "
                           f"${p.price_per_hour:.2f} per hour"),
@@ -1073,6 +1074,17 @@ def _leases_http(args: argparse.Namespace, base: str) -> int:
     return EXIT_OK
 
 
+def _targets(p: dict[str, Any], most: int = 4) -> str:
+    """` on gpu-a01, gpu-a02` (reservations or private servers to launch into)."""
+    targets = p.get("targets") or ()
+    if not targets:
+        return ""
+    names = [t["id"] if t["instances"] == 1 else f"{t['id']}×{t['instances']}"
+             for t in targets[:most]]
+    more = f" +{len(targets) - most}" if len(targets) > most else ""
+    return f" on {', '.join(names)}{more}"
+
+
 def _print_leases(rows: Sequence[dict[str, Any]], fmt: str) -> None:
     if fmt == "json":
         for le in rows:
@@ -1084,7 +1096,8 @@ def _print_leases(rows: Sequence[dict[str, Any]], fmt: str) -> None:
         p = le["placement"]
         table.append((le["lease_id"], le["scheduler"], le["request_id"], le["state"],
                       str(le["epoch"]), f"{p['instances']} × {p['gpus']} {p['gpu']}",
-                      f"{p['cloud']}/{p['zone']} {p['instance_type']} {p['market']}",
+                      f"{p['cloud']}/{p['zone']} {p['instance_type']} {p['market']}"
+                      + _targets(p),
                       f"{p['price_per_gpu_hour']:.4f}", f"{p['price_per_hour']:.2f}",
                       _expiry(le["expires_at"], le["state"] == "active", short=True)))
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
@@ -1120,7 +1133,7 @@ def _leases_mqtt(args: argparse.Namespace) -> int:
             why = f" ({change.reason})" if change.reason else ""
             lead = f"epoch {s.get('epoch')}{why} → " if change.kind == "failover" else ""
             return (f"{head} {lead}{p['instances']} × {p['gpus']} {p['gpu']} {p['cloud']}/"
-                    f"{p['zone']} {p['instance_type']} {p['market']} "
+                    f"{p['zone']} {p['instance_type']} {p['market']}{_targets(p)} "
                     f"${p['price_per_gpu_hour']:.4f}/GPU-h, expires "
                     f"{s['expires_at'][11:19]}")
         if change.kind == "renewed":

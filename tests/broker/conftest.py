@@ -22,8 +22,11 @@ async def start_daemon(mosquitto: Mosquitto, tmp_path: Path) -> AsyncIterator[St
     running: list[RunningDaemon] = []
 
     async def start(state: Path | None = None, policy_file: Path | None = None,
-                    **mqtt: Any) -> RunningDaemon:
+                    config: dict[str, Any] | None = None, **mqtt: Any) -> RunningDaemon:
+        """`config`: top-level configuration sections replacing the test defaults."""
         cfg = daemon_config(mosquitto, state or tmp_path / "state.db", policy_file, **mqtt)
+        if config:
+            cfg = cfg.model_copy(update=config)
         daemon = Daemon(cfg)
         stop = asyncio.Event()
         task = asyncio.create_task(daemon.run(stop))
