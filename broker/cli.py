@@ -28,7 +28,7 @@ EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 class _Parser(argparse.ArgumentParser):
     """argparse with a usage mistake told in one line, with the nearest choice:
     `gpubroker offers: argument --market: invalid choice: 'on-demand' (choose from 'spot',
-    'on_demand'); did you mean 'on_demand'? (gpubroker offers --help)`. Exit 2."""
+    'on_demand', 'reserved'); did you mean 'on_demand'? (gpubroker offers --help)`. Exit 2."""
 
     def error(self, message: str) -> NoReturn:
         from policies.checks import suggest

@@ -195,7 +195,7 @@ def test_an_http_address_the_daemon_cannot_listen_on(tmp_path: Path) -> None:
                                    "'gcp'?"),
     (["offers", "--market", "on-demand"],
      "gpubroker offers: argument --market: invalid choice: 'on-demand' (choose from 'spot', "
-     "'on_demand'); did you mean 'on_demand'? (gpubroker offers --help)"),
+     "'on_demand', 'reserved'); did you mean 'on_demand'? (gpubroker offers --help)"),
     (["offer"], "gpubroker: argument COMMAND: invalid choice: 'offer' "),
     (["policy", "explain", str(POLICY), "--request",
       '{"request_id":"x","gpu":"L4","gpus":1,"team":"eu"}'],
