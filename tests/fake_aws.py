@@ -82,6 +82,24 @@ type → {"s": savings %, "r": band index}). Provenance: built from that documen
 leaves one type out (``advisor_gaps``), like the real document, which lists only some
 types. ``set_interruption_band`` pins one entry.
 
+On-Demand Capacity Reservations (moto 5 has none: ``CreateCapacityReservation``,
+``DescribeCapacityReservations`` and ``CancelCapacityReservation`` are served here, in
+EC2's XML shapes: ``capacityReservationSet`` items with ``capacityReservationId``,
+``ownerId``, ``capacityReservationArn``, ``availabilityZoneId``, ``instanceType``,
+``instancePlatform``, ``availabilityZone``, ``tenancy``, ``totalInstanceCount``,
+``availableInstanceCount``, ``state``, ``startDate``, ``endDate``, ``endDateType``,
+``instanceMatchCriteria``, ``createDate``, ``reservationType`` ..., paged by
+``nextToken``, at most ``page_size["DescribeCapacityReservations"]`` a page; the filters
+EC2 documents for it: ``instance-type``, ``owner-id``, ``instance-platform``,
+``availability-zone``, ``tenancy``, ``state``, ``end-date-type``,
+``instance-match-criteria``). A reservation is created only for a type moto offers in
+the zone (else ``Unsupported``, as EC2 answers); a ``limited`` one whose ``EndDate`` has
+passed (by the fake's ``now``) is ``expired``, a cancelled one ``cancelled``; both stay
+listed, as EC2 lists them for a while. ``add_capacity_reservation`` makes one without a
+call (any state, a Capacity Block, and ``raw`` overrides of the answered fields, for
+answers no real reservation gives), ``use_capacity_reservation`` sets how many instances
+run in one (``availableInstanceCount`` = total − those).
+
 moto keeps its state in process-global backends: the fake resets moto when it starts,
 so two FakeAWS instances alive at once in one process share EC2/SQS state.
 """
@@ -210,6 +228,42 @@ THROTTLE_STATUS = {"ec2": 503, "s3": 503}  # others: 400
 
 _AZ_NAME = re.compile(r"^([a-z]{2}(?:-[a-z]+)+-\d+)[a-z]$")
 _QUEUE_HOST = re.compile(r"sqs\.([a-z0-9-]+)\.amazonaws\.com")
+
+
+CR_FILTERS = {  # DescribeCapacityReservations filter -> the answer's field it matches
+    "instance-type": "instanceType", "owner-id": "ownerId",
+    "instance-platform": "instancePlatform", "availability-zone": "availabilityZone",
+    "tenancy": "tenancy", "state": "state", "end-date-type": "endDateType",
+    "instance-match-criteria": "instanceMatchCriteria",
+}
+CR_PLATFORMS = frozenset({
+    "Linux/UNIX", "Red Hat Enterprise Linux", "SUSE Linux", "Windows",
+    "Windows with SQL Server", "Windows with SQL Server Enterprise",
+    "Windows with SQL Server Standard", "Windows with SQL Server Web",
+    "Linux with SQL Server Standard", "Linux with SQL Server Web",
+    "Linux with SQL Server Enterprise", "RHEL with SQL Server Standard",
+    "RHEL with SQL Server Enterprise", "RHEL with SQL Server Web", "RHEL with HA",
+    "RHEL with HA and SQL Server Standard", "RHEL with HA and SQL Server Enterprise",
+    "Ubuntu Pro"})
+
+
+@dataclass
+class _CapacityReservation:
+    id: str
+    region: str
+    zone: str
+    instance_type: str
+    platform: str
+    tenancy: str
+    total: int
+    match: str
+    end_date_type: str
+    end_date: datetime | None
+    state: str  # as set; `expired` is derived from end_date when listed
+    created: datetime
+    reservation_type: str = "default"
+    in_use: int = 0
+    raw: dict[str, str | None] | None = None  # answered fields overridden (None: left out)
 
 
 class FakeAWSError(Exception):
@@ -537,7 +591,9 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
             "DescribeInstanceTypeOfferings": 100,
             "GetProducts": 20,
             "ListServiceQuotas": 5,
+            "DescribeCapacityReservations": 5,
         }
+        self._reservations: dict[str, _CapacityReservation] = {}
         self._now: datetime | None = None
         self._faults: list[_Fault] = []
         self._scores: dict[tuple[str, str | None, frozenset[str] | None], int] = {}
@@ -709,6 +765,40 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
             raise KeyError(f"unknown EC2 quota code {code}; known: {sorted(EC2_QUOTAS)}")
         with self._lock:
             self._quotas[(region, code)] = float(value)
+
+    def add_capacity_reservation(
+        self,
+        region: str,
+        zone: str,
+        instance_type: str,
+        count: int,
+        *,
+        in_use: int = 0,
+        platform: str = "Linux/UNIX",
+        tenancy: str = "default",
+        match: str = "open",
+        end_date: datetime | None = None,
+        state: str = "active",
+        reservation_type: str = "default",
+        raw: dict[str, str | None] | None = None,
+    ) -> str:
+        """A capacity reservation, made without a call and without checks (``zone`` by
+        name); ``raw`` overrides answered fields by their XML name (``None`` leaves one
+        out). Returns its id."""
+        now = self.now
+        with self._lock:
+            seed = f"{self.seed}|{region}|{len(self._reservations)}"
+            rid = f"cr-{hashlib.sha256(seed.encode()).hexdigest()[:17]}"
+            self._reservations[rid] = _CapacityReservation(
+                rid, region, zone, instance_type, platform, tenancy, count, match,
+                "limited" if end_date else "unlimited", end_date, state, now,
+                reservation_type, in_use, raw)
+        return rid
+
+    def use_capacity_reservation(self, reservation_id: str, in_use: int) -> None:
+        """Say that ``in_use`` instances run in the reservation."""
+        with self._lock:
+            self._reservations[reservation_id].in_use = in_use
 
     def fail(
         self,
@@ -1035,6 +1125,9 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
                 "DescribeSpotPriceHistory": self._spot_price_history,
                 "GetSpotPlacementScores": self._placement_scores,
                 "DescribeInstanceTypeOfferings": self._offerings,
+                "CreateCapacityReservation": self._create_capacity_reservation,
+                "DescribeCapacityReservations": self._describe_capacity_reservations,
+                "CancelCapacityReservation": self._cancel_capacity_reservation,
             }.get(call.action)
             if own is not None:
                 return web.Response(
@@ -1272,6 +1365,131 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
         return _ec2_xml(
             call.action, _xml_items("spotPlacementScoreSet", page) + _next_token_xml(token)
         )
+
+    # --------------------------------------------------- capacity reservations
+    def _cr_fields(self, cr: _CapacityReservation) -> dict[str, str]:
+        """A reservation's answered fields (XML names, EC2's order), as listed now."""
+        state = cr.state
+        if state == "active" and cr.end_date is not None and cr.end_date <= self.now:
+            state = "expired"
+        fields = {
+            "capacityReservationId": cr.id,
+            "ownerId": self.account_id,
+            "capacityReservationArn": (
+                f"arn:aws:ec2:{cr.region}:{self.account_id}:capacity-reservation/{cr.id}"),
+            "availabilityZoneId": self.zone_id(cr.region, cr.zone),
+            "instanceType": cr.instance_type,
+            "instancePlatform": cr.platform,
+            "availabilityZone": cr.zone,
+            "tenancy": cr.tenancy,
+            "totalInstanceCount": str(cr.total),
+            "availableInstanceCount": str(max(0, cr.total - cr.in_use)),
+            "ebsOptimized": "true",
+            "ephemeralStorage": "false",
+            "state": state,
+            "startDate": _iso(cr.created),
+            **({"endDate": _iso(cr.end_date)} if cr.end_date is not None else {}),
+            "endDateType": cr.end_date_type,
+            "instanceMatchCriteria": cr.match,
+            "createDate": _iso(cr.created),
+            "reservationType": cr.reservation_type,
+            "deliveryPreference": "fixed",
+        }
+        for key, value in (cr.raw or {}).items():
+            if value is None:
+                fields.pop(key, None)
+            else:
+                fields[key] = value
+        return fields
+
+    @staticmethod
+    def _cr_xml(tag: str, fields: dict[str, str]) -> str:
+        inner = "".join(f"<{k}>{escape(v)}</{k}>" for k, v in fields.items())
+        return f"<{tag}>{inner}<tagSet/></{tag}>"
+
+    def _create_capacity_reservation(self, call: _Call) -> bytes:
+        from moto.ec2.models.instance_types import INSTANCE_TYPE_OFFERINGS, INSTANCE_TYPES
+
+        p = call.params
+        for name in ("InstanceType", "InstancePlatform", "InstanceCount"):
+            if not p.get(name):
+                raise FakeAWSError("MissingParameter",
+                                   f"The request must contain the parameter {name}")
+        itype, platform = p["InstanceType"], p["InstancePlatform"]
+        if itype not in INSTANCE_TYPES:
+            raise FakeAWSError("InvalidParameterValue",
+                               f"Invalid value '{itype}' for InstanceType.")
+        if platform not in CR_PLATFORMS:
+            raise FakeAWSError("InvalidParameterValue",
+                               f"Invalid value '{platform}' for InstancePlatform.")
+        zone = p.get("AvailabilityZone")
+        if not zone and p.get("AvailabilityZoneId"):
+            zone = next((n for n, z in self._zones.get(call.region, [])
+                         if z == p["AvailabilityZoneId"]), None)
+        if not zone or zone not in [n for n, _ in self._zones.get(call.region, [])]:
+            raise FakeAWSError("InvalidParameterValue",
+                               f"Invalid availability zone: [{zone or ''}]")
+        offered = {o["InstanceType"] for o in
+                   INSTANCE_TYPE_OFFERINGS["availability-zone"].get(call.region, [])
+                   if o["Location"] == zone}
+        if itype not in offered:
+            raise FakeAWSError("Unsupported", f"Your requested instance type ({itype}) is "
+                               f"not supported in your requested Availability Zone ({zone}).")
+        count = int(p["InstanceCount"])
+        if count < 1:
+            raise FakeAWSError("InvalidParameterValue",
+                               f"Invalid value '{count}' for InstanceCount.")
+        end_type = p.get("EndDateType", "unlimited")
+        end = _parse_ts(p["EndDate"]) if p.get("EndDate") else None
+        if (end_type == "limited") != (end is not None) or end_type not in (
+                "limited", "unlimited"):
+            raise FakeAWSError("InvalidParameterCombination",
+                               "EndDate must be given with EndDateType limited, and only then.")
+        match = p.get("InstanceMatchCriteria", "open")
+        if match not in ("open", "targeted"):
+            raise FakeAWSError("InvalidParameterValue",
+                               f"Invalid value '{match}' for InstanceMatchCriteria.")
+        rid = self.add_capacity_reservation(
+            call.region, zone, itype, count, platform=platform,
+            tenancy=p.get("Tenancy", "default"), match=match, end_date=end)
+        with self._lock:
+            fields = self._cr_fields(self._reservations[rid])
+        return _ec2_xml(call.action, self._cr_xml("capacityReservation", fields))
+
+    def _describe_capacity_reservations(self, call: _Call) -> bytes:
+        p = call.params
+        ids = _indexed(p, "CapacityReservationId")
+        filters = _filters(p)
+        for name in filters:
+            if name not in CR_FILTERS:
+                raise FakeAWSError("InvalidParameterValue", f"The filter '{name}' is invalid")
+        max_results = p.get("MaxResults")
+        if max_results and not 1 <= int(max_results) <= 1000:
+            raise FakeAWSError("InvalidParameterValue",
+                               f"Value ({max_results}) for parameter maxResults is invalid.")
+        with self._lock:
+            mine = [cr for cr in self._reservations.values() if cr.region == call.region]
+            missing = [i for i in ids if i not in {cr.id for cr in mine}]
+            if missing:
+                raise FakeAWSError("InvalidCapacityReservationId.NotFound",
+                                   f"The capacity reservation ID '{missing[0]}' does not exist")
+            rows = [self._cr_fields(cr) for cr in mine if not ids or cr.id in ids]
+        rows = [r for r in rows if all(_wild(r.get(CR_FILTERS[name], ""), values)
+                                       for name, values in filters.items())]
+        page, token = self._page(call, rows, max_results, p.get("NextToken"))
+        items = "".join(self._cr_xml("item", r) for r in page)
+        return _ec2_xml(call.action, f"<capacityReservationSet>{items}</capacityReservationSet>"
+                        + _next_token_xml(token))
+
+    def _cancel_capacity_reservation(self, call: _Call) -> bytes:
+        rid = call.params.get("CapacityReservationId", "")
+        with self._lock:
+            cr = self._reservations.get(rid)
+            if cr is None or cr.region != call.region:
+                raise FakeAWSError("InvalidCapacityReservationId.NotFound",
+                                   f"The capacity reservation ID '{rid}' does not exist")
+            cr.state = "cancelled"
+        return _ec2_xml(call.action, "<return>true</return>")
 
     # --------------------------------------------------------------- pricing
     def _pricing(self, call: _Call) -> dict[str, Any]:

@@ -571,6 +571,62 @@ def test_unsigned_requests_work_and_use_the_default_region(fake_aws: FakeAWS) ->
         assert raw.describe_regions()["Regions"]
 
 
+# ------------------------------------------------------------ capacity reservations
+def test_capacity_reservations_are_created_listed_paged_filtered_and_cancelled(
+        fake_aws: FakeAWS) -> None:
+    ec2 = fake_aws.client("ec2", "us-east-1")
+    made = ec2.create_capacity_reservation(
+        InstanceType="p4d.24xlarge", InstancePlatform="Linux/UNIX",
+        AvailabilityZone="us-east-1a", InstanceCount=2, InstanceMatchCriteria="targeted",
+        EndDateType="limited", EndDate=fake_aws.now + timedelta(days=2))["CapacityReservation"]
+    rid = made["CapacityReservationId"]
+    assert rid.startswith("cr-") and made["State"] == "active"
+    assert (made["AvailabilityZoneId"], made["TotalInstanceCount"],
+            made["AvailableInstanceCount"], made["InstanceMatchCriteria"],
+            made["EndDateType"]) == ("use1-az6", 2, 2, "targeted", "limited")
+    assert made["CapacityReservationArn"].endswith(f":capacity-reservation/{rid}")
+    with pytest.raises(ClientError, match="Unsupported"):  # no p4d in us-east-1f
+        ec2.create_capacity_reservation(InstanceType="p4d.24xlarge",
+                                        InstancePlatform="Linux/UNIX",
+                                        AvailabilityZone="us-east-1f", InstanceCount=1)
+    for _ in range(6):
+        ec2.create_capacity_reservation(InstanceType="g5.xlarge", InstancePlatform="Linux/UNIX",
+                                        AvailabilityZone="us-east-1b", InstanceCount=1)
+    fake_aws.use_capacity_reservation(rid, 2)
+    pages = list(ec2.get_paginator("describe_capacity_reservations").paginate())
+    assert len(pages) == 2  # five a page
+    listed = {r["CapacityReservationId"]: r for p in pages for r in p["CapacityReservations"]}
+    assert len(listed) == 7 and listed[rid]["AvailableInstanceCount"] == 0
+    g5 = ec2.describe_capacity_reservations(
+        Filters=[{"Name": "instance-type", "Values": ["g5.*"]}])["CapacityReservations"]
+    assert len(g5) == 5 and {r["InstanceType"] for r in g5} == {"g5.xlarge"}
+    ec2.cancel_capacity_reservation(CapacityReservationId=rid)
+    active = ec2.describe_capacity_reservations(
+        Filters=[{"Name": "state", "Values": ["active"]}], MaxResults=100)
+    assert rid not in {r["CapacityReservationId"] for r in active["CapacityReservations"]}
+    (cancelled,) = ec2.describe_capacity_reservations(
+        CapacityReservationIds=[rid])["CapacityReservations"]
+    assert cancelled["State"] == "cancelled"
+    assert not fake_aws.client("ec2", "us-west-2").describe_capacity_reservations()[
+        "CapacityReservations"]  # reservations are regional
+    with pytest.raises(ClientError, match="InvalidParameterValue"):
+        ec2.describe_capacity_reservations(Filters=[{"Name": "colour", "Values": ["x"]}])
+
+
+def test_a_limited_capacity_reservation_expires_at_its_end_date(fake_aws: FakeAWS) -> None:
+    ec2 = fake_aws.client("ec2", "us-east-1")
+    end = fake_aws.now + timedelta(hours=1)
+    rid = ec2.create_capacity_reservation(
+        InstanceType="g5.xlarge", InstancePlatform="Linux/UNIX", AvailabilityZone="us-east-1a",
+        InstanceCount=1, EndDateType="limited", EndDate=end)["CapacityReservation"][
+        "CapacityReservationId"]
+    fake_aws.now = end + timedelta(seconds=1)
+    (r,) = ec2.describe_capacity_reservations(CapacityReservationIds=[rid])[
+        "CapacityReservations"]
+    assert r["State"] == "expired" and r["EndDate"] == end.replace(microsecond=0)
+    assert fake_aws.call_count(action="DescribeCapacityReservations") == 1
+
+
 async def test_usable_from_async_tests(fake_aws: FakeAWS) -> None:
     ec2 = fake_aws.client("ec2", "us-east-1")
     fake_aws.latency = (0.05, 0.05)

@@ -29,6 +29,23 @@ parts make the poll fail when they cannot be read (after the seam's retries); a 
   (25 % for `>20%`) read as the probability p of an interruption within a month,
   rate = −ln(1 − p) / 730 per hour (`pricing.band_rate`). A type the document does not
   list has `interruption_rate=None`.
+* capacity reservations — `DescribeCapacityReservations` (state active, paginated);
+  every poll (their free counts are what placement needs); optional, and only with
+  `reservations` on (`clouds.aws.reservations.enabled`). The account's active On-Demand
+  Capacity Reservations of GPU instance types (the instance-type catalog above says
+  which), grouped by zone and type into one offer per pool in the `reserved` market:
+  `targets` the reservations by id (sorted), each with its size and
+  `AvailableInstanceCount`, `capacity` their sum, `availability` 1.0 (capacity says
+  what is free: availability 0 would fail every lease on the pool over),
+  `price_per_hour` the configured marginal price per GPU-hour × GPUs, no quota (the
+  reservation holds its own). Capacity Blocks, interruptible reservations and ended
+  ones are left out; so are entries that do not read (a field missing, a count
+  negative or above 100,000), each logged at debug level. A read that fails keeps the
+  pools and reservations of the last good read listed with nothing free (`free` and
+  `capacity` 0): leases on them stay (a pool or a target missing from a poll would fail
+  them over), new ones go elsewhere until a read succeeds. Before any good read there
+  are no reserved offers. A denied permission is logged once per region, naming
+  `ec2:DescribeCapacityReservations`.
 
 A poll that fails raises a typed error: the poller marks the region unhealthy and its
 offers age until stale (not placed on) — which is not "no capacity", so an API that
@@ -64,8 +81,8 @@ from adapters.aws import pricing
 from adapters.aws.sdk import AwsSdk
 from adapters.base import CloudAdapter, LeasedPools, run_blocking
 from adapters.common import Cached, RetryPolicy, gather_all, note_optional
-from adapters.errors import AdapterError, InvalidConfig
-from broker.model import CapacitySignal, Market, Offer, PoolKey, SignalKind, utcnow
+from adapters.errors import AdapterError, AuthFailed, InvalidConfig
+from broker.model import CapacitySignal, Market, Offer, PoolKey, SignalKind, Target, utcnow
 
 log = structlog.get_logger("gpubroker.aws")
 T = TypeVar("T")
@@ -82,6 +99,7 @@ class Refresh:
     placement_scores: float = 1800
     quotas: float = 600
     interruption_rates: float = 6 * 3600
+    reservations: float = 0.0  # capacity reservations: every poll (0)
     spot_overlap: float = 60  # re-ask this much before the last poll, for clock skew
     first_spot_window: float = 86400
 
@@ -106,6 +124,7 @@ class _RegionState:
     quotas: Cached[dict[str, float | None]] = field(default_factory=lambda: Cached({}))
     spot: dict[tuple[str, str], tuple[float, datetime]] = field(default_factory=dict)
     spot_since: datetime | None = None
+    reserved: Cached[list[pricing.Reservation]] = field(default_factory=lambda: Cached([]))
 
 
 @dataclass(slots=True)
@@ -127,11 +146,19 @@ class AwsAdapter(CloudAdapter):
                  refresh: Refresh | None = None, max_workers: int | None = None,
                  clock: Callable[[], datetime] = utcnow,
                  monotonic: Callable[[], float] = time.monotonic,
-                 on_call: Callable[[str, str], None] | None = None) -> None:
+                 on_call: Callable[[str, str], None] | None = None,
+                 reservations: bool = False,
+                 reservation_price_per_gpu_hour: float = 0.0) -> None:
+        """`reservations`: read the account's capacity reservations and offer them in
+        the `reserved` market at `reservation_price_per_gpu_hour` (USD per GPU-hour at
+        the margin; 0: already paid for). Off unless asked for; the configuration's
+        default (`from_config`) is on."""
         if not regions:
             raise InvalidConfig("clouds.aws.regions is empty: list the regions to poll",
                                 cloud="aws")
         self._regions = list(dict.fromkeys(regions))
+        self._reservations = reservations
+        self._reserved_price = reservation_price_per_gpu_hour
         self._refresh = refresh or Refresh()
         self._clock = clock
         self._mono = monotonic
@@ -189,6 +216,11 @@ class AwsAdapter(CloudAdapter):
         if self._advisor.older_than(rf.interruption_rates, mono):
             parts.append(_Part("interruption rates", self._advisor, False,
                                self._interruption_rates(mono, now)))
+        if self._reservations and (rf.reservations <= 0
+                                   or st.reserved.older_than(rf.reservations, mono)):
+            # Never fails: `_reserved` notes its own failures (see the module doc).
+            parts.append(_Part("capacity reservations", Cached(None), False,
+                               self._reserved(region, st, mono, now)))
         await self._settle(region, parts)
         return self._offers(region, st, now)
 
@@ -291,6 +323,59 @@ class AwsAdapter(CloudAdapter):
             self._advisor_error = None
             _fill(self._advisor, rates, mono, now)
 
+    async def _reserved(self, region: str, st: _RegionState, mono: float, now: datetime
+                        ) -> None:
+        """Read the region's capacity reservations into `st.reserved`. A failure is
+        noted (logged on change; a denied permission named) and leaves the last good
+        copy, marked failing; it is not raised."""
+        try:
+            raw = await self._run(self.sdk.capacity_reservations, region)
+        except AdapterError as exc:
+            if isinstance(exc, AuthFailed) and not st.reserved.failing:
+                log.warning("aws capacity reservations not read: permission denied",
+                            region=region, permission=pricing.RESERVATIONS_PERMISSION,
+                            detail=str(exc))
+                st.reserved.failing = True
+            note_optional(log, "aws", region, "capacity reservations", st.reserved, exc)
+            return
+        kept: dict[str, pricing.Reservation] = {}
+        for entry in raw:
+            try:
+                r = pricing.reservation_of(entry, region, now)
+            except ValueError as exc:
+                log.debug("aws capacity reservation skipped", region=region,
+                          reservation=_reservation_id(entry), reason=str(exc))
+                continue
+            kept.setdefault(r.id, r)
+        note_optional(log, "aws", region, "capacity reservations", st.reserved, kept)
+        _fill(st.reserved, list(kept.values()), mono, now)
+
+    def _reserved_offers(self, region: str, st: _RegionState) -> list[Offer]:
+        """One `reserved` offer per (zone, GPU instance type) of the reservations read;
+        with nothing free while the last read failed."""
+        failing = st.reserved.failing
+        pools: dict[tuple[str, str], list[Target]] = {}
+        for r in st.reserved.value:
+            if r.instance_type not in st.types.value:
+                log.debug("aws capacity reservation skipped", region=region,
+                          reservation=r.id,
+                          reason=f"{r.instance_type} is not a GPU instance type here")
+                continue
+            pools.setdefault((r.zone, r.instance_type), []).append(
+                Target(r.id, r.total, 0 if failing else r.available))
+        out: list[Offer] = []
+        for (zone, itype), targets in sorted(pools.items()):
+            t = st.types.value[itype]
+            out.append(Offer(
+                pool=PoolKey("aws", region, zone, itype, Market.RESERVED), gpu=t.gpu,
+                gpus=t.gpus, gpu_memory_gb=t.gpu_memory_gb, vcpus=t.vcpus,
+                memory_gb=t.memory_gb, gpu_known=t.known,
+                price_per_hour=self._reserved_price * t.gpus,
+                observed_at=st.reserved.read_at or self._clock(), availability=1.0,
+                capacity=sum(x.free for x in targets),
+                targets=tuple(sorted(targets, key=lambda x: x.id))))
+        return out
+
     def _offers(self, region: str, st: _RegionState, now: datetime) -> list[Offer]:
         out: list[Offer] = []
         od_read = st.on_demand.read_at or now
@@ -322,6 +407,8 @@ class AwsAdapter(CloudAdapter):
                 quota_group=f"aws:{region}:{spot_code}" if spot_code else None,
                 quota_units=t.vcpus if spot_code else None,
                 **common))  # type: ignore[arg-type]
+        if self._reservations:
+            out.extend(self._reserved_offers(region, st))
         return out
 
     # --- interruption notices ------------------------------------------------------
@@ -421,6 +508,11 @@ def _fill(cached: Cached[V], value: V, mono: float, now: datetime) -> None:
     cached.value, cached.at, cached.read_at = value, mono, now
 
 
+def _reservation_id(entry: Any) -> str | None:
+    rid = entry.get("CapacityReservationId") if isinstance(entry, dict) else None
+    return rid if isinstance(rid, str) else None
+
+
 def _type_of(info: dict[str, Any]) -> _Type:
     gpu, gpus, mem, known = pricing.gpu_of(info)
     mib = info.get("MemoryInfo", {}).get("SizeInMiB")
@@ -432,6 +524,9 @@ def _type_of(info: dict[str, Any]) -> _Type:
 
 def from_config(section: Any, **kwargs: Any) -> AwsAdapter:
     """Build the adapter from the daemon configuration's `clouds.aws` section."""
+    kwargs.setdefault("reservations", section.reservations.enabled)
+    kwargs.setdefault("reservation_price_per_gpu_hour",
+                      section.reservations.price_per_gpu_hour)
     return AwsAdapter(regions=section.regions, endpoint=section.endpoint,
                       anonymous=section.anonymous,
                       interruption_queue_url=section.interruption_queue_url,

@@ -10,6 +10,8 @@ import json
 import math
 import re
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from adapters.gpus import canonical
@@ -147,3 +149,75 @@ def interruption_rates(document: Mapping[str, Any], regions: Collection[str],
             if isinstance(entry, Mapping) and isinstance(entry.get("r"), int)
             and entry["r"] in rate_of}
     return out
+
+
+# --- capacity reservations ---------------------------------------------------------------
+
+RESERVATIONS_PERMISSION = "ec2:DescribeCapacityReservations"
+MAX_RESERVED_INSTANCES = 100_000
+"""A count above this is not a reservation AWS would sell: a garbled answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """One usable EC2 On-Demand Capacity Reservation: `total` instances of
+    `instance_type` in `zone` (a zone name), `available` of them free now."""
+
+    id: str
+    zone: str
+    instance_type: str
+    total: int
+    available: int
+
+
+def count_of(value: Any) -> int:
+    """An instance count from a cloud's answer: an int (or a string of one) in
+    0..`MAX_RESERVED_INSTANCES`; `ValueError` for anything else (bools, floats, negative
+    or absurd counts)."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"count {value!r} is not a whole number")
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"count {value!r} is not a whole number") from None
+    if not 0 <= n <= MAX_RESERVED_INSTANCES:
+        raise ValueError(f"count {n} is out of range 0..{MAX_RESERVED_INSTANCES}")
+    return n
+
+
+def reservation_of(raw: Mapping[str, Any], region: str, now: datetime) -> Reservation:
+    """A `DescribeCapacityReservations` entry as a `Reservation`, or `ValueError` saying
+    why it is not one the broker can offer: not active, ended (`EndDateType` limited and
+    `EndDate` past), a Capacity Block or an interruptible reservation (neither is read),
+    in another region, or garbled (a field missing, a count negative, absurd or above the
+    total). Platform (`InstancePlatform`), tenancy and `InstanceMatchCriteria` are not
+    checked: a targeted reservation is launched into by its id, which the offer's target
+    carries; an open one is also used by any matching launch."""
+    if not isinstance(raw, Mapping):
+        raise ValueError("not an object")
+    rid = raw.get("CapacityReservationId")
+    if not isinstance(rid, str) or not rid:
+        raise ValueError("no CapacityReservationId")
+    if raw.get("State") != "active":
+        raise ValueError(f"state {raw.get('State')!r}, not active")
+    if raw.get("ReservationType") == "capacity-block":
+        raise ValueError("a Capacity Block (not read)")
+    if raw.get("Interruptible") is True:
+        raise ValueError("an interruptible reservation (not read)")
+    itype = raw.get("InstanceType")
+    if not isinstance(itype, str) or not itype:
+        raise ValueError("no InstanceType")
+    zone = raw.get("AvailabilityZone")
+    if not isinstance(zone, str) or not zone.startswith(region) or zone == region:
+        raise ValueError(f"zone {zone!r} is not a zone of {region}")
+    end = raw.get("EndDate")
+    if raw.get("EndDateType") == "limited" and isinstance(end, datetime):
+        if end.tzinfo is None:
+            end = end.replace(tzinfo=UTC)
+        if end <= now:
+            raise ValueError(f"ended at {end.isoformat()}")
+    total = count_of(raw.get("TotalInstanceCount"))
+    available = count_of(raw.get("AvailableInstanceCount"))
+    if available > total:
+        raise ValueError(f"{available} available of {total}")
+    return Reservation(rid, zone, itype, total, available)

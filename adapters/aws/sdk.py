@@ -339,6 +339,16 @@ class AwsSdk:
                     out[s["AvailabilityZoneId"]] = int(s["Score"])
         return out
 
+    def capacity_reservations(self, region: str) -> list[dict[str, Any]]:
+        """The account's active On-Demand Capacity Reservations in the region (its own
+        and those shared with it), as AWS describes them; every page."""
+        out: list[dict[str, Any]] = []
+        for page in self._pages("ec2", region, "describe_capacity_reservations",
+                                Filters=[{"Name": "state", "Values": ["active"]}],
+                                MaxResults=1000):
+            out.extend(page.get("CapacityReservations", []))
+        return out
+
     def describe_instances(self, region: str, instance_ids: Sequence[str]
                            ) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
