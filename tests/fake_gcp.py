@@ -10,6 +10,9 @@ routes by path, as the two APIs' real paths differ:
 * ``GET /compute/v1/projects/{p}/regions/{r}``                      → ``regions.get``
 * ``GET /compute/v1/projects/{p}/zones/{z}/machineTypes``           → ``machineTypes.list``
 * ``GET /compute/v1/projects/{p}/zones/{z}/acceleratorTypes``       → ``acceleratorTypes.list``
+* ``GET /compute/v1/projects/{p}/aggregated/reservations``  → ``reservations.aggregatedList``
+* ``GET /compute/v1/projects/{p}/zones/{z}/reservations``    → ``reservations.list``
+* ``GET /compute/v1/projects/{p}/zones/{z}/reservations/{n}`` → ``reservations.get``
 * ``GET /v1/services/6F81-5844-456A/skus``                          → Billing ``skus.list``
 * ``POST /token``                                                   → an OAuth token endpoint
   (``service_account_file`` points a service-account key at it)
@@ -85,6 +88,23 @@ on every run), so that the adapter is tested against the catalog's naming, not o
 * quotas: in each region 16 of each GPU model it has, on demand and ``PREEMPTIBLE_``,
   none used; ``GPUS_ALL_REGIONS`` 64 for the project. ``set_quota`` /
   ``set_project_quota`` change them.
+
+**Reservations** (none unless a test adds them: ``add_reservation``,
+``set_reservation_in_use``, ``remove_reservation``) are answered in the v1 REST shape of
+https://cloud.google.com/compute/docs/reference/rest/v1/reservations: ``kind``
+``compute#reservation``, ``id``, ``creationTimestamp``, ``selfLink``, ``zone`` (a zone
+URL), ``name``, ``specificReservation`` {``instanceProperties`` {``machineType`` (a
+name), ``guestAccelerators`` [{``acceleratorType``, ``acceleratorCount``}]}, ``count``,
+``inUseCount``, ``assuredCount`` — int64, so JSON strings}, ``specificReservationRequired``,
+``status``, ``shareSettings``, ``deleteAtTime`` if set. A reservation made from an
+instance template carries ``sourceInstanceTemplate`` and no ``instanceProperties`` (an
+assumption: the reference gives the two as alternatives of a request). The aggregated
+list (``compute#reservationAggregatedList``) keys ``items`` by ``zones/<zone>``: each zone
+with reservations on the page has ``reservations``, every other zone of the project a
+``warning`` ``NO_RESULTS_ON_PAGE``, as Compute Engine answers; pages hold at most
+``page_size[op]`` reservations (``nextPageToken``). ``filter`` is not taken (a 400).
+``raw`` overrides a reservation's answered fields by dotted path
+(``specificReservation.count``; ``None`` leaves a field out).
 
 Every call is counted in ``calls`` (a Counter of ``(op, where)``, ``where`` a region,
 a zone or ``global``; random faults included), can be delayed by ``latency = (lo, hi)``
@@ -479,7 +499,10 @@ class FakeGCP(FakeServer[tuple[str, str]]):
         self.project = project
         self.seed = seed
         self.page_size: dict[str, int] = {"machineTypes.list": 10, "acceleratorTypes.list": 3,
-                                          "skus.list": 100}
+                                          "skus.list": 100, "reservations.aggregatedList": 3,
+                                          "reservations.list": 3}
+        # (zone, name) -> what a reservation is made of (see `add_reservation`)
+        self._reservations: dict[tuple[str, str], dict[str, Any]] = {}
         self.require_auth = False
         self.authorizations: list[str] = []
         self.token_requests = 0
@@ -547,6 +570,67 @@ class FakeGCP(FakeServer[tuple[str, str]]):
     def set_project_quota(self, metric: str, limit: float, usage: float = 0.0) -> None:
         with self._lock:
             self._project_quotas[metric] = [float(limit), float(usage)]
+
+    def add_reservation(self, zone: str, name: str, machine_type: str, count: int, *,
+                        in_use: int = 0, accelerators: tuple[tuple[str, int], ...] = (),
+                        specific: bool = True, status: str = "READY",
+                        delete_at: str | None = None, template: str | None = None,
+                        raw: dict[str, Any] | None = None) -> None:
+        """A reservation of `count` VMs of `machine_type` (+ `accelerators`, as
+        (acceleratorType, count)) in `zone`, `in_use` of them used; `template`: made from
+        that instance template instead; `raw`: answered fields overridden by dotted path
+        (None: left out)."""
+        if zone not in self._world.machines:
+            raise ValueError(f"the fake has no zone {zone!r}")
+        with self._lock:
+            self._reservations[(zone, name)] = {
+                "machine_type": machine_type, "count": count, "in_use": in_use,
+                "accelerators": tuple(accelerators), "specific": specific, "status": status,
+                "delete_at": delete_at, "template": template, "raw": dict(raw or {})}
+
+    def set_reservation_in_use(self, zone: str, name: str, in_use: int) -> None:
+        with self._lock:
+            self._reservations[(zone, name)]["in_use"] = in_use
+
+    def remove_reservation(self, zone: str, name: str) -> None:
+        with self._lock:
+            del self._reservations[(zone, name)]
+
+    def _reservation_json(self, zone: str, name: str) -> dict[str, Any]:
+        r = self._reservations[(zone, name)]
+        base = f"{API}/projects/{self.project}"
+        specific: dict[str, Any] = {"count": str(r["count"]), "inUseCount": str(r["in_use"]),
+                                    "assuredCount": str(r["count"])}
+        if r["template"]:
+            specific["sourceInstanceTemplate"] = (f"{base}/global/instanceTemplates/"
+                                                  f"{r['template']}")
+        else:
+            props: dict[str, Any] = {"machineType": r["machine_type"]}
+            if r["accelerators"]:
+                props["guestAccelerators"] = [{"acceleratorType": a, "acceleratorCount": n}
+                                              for a, n in r["accelerators"]]
+            specific["instanceProperties"] = props
+        out: dict[str, Any] = {
+            "kind": "compute#reservation", "id": str(int(_sku_id(zone, name)
+                                                         .replace("-", ""), 16)),
+            "creationTimestamp": CREATED,
+            "selfLink": f"{base}/zones/{zone}/reservations/{name}",
+            "zone": f"{base}/zones/{zone}", "name": name, "description": "",
+            "specificReservation": specific,
+            "specificReservationRequired": r["specific"], "status": r["status"],
+            "shareSettings": {"shareType": "LOCAL"}, "satisfiesPzs": False}
+        if r["delete_at"]:
+            out["deleteAtTime"] = r["delete_at"]
+        for path, value in r["raw"].items():
+            *parents, leaf = path.split(".")
+            node = out
+            for part in parents:
+                node = node.setdefault(part, {})
+            if value is None:
+                node.pop(leaf, None)
+            else:
+                node[leaf] = value
+        return out
 
     def fail(self, op: str, status: int = 429, times: int | None = 1, *,
              where: str | None = None, reason: str | None = None,
@@ -617,6 +701,12 @@ class FakeGCP(FakeServer[tuple[str, str]]):
                            self._machine_types)
         app.router.add_get("/compute/v1/projects/{project}/zones/{zone}/acceleratorTypes",
                            self._accelerator_types)
+        app.router.add_get("/compute/v1/projects/{project}/aggregated/reservations",
+                           self._aggregated_reservations)
+        app.router.add_get("/compute/v1/projects/{project}/zones/{zone}/reservations",
+                           self._zone_reservations)
+        app.router.add_get("/compute/v1/projects/{project}/zones/{zone}/reservations/{name}",
+                           self._reservation)
         app.router.add_get("/v1/services/{service}/skus", self._list_skus)
         app.router.add_post("/token", self._oauth_token)
         return app  # everything else: `_handle`, a 404
@@ -687,6 +777,10 @@ class FakeGCP(FakeServer[tuple[str, str]]):
         match = request.match_info
         if request.path.startswith("/v1/services/"):
             op, where = "skus.list", "global"
+        elif request.path.endswith("/aggregated/reservations"):
+            op, where = "reservations.aggregatedList", "global"
+        elif "name" in match:
+            op, where = "reservations.get", match["zone"]
         elif "zone" in match:
             op, where = f"{request.path.rsplit('/', 1)[-1]}.list", match["zone"]
         elif "region" in match:
@@ -797,6 +891,67 @@ class FakeGCP(FakeServer[tuple[str, str]]):
                               items, request, "")
 
         return await self._serve(request, op, zone, answer)
+
+    def _no_filter(self, request: web.Request) -> None:
+        if request.query.get("filter"):
+            raise FakeGCPError(400, "Invalid value for field 'filter': the fake takes no "
+                                    "filter on reservations.")
+
+    async def _aggregated_reservations(self, request: web.Request) -> web.Response:
+        op = "reservations.aggregatedList"
+
+        def answer() -> dict[str, Any]:
+            self._no_filter(request)
+            size = min(_bounded(request, "maxResults", 500), self.page_size[op])
+            start = _offset(op, request.query.get("pageToken", ""), "")
+            end = start + max(size, 1)
+            with self._lock:
+                keys = sorted(self._reservations)
+                page = [(z, self._reservation_json(z, n)) for z, n in keys[start:end]]
+            items: dict[str, Any] = {}
+            for zone in sorted(self._world.machines):
+                found = [r for z, r in page if z == zone]
+                items[f"zones/{zone}"] = {"reservations": found} if found else {"warning": {
+                    "code": "NO_RESULTS_ON_PAGE",
+                    "message": f"There are no results for scope 'zones/{zone}' on this page.",
+                    "data": [{"key": "scope", "value": f"zones/{zone}"}]}}
+            out: dict[str, Any] = {
+                "kind": "compute#reservationAggregatedList",
+                "id": f"projects/{self.project}/aggregated/reservations", "items": items,
+                "selfLink": f"{API}/projects/{self.project}/aggregated/reservations"}
+            if end < len(keys):
+                out["nextPageToken"] = _token(op, end, "")
+            return out
+
+        return await self._serve(request, op, "global", answer)
+
+    async def _zone_reservations(self, request: web.Request) -> web.Response:
+        zone = request.match_info["zone"]
+        op = "reservations.list"
+
+        def answer() -> dict[str, Any]:
+            self._zone_or_error(zone)
+            self._no_filter(request)
+            with self._lock:
+                items = [self._reservation_json(z, n) for z, n in sorted(self._reservations)
+                         if z == zone]
+            return self._page(op, zone, "compute#reservationList", "reservations", items,
+                              request, "")
+
+        return await self._serve(request, op, zone, answer)
+
+    async def _reservation(self, request: web.Request) -> web.Response:
+        zone, name = request.match_info["zone"], request.match_info["name"]
+
+        def answer() -> dict[str, Any]:
+            self._zone_or_error(zone)
+            with self._lock:
+                if (zone, name) not in self._reservations:
+                    raise FakeGCPError(404, f"The resource 'projects/{self.project}/zones/"
+                                            f"{zone}/reservations/{name}' was not found")
+                return self._reservation_json(zone, name)
+
+        return await self._serve(request, "reservations.get", zone, answer)
 
     def _page(self, op: str, zone: str, kind: str, collection: str, items: list[Any],
               request: web.Request, query: str) -> dict[str, Any]:

@@ -110,3 +110,52 @@ def test_random_faults_answer_in_googles_shapes(fake_gcp: FakeGCP) -> None:
     assert fake_gcp.call_count("machineTypes.list", "us-central1-a") == 4
     assert fake_gcp.call_count("regions.get", "europe-west4") == 4
     assert fake_gcp.faulted == {"throttle": 5, "5xx": 4, "truncated": 1}
+
+
+def test_reservations_answer_in_the_v1_rest_shape(fake_gcp: FakeGCP) -> None:
+    base = f"{fake_gcp.url}/compute/v1/projects/{fake_gcp.project}"
+    for n in range(4):
+        fake_gcp.add_reservation("us-central1-a", f"r{n}", "n1-standard-8", 2, in_use=1,
+                                 accelerators=(("nvidia-tesla-t4", 1),))
+    fake_gcp.add_reservation("europe-west4-a", "eu", "a2-highgpu-1g", 3, specific=False,
+                             raw={"specificReservation.inUseCount": None})
+    with requests.Session() as http:
+        first = http.get(f"{base}/aggregated/reservations").json()
+        assert first["kind"] == "compute#reservationAggregatedList" and first["nextPageToken"]
+        scope = first["items"]["zones/us-central1-a"]
+        r0 = scope["reservations"][0]
+        assert r0["kind"] == "compute#reservation" and r0["name"] == "r0"
+        assert r0["zone"].endswith(f"/projects/{fake_gcp.project}/zones/us-central1-a")
+        assert r0["specificReservation"] == {
+            "count": "2", "inUseCount": "1", "assuredCount": "2",  # int64: strings
+            "instanceProperties": {"machineType": "n1-standard-8", "guestAccelerators": [
+                {"acceleratorType": "nvidia-tesla-t4", "acceleratorCount": 1}]}}
+        assert (r0["status"], r0["specificReservationRequired"]) == ("READY", True)
+        assert first["items"]["zones/us-central1-b"]["warning"]["code"] == "NO_RESULTS_ON_PAGE"
+        second = http.get(f"{base}/aggregated/reservations",
+                          params={"pageToken": first["nextPageToken"]}).json()
+        assert "nextPageToken" not in second  # three a page, in zone and name order
+        assert [r["name"] for r in second["items"]["zones/us-central1-a"]["reservations"]
+                ] == ["r2", "r3"]
+        eu = first["items"]["zones/europe-west4-a"]["reservations"][0]
+        assert "inUseCount" not in eu["specificReservation"]
+        assert eu["specificReservationRequired"] is False
+        listed = http.get(f"{base}/zones/us-central1-a/reservations",
+                          params={"maxResults": "10"}).json()
+        assert listed["kind"] == "compute#reservationList" and len(listed["items"]) == 3
+        got = http.get(f"{base}/zones/us-central1-a/reservations/r3")
+        assert got.status_code == 200 and got.json()["name"] == "r3"
+        assert http.get(f"{base}/zones/us-central1-a/reservations/nope").status_code == 404
+        assert http.get(f"{base}/aggregated/reservations",
+                        params={"filter": "status eq READY"}).status_code == 400
+        fake_gcp.fail("reservations.aggregatedList", 403, message="Required "
+                      "'compute.reservations.list' permission")
+        err = http.get(f"{base}/aggregated/reservations").json()["error"]
+        assert err["code"] == 403 and err["status"] == "PERMISSION_DENIED"
+        fake_gcp.chaos = Chaos(rate=1.0, kinds=("5xx",))
+        assert http.get(f"{base}/aggregated/reservations").status_code in (500, 503)
+        assert http.get(f"{base}/zones/us-central1-a/reservations/r1").status_code in (500,
+                                                                                      503)
+    assert fake_gcp.call_count("reservations.aggregatedList") == 5
+    assert fake_gcp.call_count("reservations.list", "us-central1") == 1
+    assert fake_gcp.call_count("reservations.get", "us-central1-a") == 3

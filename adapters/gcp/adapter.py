@@ -25,6 +25,25 @@ adapter's own thread pool, so one slow API never blocks the event loop):
   shared by all regions; optional (a failed read keeps the last good copy; none yet:
   the regional quota alone, else `quota_headroom=None`).
 
+* reservations — `ReservationsClient.aggregated_list` (one paged call for the project's
+  zones, the region's kept); every poll (their free counts are what placement needs);
+  optional, and only with `reservations` on (`clouds.gcp.reservations.enabled`). Each
+  READY (or UPDATING: being resized) reservation of a GPU shape — a machine type with
+  built-in GPUs the zone lists, or an N1 machine with one attachable GPU type, named
+  `n1-highmem-8+nvidia-tesla-t4x1` as the N1 + GPU offers are — is a target of the pool
+  `(zone, shape, reserved)`: its name, `specificReservation.count` and count −
+  `inUseCount` free. The pool's offer has the GPU facts of that shape, `capacity` the
+  targets' free VMs, `availability` 1.0 (capacity says what is free: availability 0 would
+  fail every lease on the pool over), `price_per_hour` the configured marginal price per
+  GPU-hour × GPUs, no quota (the reservation holds its own). Reservations made from an
+  instance template, past their `deleteAtTime`, of machines without GPUs, and entries
+  that do not read (a field missing, a count negative, above 100,000 or below what is in
+  use) are left out, each logged at debug level. A read that fails keeps the pools and
+  reservations of the last good read listed with nothing free: leases on them stay (a
+  pool or a target missing from a poll would fail them over), new ones go elsewhere
+  until a read succeeds; before any good read there are none. A denied permission is
+  logged once per region, naming `compute.reservations.list`.
+
 So the first poll of a region costs one region call, two paged lists per zone and (once
 for all regions) the catalog pages and one project call; a steady-state poll costs one
 `regions.get` per region and one `projects.get` per poll round.
@@ -55,6 +74,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,11 +85,17 @@ import structlog
 
 from adapters.base import CloudAdapter, run_blocking
 from adapters.common import Cached, RetryPolicy, gather_all, note_optional
-from adapters.errors import AdapterError, CloudUnavailable, InvalidConfig, RateLimited
+from adapters.errors import (
+    AdapterError,
+    AuthFailed,
+    CloudUnavailable,
+    InvalidConfig,
+    RateLimited,
+)
 from adapters.gcp import pricing
 from adapters.gcp.pricing import PriceIndex, Shape, StockoutDecay
 from adapters.gcp.sdk import GcpSdk, Quota, RegionInfo, is_stockout
-from broker.model import Market, Offer, PoolKey, utcnow
+from broker.model import Market, Offer, PoolKey, Target, utcnow
 
 log = structlog.get_logger("gpubroker.gcp")
 CLOSE_WAIT_SECONDS = 5.0
@@ -86,6 +112,7 @@ class Refresh:
     project_quotas: float = 30.0  # GPUS_ALL_REGIONS: once per poll round
     inventory: float = 6 * 3600  # machine types and accelerator types, per zone
     catalog: float = 6 * 3600  # Billing Catalog SKUs
+    reservations: float = 0.0  # the project's reservations: every poll (0)
     # How long a poll waits for the very first catalog read (None: as long as the poll
     # may take; it fails when no copy exists at the end of the wait).
     first_catalog_wait: float | None = None
@@ -95,6 +122,7 @@ class Refresh:
 class _RegionState:
     info: Cached[RegionInfo | None] = field(default_factory=lambda: Cached(None))
     zones: dict[str, Cached[tuple[Shape, ...]]] = field(default_factory=dict)
+    reserved: Cached[list[pricing.Reservation]] = field(default_factory=lambda: Cached([]))
 
 
 class _Shared(Generic[V]):
@@ -153,10 +181,18 @@ class GcpAdapter(CloudAdapter):
                  call_timeout: float = 10.0,
                  clock: Callable[[], datetime] = utcnow,
                  monotonic: Callable[[], float] = time.monotonic,
-                 on_call: Callable[[str, str], None] | None = None) -> None:
+                 on_call: Callable[[str, str], None] | None = None,
+                 reservations: bool = False,
+                 reservation_price_per_gpu_hour: float = 0.0) -> None:
+        """`reservations`: read the project's reservations and offer them in the
+        `reserved` market at `reservation_price_per_gpu_hour` (USD per GPU-hour at the
+        margin; 0: already paid for). Off unless asked for; the configuration's default
+        (`from_config`) is on."""
         if not regions:
             raise InvalidConfig("clouds.gcp.regions is empty: list the regions to poll",
                                 cloud="gcp")
+        self._reservations = reservations
+        self._reserved_price = reservation_price_per_gpu_hour
         if anonymous and not project:
             raise InvalidConfig("clouds.gcp.project is required with anonymous: true (there "
                                 "are no credentials to take a default project from)",
@@ -201,8 +237,12 @@ class GcpAdapter(CloudAdapter):
         project = self._project.start(self._read_project, rf.project_quotas)
         if project is not None:
             waits.append(asyncio.shield(project))
+        calls = [self._inventory(region, st)]
+        if self._reservations and (rf.reservations <= 0 or
+                                   st.reserved.older_than(rf.reservations, self._mono())):
+            calls.append(self._reserved(region, st))  # never fails: notes its failures
         try:
-            await self._inventory(region, st)
+            await gather_all(calls)
             for wait in waits:
                 await wait
         except BaseException:
@@ -241,6 +281,34 @@ class GcpAdapter(CloudAdapter):
         if zone in st.zones:  # not dropped by a region answer meanwhile
             st.zones[zone] = Cached(tuple(pricing.shapes(machines, accelerators)),
                                      self._mono(), self._clock())
+
+    async def _reserved(self, region: str, st: _RegionState) -> None:
+        """Read the region's reservations into `st.reserved`. A failure is noted (logged
+        on change; a denied permission named) and leaves the last good copy, marked
+        failing; it is not raised."""
+        try:
+            raw = await self._run(self.sdk.reservations, region)
+        except AdapterError as exc:
+            if isinstance(exc, AuthFailed) and not st.reserved.failing:
+                log.warning("gcp reservations not read: permission denied", region=region,
+                            permission=pricing.RESERVATIONS_PERMISSION, detail=str(exc))
+                st.reserved.failing = True
+            note_optional(log, "gcp", region, "reservations", st.reserved, exc)
+            return
+        now = self._clock()
+        kept: dict[tuple[str, str], pricing.Reservation] = {}
+        for entry in raw:
+            try:
+                r = pricing.reservation_of(entry, region, now)
+            except ValueError as exc:
+                log.debug("gcp reservation skipped", region=region,
+                          reservation=entry.get("name") if isinstance(entry, dict) else None,
+                          reason=str(exc))
+                continue
+            kept.setdefault((r.zone, r.name), r)
+        note_optional(log, "gcp", region, "reservations", st.reserved, kept)
+        st.reserved.value = list(kept.values())
+        st.reserved.at, st.reserved.read_at = self._mono(), now
 
     async def _first_prices(self, read: asyncio.Task[None], region: str) -> None:
         """Wait for the first catalog read (shielded: other polls share it); raise a typed
@@ -305,6 +373,36 @@ class GcpAdapter(CloudAdapter):
                         # GPU quotas are per accelerator and region, counted in GPUs.
                         quota_group=f"gcp:{region}:{shape.accelerator}:{market.value}",
                         quota_units=shape.gpus, gpu_known=known))
+        if self._reservations:
+            out.extend(self._reserved_offers(region, st, now))
+        return out
+
+    def _reserved_offers(self, region: str, st: _RegionState, now: datetime) -> list[Offer]:
+        """One `reserved` offer per (zone, GPU shape) of the reservations read; with
+        nothing free while the last read failed."""
+        failing = st.reserved.failing
+        pools: dict[tuple[str, pricing.ReservedShape], list[Target]] = defaultdict(list)
+        for r in st.reserved.value:
+            listed = st.zones.get(r.zone)
+            try:
+                shape = pricing.reserved_shape(r, listed.value if listed is not None else ())
+            except ValueError as exc:
+                log.debug("gcp reservation skipped", region=region, reservation=r.name,
+                          reason=str(exc))
+                continue
+            pools[(r.zone, shape)].append(Target(r.name, r.count, 0 if failing else r.free))
+        out: list[Offer] = []
+        for (zone, shape), targets in sorted(pools.items(),
+                                             key=lambda p: (p[0][0], p[0][1].instance_type)):
+            gpu, memory, known = pricing.gpu_of(shape.accelerator)
+            out.append(Offer(
+                pool=PoolKey("gcp", region, zone, shape.instance_type, Market.RESERVED),
+                gpu=gpu, gpus=shape.gpus, gpu_memory_gb=memory, vcpus=shape.vcpus,
+                memory_gb=None if shape.memory_gib is None else round(shape.memory_gib, 1),
+                price_per_hour=self._reserved_price * shape.gpus,
+                observed_at=st.reserved.read_at or now, availability=1.0,
+                capacity=sum(t.free for t in targets),
+                targets=tuple(sorted(targets, key=lambda t: t.id)), gpu_known=known))
         return out
 
     # --- stock-outs ----------------------------------------------------------------------
@@ -358,6 +456,9 @@ class GcpAdapter(CloudAdapter):
 
 def from_config(section: Any, **kwargs: Any) -> GcpAdapter:
     """Build the adapter from the daemon configuration's `clouds.gcp` section."""
+    kwargs.setdefault("reservations", section.reservations.enabled)
+    kwargs.setdefault("reservation_price_per_gpu_hour",
+                      section.reservations.price_per_gpu_hour)
     return GcpAdapter(regions=section.regions, project=section.project,
                       endpoint=section.endpoint, anonymous=section.anonymous,
                       call_timeout=section.call_timeout_seconds, **kwargs)

@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from adapters.gcp.sdk import AcceleratorType, MachineType, Quota
@@ -384,3 +385,134 @@ class StockoutDecay:
     @property
     def window(self) -> float:
         return self.hold + self.recover
+
+
+# --- reservations ------------------------------------------------------------------------
+
+RESERVATIONS_PERMISSION = "compute.reservations.list"
+MAX_RESERVED_INSTANCES = 100_000
+"""A count above this is not a reservation GCP would make: a garbled answer."""
+USABLE_STATUSES = frozenset({"READY", "UPDATING"})
+"""A reservation being resized (UPDATING) still holds its VMs and its capacity."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """One usable Compute Engine reservation: `count` VMs of `machine_type` (with
+    `accelerators` attached, `(type, count)`) in `zone`, `free` of them not in use.
+    `specific`: a VM must name the reservation to use it (`specificReservationRequired`);
+    otherwise any matching VM of the project uses it."""
+
+    name: str
+    zone: str
+    machine_type: str
+    accelerators: tuple[tuple[str, int], ...]
+    count: int
+    free: int
+    specific: bool
+
+
+def _count(value: Any, what: str) -> int:
+    """A count from the REST answer (int64 fields come as strings) in
+    0..`MAX_RESERVED_INSTANCES`; `ValueError` for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{what} {value!r} is not a whole number")
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{what} {value!r} is not a whole number") from None
+    if not 0 <= n <= MAX_RESERVED_INSTANCES:
+        raise ValueError(f"{what} {n} is out of range 0..{MAX_RESERVED_INSTANCES}")
+    return n
+
+
+def _last(value: Any) -> str:
+    """The name at the end of a full or partial resource URL (or a plain name)."""
+    return value.rstrip("/").rsplit("/", 1)[-1] if isinstance(value, str) else ""
+
+
+def reservation_of(raw: Mapping[str, Any], region: str, now: datetime) -> Reservation:
+    """A reservation in its REST JSON shape as a `Reservation`, or `ValueError` saying why
+    it is not one the broker can offer: not READY (or UPDATING), past its `deleteAtTime`,
+    in another region, made from an instance template (its machine type is not in the
+    answer) or garbled (a field missing, a count negative, absurd, or less than what is
+    in use)."""
+    if not isinstance(raw, Mapping):
+        raise ValueError("not an object")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError("no name")
+    zone = _last(raw.get("zone"))
+    if not zone or not zone.startswith(f"{region}-"):
+        raise ValueError(f"zone {zone!r} is not a zone of {region}")
+    if raw.get("status") not in USABLE_STATUSES:
+        raise ValueError(f"status {raw.get('status')!r}, not READY")
+    delete_at = raw.get("deleteAtTime")
+    if delete_at is not None:
+        try:
+            at = datetime.fromisoformat(str(delete_at).replace("Z", "+00:00"))
+        except ValueError:
+            raise ValueError(f"deleteAtTime {delete_at!r} does not read") from None
+        if (at if at.tzinfo else at.replace(tzinfo=UTC)) <= now:
+            raise ValueError(f"deleted at {delete_at}")
+    specific = raw.get("specificReservation")
+    if not isinstance(specific, Mapping):
+        raise ValueError("no specificReservation")
+    props = specific.get("instanceProperties")
+    if not isinstance(props, Mapping):
+        if specific.get("sourceInstanceTemplate"):
+            raise ValueError("made from an instance template (not read)")
+        raise ValueError("no instanceProperties")
+    machine = _last(props.get("machineType"))
+    if not machine:
+        raise ValueError("no machineType")
+    accelerators: list[tuple[str, int]] = []
+    for acc in props.get("guestAccelerators") or ():
+        kind = _last(acc.get("acceleratorType")) if isinstance(acc, Mapping) else ""
+        n = _count(acc.get("acceleratorCount"), "acceleratorCount") if kind else 0
+        if not kind or n < 1:
+            raise ValueError(f"guest accelerator {acc!r} does not read")
+        accelerators.append((kind, n))
+    count = _count(specific.get("count"), "count")
+    in_use = _count(specific.get("inUseCount", 0), "inUseCount")
+    if in_use > count:
+        raise ValueError(f"{in_use} in use of {count}")
+    required = raw.get("specificReservationRequired", False)
+    return Reservation(name, zone, machine, tuple(accelerators), count, count - in_use,
+                       required is True)
+
+
+@dataclass(frozen=True, slots=True)
+class ReservedShape:
+    """What a reservation's VMs are, as the adapter offers them."""
+
+    instance_type: str
+    accelerator: str
+    gpus: int
+    vcpus: int | None
+    memory_gib: float | None
+
+
+def reserved_shape(r: Reservation, zone_shapes: Sequence[Shape]) -> ReservedShape:
+    """The shape a reservation's VMs have: a machine type with built-in GPUs the zone
+    lists (`a2-highgpu-1g`), or an N1 machine with one attachable GPU type
+    (`n1-highmem-8+nvidia-tesla-t4x1`, named as the N1 + GPU offers are; vCPUs and memory
+    known only for the shapes the zone's offers use). `ValueError` for anything else (no
+    GPU, a machine type the zone does not list, GPUs an N1 machine cannot take)."""
+    by_type = {s.instance_type: s for s in zone_shapes}
+    builtin = by_type.get(r.machine_type)
+    if builtin is not None and builtin.machine_type == builtin.instance_type:
+        return ReservedShape(builtin.instance_type, builtin.accelerator, builtin.gpus,
+                             builtin.vcpus, builtin.memory_gib)
+    if not r.accelerators:
+        raise ValueError(f"{r.machine_type} is not a GPU machine type of {r.zone}")
+    if len(r.accelerators) != 1 or series(r.machine_type) != "n1":
+        raise ValueError(f"{r.machine_type} with {list(r.accelerators)} is not an N1 + GPU "
+                         "shape")
+    accel, gpus = r.accelerators[0]
+    if accel not in N1_ATTACHABLE:
+        raise ValueError(f"{accel} is not a GPU that attaches to N1 machines")
+    itype = n1_instance_type(r.machine_type, accel, gpus)
+    known = by_type.get(itype)
+    return ReservedShape(itype, accel, gpus, known.vcpus if known else None,
+                         known.memory_gib if known else None)

@@ -319,7 +319,7 @@ class GcpSdk:
 
     def client(self, kind: str) -> Any:
         """The client for `kind` (regions, projects, machine_types, accelerator_types,
-        catalog), built on first use."""
+        reservations, catalog), built on first use."""
         with self._lock:
             if self._closed:
                 raise AdapterError("the GCP adapter is closed", cloud="gcp")
@@ -329,6 +329,7 @@ class GcpSdk:
                 cls = {"regions": c.RegionsClient, "projects": c.ProjectsClient,
                        "machine_types": c.MachineTypesClient,
                        "accelerator_types": c.AcceleratorTypesClient,
+                       "reservations": c.ReservationsClient,
                        "catalog": b.CloudCatalogClient}[kind]
                 options = {"api_endpoint": self.endpoint} if self.endpoint else None
                 self._clients[kind] = cls(credentials=creds, transport="rest",
@@ -414,6 +415,31 @@ class GcpSdk:
                        for a in page.items)
         return out
 
+    def reservations(self, region: str) -> list[dict[str, Any]]:
+        """The project's reservations in the region's zones (`reservations.aggregatedList`,
+        paged: one call for every zone), each in its REST JSON shape (int64 counts as
+        strings, fields the answer lacks left out). A zone of the region that the answer
+        lists as unreachable makes it a `CloudUnavailable`: a reservation missing from it
+        must not read as gone."""
+        client = self.client("reservations")
+        project = self.project
+        out: list[dict[str, Any]] = []
+        reservation = self._g.compute.Reservation
+        for page in self._pages("reservations.aggregatedList", region, lambda token:
+                                client.aggregated_list(
+                                    request={"project": project, "max_results": 500,
+                                             "page_token": token},
+                                    retry=None, timeout=self._timeout)):
+            unreachable = [u for u in page.unreachables if _in_region(u, region)]
+            if unreachable:
+                raise CloudUnavailable(f"reservations.aggregatedList: {', '.join(unreachable)}"
+                                       " unreachable", cloud="gcp", region=region)
+            for scope, scoped in page.items.items():
+                if _in_region(scope, region):
+                    out.extend(reservation.to_dict(r, preserving_proto_field_name=False)
+                               for r in scoped.reservations)
+        return out
+
     # --- Cloud Billing Catalog ---------------------------------------------------------
 
     def skus(self, service: str = COMPUTE_SERVICE) -> list[dict[str, Any]]:
@@ -439,6 +465,12 @@ class GcpSdk:
             for client in self._clients.values():
                 client.transport.close()
             self._clients.clear()
+
+
+def _in_region(scope: str, region: str) -> bool:
+    """Whether an aggregated list's scope (`zones/us-central1-a`, a zone URL) is a zone of
+    `region`."""
+    return _region_of(str(scope).rstrip("/").rsplit("/", 1)[-1]) == region
 
 
 def _quotas(quotas: Any) -> dict[str, Quota]:
