@@ -30,6 +30,29 @@ shapes:
   ``skuName``, ``location``, ``evictionRate``, narrowed by a ``location =~ 'X'`` clause and
   a ``startswith 'prefix'`` on the SKU name if the query has them. Other queries: 400.
 
+* Capacity reservations (none unless a test adds them: ``add_capacity_reservation_group``,
+  ``add_capacity_reservation``, ``allocate``, ``remove_capacity_reservation_group``), in
+  the shapes of the Capacity Reservation Groups and Capacity Reservations REST references
+  (https://learn.microsoft.com/en-us/rest/api/compute/capacity-reservation-groups,
+  .../capacity-reservations):
+  ``GET /subscriptions/{sub}/providers/Microsoft.Compute/capacityReservationGroups``
+  (list by subscription, every region) and the same under
+  ``/resourceGroups/{rg}`` — ``value`` [{``id``, ``name``, ``type``, ``location``,
+  ``zones``, ``properties`` {``capacityReservations`` [{``id``}],
+  ``virtualMachinesAssociated`` [{``id``}], ``reservationType`` if set}}], paged with
+  ``nextLink``; ``GET .../capacityReservationGroups/{name}`` with ``$expand=instanceView``
+  adds ``properties.instanceView.capacityReservations`` [{``name``, ``utilizationInfo``
+  {``currentCapacity``, ``virtualMachinesAllocated`` [{``id``}]}, ``statuses``}];
+  ``GET .../capacityReservationGroups/{name}/capacityReservations`` — ``value`` [{``id``,
+  ``name``, ``type``, ``location``, ``sku`` {``name``, ``capacity``}, ``zones``,
+  ``properties`` {``reservationId``, ``platformFaultDomainCount``,
+  ``provisioningState``, ``provisioningTime``, ``timeCreated``,
+  ``virtualMachinesAssociated``}}]; ``GET .../capacityReservations/{name}`` with
+  ``$expand=instanceView`` adds the reservation's own ``properties.instanceView``. A
+  group or reservation that does not exist is ``404 ResourceNotFound``. ``raw``
+  overrides a reservation's answered fields by dotted path (``sku.capacity``; ``None``
+  leaves one out); ``view=False`` leaves it out of the instance views.
+
 Errors use ARM's shape ``{"error": {"code", "message"}}`` with the status given; an
 unknown subscription is ``404 SubscriptionNotFound``.
 
@@ -68,7 +91,9 @@ real machine's 8. Windows, Low Priority, DevTest and reservation prices are deri
 the Linux ones, so that a client that does not filter them out gets visibly wrong answers.
 
 Knobs: ``calls`` (a Counter of ``(api, region)``, api ∈ ``skus``, ``usages``, ``prices``,
-``graph``), ``authorized`` (how many calls carried an ``Authorization`` header),
+``graph``, ``reservation_groups`` (a list; region ``""`` by subscription),
+``reservation_group`` (one group), ``reservations`` (a group's list),
+``reservation`` (one)), ``authorized`` (how many calls carried an ``Authorization`` header),
 ``latency = (lo, hi)`` seconds per call, ``page_size`` per api, ``link_base`` (put
 paging links on another host, e.g. ``https://prices.azure.com:443``, as a proxy in front
 of the real services would pass them through), ``fail(...)``,
@@ -213,6 +238,24 @@ EXTRA_SIZES: dict[str, tuple[tuple[str, ...], float, float | None]] = {
 }
 
 
+APIS = ("skus", "usages", "prices", "graph", "reservation_groups", "reservation_group",
+        "reservations", "reservation")
+_CRG = r"/providers/Microsoft\.Compute/capacityReservationGroups"
+
+
+def _set_path(doc: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Override fields of `doc` by dotted path; a None value removes the field."""
+    for path, value in overrides.items():
+        *parents, leaf = path.split(".")
+        node = doc
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+
+
 class FakeAzureError(Exception):
     """An error the fake answers in ARM's error shape."""
 
@@ -318,7 +361,10 @@ class FakeAzure(FakeServer[tuple[str, str]]):
         self.seed = seed
         self.subscription_id = subscription_id
         self.authorized = 0
-        self.page_size = {"skus": 10, "usages": 8, "prices": 50, "graph": 20}
+        self.page_size = {"skus": 10, "usages": 8, "prices": 50, "graph": 20,
+                          "reservation_groups": 2, "reservations": 2}
+        # group id (lower case) -> the group and its reservations (see the knobs)
+        self._groups: dict[str, dict[str, Any]] = {}
         self.link_base: str | None = None  # paging links on this host (None: the fake's)
         self.chaos_repeats: int | None = None  # see the module doc
         self._chaos_seen: Counter[tuple[str, str]] = Counter()
@@ -425,6 +471,50 @@ class FakeAzure(FakeServer[tuple[str, str]]):
         with self._lock:
             self._eviction[(region, size)] = band
 
+    # ------------------------------------------------- capacity reservations
+    def group_id(self, resource_group: str, name: str) -> str:
+        return (f"/subscriptions/{self.subscription_id}/resourceGroups/{resource_group}"
+                f"/providers/Microsoft.Compute/capacityReservationGroups/{name}")
+
+    def add_capacity_reservation_group(self, region: str, name: str, *,
+                                       resource_group: str = "gpu-capacity",
+                                       zones: list[str] | None = None,
+                                       reservation_type: str | None = None) -> str:
+        """A capacity reservation group; returns its resource id."""
+        gid = self.group_id(resource_group, name)
+        with self._lock:
+            self._groups[gid.lower()] = {
+                "id": gid, "rg": resource_group, "name": name, "location": region,
+                "zones": list(zones or []), "type": reservation_type, "reservations": {}}
+        return gid
+
+    def add_capacity_reservation(self, group_id: str, name: str, size: str, capacity: int,
+                                 *, zone: str | None = None, allocated: int = 0,
+                                 provisioning_state: str = "Succeeded",
+                                 current_capacity: int | None = None,
+                                 reservation_state: str | None = None,
+                                 raw: dict[str, Any] | None = None,
+                                 view: bool = True) -> str:
+        """A capacity reservation of `capacity` VMs of `size` in the group, `allocated`
+        of them allocated; returns its resource id."""
+        with self._lock:
+            group = self._groups[group_id.lower()]
+            group["reservations"][name] = {
+                "size": size, "capacity": capacity, "zone": zone, "allocated": allocated,
+                "state": provisioning_state, "current": current_capacity,
+                "reservation_state": reservation_state, "raw": dict(raw or {}),
+                "view": view}
+        return f"{group['id']}/capacityReservations/{name}"
+
+    def allocate(self, group_id: str, name: str, vms: int) -> None:
+        """Say that `vms` VMs are allocated in the reservation."""
+        with self._lock:
+            self._groups[group_id.lower()]["reservations"][name]["allocated"] = vms
+
+    def remove_capacity_reservation_group(self, group_id: str) -> None:
+        with self._lock:
+            del self._groups[group_id.lower()]
+
     # ----------------------------------------------------------- test knobs
     def fail(self, api: str, *, status: int = 429, code: str | None = None,
              times: int | None = 1, retry_after: float | str | None = None,
@@ -433,8 +523,8 @@ class FakeAzure(FakeServer[tuple[str, str]]):
         `times=None`: all, until `clear_faults()`) fail with `status` and ARM error `code`
         (default by status: 429 TooManyRequests, 500 InternalServerError ...), with a
         `Retry-After` header if given."""
-        if api not in self.page_size:
-            raise ValueError(f"unknown api {api!r}; one of {sorted(self.page_size)}")
+        if api not in APIS:
+            raise ValueError(f"unknown api {api!r}; one of {sorted(APIS)}")
         with self._lock:
             self._faults.append(_Fault(api, region, status, code or _STATUS_CODES.get(status,
                                        "Error"), message,
@@ -458,9 +548,25 @@ class FakeAzure(FakeServer[tuple[str, str]]):
         r"^/subscriptions/([^/]+)/providers/Microsoft\.Compute/locations/([^/]+)/usages/?$",
         re.I)
 
+    _GROUPS = re.compile(rf"^/subscriptions/([^/]+)(?:/resourceGroups/([^/]+))?{_CRG}/?$",
+                         re.I)
+    _GROUP = re.compile(rf"^/subscriptions/([^/]+)/resourceGroups/([^/]+){_CRG}/([^/]+)"
+                        r"(?:/capacityReservations(?:/([^/]+))?)?/?$", re.I)
+
     def _route(self, request: web.Request) -> tuple[str, str, Callable[..., Any], tuple[Any, ...]]:
         """(api, region, handler, args) for a request, or a 404 FakeAzureError."""
         path, q = request.path, request.query
+        if (m := self._GROUPS.match(path)) and request.method == "GET":
+            return "reservation_groups", "", self._list_groups, (m.group(1), m.group(2))
+        if (m := self._GROUP.match(path)) and request.method == "GET":
+            with self._lock:
+                group = self._groups.get(self.group_id(m.group(2), m.group(3)).lower())
+            region = group["location"] if group else ""
+            if path.rstrip("/").lower().endswith("/capacityreservations"):
+                return "reservations", region, self._list_reservations, m.groups()[:3]
+            if m.group(4):
+                return "reservation", region, self._get_reservation, m.groups()
+            return "reservation_group", region, self._get_group, m.groups()[:3]
         if (m := self._SKUS.match(path)) and request.method == "GET":
             region = ""
             flt = q.get("$filter")
@@ -669,6 +775,111 @@ class FakeAzure(FakeServer[tuple[str, str]]):
                           "name": {"value": value, "localizedValue": localized}})
         page, link = self._page(request, "usages", items, token_param="$skiptoken")
         return {"value": page, **({"nextLink": link} if link else {})}
+
+    # ------------------------------------------------- capacity reservations
+    def _vms(self, group: dict[str, Any], name: str, n: int) -> list[dict[str, str]]:
+        return [{"id": f"/subscriptions/{self.subscription_id}/resourceGroups/"
+                       f"{group['rg'].upper()}/providers/Microsoft.Compute/virtualMachines/"
+                       f"{name}-vm{i}"} for i in range(n)]
+
+    def _group_json(self, group: dict[str, Any], expand: str | None) -> dict[str, Any]:
+        props: dict[str, Any] = {
+            "capacityReservations": [{"id": f"{group['id']}/capacityReservations/{n}"}
+                                     for n in group["reservations"]],
+            "virtualMachinesAssociated": [vm for n, r in group["reservations"].items()
+                                          for vm in self._vms(group, n, r["allocated"])]}
+        if group["type"]:
+            props["reservationType"] = group["type"]
+        if expand == "instanceView":
+            props["instanceView"] = {"capacityReservations": [
+                {"name": n, **self._view(group, n, r)}
+                for n, r in group["reservations"].items() if r["view"]]}
+        out: dict[str, Any] = {
+            "name": group["name"], "id": group["id"],
+            "type": "Microsoft.Compute/capacityReservationGroups",
+            "location": group["location"], "tags": {}, "properties": props}
+        if group["zones"]:
+            out["zones"] = list(group["zones"])
+        return out
+
+    def _view(self, group: dict[str, Any], name: str, r: dict[str, Any]) -> dict[str, Any]:
+        view: dict[str, Any] = {
+            "utilizationInfo": {
+                "currentCapacity": r["capacity"] if r["current"] is None else r["current"],
+                "virtualMachinesAllocated": self._vms(group, name, r["allocated"])},
+            "statuses": [{"code": f"ProvisioningState/{r['state'].lower()}", "level": "Info",
+                          "displayStatus": f"Provisioning {r['state'].lower()}",
+                          "time": "2026-11-01T00:00:00+00:00"}]}
+        if r["reservation_state"]:
+            view["reservationStateInfo"] = {"reservationState": r["reservation_state"]}
+        return view
+
+    def _reservation_json(self, group: dict[str, Any], name: str, expand: str | None
+                          ) -> dict[str, Any]:
+        r = group["reservations"][name]
+        props: dict[str, Any] = {
+            "reservationId": _guid("reservation", group["id"], name),
+            "platformFaultDomainCount": 1, "provisioningState": r["state"],
+            "provisioningTime": "2026-11-01T00:00:00+00:00",
+            "timeCreated": "2026-11-01T00:00:00+00:00",
+            "virtualMachinesAssociated": self._vms(group, name, r["allocated"])}
+        if expand == "instanceView" and r["view"]:
+            props["instanceView"] = self._view(group, name, r)
+        out: dict[str, Any] = {
+            "name": name, "id": f"{group['id']}/capacityReservations/{name}",
+            "type": "Microsoft.Compute/capacityReservationGroups/capacityReservations",
+            "location": group["location"], "tags": {},
+            "sku": {"name": r["size"], "capacity": r["capacity"]}, "properties": props}
+        if r["zone"]:
+            out["zones"] = [r["zone"]]
+        _set_path(out, r["raw"])
+        return out
+
+    def _group_or_404(self, sub: str, rg: str, name: str) -> dict[str, Any]:
+        self._check_subscription(sub)
+        group = self._groups.get(self.group_id(rg, name).lower())
+        if group is None:
+            raise FakeAzureError(404, "ResourceNotFound", "The Resource 'Microsoft.Compute/"
+                                 f"capacityReservationGroups/{name}' under resource group "
+                                 f"'{rg}' was not found.")
+        return group
+
+    def _list_groups(self, request: web.Request, sub: str, rg: str | None) -> dict[str, Any]:
+        self._check_subscription(sub)
+        expand = request.query.get("$expand")
+        if expand not in (None, "virtualMachines/$ref", "virtualMachineScaleSetVMs/$ref"):
+            raise FakeAzureError(400, "InvalidParameter",
+                                 f"The value '{expand}' of parameter '$expand' is invalid.")
+        with self._lock:
+            items = [self._group_json(g, None) for g in self._groups.values()
+                     if rg is None or g["rg"].lower() == rg.lower()]
+        page, link = self._page(request, "reservation_groups", items,
+                                token_param="$skiptoken")
+        return {"value": page, **({"nextLink": link} if link else {})}
+
+    def _get_group(self, request: web.Request, sub: str, rg: str, name: str
+                   ) -> dict[str, Any]:
+        with self._lock:
+            return self._group_json(self._group_or_404(sub, rg, name),
+                                    request.query.get("$expand"))
+
+    def _list_reservations(self, request: web.Request, sub: str, rg: str, name: str
+                           ) -> dict[str, Any]:
+        with self._lock:
+            group = self._group_or_404(sub, rg, name)
+            items = [self._reservation_json(group, n, None) for n in group["reservations"]]
+        page, link = self._page(request, "reservations", items, token_param="$skiptoken")
+        return {"value": page, **({"nextLink": link} if link else {})}
+
+    def _get_reservation(self, request: web.Request, sub: str, rg: str, name: str,
+                         reservation: str) -> dict[str, Any]:
+        with self._lock:
+            group = self._group_or_404(sub, rg, name)
+            if reservation not in group["reservations"]:
+                raise FakeAzureError(404, "ResourceNotFound", "The Resource 'Microsoft."
+                                     f"Compute/capacityReservationGroups/{name}/"
+                                     f"capacityReservations/{reservation}' was not found.")
+            return self._reservation_json(group, reservation, request.query.get("$expand"))
 
     # -------------------------------------------------------------- prices
     def _items(self, region: str, size: str) -> list[dict[str, Any]]:

@@ -128,3 +128,54 @@ async def test_chaos_repeats_spares_a_request_sent_that_often(fake_azure: FakeAz
     with pytest.raises(ValueError):
         json.loads(other)  # another request: faulted again
     assert fake_azure.faulted == {"truncated": 3}
+
+
+async def test_capacity_reservations_answer_in_arms_shapes(fake_azure: FakeAzure) -> None:
+    api = {"api-version": "2024-11-01"}
+    group = fake_azure.add_capacity_reservation_group("eastus", "train", zones=["1", "2"])
+    fake_azure.add_capacity_reservation(group, "a100", "Standard_NC24ads_A100_v4", 4,
+                                        zone="1", allocated=1)
+    fake_azure.add_capacity_reservation(group, "nd", "Standard_ND96asr_v4", 2, zone="2",
+                                        view=False)
+    other = fake_azure.add_capacity_reservation_group("westus", "other",
+                                                      resource_group="elsewhere")
+    base = fake_azure.url + f"/subscriptions/{SUBSCRIPTION_ID}"
+    status, body = await get(f"{base}/providers/Microsoft.Compute/capacityReservationGroups",
+                             **api)
+    assert status == 200 and [g["id"] for g in body["value"]] == [group, other]
+    listed = body["value"][0]
+    assert (listed["type"], listed["location"], listed["zones"]) == (
+        "Microsoft.Compute/capacityReservationGroups", "eastus", ["1", "2"])
+    assert [r["id"] for r in listed["properties"]["capacityReservations"]] == [
+        f"{group}/capacityReservations/a100", f"{group}/capacityReservations/nd"]
+    assert "instanceView" not in listed["properties"]
+    status, body = await get(f"{base}/resourceGroups/elsewhere/providers/Microsoft.Compute/"
+                             "capacityReservationGroups", **api)
+    assert [g["id"] for g in body["value"]] == [other]
+    status, body = await get(fake_azure.url + group, **api, **{"$expand": "instanceView"})
+    views = body["properties"]["instanceView"]["capacityReservations"]
+    assert [v["name"] for v in views] == ["a100"]  # `view=False` left nd out
+    assert views[0]["utilizationInfo"]["currentCapacity"] == 4
+    assert len(views[0]["utilizationInfo"]["virtualMachinesAllocated"]) == 1
+    status, body = await get(f"{fake_azure.url}{group}/capacityReservations", **api)
+    a100 = body["value"][0]
+    assert (a100["type"], a100["sku"], a100["zones"], a100["properties"]["provisioningState"]
+            ) == ("Microsoft.Compute/capacityReservationGroups/capacityReservations",
+                  {"name": "Standard_NC24ads_A100_v4", "capacity": 4}, ["1"], "Succeeded")
+    assert "instanceView" not in a100["properties"] and "nextLink" not in body  # one page
+    status, body = await get(f"{fake_azure.url}{group}/capacityReservations/a100", **api,
+                             **{"$expand": "instanceView"})
+    assert body["properties"]["instanceView"]["utilizationInfo"]["currentCapacity"] == 4
+    status, body = await get(f"{fake_azure.url}{group}x", **api)
+    assert (status, body["error"]["code"]) == (404, "ResourceNotFound")
+    status, body = await get(fake_azure.url + group)
+    assert (status, body["error"]["code"]) == (400, "MissingApiVersionParameter")
+    fake_azure.fail("reservation_groups", status=403, code="AuthorizationFailed")
+    status, body = await get(f"{base}/providers/Microsoft.Compute/capacityReservationGroups",
+                             **api)
+    assert (status, body["error"]["code"]) == (403, "AuthorizationFailed")
+    assert fake_azure.call_count("reservation_groups") == 3
+    assert fake_azure.call_count("reservation_group", "eastus") == 2
+    assert fake_azure.call_count("reservation_group", "") == 1  # the one that is not there
+    assert fake_azure.call_count("reservations", "eastus") == 1
+    assert fake_azure.call_count("reservation", "eastus") == 1

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
@@ -305,3 +306,134 @@ def on_demand_headroom(quotas: dict[str, tuple[float, float]], size: VmSize) -> 
 def spot_headroom(quotas: dict[str, tuple[float, float]], size: VmSize) -> int | None:
     """Spot VMs count against the regional low-priority vCPU quota only."""
     return headroom_gpus(quotas.get("lowprioritycores"), size.vcpus, size.gpu.count)
+
+
+# --- capacity reservations ---------------------------------------------------------------
+
+RESERVATIONS_PERMISSION = "Microsoft.Compute/capacityReservationGroups/read"
+MAX_RESERVED_INSTANCES = 100_000
+"""A count above this is not a reservation Azure would make: a garbled answer."""
+USABLE_STATES = frozenset({"succeeded", "updating"})  # provisioningState, lower case
+LIVE_STATES = frozenset({"live", "partiallyfulfilled"})  # a future reservation's state
+_GROUP_ID = re.compile(r"^/subscriptions/[^/]+/resourceGroups/(?P<rg>[^/]+)/providers/"
+                       r"Microsoft\.Compute/capacityReservationGroups/(?P<name>[^/]+)$",
+                       re.IGNORECASE)
+
+
+class GroupRef(NamedTuple):
+    """A capacity reservation group: its resource id (what a VM is launched with), its
+    resource group and name."""
+
+    id: str
+    resource_group: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """One usable capacity reservation: `instances` VMs of `size` in `zone` (`1`, `2` ...;
+    None for a regional one), `free` of them not allocated, in the group `group` (its
+    resource id: the target a VM names)."""
+
+    group: str
+    name: str
+    size: str
+    zone: str | None
+    instances: int
+    free: int
+
+
+def _count(value: Any, what: str) -> int:
+    """A count in 0..`MAX_RESERVED_INSTANCES` (an int, or a string of one); `ValueError`
+    for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{what} {value!r} is not a whole number")
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{what} {value!r} is not a whole number") from None
+    if not 0 <= n <= MAX_RESERVED_INSTANCES:
+        raise ValueError(f"{what} {n} is out of range 0..{MAX_RESERVED_INSTANCES}")
+    return n
+
+
+def group_of(raw: Mapping[str, Any], region: str) -> GroupRef:
+    """A listed capacity reservation group of `region` whose reservations the broker
+    reads, or `ValueError` saying why not: another region, a Block group (time-boxed
+    capacity blocks are not read), or no readable resource id."""
+    if not isinstance(raw, Mapping):
+        raise ValueError("not an object")
+    if str(raw.get("location", "")).lower() != region:
+        raise ValueError(f"in {raw.get('location')!r}, not {region}")
+    rid = raw.get("id")
+    m = _GROUP_ID.match(rid) if isinstance(rid, str) else None
+    if m is None:
+        raise ValueError(f"resource id {rid!r} is not a capacity reservation group's")
+    props = raw.get("properties")
+    kind = props.get("reservationType") if isinstance(props, Mapping) else None
+    if isinstance(kind, str) and kind.lower() == "block":
+        raise ValueError("a Block group (capacity blocks are not read)")
+    return GroupRef(str(rid), m["rg"], m["name"])
+
+
+def utilization_by_name(group: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """A group's instance view (`$expand=instanceView`): reservation name (lower case) →
+    its instance view (`utilizationInfo`, `statuses`, `reservationStateInfo`)."""
+    props = group.get("properties")
+    view = props.get("instanceView") if isinstance(props, Mapping) else None
+    entries = view.get("capacityReservations") if isinstance(view, Mapping) else None
+    return {str(e["name"]).lower(): e for e in entries or ()
+            if isinstance(e, Mapping) and isinstance(e.get("name"), str)}
+
+
+def reservation_of(raw: Mapping[str, Any], group: GroupRef, region: str,
+                   views: Mapping[str, Mapping[str, Any]]) -> Reservation:
+    """A capacity reservation of `group` as a `Reservation`, or `ValueError` saying why it
+    is not one the broker can offer: not provisioned (`provisioningState` other than
+    Succeeded or Updating), a future reservation not live yet, another region, or garbled
+    (no size, a count negative or absurd, no utilisation, more than one zone).
+
+    Its size is `sku.capacity` — or the instance view's `currentCapacity`, what is
+    reserved now, when it gives one; `free` is that less the VMs allocated in it
+    (`utilizationInfo.virtualMachinesAllocated`), never below 0 (Azure lets VMs
+    overallocate a reservation, without its guarantee). The instance view is the
+    group's entry for the reservation (`views`), else the reservation's own."""
+    if not isinstance(raw, Mapping):
+        raise ValueError("not an object")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError("no name")
+    if str(raw.get("location", region)).lower() != region:
+        raise ValueError(f"in {raw.get('location')!r}, not {region}")
+    props = raw.get("properties")
+    props = props if isinstance(props, Mapping) else {}
+    state = props.get("provisioningState")
+    if not isinstance(state, str) or state.lower() not in USABLE_STATES:
+        raise ValueError(f"provisioningState {state!r}, not Succeeded")
+    sku = raw.get("sku")
+    size = sku.get("name") if isinstance(sku, Mapping) else None
+    if not isinstance(size, str) or not size:
+        raise ValueError("no sku.name")
+    instances = _count(sku.get("capacity") if isinstance(sku, Mapping) else None,
+                       "sku.capacity")
+    zones = raw.get("zones") or []
+    if not isinstance(zones, list) or len(zones) > 1:
+        raise ValueError(f"zones {zones!r}: a reservation has at most one")
+    view = views.get(name.lower())
+    if view is None:
+        own = props.get("instanceView")
+        view = own if isinstance(own, Mapping) else None
+    info = view.get("utilizationInfo") if view is not None else None
+    if not isinstance(info, Mapping):
+        raise ValueError("no utilizationInfo")
+    state_info = view.get("reservationStateInfo") if view is not None else None
+    live = state_info.get("reservationState") if isinstance(state_info, Mapping) else None
+    if isinstance(live, str) and live.lower() not in LIVE_STATES:
+        raise ValueError(f"a future reservation, {live}")
+    if info.get("currentCapacity") is not None:
+        instances = _count(info["currentCapacity"], "currentCapacity")
+    allocated = info.get("virtualMachinesAllocated", [])
+    if not isinstance(allocated, list):
+        raise ValueError("virtualMachinesAllocated is not a list")
+    return Reservation(group.id, name, size, str(zones[0]) if zones else None, instances,
+                       max(0, instances - len(allocated)))

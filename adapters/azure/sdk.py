@@ -355,6 +355,46 @@ class AzureSdk:
             out.extend(page)
         return out
 
+    def capacity_reservation_groups(self, region: str) -> list[dict[str, Any]]:
+        """Every capacity reservation group of the subscription, in every region (ARM
+        lists them per subscription), as ARM's JSON; every page."""
+        out: list[dict[str, Any]] = []
+        for page in self._pages(region, "capacity_reservation_groups.list",
+                                self.client.capacity_reservation_groups.list_by_subscription):
+            out.extend(page)
+        return out
+
+    def capacity_reservation_group(self, region: str, resource_group: str, name: str
+                                   ) -> dict[str, Any] | None:
+        """A capacity reservation group with its instance view (`$expand=instanceView`:
+        each reservation's utilisation), as ARM's JSON; None if it is gone (404)."""
+        groups = self.client.capacity_reservation_groups
+
+        def get() -> dict[str, Any]:
+            group: dict[str, Any] = groups.get(resource_group, name,
+                                               expand="instanceView").as_dict()
+            return group
+
+        return _unless_gone(lambda: self._call(region, "capacity_reservation_groups.get",
+                                               get))
+
+    def capacity_reservations(self, region: str, resource_group: str, group: str
+                              ) -> list[dict[str, Any]] | None:
+        """The capacity reservations of a group, as ARM's JSON; every page. None if the
+        group is gone (404)."""
+        reservations = self.client.capacity_reservations
+
+        def read() -> list[dict[str, Any]]:
+            out: list[dict[str, Any]] = []
+            for page in self._pages(
+                    region, "capacity_reservations.list",
+                    lambda: reservations.list_by_capacity_reservation_group(resource_group,
+                                                                            group)):
+                out.extend(page)
+            return out
+
+        return _unless_gone(read)
+
     def eviction_rates(self, region: str) -> list[Any]:
         """Resource Graph rows (`skuName`, `location`, `evictionRate`) of the Spot
         eviction-rate bands of the region's GPU sizes, every page (`$skipToken`)."""
@@ -400,6 +440,20 @@ class AzureSdk:
         self.client.close()
         if self._credential is not None:
             self._credential.close()
+
+
+def _unless_gone(call: Callable[[], T]) -> T | None:
+    """`call()`, or None when it failed because what it reads is gone: ARM's 404
+    (`ResourceNotFound`, `ParentResourceNotFound`), which a listing that raced a deletion
+    meets."""
+    from azure.core.exceptions import ResourceNotFoundError
+
+    try:
+        return call()
+    except AdapterError as exc:
+        if isinstance(exc.__cause__, ResourceNotFoundError):
+            return None
+        raise
 
 
 # --- Retail Prices -------------------------------------------------------------------
