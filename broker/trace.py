@@ -273,7 +273,8 @@ def _row(lineno: int, d: dict[str, Any]) -> TraceRow:
     try:
         market = Market(str(m))
     except ValueError:
-        raise _RowError(lineno, f"market: expected spot or on_demand, got {m!r}") from None
+        raise _RowError(lineno,
+                        f"market: expected spot, on_demand or reserved, got {m!r}") from None
     pool = PoolKey(key[0], key[1], key[2], key[3], market)
     gone = d.get("gone")
     if gone is None:

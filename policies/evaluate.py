@@ -130,13 +130,17 @@ def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = No
 
     # Markets: the request's (or the default), narrowed by the rule and the team.
     market = request.market or policy.defaults.market
+    # Paid-for capacity (`reserved`) rides along with spot and on-demand wherever they
+    # are allowed; it never stands in for the market a request asked for: a request for
+    # spot from a team allowed on-demand only is denied, not sent to reserved capacity.
     markets = set(markets_for(market))
+    asked = markets if market in ("any", "reserved") else {Market(market)}
     team = policy.teams.get(request.team) if request.team else None
     if req and req.market:
         markets &= markets_for(req.market)
     if team and team.markets is not None:
         markets &= {m for name in team.markets for m in markets_for(name)}
-    if not markets:
+    if not markets & asked:
         return Denied(RejectCode.POLICY_DENIED,
                       f"market {market!r} is not allowed for this request ({why}"
                       + (f", team {request.team!r} markets {team.markets}" if team else "")

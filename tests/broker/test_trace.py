@@ -100,7 +100,7 @@ GOOD = json.dumps(ROWS[0].to_json())
     ("[1, 2]", "expected a JSON object"),
     (GOOD.replace('"2026-11-30T12:00:00Z"', '"yesterday"'), "t: not an ISO-8601 time"),
     (GOOD.replace('"2026-11-30T12:00:00Z"', '"2026-11-30T12:00:00"'), "has no time zone"),
-    (GOOD.replace('"spot"', '"reserved"'), "market: expected spot or on_demand"),
+    (GOOD.replace('"spot"', '"preemptible"'), "market: expected spot, on_demand or reserved"),
     (GOOD.replace('"zone": "us-east-1a", ', ""), "zone: expected a non-empty string"),
     (GOOD.replace('"gpus": 8', '"gpus": 0'), "gpus: must be ≥ 1"),
     (GOOD.replace('"gpus": 8', '"gpus": "8"'), "gpus: expected a whole number"),

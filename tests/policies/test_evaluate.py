@@ -78,9 +78,10 @@ def test_team_limits() -> None:
     c = evaluate(p, request(team="ml"), TeamUsage(gpus=0, price_per_hour=60.0))
     assert isinstance(c, Constraints) and c.budget_left == 40.0
     assert denied(p, team="ml", gpu="A100-80GB").code is RejectCode.POLICY_DENIED
-    # A spot-only team asking for on-demand may still have paid-for capacity (never
-    # interrupted, and allowed with spot); nothing else.
-    assert allowed(p, team="ml", market="on_demand").markets == (Market.RESERVED,)
+    # Paid-for capacity rides along with an allowed market; it does not stand in for
+    # one the team may not use.
+    assert denied(p, team="ml", market="on_demand").code is RejectCode.POLICY_DENIED
+    assert allowed(p, team="ml", market="reserved").markets == (Market.RESERVED,)
 
 
 def test_caps_request_replaces_default_rule_always_holds() -> None:
