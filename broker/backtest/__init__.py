@@ -2,12 +2,13 @@
 lease book and failover code on a simulated clock, and compare placement strategies.
 
     market.py      the market: a trace file or the simulated market, in steps; the
-                   interruption draws every strategy shares
+                   interruption draws every strategy shares; a private pool added to it
     workload.py    the requests: a JSON Lines file (validated as the daemon validates) or
                    a generated, seeded mix
     strategies.py  on_demand, cheapest_spot, price_capacity, gpubroker
     engine.py      one strategy's run: events on a simulated clock, work and money
-    compare.py     every strategy on the same simulation; table, JSON, PNG chart
+    compare.py     every strategy on the same simulation (with a private pool: cloud
+                   only and with the pool); table, JSON, PNG chart
     cli.py         `gpubroker backtest`
 """
 

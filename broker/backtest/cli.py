@@ -10,9 +10,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from broker.backtest import STRATEGIES
+from broker.backtest.market import PrivateSite
 from broker.stdio import stdout_to_stderr
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+PRIVATE_DEFAULTS = PrivateSite(gpus=1)
+"""`--private-gpu`, `--private-gpus-per-server` and `--private-price` when not given."""
 
 
 def add_parser(sub: Any) -> None:
@@ -77,6 +80,20 @@ def add_parser(sub: Any) -> None:
                         "interruptions from the observed rates, not its hidden truth")
     p.add_argument("--save-workload", type=Path, metavar="FILE",
                    help="write the workload as a workload file")
+    p.add_argument("--private-gpus", type=int, metavar="N",
+                   help="add a private pool of N GPUs (whole servers: N rounded up to "
+                        "--private-gpus-per-server) for the whole run, never interrupted, "
+                        "and run every strategy twice on the same market, requests and "
+                        "draws: cloud only and with the pool; the report adds what the pool "
+                        "saved and how busy it was")
+    p.add_argument("--private-gpu", metavar="MODEL",
+                   help=f"the private pool's GPU model ({PRIVATE_DEFAULTS.gpu})")
+    p.add_argument("--private-gpus-per-server", type=int, metavar="N",
+                   help=f"GPUs per private server; a server goes to one lease at a time "
+                        f"({PRIVATE_DEFAULTS.per_server})")
+    p.add_argument("--private-price", type=float, metavar="USD",
+                   help="the internal marginal price per GPU-hour a lease on the private "
+                        "pool pays (0); the pool's fixed cost is counted in neither run")
 
 
 def embedded_policy(restart_hours: float | None = None) -> tuple[Any, str]:
@@ -154,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
                        ("--save-workload", args.save_workload)):
         if path is not None and (problem := output_problem(flag, path)):
             problems.append(problem)
+    private, bad = private_site(args)
+    problems += bad
     if problems:
         for p in problems:
             print(f"gpubroker: {p}", file=err)
@@ -196,6 +215,11 @@ def run(args: argparse.Namespace) -> int:
                     _clear(progress, err)
                     print(f"gpubroker: wrote {n} market rows to {args.save_market}", file=err)
                 workload = load_or_generate(args.workload, seed=seeds["workload"], market=market)
+                if private is not None and i == 0 and not any(
+                        private.gpu in a.request.gpu for a in workload.arrivals):
+                    _clear(progress, err)
+                    print(f"gpubroker: note: no request of the workload asks for "
+                          f"{private.gpu}: the private pool stays idle", file=err)
                 run_settings = replace(settings, seed=seeds["draw"], market_seed=market.seed,
                                        workload_seed=workload.seed)
             except MarketError as exc:
@@ -217,7 +241,12 @@ def run(args: argparse.Namespace) -> int:
                     print(f"gpubroker: wrote {len(workload.arrivals)} requests to "
                           f"{args.save_workload}", file=err)
                 runs.append(cmp.compare(market, workload, names, policy, run_settings,
-                                        policy_name=policy_name, progress=progress))
+                                        policy_name=policy_name, progress=progress,
+                                        private=private))
+            except MarketError as exc:  # the trace has the private pool's key already
+                _clear(progress, err)
+                print(f"gpubroker: --private-gpus: {exc}", file=err)
+                return EXIT_USAGE
             except OSError as exc:  # --save-workload could not be written after all
                 _clear(progress, err)
                 print(f"gpubroker: {_why(exc)}", file=err)
@@ -242,6 +271,39 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_RUNTIME
     print(f"gpubroker: {result.speed_line()}", file=err)
     return EXIT_OK
+
+
+def private_site(args: argparse.Namespace) -> tuple[PrivateSite | None, list[str]]:
+    """The private pool the options ask for (None without `--private-gpus`), and the
+    problems with them."""
+    import math
+
+    from broker.model import GPU_MODELS
+    from broker.requests import unknown_gpu
+
+    problems = []
+    others = (("--private-gpu", args.private_gpu),
+              ("--private-gpus-per-server", args.private_gpus_per_server),
+              ("--private-price", args.private_price))
+    if args.private_gpus is None:
+        problems += [f"{flag}: needs --private-gpus N (the private pool's size)"
+                     for flag, value in others if value is not None]
+    elif args.private_gpus < 1:
+        problems.append(f"--private-gpus: must be >= 1, got {args.private_gpus!r}")
+    gpu = PRIVATE_DEFAULTS.gpu if args.private_gpu is None else args.private_gpu
+    if gpu not in GPU_MODELS:
+        problems.append(f"--private-gpu: {unknown_gpu(gpu, GPU_MODELS)}")
+    per_server = PRIVATE_DEFAULTS.per_server if args.private_gpus_per_server is None \
+        else args.private_gpus_per_server
+    if per_server < 1:
+        problems.append(f"--private-gpus-per-server: must be >= 1, got {per_server!r}")
+    price = PRIVATE_DEFAULTS.price if args.private_price is None else args.private_price
+    if not (math.isfinite(price) and price >= 0):
+        problems.append(f"--private-price: must be a number >= 0 (USD per GPU-hour), "
+                        f"got {price!r}")
+    if problems or args.private_gpus is None:
+        return None, problems
+    return PrivateSite(args.private_gpus, gpu, per_server, price), []
 
 
 def _clear(progress: Any, err: TextIO) -> None:

@@ -9,6 +9,25 @@ report; how fast the backtest ran is `Comparison.speed_line()` (printed on stder
 `Seeds` holds the comparisons of several seeds (`--seeds N`) and summarises each
 strategy's headline figures over them: the mean and a Student-t confidence interval
 (`t_interval`).
+
+**A private pool** (`--private-gpus`, `market.PrivateSite`): every strategy runs twice
+in one lockstep over the market with the pool (`engine.simulate`): once with the pool
+hidden from its view — cloud only, exactly the run of the market without it, so the
+report's `strategies` are what they would be without the option — and once seeing it,
+hybrid. Same market, same requests, same draws (the pool is never drawn). Every strategy
+and not only gpubroker and cheapest_spot: each strategy takes paid-for capacity under
+its own rule (`strategies`), which is part of what is compared, and in a table of two
+rows per strategy (cloud only, then with the pool) four strategies stay readable; the
+second run costs as much as the first (`--strategy` narrows both). The report adds, per
+strategy: the owned GPU-hours (servers × GPUs a server × the market's hours), the
+GPU-hours leases held on them (busy; a server is one lease's, so the GPUs of a server
+held by a smaller job count as busy, and `asked_gpu_hours` says what the jobs asked),
+utilisation = busy / owned, the $ saved (cloud-only total − hybrid total) and the $ per
+useful GPU-hour saved (cloud-only $/useful GPU-h − hybrid $/useful GPU-h), and both runs'
+headline figures, interruptions per 1,000 useful GPU-hours among them. Money is what
+leases pay: a lease on the pool pays `--private-price` per GPU-hour of the servers it
+holds; the pool's fixed cost is paid either way and counted in neither run (the report
+gives it at `--private-price`, for reference, when that is above 0).
 """
 
 from __future__ import annotations
@@ -17,6 +36,7 @@ import importlib
 import json
 import math
 import statistics
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,9 +45,10 @@ from types import ModuleType
 from typing import Any, TextIO
 
 from broker.backtest.engine import Settings, Tally, simulate
-from broker.backtest.market import MarketTrace, hazard_schedule
+from broker.backtest.market import MarketTrace, PrivateSite, hazard_schedule, with_private
 from broker.backtest.strategies import build
 from broker.backtest.workload import Workload
+from broker.model import PoolKey
 from policies.model import Policy
 
 Progress = Callable[[str], None]
@@ -89,6 +110,45 @@ def _quantile(xs: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def private_metrics(cloud: Result, hybrid: Result, site: PrivateSite, hours: float
+                    ) -> dict[str, Any]:
+    """One strategy with the private pool `site` against the same strategy cloud only,
+    over a market of `hours` (see the module docstring)."""
+    c, h = cloud.metrics(), hybrid.metrics()
+    t = hybrid.tally
+    owned = site.owned_gpus * hours
+    busy = t.reserved_gpu_hours.get(site.key, 0.0)
+    cpu_c, cpu_h = c["cost_per_useful_gpu_hour"], h["cost_per_useful_gpu_hour"]
+    return {
+        "strategy": hybrid.strategy,
+        "owned_gpu_hours": _r(owned),
+        "busy_gpu_hours": _r(busy),
+        "asked_gpu_hours": _r(t.reserved_asked_gpu_hours.get(site.key, 0.0)),
+        "utilisation": _r(busy / owned) if owned > 0 else None,
+        "paid_on_pool": _r(t.reserved_cost.get(site.key, 0.0)),
+        "interruptions_on_pool": sum(1 for _, _, key in t.losses if key == site.key),
+        "saved": _r(c["total_cost"] - h["total_cost"]),
+        "saved_per_useful_gpu_hour": None if cpu_c is None or cpu_h is None
+        else _r(cpu_c - cpu_h),
+        "cloud_only": headline(c),
+        "hybrid": h,
+    }
+
+
+def private_headline(m: dict[str, Any]) -> dict[str, Any]:
+    """The figures of `private_metrics` that `Seeds` summarises: the hybrid run's
+    headline figures, the $ saved and the pool's use."""
+    return {**headline(m["hybrid"]), "saved": m["saved"],
+            "saved_per_useful_gpu_hour": m["saved_per_useful_gpu_hour"],
+            "utilisation": m["utilisation"], "busy_gpu_hours": m["busy_gpu_hours"],
+            "owned_gpu_hours": m["owned_gpu_hours"]}
+
+
+PRIVATE_NOTE = ("money counts what leases pay (a lease on the private pool: "
+                "--private-price per GPU-hour of the servers it holds); the owned "
+                "capacity's fixed cost is not counted: it is paid either way")
+
+
 @dataclass(frozen=True, slots=True)
 class Comparison:
     market: MarketTrace
@@ -98,19 +158,52 @@ class Comparison:
     results: tuple[Result, ...]
     wall_seconds: float  # the simulation (not loading or generating the market)
     cpu_seconds: float
+    private: PrivateSite | None = None
+    """The private pool, when the strategies also ran with it (`hybrid`)."""
+    hybrid: tuple[Result, ...] = ()
+    """Each strategy of `results` again, seeing the private pool (same order)."""
 
     @property
     def simulated_hours(self) -> float:
-        return self.market.hours * len(self.results)
+        return self.market.hours * (len(self.results) + len(self.hybrid))
+
+    def owned_gpu_hours(self) -> float:
+        return 0.0 if self.private is None else self.private.owned_gpus * self.market.hours
+
+    def fixed_cost(self) -> float | None:
+        """The private pool's GPU-hours at `--private-price`, for reference (None at 0 or
+        without a pool)."""
+        if self.private is None or self.private.price <= 0:
+            return None
+        return self.owned_gpu_hours() * self.private.price
+
+    def private_metrics(self) -> list[dict[str, Any]]:
+        """Per strategy, `private_metrics` (empty without a private pool)."""
+        if self.private is None:
+            return []
+        return [private_metrics(c, h, self.private, self.market.hours)
+                for c, h in zip(self.results, self.hybrid, strict=True)]
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "market": self.market.describe(),
             "workload": self.workload.describe(),
             "settings": self.settings.to_json(),
             "policy": self.policy,
             "strategies": [r.metrics() for r in self.results],
         }
+        if self.private is not None:
+            fixed = self.fixed_cost()
+            out["private"] = {
+                **self.private.to_json(),
+                "hours": round(self.market.hours, 6),
+                "owned_gpu_hours": _r(self.owned_gpu_hours()),
+                "fixed_cost_counted": False,
+                "fixed_cost_at_price": None if fixed is None else _r(fixed),
+                "note": PRIVATE_NOTE,
+                "strategies": self.private_metrics(),
+            }
+        return out
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n"
@@ -118,20 +211,29 @@ class Comparison:
     def speed_line(self) -> str:
         rate = self.simulated_hours / self.wall_seconds if self.wall_seconds > 0 else 0.0
         n = len(self.results)
-        return (f"backtest: {n} strateg{'y' if n == 1 else 'ies'} × {self.market.hours:g} "
-                f"simulated hours in {self.wall_seconds:.1f} s wall "
+        runs = "" if not self.hybrid else " × 2 (cloud only, with the private pool)"
+        return (f"backtest: {n} strateg{'y' if n == 1 else 'ies'}{runs} × "
+                f"{self.market.hours:g} simulated hours in {self.wall_seconds:.1f} s wall "
                 f"({self.cpu_seconds:.1f} s CPU): {rate:,.1f} simulated hours per second")
 
 
 REPORT_FORMAT = 2
 """The JSON report's `report_format`: 2 added `report_format`, `market.zone_labels`,
-`seeds` and `summary` to the keys of 1 (which had no `report_format`)."""
+`seeds` and `summary` to the keys of 1 (which had no `report_format`). With a private
+pool it adds `private` at the top, in each entry of `seeds` and in `summary`; no key of
+a report without one changes."""
 
 CONFIDENCE = 0.95
 SUMMARY_METRICS = ("cost_per_useful_gpu_hour", "interruptions_per_1000_gpu_hours",
                    "unplaced")
 """The figures summarised over seeds: $ per useful GPU-hour, interruptions per 1,000
 useful GPU-hours, and requests never placed or abandoned."""
+PRIVATE_SUMMARY_METRICS = (*SUMMARY_METRICS, "saved", "saved_per_useful_gpu_hour",
+                           "utilisation", "busy_gpu_hours")
+"""With a private pool, the hybrid runs' figures summarised over seeds: those of
+`SUMMARY_METRICS`, the $ saved against cloud only (in all and per useful GPU-hour) and
+the pool's use. The intervals of the savings are those of the paired (seed by seed)
+differences."""
 
 
 def t_interval(xs: Sequence[float], confidence: float = CONFIDENCE
@@ -175,12 +277,26 @@ class Seeds:
         out = []
         for c in self.runs:
             s = c.settings
-            out.append({"market_seed": s.market_seed, "workload_seed": s.workload_seed,
-                        "draw_seed": s.seed, "market": c.market.describe(),
-                        "workload": c.workload.describe(),
-                        "strategies": [{"strategy": r.strategy, **headline(r.metrics())}
-                                       for r in c.results]})
+            run: dict[str, Any] = {
+                "market_seed": s.market_seed, "workload_seed": s.workload_seed,
+                "draw_seed": s.seed, "market": c.market.describe(),
+                "workload": c.workload.describe(),
+                "strategies": [{"strategy": r.strategy, **headline(r.metrics())}
+                               for r in c.results]}
+            if c.private is not None:
+                run["private"] = [{"strategy": m["strategy"], **private_headline(m)}
+                                  for m in c.private_metrics()]
+            out.append(run)
         return out
+
+    @staticmethod
+    def _interval(xs: Sequence[float]) -> dict[str, Any]:
+        if not xs:
+            return {"mean": None, "half_width": None, "low": None, "high": None, "n": 0}
+        mean, half = t_interval(xs)
+        return {"mean": _r(mean), "half_width": None if half is None else _r(half),
+                "low": None if half is None else _r(mean - half),
+                "high": None if half is None else _r(mean + half), "n": len(xs)}
 
     def summary(self) -> dict[str, Any]:
         """Per strategy and figure: mean, half-width, low and high of the confidence
@@ -191,19 +307,21 @@ class Seeds:
             figures = [headline(c.results[i].metrics()) for c in self.runs]
             row: dict[str, Any] = {"strategy": r.strategy}
             for name in SUMMARY_METRICS:
-                xs = [f[name] for f in figures if f[name] is not None]
-                if not xs:
-                    row[name] = {"mean": None, "half_width": None, "low": None,
-                                 "high": None, "n": 0}
-                    continue
-                mean, half = t_interval(xs)
-                row[name] = {"mean": _r(mean), "half_width": None if half is None
-                             else _r(half), "low": None if half is None else _r(mean - half),
-                             "high": None if half is None else _r(mean + half),
-                             "n": len(xs)}
+                row[name] = self._interval([f[name] for f in figures if f[name] is not None])
             rows.append(row)
-        return {"seeds": len(self.runs), "confidence": CONFIDENCE,
-                "interval": "Student t over seeds", "strategies": rows}
+        out = {"seeds": len(self.runs), "confidence": CONFIDENCE,
+               "interval": "Student t over seeds", "strategies": rows}
+        if self.first.private is not None:
+            per_run = [[private_headline(m) for m in c.private_metrics()] for c in self.runs]
+            private = []
+            for i, r in enumerate(self.first.results):
+                row = {"strategy": r.strategy}
+                for name in PRIVATE_SUMMARY_METRICS:
+                    row[name] = self._interval([f[i][name] for f in per_run
+                                                if f[i][name] is not None])
+                private.append(row)
+            out["private"] = {"strategies": private}
+        return out
 
     def to_json(self) -> dict[str, Any]:
         """The first seed's report (the keys of a single-seed report), its format, every
@@ -222,28 +340,39 @@ class Seeds:
         hours = sum(c.simulated_hours for c in self.runs)
         n = len(self.first.results)
         rate = hours / wall if wall > 0 else 0.0
-        return (f"backtest: {len(self.runs)} seeds × {n} strateg{'y' if n == 1 else 'ies'} "
-                f"× {self.first.market.hours:g} simulated hours in {wall:.1f} s wall "
+        both = "" if not self.first.hybrid else " × 2 (cloud only, with the private pool)"
+        return (f"backtest: {len(self.runs)} seeds × {n} strateg{'y' if n == 1 else 'ies'}"
+                f"{both} × {self.first.market.hours:g} simulated hours in {wall:.1f} s wall "
                 f"({cpu:.1f} s CPU): {rate:,.1f} simulated hours per second")
 
 
 def compare(market: MarketTrace, workload: Workload, names: Sequence[str], policy: Policy,
             settings: Settings, *, policy_name: str = "embedded",
-            progress: Progress | None = None) -> Comparison:
-    """Run each strategy of `names` through `market` and `workload`."""
+            progress: Progress | None = None,
+            private: PrivateSite | None = None) -> Comparison:
+    """Run each strategy of `names` through `market` and `workload`; with a `private`
+    pool, each twice in one lockstep: cloud only, and with the pool (see the module
+    docstring)."""
     started, cpu = time.perf_counter(), time.process_time()
-    schedule = hazard_schedule(market, seed=settings.seed, step_seconds=settings.step_seconds,
+    replay = market if private is None else with_private(market, private)
+    schedule = hazard_schedule(replay, seed=settings.seed, step_seconds=settings.step_seconds,
                                default_rate=settings.default_interruption_rate)
     strategies = [build(name, policy) for name in names]
+    hidden: list[frozenset[PoolKey]] = [frozenset()] * len(strategies)
+    if private is not None:
+        hidden = [frozenset({private.key})] * len(strategies)
+        strategies += [build(name, policy) for name in names]
+        hidden += [frozenset()] * len(names)
 
     def day(n: int, days: int) -> None:
         if progress is not None:
             progress(f"backtest: simulated day {n}/{days}")
 
-    tallies = simulate(market, workload, strategies, schedule, settings, day)
+    tallies = simulate(replay, workload, strategies, schedule, settings, day, hidden=hidden)
     results = [Result(s.name, s.how, t) for s, t in zip(strategies, tallies, strict=True)]
-    return Comparison(market, workload, settings, policy_name, tuple(results),
-                      time.perf_counter() - started, time.process_time() - cpu)
+    return Comparison(market, workload, settings, policy_name, tuple(results[:len(names)]),
+                      time.perf_counter() - started, time.process_time() - cpu,
+                      private, tuple(results[len(names):]))
 
 
 # --- output -----------------------------------------------------------------------------
@@ -284,6 +413,64 @@ def write_table(c: Comparison, out: TextIO) -> None:
         print("  ".join(cell.ljust(wd) if i == 0 else cell.rjust(wd)
                         for i, (cell, wd) in enumerate(zip(row, widths, strict=True))),
               file=out)
+    if c.private is not None:
+        _private_table(c, [(m["strategy"], m["cloud_only"], private_headline(m))
+                           for m in c.private_metrics()], _one, out)
+
+
+_PRIVATE_COLUMNS = (("$/USEFUL GPU-H", "cost_per_useful_gpu_hour", "{:.4f}"),
+                    ("INTR/1K GPU-H", "interruptions_per_1000_gpu_hours", "{:.2f}"),
+                    ("UNPLACED", "unplaced", "{}"),
+                    ("SAVED $", "saved", "{:,.0f}"),
+                    ("SAVED $/USEFUL GPU-H", "saved_per_useful_gpu_hour", "{:.4f}"),
+                    ("BUSY GPU-H", "busy_gpu_hours", "{:,.0f}"),
+                    ("UTIL", "utilisation", "{:.1%}"))
+_FIRST_THREE = 3  # the columns both runs have; the rest are the pool's
+_WRAP = 100  # the private section's text lines
+
+
+def _one(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _private_table(c: Comparison, rows: Sequence[tuple[str, dict[str, Any], dict[str, Any]]],
+                   cell: Callable[[Any, str], str], out: TextIO) -> None:
+    """Per strategy, a row cloud only and a row with the private pool: (strategy, the
+    cloud-only figures, the hybrid figures) → cells by `cell(value, format)`; then the
+    footer on money. Means (over seeds) of the unplaced requests get a decimal."""
+    columns = [(h, k, "{:.1f}" if cell is _pm_cell and k == "unplaced" else fmt)
+               for h, k, fmt in _PRIVATE_COLUMNS]
+    site = c.private
+    assert site is not None
+    print(file=out)
+    print(textwrap.fill(
+        f"private pool: {site.gpus} × {site.gpu} as {site.servers} server"
+        f"{'s' if site.servers != 1 else ''} of {site.per_server} GPUs ({site.owned_gpus} "
+        f"GPUs) at {site.key.cloud}/{site.key.region}, ${site.price:g}/GPU-h to a lease on "
+        f"it; {c.owned_gpu_hours():,.0f} owned GPU-hours over {c.market.hours:g} h. Every "
+        f"strategy cloud only, then with the pool: same market, requests and draws.",
+        _WRAP), file=out)
+    table = [("STRATEGY", "RUN", *(h for h, _, _ in columns))]
+    for name, cloud, hybrid in rows:
+        table.append((name, "cloud only",
+                      *(cell(cloud[k], fmt) for _, k, fmt in columns[:_FIRST_THREE]),
+                      *("" for _ in columns[_FIRST_THREE:])))
+        table.append(("", "+ private pool", *(cell(hybrid[k], fmt) for _, k, fmt in columns)))
+    print(file=out)
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(text.ljust(wd) if i < 2 else text.rjust(wd)
+                        for i, (text, wd) in enumerate(zip(row, widths, strict=True))
+                        ).rstrip(), file=out)
+    fixed = c.fixed_cost()
+    print(file=out)
+    print(textwrap.fill(
+        "SAVED: cloud only − with the pool, in all and per useful GPU-hour (the difference "
+        "of $/useful GPU-h); BUSY: GPU-hours leases held on the pool (whole servers); UTIL: "
+        f"busy / owned. {PRIVATE_NOTE[0].upper()}{PRIVATE_NOTE[1:]}."
+        + ("" if fixed is None else f" For reference, the pool's "
+           f"{c.owned_gpu_hours():,.0f} GPU-hours at ${site.price:g}/GPU-h: ${fixed:,.0f} "
+           "over the run."), _WRAP), file=out)
 
 
 def _seeds(s: Settings) -> str:
@@ -359,6 +546,15 @@ def write_seeds_table(seeds: Seeds, out: TextIO) -> None:
             for _, k, fmt in (*_SUMMARY_COLUMNS[:2], ("", "unplaced", "{}")))
             for f in run["strategies"])))
     _print_rows(rows, out)
+    if c.private is not None:
+        summary_all = seeds.summary()
+        cloud = {d["strategy"]: d for d in summary_all["strategies"]}
+        _private_table(c, [(d["strategy"], cloud[d["strategy"]], d)
+                           for d in summary_all["private"]["strategies"]], _pm_cell, out)
+
+
+def _pm_cell(value: Any, fmt: str) -> str:
+    return _pm(value, fmt)
 
 
 def _print_rows(rows: Sequence[Sequence[str]], out: TextIO) -> None:
@@ -383,6 +579,9 @@ def check_chart() -> None:
     _matplotlib()
 
 
+HYBRID_SUFFIX = " + private"
+"""A strategy's name in the chart when it ran with the private pool."""
+
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<", ">", "p")
 
 
@@ -398,10 +597,13 @@ class _Point:
 
 
 def _points(c: Comparison) -> tuple[list[_Point], list[str]]:
-    """One point per strategy with useful GPU-hours, and the legend lines of those
-    without (nothing to plot)."""
+    """One point per strategy with useful GPU-hours (and per strategy with the private
+    pool, named `… + private`), and the legend lines of those without (nothing to
+    plot)."""
     points, unplotted = [], []
-    for i, r in enumerate(c.results):
+    runs = [*c.results, *(Result(f"{r.strategy}{HYBRID_SUFFIX}", r.how, r.tally)
+                          for r in c.hybrid)]
+    for i, r in enumerate(runs):
         d = r.metrics()
         unplaced = f"{d['never_placed']} of {d['requests']} requests never placed"
         if d["abandoned"]:
@@ -420,7 +622,11 @@ def _seed_points(seeds: Seeds) -> tuple[list[_Point], list[str]]:
     """`_points` over several seeds: each strategy at its means, with the half-widths of
     their confidence intervals, and its mean unplaced requests."""
     points, unplotted = [], []
-    for i, row in enumerate(seeds.summary()["strategies"]):
+    summary = seeds.summary()
+    rows = [*summary["strategies"],
+            *({**row, "strategy": f"{row['strategy']}{HYBRID_SUFFIX}"}
+              for row in summary.get("private", {}).get("strategies", ()))]
+    for i, row in enumerate(rows):
         cost = row["cost_per_useful_gpu_hour"]
         intr = row["interruptions_per_1000_gpu_hours"]
         unplaced = f"{row['unplaced']['mean']:.1f} requests unplaced on average"
@@ -443,7 +649,8 @@ def write_chart(c: Comparison | Seeds, path: Path) -> None:
     legend line gives its figures and its unplaced requests; points that (nearly)
     coincide are drawn inside one another and share one label, a name a line. Over
     several seeds (`Seeds`), each point is at the strategy's means, with bars for the
-    95 % confidence intervals of both."""
+    95 % confidence intervals of both. With a private pool, each strategy has a second
+    point, with the pool."""
     figure = _matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
@@ -491,7 +698,9 @@ def write_chart(c: Comparison | Seeds, path: Path) -> None:
                  fontweight="bold", y=1 - 0.18 / height)
     ax.set_title(f"market {m['source']} ({m['hours']:g} h, {m['pools']} pools), workload "
                  f"{w['source']} ({w['requests']} requests), restart {s.restart_hours:g} h"
-                 + (f"; means over {runs} seeds, bars: 95 % intervals" if runs > 1 else ""),
+                 + (f"; means over {runs} seeds, bars: 95 % intervals" if runs > 1 else "")
+                 + ("" if c.private is None else f"\n'{HYBRID_SUFFIX.strip()}': with "
+                    f"{c.private.gpus} private {c.private.gpu} at ${c.private.price:g}/GPU-h"),
                  fontsize=9, color="0.3")
     _label(fig, ax, groups)
     from matplotlib.lines import Line2D

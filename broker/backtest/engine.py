@@ -58,6 +58,16 @@ the job then asks again at every step like a new request (its request_id suffixe
 and is abandoned after `max_wait_hours` without a placement. A request the policy denies
 is never placed at once. At the market's end, running jobs stop and keep their work (a
 start-up not finished then counts as lost).
+
+**Hidden pools.** `simulate` may hide pools from a strategy's run (`hidden`): its view
+lists no offer of them and knows none by key, as if the market had none. A private pool
+(`market.with_private`) hidden from one run of a strategy and shown to another compares
+the two on one market pool, in the same lockstep, with the same requests and draws: the
+run that does not see it is the run of the market without it. A run tallies what it holds
+on paid-for capacity (market `reserved`) per pool: the GPU-hours its leases hold there
+(`reserved_gpu_hours`) and, of those, the GPUs the jobs asked for
+(`reserved_asked_gpu_hours`; a server is one lease's, whole). The policy's verdict on a
+request is given the paid-for GPUs the run sees (a team's `private_share`).
 """
 
 from __future__ import annotations
@@ -188,20 +198,39 @@ class Tally:
     hours_without_placement: float = 0.0  # after losing one
     losses: list[tuple[float, str, PoolKey]] = field(default_factory=list)
     """Every involuntary loss of a placement: (seconds, reason, pool), in time order."""
+    reserved_gpu_hours: dict[PoolKey, float] = field(default_factory=dict)
+    """Per pool of paid-for capacity (market `reserved`): the GPU-hours leases held."""
+    reserved_asked_gpu_hours: dict[PoolKey, float] = field(default_factory=dict)
+    """Of `reserved_gpu_hours`, the GPUs the jobs asked for, times the hours."""
+    reserved_cost: dict[PoolKey, float] = field(default_factory=dict)
+    """Per pool of paid-for capacity: what the leases there paid (their marginal price)."""
 
 
 class StrategyView:
-    """One strategy's `placement.PoolView`: the market's offers from the shared pool; the
-    strategy's own holdings and cool-downs from a `ResourcePool` that holds no offers."""
+    """One strategy's `placement.PoolView`: the market's offers from the shared pool, but
+    those of the `hidden` pools; the strategy's own holdings and cool-downs from a
+    `ResourcePool` that holds no offers."""
 
     def __init__(self, market: ResourcePool, clock: Callable[[], datetime],
-                 hazard: HazardEstimator | None = None) -> None:
+                 hazard: HazardEstimator | None = None,
+                 hidden: Collection[PoolKey] = ()) -> None:
         self.market = market
         self.own = ResourcePool(stale_after_seconds=NEVER_STALE, clock=clock)
         self.hazard = hazard
+        self.hidden = frozenset(hidden)
+        self._hidden_markets = frozenset(k.market for k in self.hidden)
 
     def by_gpu(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
-        return self.market.by_gpu(gpu, market)
+        offers = self.market.by_gpu(gpu, market)
+        if self.hidden and (market is None or market in self._hidden_markets):
+            return [o for o in offers if o.pool not in self.hidden]
+        return offers
+
+    @property
+    def owned_gpus(self) -> int:
+        """The paid-for GPUs this view shows (the market's, but the hidden pools')."""
+        hidden = sum(o.owned_gpus for k in self.hidden if (o := self.market.get(k)))
+        return self.market.owned_gpus - hidden
 
     def stale_slices(self, now: datetime) -> Collection[Hashable]:
         return self.market.stale_slices(now)
@@ -210,7 +239,7 @@ class StrategyView:
         return self.market.slice_of(key)
 
     def get(self, key: PoolKey) -> Offer | None:
-        return self.market.get(key)
+        return None if key in self.hidden else self.market.get(key)
 
     def held(self, key: PoolKey) -> int:
         return self.own.held(key)
@@ -236,11 +265,17 @@ class StrategyView:
 
 def simulate(market: MarketTrace, workload: Workload, strategies: Sequence[Strategy],
              schedule: HazardSchedule, settings: Settings,
-             progress: DayProgress | None = None) -> list[Tally]:
-    """Run each strategy through `market` and `workload` (see the module docstring)."""
+             progress: DayProgress | None = None,
+             hidden: Sequence[Collection[PoolKey]] | None = None) -> list[Tally]:
+    """Run each strategy through `market` and `workload` (see the module docstring);
+    `hidden[i]`: the pools the i-th strategy's run does not see (none by default)."""
+    if hidden is not None and len(hidden) != len(strategies):
+        raise ValueError("simulate: one set of hidden pools per strategy")
     now = [market.start]
     pool = ResourcePool(stale_after_seconds=NEVER_STALE, clock=lambda: now[0])
-    runs = [Run(market, workload, s, schedule, settings, pool) for s in strategies]
+    runs = [Run(market, workload, s, schedule, settings, pool,
+                hidden=() if hidden is None else hidden[i])
+            for i, s in enumerate(strategies)]
     estimators: dict[float, HazardEstimator] = {}
     for run in runs:
         run.pool.hazard = _estimator(run.policy, pool, estimators)
@@ -294,13 +329,13 @@ class Run:
 
     def __init__(self, market: MarketTrace, workload: Workload, strategy: Strategy,
                  schedule: HazardSchedule, settings: Settings,
-                 pool: ResourcePool) -> None:
+                 pool: ResourcePool, hidden: Collection[PoolKey] = ()) -> None:
         self.market = market
         self.strategy = strategy
         self.policy = strategy.policy
         self.settings = settings
         self.now = market.start
-        self.pool = StrategyView(pool, lambda: self.now)
+        self.pool = StrategyView(pool, lambda: self.now, hidden=hidden)
         self.book = LeaseBook()
         self.tally = Tally(requests=len(workload.arrivals))
         self.schedule = schedule
@@ -476,6 +511,13 @@ class Run:
         tally.idle_gpu_hours += (p.total_gpus - job.gpus) * hours
         if p.pool.market is Market.SPOT:
             tally.spot_gpu_hours += p.total_gpus * hours
+        elif p.pool.market is Market.RESERVED:
+            key = p.pool
+            tally.reserved_gpu_hours[key] = tally.reserved_gpu_hours.get(key, 0.0) \
+                + p.total_gpus * hours
+            tally.reserved_asked_gpu_hours[key] = \
+                tally.reserved_asked_gpu_hours.get(key, 0.0) + job.gpus * hours
+            tally.reserved_cost[key] = tally.reserved_cost.get(key, 0.0) + job.rate * hours
 
     def _start(self, job: _Job, t: float, placement: Placement) -> None:
         job.placement = placement
@@ -545,7 +587,7 @@ class Run:
             req = job.req if job.leases == 0 else \
                 replace(job.req, request_id=f"{job.req.request_id}~{job.leases + 1}")
             verdict = evaluate(self.policy, req, self.book.team_usage(req.team),
-                               self.strategy.resident)
+                               self.strategy.resident, self.pool.owned_gpus)
             if isinstance(verdict, Denied):
                 job.last_code = verdict.code.value
                 if verdict.code is not RejectCode.POLICY_DENIED:

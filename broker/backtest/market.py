@@ -38,6 +38,15 @@ zone may well be the worst (in `data/traces`' 9-zone AWS trace, us-east-1a is av
 17 % of the time, and all spot prices are equal). So a market read from a file has its
 zone labels permuted, seeded by the market seed, before any strategy sees it: each
 zone's series takes another label of the same cloud. `--keep-zone-labels` keeps them.
+
+**A private pool** (`PrivateSite`, `with_private`; `--private-gpus N`): the company's own
+servers, added to a market for its whole span as one pool of the paid-for market
+(`reserved`) on cloud `private`, site and zone `onprem`, instance type `<model>-server`:
+ceil(N / GPUs per server) servers, each one instance and one target, all free, at
+availability 1 and no interruption rate, the same from the market's start to its end. It
+is never drawn: `hazard_schedule` draws spot pools only (pool-wide hits and the rates a
+lease's own draw reads), so the market with the pool has the draws of the market without
+it. Its price is the marginal price a lease on it pays (`--private-price`, per GPU-hour).
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from broker.model import GPU_MODELS, Market, Offer, PoolKey
+from broker.model import GPU_MODELS, Market, Offer, PoolKey, Target
 from broker.trace import TraceError, TraceRow, read_trace, trace_format, write_csv, write_jsonl
 
 SIM_START = datetime(2026, 11, 30, tzinfo=UTC)
@@ -296,6 +305,72 @@ def save_market(market: MarketTrace, path: Path) -> int:
             return write(market.trace_rows(), z)
     with open(path, "w", encoding="utf-8", newline="") as f:
         return write(market.trace_rows(), f)
+
+
+# --- a private pool ----------------------------------------------------------------------
+
+PRIVATE_SLICE: SliceId = ("private", "onprem")
+
+
+@dataclass(frozen=True, slots=True)
+class PrivateSite:
+    """`--private-gpus N` of GPU model `gpu`, `per_server` to a server, at `price` USD per
+    GPU-hour (the marginal price a lease on them pays; the servers' fixed cost is not
+    counted anywhere)."""
+
+    gpus: int
+    gpu: str = "A100-80GB"
+    per_server: int = 8
+    price: float = 0.0
+
+    @property
+    def servers(self) -> int:
+        return -(-self.gpus // self.per_server)
+
+    @property
+    def owned_gpus(self) -> int:
+        """The GPUs the servers have: `gpus` rounded up to whole servers."""
+        return self.servers * self.per_server
+
+    @property
+    def key(self) -> PoolKey:
+        return PoolKey("private", "onprem", "onprem", f"{self.gpu}-server", Market.RESERVED)
+
+    def targets(self) -> tuple[Target, ...]:
+        width = len(str(self.servers))
+        return tuple(Target(f"onprem-{i + 1:0{width}d}", 1, 1) for i in range(self.servers))
+
+    def offer(self, at: datetime) -> Offer:
+        model = GPU_MODELS.get(self.gpu)
+        return Offer(pool=self.key, gpu=self.gpu, gpus=self.per_server,
+                     gpu_memory_gb=model.memory_gb if model else None, vcpus=None,
+                     memory_gb=None, price_per_hour=self.price * self.per_server,
+                     observed_at=at, availability=1.0, capacity=self.servers,
+                     interruption_rate=None, targets=self.targets())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gpus": self.gpus, "gpu": self.gpu, "gpus_per_server": self.per_server,
+                "servers": self.servers, "owned_gpus": self.owned_gpus,
+                "price_per_gpu_hour": self.price, "pool": self.key.to_json()}
+
+
+def with_private(market: MarketTrace, site: PrivateSite) -> MarketTrace:
+    """`market` with the private pool `site` offered from its start to its end (one row
+    at the start, in a slice of its own; see the module docstring). The spot pools, their
+    rows and their truth are `market`'s, so its draws are too."""
+    if any(k == site.key for s in market.steps for _, ch in s.slices for k, _ in ch):
+        raise MarketError(f"{market.source}: the market already has the pool {site.key}")
+    change: tuple[SliceId, tuple[Change, ...]] = (PRIVATE_SLICE,
+                                                  ((site.key, site.offer(market.start)),))
+    steps = list(market.steps)
+    if steps and steps[0].at == 0:
+        steps[0] = Step(0.0, (*steps[0].slices, change))
+    else:
+        steps.insert(0, Step(0.0, (change,)))
+    gpu_pools = dict(market.gpu_pools)
+    gpu_pools[site.gpu] = gpu_pools.get(site.gpu, 0) + 1
+    return replace(market, steps=tuple(steps), rows=market.rows + 1,
+                   pools=market.pools + 1, gpu_pools=dict(sorted(gpu_pools.items())))
 
 
 # --- the simulated market ---------------------------------------------------------------

@@ -29,6 +29,14 @@ zeroed and no failover ladder, so allow/deny lists, teams, rules and failover tr
 apply to all four alike. A request that pins a market (`spot` or `on_demand`) is
 honoured by the three spot-capable strategies; `any` (or the policy's default) is
 theirs to choose.
+
+Paid-for capacity (market `reserved`: a private pool, `--private-gpus`) serves a request
+for spot or on-demand too (`broker.model.markets_for`), for every strategy: `on_demand`
+and `gpubroker` see it beside the other markets (at a marginal price of 0 it is the
+cheapest option); `cheapest_spot` takes the cheapest of spot and paid-for capacity
+first, then of on-demand and paid-for capacity; `price_capacity` ranks it with spot (its
+availability is 1, so it comes first, as EC2 Fleet uses capacity reservations first).
+A request for `reserved` alone goes to the first pass, narrowed to it.
 """
 
 from __future__ import annotations
@@ -42,7 +50,16 @@ from datetime import datetime
 
 from broker import failover, placement
 from broker.backtest import STRATEGIES
-from broker.model import Lease, Market, Offer, Placement, PlaceRequest, PoolKey, RejectCode
+from broker.model import (
+    Lease,
+    Market,
+    Offer,
+    Placement,
+    PlaceRequest,
+    PoolKey,
+    RejectCode,
+    markets_for,
+)
 from broker.placement import Ask, Decision, Outcome, PoolView, Rejection
 from policies.evaluate import Constraints, Denied, evaluate
 from policies.model import Policy, Scoring
@@ -110,21 +127,35 @@ class Strategy(ABC):
 
 
 def narrow(ask: Ask, market: Market) -> Ask | None:
-    """`ask` restricted to one market; None when its constraints do not allow it."""
+    """`ask` restricted to one market and the paid-for capacity that serves it
+    (`markets_for`: `spot` or `on_demand` with `reserved`, where its constraints allow
+    that); None when its constraints do not allow `market`."""
     c = ask.constraints
     assert c is not None
     if market not in c.markets:
         return None
+    serves = markets_for(market.value)
     return Ask(replace(ask.request, market=market.value), ask.exclude,
-               replace(c, markets=(market,)))
+               replace(c, markets=tuple(m for m in c.markets if m in serves)))
+
+
+def _first(ask: Ask) -> Ask | None:
+    """The first pass's ask: narrowed to spot, or to paid-for capacity for a request
+    that may go nowhere else."""
+    c = ask.constraints
+    assert c is not None
+    if c.markets == (Market.RESERVED,):
+        return narrow(ask, Market.RESERVED)
+    return narrow(ask, Market.SPOT)
 
 
 def spot_then_on_demand(asks: Sequence[Ask], view: PoolView, now: datetime,
                         spot: Placer, on_demand: Placer) -> list[Outcome]:
-    """Place each ask on spot if it can be, else on on-demand; one outcome per ask, the
-    spot rejection when both fail and spot was allowed."""
+    """Place each ask on spot (or paid-for capacity) if it can be, else on on-demand (or
+    paid-for capacity); one outcome per ask, the first pass's rejection when both fail
+    and the first pass was tried."""
     out: dict[RequestId, Outcome] = {}
-    first = [a for a in (narrow(a, Market.SPOT) for a in asks) if a is not None]
+    first = [a for a in (_first(a) for a in asks) if a is not None]
     if first:
         out.update((rid(o.ask.request), o) for o in spot(first, view, now))
     second = [a for a in (narrow(a, Market.ON_DEMAND) for a in asks
