@@ -42,7 +42,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from adapters.errors import AdapterError, CloudUnavailable, RateLimited, SdkMissing
+from adapters.errors import AdapterError, AuthFailed, CloudUnavailable, RateLimited, SdkMissing
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -81,6 +81,36 @@ def note_optional(log: Any, cloud: str, region: str, what: str, cached: Cached[A
     elif cached.failing:
         cached.failing = False
         log.info(f"{cloud} partial poll recovered", region=region, what=what)
+
+
+MAX_RESERVED_INSTANCES = 100_000
+"""A reservation count above this is not one a cloud would sell: a garbled answer."""
+
+
+def reserved_count(value: Any, what: str = "count") -> int:
+    """An instance count from a cloud's reservation answer: an int, or a string of one
+    (GCP's int64 fields), in 0..`MAX_RESERVED_INSTANCES`; `ValueError` for anything else
+    (bools, floats, negative or absurd counts)."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{what} {value!r} is not a whole number")
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{what} {value!r} is not a whole number") from None
+    if not 0 <= n <= MAX_RESERVED_INSTANCES:
+        raise ValueError(f"{what} {n} is out of range 0..{MAX_RESERVED_INSTANCES}")
+    return n
+
+
+def note_reservations_failed(log: Any, cloud: str, region: str, what: str, permission: str,
+                             cached: Cached[Any], exc: AdapterError) -> None:
+    """A failed read of a region's capacity reservations (`what`): a denied permission
+    is named once, as a warning; the last good copy is kept (`note_optional`)."""
+    if isinstance(exc, AuthFailed) and not cached.failing:
+        log.warning(f"{cloud} {what} not read: permission denied", region=region,
+                    permission=permission, detail=str(exc))
+        cached.failing = True
+    note_optional(log, cloud, region, what, cached, exc)
 
 
 async def gather_all(calls: Iterable[Awaitable[T]]) -> list[T]:

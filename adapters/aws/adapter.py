@@ -80,8 +80,14 @@ import structlog
 from adapters.aws import pricing
 from adapters.aws.sdk import AwsSdk
 from adapters.base import CloudAdapter, LeasedPools, run_blocking
-from adapters.common import Cached, RetryPolicy, gather_all, note_optional
-from adapters.errors import AdapterError, AuthFailed, InvalidConfig
+from adapters.common import (
+    Cached,
+    RetryPolicy,
+    gather_all,
+    note_optional,
+    note_reservations_failed,
+)
+from adapters.errors import AdapterError, InvalidConfig
 from broker.model import CapacitySignal, Market, Offer, PoolKey, SignalKind, Target, utcnow
 
 log = structlog.get_logger("gpubroker.aws")
@@ -331,12 +337,8 @@ class AwsAdapter(CloudAdapter):
         try:
             raw = await self._run(self.sdk.capacity_reservations, region)
         except AdapterError as exc:
-            if isinstance(exc, AuthFailed) and not st.reserved.failing:
-                log.warning("aws capacity reservations not read: permission denied",
-                            region=region, permission=pricing.RESERVATIONS_PERMISSION,
-                            detail=str(exc))
-                st.reserved.failing = True
-            note_optional(log, "aws", region, "capacity reservations", st.reserved, exc)
+            note_reservations_failed(log, "aws", region, "capacity reservations",
+                                     pricing.RESERVATIONS_PERMISSION, st.reserved, exc)
             return
         kept: dict[str, pricing.Reservation] = {}
         for entry in raw:

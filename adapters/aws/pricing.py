@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from adapters.common import reserved_count
 from adapters.gpus import canonical
 
 # EC2 vCPU quotas for GPU instance families: (on-demand, spot) quota codes.
@@ -154,8 +155,6 @@ def interruption_rates(document: Mapping[str, Any], regions: Collection[str],
 # --- capacity reservations ---------------------------------------------------------------
 
 RESERVATIONS_PERMISSION = "ec2:DescribeCapacityReservations"
-MAX_RESERVED_INSTANCES = 100_000
-"""A count above this is not a reservation AWS would sell: a garbled answer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,21 +167,6 @@ class Reservation:
     instance_type: str
     total: int
     available: int
-
-
-def count_of(value: Any) -> int:
-    """An instance count from a cloud's answer: an int (or a string of one) in
-    0..`MAX_RESERVED_INSTANCES`; `ValueError` for anything else (bools, floats, negative
-    or absurd counts)."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"count {value!r} is not a whole number")
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"count {value!r} is not a whole number") from None
-    if not 0 <= n <= MAX_RESERVED_INSTANCES:
-        raise ValueError(f"count {n} is out of range 0..{MAX_RESERVED_INSTANCES}")
-    return n
 
 
 def reservation_of(raw: Mapping[str, Any], region: str, now: datetime) -> Reservation:
@@ -216,8 +200,8 @@ def reservation_of(raw: Mapping[str, Any], region: str, now: datetime) -> Reserv
             end = end.replace(tzinfo=UTC)
         if end <= now:
             raise ValueError(f"ended at {end.isoformat()}")
-    total = count_of(raw.get("TotalInstanceCount"))
-    available = count_of(raw.get("AvailableInstanceCount"))
+    total = reserved_count(raw.get("TotalInstanceCount"))
+    available = reserved_count(raw.get("AvailableInstanceCount"))
     if available > total:
         raise ValueError(f"{available} available of {total}")
     return Reservation(rid, zone, itype, total, available)

@@ -77,8 +77,14 @@ import structlog
 from adapters.azure import pricing
 from adapters.azure.sdk import CLOUD, AzureSdk, RetailPrices, check_region
 from adapters.base import CloudAdapter, run_blocking
-from adapters.common import Cached, RetryPolicy, gather_all, note_optional
-from adapters.errors import AdapterError, AuthFailed, InvalidConfig
+from adapters.common import (
+    Cached,
+    RetryPolicy,
+    gather_all,
+    note_optional,
+    note_reservations_failed,
+)
+from adapters.errors import AdapterError, InvalidConfig
 from broker.model import Market, Offer, PoolKey, Target, utcnow
 
 log = structlog.get_logger("gpubroker.azure")
@@ -244,12 +250,8 @@ class AzureAdapter(CloudAdapter):
         try:
             found = await self._read_reservations(region, now)
         except AdapterError as exc:
-            if isinstance(exc, AuthFailed) and not st.reserved.failing:
-                log.warning("azure capacity reservations not read: permission denied",
-                            region=region, permission=pricing.RESERVATIONS_PERMISSION,
-                            detail=str(exc))
-                st.reserved.failing = True
-            note_optional(log, CLOUD, region, "capacity reservations", st.reserved, exc)
+            note_reservations_failed(log, CLOUD, region, "capacity reservations",
+                                     pricing.RESERVATIONS_PERMISSION, st.reserved, exc)
             return
         note_optional(log, CLOUD, region, "capacity reservations", st.reserved, found)
         st.reserved.value, st.reserved.at, st.reserved.read_at = found, self._mono(), now

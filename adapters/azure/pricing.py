@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
 
+from adapters.common import reserved_count
 from adapters.gpus import canonical
 
 
@@ -311,8 +312,6 @@ def spot_headroom(quotas: dict[str, tuple[float, float]], size: VmSize) -> int |
 # --- capacity reservations ---------------------------------------------------------------
 
 RESERVATIONS_PERMISSION = "Microsoft.Compute/capacityReservationGroups/read"
-MAX_RESERVED_INSTANCES = 100_000
-"""A count above this is not a reservation Azure would make: a garbled answer."""
 USABLE_STATES = frozenset({"succeeded", "updating"})  # provisioningState, lower case
 LIVE_STATES = frozenset({"live", "partiallyfulfilled"})  # a future reservation's state
 _GROUP_ID = re.compile(r"^/subscriptions/[^/]+/resourceGroups/(?P<rg>[^/]+)/providers/"
@@ -341,20 +340,6 @@ class Reservation:
     zone: str | None
     instances: int
     free: int
-
-
-def _count(value: Any, what: str) -> int:
-    """A count in 0..`MAX_RESERVED_INSTANCES` (an int, or a string of one); `ValueError`
-    for anything else."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"{what} {value!r} is not a whole number")
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"{what} {value!r} is not a whole number") from None
-    if not 0 <= n <= MAX_RESERVED_INSTANCES:
-        raise ValueError(f"{what} {n} is out of range 0..{MAX_RESERVED_INSTANCES}")
-    return n
 
 
 def group_of(raw: Mapping[str, Any], region: str) -> GroupRef:
@@ -414,7 +399,7 @@ def reservation_of(raw: Mapping[str, Any], group: GroupRef, region: str,
     size = sku.get("name") if isinstance(sku, Mapping) else None
     if not isinstance(size, str) or not size:
         raise ValueError("no sku.name")
-    instances = _count(sku.get("capacity") if isinstance(sku, Mapping) else None,
+    instances = reserved_count(sku.get("capacity") if isinstance(sku, Mapping) else None,
                        "sku.capacity")
     zones = raw.get("zones") or []
     if not isinstance(zones, list) or len(zones) > 1:
@@ -431,7 +416,7 @@ def reservation_of(raw: Mapping[str, Any], group: GroupRef, region: str,
     if isinstance(live, str) and live.lower() not in LIVE_STATES:
         raise ValueError(f"a future reservation, {live}")
     if info.get("currentCapacity") is not None:
-        instances = _count(info["currentCapacity"], "currentCapacity")
+        instances = reserved_count(info["currentCapacity"], "currentCapacity")
     allocated = info.get("virtualMachinesAllocated", [])
     if not isinstance(allocated, list):
         raise ValueError("virtualMachinesAllocated is not a list")

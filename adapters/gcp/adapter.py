@@ -84,10 +84,15 @@ from typing import Any, Generic, TypeVar
 import structlog
 
 from adapters.base import CloudAdapter, run_blocking
-from adapters.common import Cached, RetryPolicy, gather_all, note_optional
+from adapters.common import (
+    Cached,
+    RetryPolicy,
+    gather_all,
+    note_optional,
+    note_reservations_failed,
+)
 from adapters.errors import (
     AdapterError,
-    AuthFailed,
     CloudUnavailable,
     InvalidConfig,
     RateLimited,
@@ -289,11 +294,8 @@ class GcpAdapter(CloudAdapter):
         try:
             raw = await self._run(self.sdk.reservations, region)
         except AdapterError as exc:
-            if isinstance(exc, AuthFailed) and not st.reserved.failing:
-                log.warning("gcp reservations not read: permission denied", region=region,
-                            permission=pricing.RESERVATIONS_PERMISSION, detail=str(exc))
-                st.reserved.failing = True
-            note_optional(log, "gcp", region, "reservations", st.reserved, exc)
+            note_reservations_failed(log, "gcp", region, "reservations",
+                                     pricing.RESERVATIONS_PERMISSION, st.reserved, exc)
             return
         now = self._clock()
         kept: dict[tuple[str, str], pricing.Reservation] = {}

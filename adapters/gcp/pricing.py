@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from adapters.common import reserved_count
 from adapters.gcp.sdk import AcceleratorType, MachineType, Quota
 from adapters.gpus import canonical
 from broker.model import Market
@@ -390,8 +391,6 @@ class StockoutDecay:
 # --- reservations ------------------------------------------------------------------------
 
 RESERVATIONS_PERMISSION = "compute.reservations.list"
-MAX_RESERVED_INSTANCES = 100_000
-"""A count above this is not a reservation GCP would make: a garbled answer."""
 USABLE_STATUSES = frozenset({"READY", "UPDATING"})
 """A reservation being resized (UPDATING) still holds its VMs and its capacity."""
 
@@ -410,20 +409,6 @@ class Reservation:
     count: int
     free: int
     specific: bool
-
-
-def _count(value: Any, what: str) -> int:
-    """A count from the REST answer (int64 fields come as strings) in
-    0..`MAX_RESERVED_INSTANCES`; `ValueError` for anything else."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"{what} {value!r} is not a whole number")
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"{what} {value!r} is not a whole number") from None
-    if not 0 <= n <= MAX_RESERVED_INSTANCES:
-        raise ValueError(f"{what} {n} is out of range 0..{MAX_RESERVED_INSTANCES}")
-    return n
 
 
 def _last(value: Any) -> str:
@@ -469,12 +454,12 @@ def reservation_of(raw: Mapping[str, Any], region: str, now: datetime) -> Reserv
     accelerators: list[tuple[str, int]] = []
     for acc in props.get("guestAccelerators") or ():
         kind = _last(acc.get("acceleratorType")) if isinstance(acc, Mapping) else ""
-        n = _count(acc.get("acceleratorCount"), "acceleratorCount") if kind else 0
+        n = reserved_count(acc.get("acceleratorCount"), "acceleratorCount") if kind else 0
         if not kind or n < 1:
             raise ValueError(f"guest accelerator {acc!r} does not read")
         accelerators.append((kind, n))
-    count = _count(specific.get("count"), "count")
-    in_use = _count(specific.get("inUseCount", 0), "inUseCount")
+    count = reserved_count(specific.get("count"), "count")
+    in_use = reserved_count(specific.get("inUseCount", 0), "inUseCount")
     if in_use > count:
         raise ValueError(f"{in_use} in use of {count}")
     required = raw.get("specificReservationRequired", False)
