@@ -460,10 +460,12 @@ class _RegionMarket:
                     key = PoolKey(cloud, region, zone, spec.instance_type, market)
                     self.pools.append(_Pool(key, spec, price, rng))
         self.by_key: dict[PoolKey, _Pool] = {p.key: p for p in self.pools}
-        # Quota headroom in GPUs, per market, for the whole region.
-        self.quota_max = {m: rng.choice((64, 128, 256, 512, 1024)) for m in Market}
+        # Quota headroom in GPUs, per market, for the whole region (the markets it sells,
+        # in a fixed order: the draws, and so the whole market, follow from the seed).
+        sold = (Market.SPOT, Market.ON_DEMAND)
+        self.quota_max = {m: rng.choice((64, 128, 256, 512, 1024)) for m in sold}
         self.quota = {m: float(q) * rng.uniform(0.5, 1.0) for m, q in self.quota_max.items()}
-        self.quota_group = {m: f"{cloud}:{region}:{m.value}" for m in Market}
+        self.quota_group = {m: f"{cloud}:{region}:{m.value}" for m in sold}
         self.withdrawn: set[PoolKey] = set()
         self.pinned: dict[PoolKey, float] = {}
         self.scarce: dict[PoolKey, int] = {}
