@@ -106,17 +106,22 @@ class PrivateAdapter(CloudAdapter):
 
     def _offer(self, group: Group, now: datetime, serving: set[str], draining: frozenset[str],
                down: dict[str, str]) -> Offer:
-        targets = tuple(Target(s, 1, 1) for s in group.servers
+        # An instance is a slice of a server (the whole server unless `slices` says
+        # otherwise); a server that is up is a target with that many slots.
+        n = group.slices
+        targets = tuple(Target(s, n, n) for s in group.servers
                         if s in serving and s not in down)
         leaving = tuple(t.id for t in targets if t.id in draining)
         model = GPU_MODELS[group.gpu]
+        gpus = group.gpus // n
         return Offer(
             pool=PoolKey("private", group.site, group.zone, group.name, Market.RESERVED),
-            gpu=group.gpu, gpus=group.gpus, gpu_memory_gb=model.memory_gb,
-            vcpus=group.vcpus, memory_gb=group.memory_gb,
-            price_per_hour=group.price_per_gpu_hour * group.gpus, observed_at=now,
-            availability=1.0, capacity=len(targets) - len(leaving), interruption_rate=None,
-            targets=targets, draining=leaving)
+            gpu=group.gpu, gpus=gpus, gpu_memory_gb=model.memory_gb,
+            vcpus=group.vcpus // n if group.vcpus else group.vcpus,
+            memory_gb=group.memory_gb / n if group.memory_gb else group.memory_gb,
+            price_per_hour=group.price_per_gpu_hour * gpus, observed_at=now,
+            availability=1.0, capacity=(len(targets) - len(leaving)) * n,
+            interruption_rate=None, targets=targets, draining=leaving)
 
     async def _reread(self) -> None:
         """Read the servers file again if it changed; keep the last good one when the new

@@ -73,6 +73,11 @@ class GroupSpec(_Spec):
     count: int | None = Field(default=None, ge=1, le=MAX_SERVERS)
     name_prefix: Name | None = None
     price_per_gpu_hour: float = Field(ge=0, allow_inf_nan=False)
+    slices: int = Field(default=1, ge=1, le=64)
+    """Leases per server at most: a server of 8 GPUs with `slices: 4` is leased as four
+    instances of 2 GPUs (with a quarter of its vCPUs and memory each), so small jobs do
+    not hold a whole server; a lease of several slices fills one server before the next.
+    It must divide `gpus`. 1 (the default): a server goes whole to one lease."""
     health: HealthSpec | None = None
 
 
@@ -134,6 +139,7 @@ class Group:
     price_per_gpu_hour: float
     servers: tuple[str, ...]
     health: Health | None
+    slices: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,6 +335,10 @@ class _Checker:
             self.add((*loc, "zone"), f"site {site.name!r} has no zone {zone!r} (its zones: "
                                      f"{', '.join(site.zones)}){suggest(zone, site.zones)}")
             ok = False
+        if spec.gpus % spec.slices:
+            self.add((*loc, "slices"), f"{spec.slices} slices do not divide the server's "
+                                       f"{spec.gpus} GPUs")
+            ok = False
         servers = self.server_names(loc, spec)
         if servers is not None:
             self.unique_servers(i, spec, servers, owner)
@@ -336,7 +346,8 @@ class _Checker:
         if not ok or servers is None or health is False or site is None:
             return None
         return Group(spec.name, site.name, zone or site.zones[0], spec.gpu, spec.gpus,
-                     spec.vcpus, spec.memory_gb, spec.price_per_gpu_hour, servers, health)
+                     spec.vcpus, spec.memory_gb, spec.price_per_gpu_hour, servers, health,
+                     spec.slices)
 
     def server_names(self, loc: Loc, spec: GroupSpec) -> tuple[str, ...] | None:
         if spec.servers is not None and spec.count is not None:

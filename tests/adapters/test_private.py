@@ -299,6 +299,26 @@ async def test_the_pool_assigns_servers_that_are_not_draining(
     assert pool.free_capacity(offers[0].pool) == 0
 
 
+async def test_sliced_servers_are_leased_a_slice_at_a_time(
+        tmp_path: Path, clock: Clock) -> None:
+    """`slices: 4`: four 2-GPU instances per server; small leases share a server and a
+    lease of several slices fills one server before the next."""
+    file = write(tmp_path / "servers.yaml", SERVERS.replace(
+        "    price_per_gpu_hour: 0.5\n", "    price_per_gpu_hour: 0.5\n    slices: 4\n", 1))
+    [o] = await PrivateAdapter(file=file, clock=clock).poll("fra1")
+    assert (o.gpus, o.vcpus, o.memory_gb, o.capacity, o.owned_gpus) == (2, 24, 256, 12, 24)
+    assert o.price_per_gpu_hour == 0.5
+    assert o.targets[0] == Target("gpu-a01", 4, 4)
+    pool = ResourcePool(stale_after_seconds=300, clock=clock)
+    pool.replace(("private", "fra1"), [o])
+    assert pool.take(Placement.of(o, 1)).targets == (("gpu-a01", 1),)
+    assert pool.take(Placement.of(o, 4)).targets == (("gpu-a01", 3), ("gpu-a02", 1))
+    assert pool.free_capacity(o.pool) == 7 and pool.idle_owned_gpus() == 14
+    assert problems(SERVERS.replace("    price_per_gpu_hour: 0.5\n",
+                                    "    price_per_gpu_hour: 0.5\n    slices: 3\n", 1)) == \
+        ["servers.yaml:18:5: groups[0].slices: 3 slices do not divide the server's 8 GPUs"]
+
+
 # --- reload ------------------------------------------------------------------------------
 
 
