@@ -210,12 +210,19 @@ class ResourcePool:
         if offer is None or not offer.targets or placement.targets:
             return placement
         left, out = placement.instances, []
-        for t in offer.targets:
+        rooms = [(t.id, self._room(placement.pool, offer, *t)) for t in offer.targets]
+        # One target that holds it all, the snuggest (a lease of several slices stays
+        # on one server); else each in order, as far as it has room.
+        whole = min(((room, i) for i, (_, room) in enumerate(rooms) if room >= left),
+                    default=None)
+        if whole is not None:
+            return dataclasses.replace(placement, targets=((rooms[whole[1]][0], left),))
+        for target, room in rooms:
             if left <= 0:
                 break
-            n = min(left, self._room(placement.pool, offer, t.id, t.instances, t.free))
+            n = min(left, room)
             if n > 0:
-                out.append((t.id, n))
+                out.append((target, n))
                 left -= n
         return dataclasses.replace(placement, targets=tuple(out))
 

@@ -312,8 +312,13 @@ async def test_sliced_servers_are_leased_a_slice_at_a_time(
     pool = ResourcePool(stale_after_seconds=300, clock=clock)
     pool.replace(("private", "fra1"), [o])
     assert pool.take(Placement.of(o, 1)).targets == (("gpu-a01", 1),)
-    assert pool.take(Placement.of(o, 4)).targets == (("gpu-a01", 3), ("gpu-a02", 1))
-    assert pool.free_capacity(o.pool) == 7 and pool.idle_owned_gpus() == 14
+    # Four slices: a whole free server, not the three left on the first and one more.
+    assert pool.take(Placement.of(o, 4)).targets == (("gpu-a02", 4),)
+    assert pool.take(Placement.of(o, 2)).targets == (("gpu-a01", 2),)  # the snuggest
+    assert pool.free_capacity(o.pool) == 5 and pool.idle_owned_gpus() == 10
+    # Five: no server has room for all; in order, as far as each has room.
+    assert pool.take(Placement.of(o, 5)).targets == (("gpu-a01", 1), ("gpu-a03", 4))
+    assert pool.free_capacity(o.pool) == 0 and pool.idle_owned_gpus() == 0
     assert problems(SERVERS.replace("    price_per_gpu_hour: 0.5\n",
                                     "    price_per_gpu_hour: 0.5\n    slices: 3\n", 1)) == \
         ["servers.yaml:18:5: groups[0].slices: 3 slices do not divide the server's 8 GPUs"]
