@@ -7,12 +7,15 @@ and no interruption risk, unless a test says otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+import json
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from broker.model import Market, Offer, Placement, PlaceRequest, PoolKey, Target
 from broker.pool import ResourcePool, SliceId
+from broker.store import OutboxRow
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 SLICE: SliceId = ("sim", "aws:us-east-1")
@@ -73,6 +76,11 @@ def owned(zone: str = "fra1", *, servers: Iterable[str] | int = 2, draining: Ite
         targets=targets, draining=drain)
 
 
+def reserved(offers: Iterable[Offer]) -> dict[PoolKey, Offer]:
+    """The offers of the market `reserved`, by pool."""
+    return {o.pool: o for o in offers if o.pool.market is Market.RESERVED}
+
+
 def request(request_id: str = "r1", gpu: str | Iterable[str] = "H100-80GB", gpus: int = 8, *,
             scheduler: str = "sched-a", **kw: Any) -> PlaceRequest:
     models = (gpu,) if isinstance(gpu, str) else tuple(gpu)
@@ -89,3 +97,21 @@ def pool_of(offers: Iterable[Offer], *, clock: Clock | None = None,
     pool = ResourcePool(stale_after_seconds=stale_after_seconds, clock=clock or Clock())
     pool.replace(slice_id, offers)
     return pool
+
+
+class Sink:
+    """What the broker hands to the bus (its `publish`), and an event set on each
+    arrival, to wait on."""
+
+    def __init__(self) -> None:
+        self.rows: list[OutboxRow] = []
+        self.arrived = asyncio.Event()
+
+    def __call__(self, rows: Sequence[OutboxRow]) -> None:
+        self.rows.extend(rows)
+        self.arrived.set()
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        """The data of every event of `kind` (`placement.decided`), in order."""
+        return [json.loads(r.payload)["data"] for r in self.rows
+                if r.topic.endswith(f"/{kind}")]

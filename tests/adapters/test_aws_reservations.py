@@ -9,12 +9,13 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from factories import reserved
 from fake_aws import FakeAWS, fake_aws_fixture  # noqa: F401
 from structlog.testing import capture_logs
 
 from adapters.aws.adapter import AwsAdapter, from_config
 from broker.config import AwsConfig, ReservationsConfig
-from broker.model import Market, Offer, PoolKey, Target
+from broker.model import Market, PoolKey, Target
 
 REGION = "us-east-1"
 PERMISSION = "ec2:DescribeCapacityReservations"
@@ -32,10 +33,6 @@ async def adapter(fake_aws: FakeAWS) -> AsyncIterator[AwsAdapter]:
     a = make(fake_aws, reservation_price_per_gpu_hour=0.25)
     yield a
     await a.close()
-
-
-def reserved(offers: list[Offer]) -> dict[PoolKey, Offer]:
-    return {o.pool: o for o in offers if o.pool.market is Market.RESERVED}
 
 
 def key(zone: str, itype: str) -> PoolKey:

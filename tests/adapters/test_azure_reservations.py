@@ -8,12 +8,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from factories import reserved
 from fake_azure import FakeAzure, fake_azure_fixture  # noqa: F401
 from structlog.testing import capture_logs
 
 from adapters.azure.adapter import AzureAdapter, from_config
 from broker.config import AzureConfig, ReservationsConfig
-from broker.model import Market, Offer, PoolKey, Target
+from broker.model import Market, PoolKey, Target
 
 REGION = "eastus"
 A100 = "Standard_NC24ads_A100_v4"
@@ -32,10 +33,6 @@ async def adapter(fake_azure: FakeAzure) -> AsyncIterator[AzureAdapter]:
     a = make(fake_azure, reservation_price_per_gpu_hour=0.5)
     yield a
     await a.close()
-
-
-def reserved(offers: list[Offer]) -> dict[PoolKey, Offer]:
-    return {o.pool: o for o in offers if o.pool.market is Market.RESERVED}
 
 
 def key(zone: str, size: str, market: Market = Market.RESERVED) -> PoolKey:

@@ -9,13 +9,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from factories import reserved
 from fake_gcp import FakeGCP, fake_gcp_fixture  # noqa: F401
 from structlog.testing import capture_logs
 
 from adapters.common import RetryPolicy
 from adapters.gcp.adapter import GcpAdapter, from_config
 from broker.config import GcpConfig, ReservationsConfig
-from broker.model import Market, Offer, PoolKey, Target
+from broker.model import Market, PoolKey, Target
 
 REGION = "us-central1"
 NOW = datetime(2026, 11, 30, 12, tzinfo=UTC)
@@ -45,10 +46,6 @@ async def adapter(fake_gcp: FakeGCP) -> AsyncIterator[GcpAdapter]:
     a = make(fake_gcp, reservation_price_per_gpu_hour=0.5)
     yield a
     await a.close()
-
-
-def reserved(offers: list[Offer]) -> dict[PoolKey, Offer]:
-    return {o.pool: o for o in offers if o.pool.market is Market.RESERVED}
 
 
 def key(zone: str, itype: str, market: Market = Market.RESERVED) -> PoolKey:

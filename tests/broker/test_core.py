@@ -4,30 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import SLICE, Clock, offer, pool_of, request
+from factories import SLICE, Clock, Sink, offer, pool_of, request
 
 from broker.core import Broker, Command
 from broker.events import Envelopes, Messages, Topics
 from broker.leases import LeaseBook
 from broker.model import CapacitySignal, FailoverReason, PoolKey, SignalKind
 from broker.pool import ResourcePool
-from broker.store import OutboxRow, StateStore, StoreFailed
+from broker.store import StateStore, StoreFailed
 from policies.model import Policy
-
-
-class Sink:
-    """Collects what the broker hands to the bus."""
-
-    def __init__(self) -> None:
-        self.rows: list[OutboxRow] = []
-
-    def __call__(self, rows: Sequence[OutboxRow]) -> None:
-        self.rows.extend(rows)
 
 
 @pytest.fixture

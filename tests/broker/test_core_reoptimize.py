@@ -3,36 +3,22 @@ broker: a real pool, lease book and SQLite store, as in test_core.py."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from factories import SLICE, Clock, offer, pool_of, request
+from factories import SLICE, Clock, Sink, offer, pool_of, request
 
 from broker.core import Broker
 from broker.events import Envelopes, Messages, Topics
 from broker.leases import LeaseBook
 from broker.model import FailoverReason, Lease, LeaseState, Offer, Placement
-from broker.store import OutboxRow, StateStore
+from broker.store import StateStore
 from policies.model import Failover, Policy
 
 LEASED = offer("us-east-1a", price=30.0)
 
-
-class Sink:
-    """Collects what the broker hands to the bus."""
-
-    def __init__(self) -> None:
-        self.rows: list[OutboxRow] = []
-
-    def __call__(self, rows: Sequence[OutboxRow]) -> None:
-        self.rows.extend(rows)
-
-    def events(self, kind: str) -> list[dict[str, object]]:
-        return [json.loads(r.payload)["data"] for r in self.rows
-                if r.topic.endswith(f"/{kind}")]
 
 
 @dataclass

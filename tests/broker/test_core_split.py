@@ -4,33 +4,21 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from contract_check import check
-from factories import Clock, offer, pool_of
+from factories import Clock, Sink, offer, pool_of
 
 from broker import failover
 from broker.core import Broker, Command
 from broker.events import Envelopes, Messages, Topics
 from broker.leases import LeaseBook
 from broker.model import FailoverReason, LeaseState
-from broker.store import OutboxRow, StateStore
+from broker.store import StateStore
 from policies.model import Policy
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.rows: list[OutboxRow] = []
-
-    def __call__(self, rows: Sequence[OutboxRow]) -> None:
-        self.rows.extend(rows)
-
-    def events(self, kind: str) -> list[dict[str, Any]]:
-        return [json.loads(r.payload)["data"] for r in self.rows
-                if r.topic.endswith(f"/{kind}")]
 
 
 @pytest.fixture

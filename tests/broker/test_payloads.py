@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, get_args
 
+import factories
 import pytest
 from contract_check import check, problem, route
 from factories import Clock, offer, pool_of
@@ -36,7 +37,7 @@ from broker.model import (
     RejectCode,
     SignalKind,
 )
-from broker.store import OutboxRow, StateStore
+from broker.store import StateStore
 from policies.model import Policy
 from policies.yamlsrc import Problem
 
@@ -56,17 +57,7 @@ def test_the_names_in_the_types_are_the_models_enums() -> None:
     assert set(payloads.REPLY_EVENT_TYPES) <= set(payloads.EVENT_TYPES)
 
 
-class Sink:
-    """What the broker hands to the bus, and an event to wait on."""
-
-    def __init__(self) -> None:
-        self.rows: list[OutboxRow] = []
-        self.arrived = asyncio.Event()
-
-    def __call__(self, rows: Sequence[OutboxRow]) -> None:
-        self.rows.extend(rows)
-        self.arrived.set()
-
+class Sink(factories.Sink):
     def kinds(self) -> list[str]:
         return [r.topic.rsplit("/", 1)[1] for r in self.rows
                 if (found := route(r.topic)) and found[0] in ("event", "ops")]
