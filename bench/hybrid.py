@@ -3,6 +3,7 @@
 
     python bench/hybrid.py                          # sim:7d, gen:3000, 64 GPUs, 5 seeds
     python bench/hybrid.py --private-price 0.8      # a marginal price per GPU-hour
+    python bench/hybrid.py --slices 8               # servers leased a GPU at a time
     python bench/hybrid.py --days 2 --requests 800 --seeds 3 --json
 
 Each seed runs `gpubroker backtest --market sim:7d --workload gen:3000 --private-gpus 64
@@ -19,7 +20,8 @@ then how much of the workload could use the pool, and the wall and CPU time.
 simulated market about a fifth of the requests may run on A100-80GB (those asking for it,
 and the A100-40GB ones that also accept it; README "Backtest"), asking about as many
 GPU-hours as the pool has. A private server goes whole to one lease, so the 1-, 2- and
-4-GPU jobs among them hold 8 GPUs each: counted in servers, the demand is well above
+4-GPU jobs among them hold 8 GPUs each (`--slices 8`: a GPU at a time, as a servers
+file's `slices: 8` leases them): counted in servers, the demand is well above
 the pool, which needs no workload of its own to be full. The output says how much of
 the workload could use the pool, and, for the first seed, the GPU-hours held on the pool
 against those its jobs asked for. Requests arrive over the first 90 % of the week, so
@@ -67,7 +69,7 @@ def pm(d: dict[str, Any], fmt: str) -> str:
 
 def run(args: argparse.Namespace) -> tuple[Seeds, float, dict[str, float]]:
     site = PrivateSite(args.private_gpus, args.private_gpu, args.per_server,
-                       args.private_price)
+                       args.private_price, args.slices)
     policy, name = embedded_policy()
     names = [n.strip() for n in args.strategy.split(",")]
     runs: list[Comparison] = []
@@ -102,6 +104,8 @@ def main() -> int:
     ap.add_argument("--private-gpu", default="A100-80GB")
     ap.add_argument("--per-server", type=int, default=8)
     ap.add_argument("--private-price", type=float, default=0.0)
+    ap.add_argument("--slices", type=int, default=1,
+                    help="leases per server at once (the servers file's slices; 1: whole)")
     ap.add_argument("--strategy", default=",".join(STRATEGIES))
     ap.add_argument("--json", action="store_true", help="print the backtest's JSON report")
     args = ap.parse_args()
@@ -119,7 +123,9 @@ def main() -> int:
     summary = seeds.summary()
     cloud = {d["strategy"]: d for d in summary["strategies"]}
     print(f"sim:{args.days:g}d, gen:{args.requests}, {site.gpus} private {site.gpu} "
-          f"({site.servers} servers of {site.per_server}) at ${site.price:g}/GPU-h, "
+          f"({site.servers} servers of {site.per_server}"
+          + (f", {site.slices} slices each" if site.slices > 1 else "")
+          + f") at ${site.price:g}/GPU-h, "
           f"{c.owned_gpu_hours():,.0f} owned GPU-hours a run; {args.seeds} seeds "
           f"({args.seed}..{args.seed + args.seeds - 1}); mean ± half-width of the 95 % "
           "Student-t interval over the seeds")

@@ -91,6 +91,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--private-gpus-per-server", type=int, metavar="N",
                    help=f"GPUs per private server; a server goes to one lease at a time "
                         f"({PRIVATE_DEFAULTS.per_server})")
+    p.add_argument("--private-slices", type=int, metavar="N",
+                   help="leases a private server may hold at once, each of its GPUs / N "
+                        "(the servers file's slices; must divide "
+                        "--private-gpus-per-server) (1: whole servers)")
     p.add_argument("--private-price", type=float, metavar="USD",
                    help="the internal marginal price per GPU-hour a lease on the private "
                         "pool pays (0); the pool's fixed cost is counted in neither run")
@@ -284,6 +288,7 @@ def private_site(args: argparse.Namespace) -> tuple[PrivateSite | None, list[str
     problems = []
     others = (("--private-gpu", args.private_gpu),
               ("--private-gpus-per-server", args.private_gpus_per_server),
+              ("--private-slices", args.private_slices),
               ("--private-price", args.private_price))
     if args.private_gpus is None:
         problems += [f"{flag}: needs --private-gpus N (the private pool's size)"
@@ -297,13 +302,17 @@ def private_site(args: argparse.Namespace) -> tuple[PrivateSite | None, list[str
         else args.private_gpus_per_server
     if per_server < 1:
         problems.append(f"--private-gpus-per-server: must be >= 1, got {per_server!r}")
+    slices = 1 if args.private_slices is None else args.private_slices
+    if slices < 1 or (per_server >= 1 and per_server % slices):
+        problems.append(f"--private-slices: must divide the {per_server} GPUs of a server, "
+                        f"got {slices!r}")
     price = PRIVATE_DEFAULTS.price if args.private_price is None else args.private_price
     if not (math.isfinite(price) and price >= 0):
         problems.append(f"--private-price: must be a number >= 0 (USD per GPU-hour), "
                         f"got {price!r}")
     if problems or args.private_gpus is None:
         return None, problems
-    return PrivateSite(args.private_gpus, gpu, per_server, price), []
+    return PrivateSite(args.private_gpus, gpu, per_server, price, slices), []
 
 
 def _clear(progress: Any, err: TextIO) -> None:

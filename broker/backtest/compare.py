@@ -445,7 +445,8 @@ def _private_table(c: Comparison, rows: Sequence[tuple[str, dict[str, Any], dict
     print(file=out)
     print(textwrap.fill(
         f"private pool: {site.gpus} × {site.gpu} as {site.servers} server"
-        f"{'s' if site.servers != 1 else ''} of {site.per_server} GPUs ({site.owned_gpus} "
+        f"{'s' if site.servers != 1 else ''} of {site.per_server} GPUs"
+        + (f" in {site.slices} slices" if site.slices > 1 else "") + f" ({site.owned_gpus} "
         f"GPUs) at {site.key.cloud}/{site.key.region}, ${site.price:g}/GPU-h to a lease on "
         f"it; {c.owned_gpu_hours():,.0f} owned GPU-hours over {c.market.hours:g} h. Every "
         f"strategy cloud only, then with the pool: same market, requests and draws.",

@@ -322,6 +322,9 @@ class PrivateSite:
     gpu: str = "A100-80GB"
     per_server: int = 8
     price: float = 0.0
+    slices: int = 1
+    """Leases a server may hold at once, each of `per_server` / `slices` GPUs (the
+    daemon's `slices` of a private group); 1: a server goes whole to one lease."""
 
     @property
     def servers(self) -> int:
@@ -338,18 +341,21 @@ class PrivateSite:
 
     def targets(self) -> tuple[Target, ...]:
         width = len(str(self.servers))
-        return tuple(Target(f"onprem-{i + 1:0{width}d}", 1, 1) for i in range(self.servers))
+        n = self.slices
+        return tuple(Target(f"onprem-{i + 1:0{width}d}", n, n) for i in range(self.servers))
 
     def offer(self, at: datetime) -> Offer:
         model = GPU_MODELS.get(self.gpu)
-        return Offer(pool=self.key, gpu=self.gpu, gpus=self.per_server,
+        gpus = self.per_server // self.slices
+        return Offer(pool=self.key, gpu=self.gpu, gpus=gpus,
                      gpu_memory_gb=model.memory_gb if model else None, vcpus=None,
-                     memory_gb=None, price_per_hour=self.price * self.per_server,
-                     observed_at=at, availability=1.0, capacity=self.servers,
+                     memory_gb=None, price_per_hour=self.price * gpus,
+                     observed_at=at, availability=1.0, capacity=self.servers * self.slices,
                      interruption_rate=None, targets=self.targets())
 
     def to_json(self) -> dict[str, Any]:
         return {"gpus": self.gpus, "gpu": self.gpu, "gpus_per_server": self.per_server,
+                "slices": self.slices,
                 "servers": self.servers, "owned_gpus": self.owned_gpus,
                 "price_per_gpu_hour": self.price, "pool": self.key.to_json()}
 

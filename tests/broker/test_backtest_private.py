@@ -120,6 +120,21 @@ def test_a_small_job_holds_a_whole_server_and_pays_the_marginal_price() -> None:
             assert d["busy_gpu_hours"] == 0.0, name
 
 
+def test_sliced_servers_let_small_jobs_share_one() -> None:
+    """`slices`: a server of 8 GPUs leased a GPU at a time holds eight 1-GPU jobs."""
+    m = market([row(SPOT, price=80.0), row(OD, price=240.0)], hours=4)
+    site = PrivateSite(8, A100, 8, 0.0, slices=8)
+    assert (site.offer(m.start).gpus, site.offer(m.start).capacity, site.owned_gpus) == \
+        (1, 8, 8)
+    got = by_strategy(run(m, [job(0, f"one{k}", gpus=1, duration=3.0) for k in range(8)],
+                          site))
+    d = got["gpubroker"]
+    # All eight on the one server: held GPU-hours are the ones asked for.
+    assert d["busy_gpu_hours"] == pytest.approx(8 * 3.0)
+    assert d["asked_gpu_hours"] == pytest.approx(8 * 3.0)
+    assert d["hybrid"]["total_cost"] == 0.0
+
+
 def test_a_lease_on_the_pool_is_never_interrupted() -> None:
     # spot rows without a rate are drawn at the default rate, here 30 per hour: every
     # spot lease is hit within a step or two. Were the pool drawn (its offer has no rate
@@ -271,6 +286,8 @@ def test_the_table_says_what_the_pool_saved_and_that_its_fixed_cost_is_not_count
      "--private-gpu: unknown GPU model 'A100'; did you mean 'A100-40GB' or 'A100-80GB'?"),
     (["--private-gpus", "8", "--private-gpus-per-server", "0"],
      "--private-gpus-per-server: must be >= 1, got 0"),
+    (["--private-gpus", "8", "--private-slices", "3"],
+     "--private-slices: must divide the 8 GPUs of a server, got 3"),
     (["--private-gpus", "8", "--private-price", "-1"],
      "--private-price: must be a number >= 0 (USD per GPU-hour), got -1.0"),
     (["--private-gpus", "8", "--private-price", "nan"], "--private-price: must be a number"),
