@@ -83,6 +83,11 @@ class ResourcePool:
         self._held_targets: dict[PoolKey, Counter[str]] = {}
         self._owned: dict[SliceId, int] = {}
         self._held_at_poll: dict[PoolKey, Counter[str]] = {}
+        # Paid-for pools (offers with targets) and the instances a new lease may have in
+        # each, summed over its targets: read on placement's hot path (`held`), so
+        # computed once per change of the offer or of the broker's holdings on it.
+        self._owned_keys: set[PoolKey] = set()
+        self._rooms: dict[PoolKey, int] = {}
         self.on_holdings: Callable[[], None] | None = None
         """Called when the broker's holdings of paid-for capacity changed (the idle
         owned GPU-hours metric integrates over time)."""
@@ -125,12 +130,17 @@ class ResourcePool:
         self._slices[slice_id] = set(new)
         self._owned[slice_id] = sum(o.owned_gpus for o in new.values() if o.targets)
         for key, offer in new.items():
+            self._rooms.pop(key, None)
             if offer.targets:
                 self._held_at_poll[key] = Counter(self._held_targets.get(key, {}))
+                self._owned_keys.add(key)
             else:
                 self._held_at_poll.pop(key, None)
+                self._owned_keys.discard(key)
         for key in removed:
             self._held_at_poll.pop(key, None)
+            self._owned_keys.discard(key)
+            self._rooms.pop(key, None)
         health = self._health.setdefault(slice_id, SliceHealth(slice_id))
         health.ok, health.last_ok_at, health.last_error = True, self._clock(), None
         self._stale_cache = (None, set())
@@ -172,6 +182,7 @@ class ResourcePool:
         self._held[key] += instances
         for target, n in targets:
             self._held_targets.setdefault(key, Counter())[target] += n
+        self._rooms.pop(key, None)
         if self.on_holdings is not None and key.market is Market.RESERVED:
             self.on_holdings()
 
@@ -188,6 +199,7 @@ class ResourcePool:
                     del by_target[target]
             if not by_target:
                 del self._held_targets[key]
+        self._rooms.pop(key, None)
         if self.on_holdings is not None and key.market is Market.RESERVED:
             self.on_holdings()
 
@@ -244,11 +256,17 @@ class ResourcePool:
         """Instances of `key` the broker's leases take from its `capacity`. On paid-for
         capacity the cloud's free count may or may not include them yet (a reservation
         counts an instance once it runs), so that is what per target room leaves."""
-        offer = self._offers.get(key)
-        if offer is not None and offer.targets and offer.capacity is not None:
-            room = sum(self._room(key, offer, *t) for t in offer.targets)
-            return max(0, offer.capacity - room)
+        if key in self._owned_keys:
+            offer = self._offers[key]
+            if offer.capacity is not None:
+                return max(0, offer.capacity - self._total_room(key, offer))
         return self._held.get(key, 0)
+
+    def _total_room(self, key: PoolKey, offer: Offer) -> int:
+        room = self._rooms.get(key)
+        if room is None:
+            room = self._rooms[key] = sum(self._room(key, offer, *t) for t in offer.targets)
+        return room
 
     def held_pools(self) -> set[PoolKey]:
         return set(self._held)
@@ -263,17 +281,8 @@ class ResourcePool:
         """Paid-for GPUs no lease of the broker holds and that could be launched now
         (per target: what its cloud says is free, less what the broker holds; draining
         servers count as busy)."""
-        idle = 0
-        for key in self._owned_keys():
-            offer = self._offers[key]
-            idle += offer.gpus * sum(self._room(key, offer, *t) for t in offer.targets)
-        return idle
-
-    def _owned_keys(self) -> Iterator[PoolKey]:
-        for slice_id, owned in self._owned.items():
-            if owned:
-                yield from (k for k in self._slices.get(slice_id, ())
-                            if self._offers[k].targets)
+        return sum(self._offers[k].gpus * self._total_room(k, self._offers[k])
+                   for k in self._owned_keys)
 
     def held_targets(self, key: PoolKey) -> dict[str, int]:
         return dict(self._held_targets.get(key, {}))

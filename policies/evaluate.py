@@ -134,7 +134,7 @@ def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = No
     # are allowed; it never stands in for the market a request asked for: a request for
     # spot from a team allowed on-demand only is denied, not sent to reserved capacity.
     markets = set(markets_for(market))
-    asked = markets if market in ("any", "reserved") else {Market(market)}
+    asked = set(markets) if market in ("any", "reserved") else {Market(market)}
     team = policy.teams.get(request.team) if request.team else None
     if req and req.market:
         markets &= markets_for(req.market)
