@@ -452,7 +452,7 @@ def _policy_diff(args: argparse.Namespace) -> int:
     cfg = _config(args.config)
     _quiet_logs()
 
-    store = store_for(cfg.state, cfg.site)
+    store = store_for(cfg.state, cfg.site, read_only=True)  # the daemon may be running
 
     async def active() -> list[Lease]:
         await store.open()

@@ -40,7 +40,7 @@ class _Section(BaseModel):
 
 class StateConfig(_Section):
     path: Path = Field(default_factory=default_state_path)
-    synchronous: Literal["normal", "full"] = "normal"
+    synchronous: Literal["normal", "full"] = "full"
     keep_ended_hours: float = Field(default=24, gt=0)
     market_history_days: float = Field(default=14, ge=0, le=3650)
     """How long the market history (broker/recorder.py) is kept; 0 turns recording off

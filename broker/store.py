@@ -4,9 +4,19 @@ One connection, used only from one dedicated thread, so SQLite never blocks the 
 loop and writes are serialised. A lease change and the events it causes are committed
 in one transaction: after a crash, either both are there or neither is.
 
-WAL mode; `synchronous=NORMAL` by default, which survives a killed process (the
-daemon's crash mode) but may lose the last transactions on power loss. Set
-`state.synchronous: full` to survive that too, at the cost of an fsync per commit.
+WAL mode with `synchronous=FULL` by default: each commit is fsynced before it returns,
+and the broker publishes a batch's events only after its commit, so nothing published is
+lost on power loss (else a scheduler could act on a decision the restarted daemon never
+made, and a re-sent `request_id` would get a second lease). That is one fsync per
+placement batch (one transaction each, `broker.core`); acknowledgement deletes are not
+synced on their own (`StateStore.ack`). `state.synchronous: normal` skips the fsync:
+it still survives a killed process, not a power loss.
+
+One daemon per state file: `StateStore` holds an exclusive `flock` on `<file>.lock`
+(holding the owner's pid) from open to close, so a second daemon on the same file fails
+at start (`StateInUse`) instead of writing next to the first. The kernel releases it when
+the process dies, however it dies. Read-only opens (`read_only=True`, `reader()`: the
+CLI's read commands) take no lock and work while the daemon runs.
 
 A commit or a lease lookup that SQLite refuses (disk full, I/O error, a read-only file,
 `database is locked` after the 5 s busy timeout) raises `StoreFailed`: the broker cannot
@@ -26,7 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
+import os
 import sqlite3
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -202,6 +214,11 @@ class StoreFailed(Exception):
     ahead of the store."""
 
 
+class StateInUse(RuntimeError):
+    """Another process holds the state file's lock: a second daemon on the same file.
+    The message names the file, the holder's pid when it wrote one, and the lock file."""
+
+
 class Deposed(StoreFailed):
     """Another node leads the site now (a higher fencing epoch): this one's commit was
     refused, or it could not renew its leadership in time. It stops at once, publishes
@@ -340,36 +357,82 @@ class OneThreadStore(Generic[D]):
 
 
 class StateStore(OneThreadStore[SqliteDb]):
-    """The state store on SQLite (see the module docstring)."""
+    """The state store on SQLite (see the module docstring). `read_only`: for commands
+    that only read while the daemon may run: no lock, no schema change (a file of a
+    newer gpubroker is still refused), and every write fails."""
 
-    def __init__(self, path: Path, *, synchronous: str = "normal") -> None:
+    def __init__(self, path: Path, *, synchronous: str = "full",
+                 read_only: bool = False) -> None:
         super().__init__("sqlite")
         self.path = path
-        self._synchronous = synchronous
+        self._synchronous = synchronous.upper()
+        self._read_only = read_only
+        self._lock_fd: int | None = None
 
     @property
     def name(self) -> str:
         return str(self.path)
 
+    @property
+    def lock_path(self) -> Path:
+        """The lock file next to the state file. A separate file, since SQLite takes
+        POSIX (fcntl) locks on the database file itself; it is never deleted (a process
+        that opened it before a delete would lock an inode nobody else sees)."""
+        return self.path.with_name(self.path.name + ".lock")
+
     def reader(self) -> SqliteDb:
         return connect_sqlite(self.path, read_only=True)
 
+    def _lock(self) -> None:
+        """Take the state file's lock for this store's lifetime, or raise `StateInUse`.
+        The pid written into the lock file is only for the message: the lock is what
+        counts (a stale pid in a file nobody locks is overwritten)."""
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.read(fd, 32).decode("ascii", "replace").strip()
+            finally:
+                os.close(fd)
+            who = f"pid {holder}" if holder.isdigit() else "pid unknown"
+            raise StateInUse(f"another gpubroker ({who}) is using it (lock {self.lock_path} "
+                             "held); one daemon per state file") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the last descriptor releases the flock
+            self._lock_fd = None
+
     async def open(self) -> None:
         def do_open() -> SqliteDb:
+            if self._read_only:
+                return self._open_read_only()
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = connect_sqlite(self.path)
+            self._lock()
+            try:
+                db = connect_sqlite(self.path)
+            except BaseException:
+                self._unlock()
+                raise
             try:
                 db.execute("PRAGMA journal_mode=WAL")
-                db.execute(f"PRAGMA synchronous={self._synchronous.upper()}")
+                db.execute(f"PRAGMA synchronous={self._synchronous}")
                 db.execute("PRAGMA busy_timeout=5000")
                 # One transaction: the version is read before anything is created, so a
                 # newer file is refused as it is (no table of an older schema added).
                 db.begin()
-                row = None
-                if db.execute("SELECT count(*) FROM sqlite_master WHERE type='table' AND "
-                              "name='meta'").fetchone()[0]:
-                    row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-                version = 1 if row is None else int(row[0])
+                version = _schema_version(db)
                 if version > SCHEMA_VERSION:
                     raise RuntimeError(
                         f"{self.path} was written by a newer gpubroker (schema {version}, "
@@ -384,16 +447,32 @@ class StateStore(OneThreadStore[SqliteDb]):
                 db.commit()
             except BaseException:
                 db.close()
+                self._unlock()
                 raise
             return db
 
         loop = asyncio.get_running_loop()
         self._db = await loop.run_in_executor(self._executor, do_open)
 
+    def _open_read_only(self) -> SqliteDb:
+        db = connect_sqlite(self.path, read_only=True)
+        try:
+            db.execute("PRAGMA busy_timeout=5000")
+            version = _schema_version(db)
+            if version > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"{self.path} was written by a newer gpubroker (schema {version}, "
+                    f"this one knows {SCHEMA_VERSION})")
+        except BaseException:
+            db.close()
+            raise
+        return db
+
     async def close(self) -> None:
         if self._db is not None:
             await self._run(lambda db: db.close())
             self._db = None
+        self._unlock()
         self._executor.shutdown(wait=True)
 
     async def commit(self, leases: Iterable[Lease], rows: Sequence[OutboxRow]
@@ -436,10 +515,29 @@ class StateStore(OneThreadStore[SqliteDb]):
             return
 
         def delete(db: SqliteDb) -> None:
-            for i in range(0, len(ids), 500):
-                chunk = ids[i:i + 500]
-                db.execute(f"DELETE FROM outbox WHERE id IN ({','.join('?' * len(chunk))})",
-                           chunk)
+            # One transaction, and not synced on its own: a delete that a power loss
+            # takes back only sends the rows again at the next start (subscribers drop
+            # duplicates by id). The next synced commit's fsync of the WAL covers it.
+            # Only when the store syncs: at NORMAL there is nothing to switch.
+            relax = self._synchronous == "FULL"
+            if relax:
+                db.execute("PRAGMA synchronous=NORMAL")
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    for i in range(0, len(ids), 500):
+                        chunk = ids[i:i + 500]
+                        db.execute("DELETE FROM outbox WHERE id IN "
+                                   f"({','.join('?' * len(chunk))})", chunk)
+                    db.execute("COMMIT")
+                except BaseException:
+                    if db.in_transaction:
+                        with contextlib.suppress(sqlite3.Error):
+                            db.execute("ROLLBACK")
+                    raise
+            finally:
+                if relax:
+                    db.execute("PRAGMA synchronous=FULL")
 
         await self._run(delete)
 
@@ -467,6 +565,15 @@ class StateStore(OneThreadStore[SqliteDb]):
 
     async def find_lease(self, scheduler: str, request_id: str) -> Lease | None:
         return _head(await self.find_leases([(scheduler, request_id)]), scheduler, request_id)
+
+
+def _schema_version(db: SqliteDb) -> int:
+    """The file's schema version (1 for a file without `meta`, or a new one)."""
+    row = None
+    if db.execute("SELECT count(*) FROM sqlite_master WHERE type='table' AND "
+                  "name='meta'").fetchone()[0]:
+        row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+    return 1 if row is None else int(row[0])
 
 
 def _head(found: dict[tuple[str, str], list[Lease]], scheduler: str, request_id: str
@@ -519,12 +626,13 @@ def _lease_from(d: dict[str, Any]) -> Lease:
     )
 
 
-def store_for(state: Any, site: str) -> Store:
+def store_for(state: Any, site: str, *, read_only: bool = False) -> Store:
     """The store the configuration's `state` section names: PostgreSQL when `url` is
-    set (high availability), else the SQLite file at `path`."""
+    set (high availability), else the SQLite file at `path`. `read_only`: for commands
+    that only read, next to a running daemon (SQLite: no lock taken, no schema change)."""
     if state.url:
         from broker.pgstore import PgStateStore
 
         return PgStateStore(state.url, site=site, password_file=state.password_file,
                             leadership_seconds=state.leadership_seconds)
-    return StateStore(state.path, synchronous=state.synchronous)
+    return StateStore(state.path, synchronous=state.synchronous, read_only=read_only)

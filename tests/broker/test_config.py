@@ -36,7 +36,7 @@ def test_an_empty_file_means_every_default(text: str) -> None:
     assert c.site == "local"
     assert c.client_id == "gpubroker-local"
     assert c.state.path.name == "state.db"
-    assert c.state.synchronous == "normal"
+    assert c.state.synchronous == "full"
     assert c.mqtt.url == "mqtt://127.0.0.1:1883"
     assert (c.mqtt.host, c.mqtt.port, c.mqtt.tls) == ("127.0.0.1", 1883, False)
     assert c.mqtt.topic_prefix == "gpubroker/v1"

@@ -231,7 +231,7 @@ async def test_a_refused_commit_stops_the_broker_and_keeps_nothing_of_the_batch(
     with pytest.raises(StoreFailed):
         await broker.settled()
     # The store holds what was committed before the failure, and only that.
-    again = StateStore(broker.store.path)
+    again = StateStore(broker.store.path, read_only=True)  # the first holds the lock
     await again.open()
     try:
         assert await again.leases() == [kept]

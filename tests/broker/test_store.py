@@ -7,6 +7,8 @@ PostgreSQL's own tests (migrations, sites, fencing) are in test_pgstore.py."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sqlite3
 import sys
 import textwrap
@@ -25,6 +27,7 @@ from broker.store import (
     SCHEMA_VERSION,
     Db,
     OutboxRow,
+    StateInUse,
     StateStore,
     Store,
     StoreFailed,
@@ -62,6 +65,9 @@ class Engine:
 
     name: str
     make: Callable[[], Store]
+    beside: Callable[[], Store]
+    """A store to open while another is open on the same state: on SQLite a read-only
+    one (one writer per file: the lock); on PostgreSQL another node's."""
 
     async def opened(self) -> Store:
         s = self.make()
@@ -73,11 +79,13 @@ class Engine:
 def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Engine:
     if request.param == "sqlite":
         path = tmp_path / "state" / "state.db"
-        return Engine("sqlite", lambda: StateStore(path))
+        return Engine("sqlite", lambda: StateStore(path),
+                      lambda: StateStore(path, read_only=True))
     from broker.pgstore import PgStateStore
 
     url = request.getfixturevalue("pg_url")
-    return Engine("postgresql", lambda: PgStateStore(url, site="test"))
+    return Engine("postgresql", lambda: PgStateStore(url, site="test"),
+                  lambda: PgStateStore(url, site="test"))
 
 
 @pytest.fixture
@@ -358,7 +366,8 @@ async def test_committed_state_is_visible_without_a_clean_close(engine: Engine) 
     try:
         le = lease()
         [row] = await first.commit([le], [OutboxRow("t/a", b"1", retain=True)])
-        second = await engine.opened()  # the first one was never closed
+        second = engine.beside()  # the first one was never closed
+        await second.open()
         try:
             assert await second.leases() == [le]
             assert await second.pending() == [row]
@@ -657,3 +666,102 @@ async def test_open_creates_missing_directories(tmp_path: Path) -> None:
     s = await reopened(path)
     await s.close()
     assert path.exists()
+
+
+# --- durability and one writer per file (#26) -------------------------------------------
+
+
+def synchronous(db: Db) -> int:
+    return int(db.execute("PRAGMA synchronous").fetchone()[0])
+
+
+async def test_every_commit_is_synced_by_default(tmp_path: Path) -> None:
+    """FULL (2): a commit is on disk before the broker publishes what it decided. An
+    acknowledgement delete is not synced on its own, and the connection is back at FULL
+    after it."""
+    store = await reopened(tmp_path / "state.db")
+    try:
+        assert await store.call(synchronous) == 2
+        rows = await store.commit([lease()], [OutboxRow("t/a", b"1"), OutboxRow("t/b", b"2")])
+        await store.ack([r.id for r in rows if r.id is not None])
+        assert await store.pending() == []
+        assert await store.call(synchronous) == 2
+    finally:
+        await store.close()
+    relaxed = StateStore(tmp_path / "state.db", synchronous="normal")
+    await relaxed.open()
+    try:
+        assert await relaxed.call(synchronous) == 1
+    finally:
+        await relaxed.close()
+
+
+async def test_a_second_writer_on_the_same_file_is_refused_until_the_first_closes(
+        tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    first = await reopened(path)
+    try:
+        kept = lease()
+        await first.commit([kept], [])
+        second = StateStore(path)
+        with pytest.raises(StateInUse) as err:
+            await second.open()
+        await second.close()
+        assert str(err.value) == (f"another gpubroker (pid {os.getpid()}) is using it (lock "
+                                  f"{path}.lock held); one daemon per state file")
+        # Readers take no lock: the CLI's read commands work next to the daemon.
+        reader = StateStore(path, read_only=True)
+        await reader.open()
+        try:
+            assert await reader.leases() == [kept]
+            with pytest.raises(StoreFailed, match="readonly"):
+                await reader.commit([lease("r2")], [])
+        finally:
+            await reader.close()
+        # The first is untouched by the refused open.
+        await first.commit([lease("r3")], [])
+    finally:
+        await first.close()
+    again = await reopened(path)
+    try:
+        assert {le.request_id for le in await again.leases()} == {"r1", "r3"}
+    finally:
+        await again.close()
+
+
+async def test_the_lock_dies_with_a_killed_process(tmp_path: Path) -> None:
+    """kill -9 of the holder: the kernel releases the lock, and the next store opens. While
+    it lives, the refusal names its pid."""
+    path = tmp_path / "state.db"
+    script = textwrap.dedent(f"""
+        import asyncio, pathlib, sys
+        sys.path.insert(0, {str(Path(__file__).parent.parent.parent)!r})
+        from broker.store import StateStore
+
+        async def main():
+            store = StateStore(pathlib.Path({str(path)!r}))
+            await store.open()
+            print("open", flush=True)
+            await asyncio.Event().wait()
+
+        asyncio.run(main())
+    """)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(20):
+            line = await proc.stdout.readline()
+        assert line == b"open\n", (await proc.stderr.read()).decode() if proc.stderr else ""
+        refused = StateStore(path)
+        with pytest.raises(StateInUse, match=rf"\(pid {proc.pid}\)"):
+            await refused.open()
+        await refused.close()
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    store = await reopened(path)
+    await store.close()
