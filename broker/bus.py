@@ -60,6 +60,17 @@ and must not yield to the event loop after reading, so that the read and the pub
 are one step: a newer state committed meanwhile is always published after it."""
 ACK_BATCH = 512
 ACK_COALESCE_SECONDS = 0.05
+CONNECT_TIMEOUT = 10.0
+"""The longest a connection to the MQTT server may take to make (TCP, TLS, CONNACK)."""
+CONNECT_MARGIN = 0.25
+"""Leading a site (broker.ha), a connect as the site starts only if the leadership has
+this much time left beyond the time the connect is allowed to take to send CONNECT:
+that CONNECT then reaches the MQTT server while this node still leads, before any next
+leader's (network delays beyond this margin aside, which the check after CONNACK and
+the subscribers' epoch rule cover)."""
+CONNECT_MIN = 0.2
+"""The least time a connect is allowed for its TCP and TLS handshakes: with less
+leadership time left, the bus waits for the next renewal before it connects."""
 
 
 class _LateAck(logging.Filter):
@@ -128,13 +139,17 @@ class Bus:
                  boot_id: str, on_command: Callable[[Command], Awaitable[None]],
                  retained: RetainedSource | None = None, node: str = "",
                  epoch: Callable[[], int] = lambda: 0,
-                 may_publish: Callable[[], bool] = lambda: True) -> None:
+                 may_publish: Callable[[], bool] = lambda: True,
+                 time_left: Callable[[], float] = lambda: math.inf) -> None:
         self.cfg = cfg
         self.node = node
         self._epoch = epoch
         self.may_publish = may_publish
         """The leader's fence (broker.ha): nothing is published, and no connection is
         made, while it says no."""
+        self.time_left = time_left
+        """Seconds the leadership is still sure to hold (broker.ha; infinite for a
+        single daemon): a connect as the site starts only with enough of it left."""
         self.topics = topics
         self.store = store
         self.client_id = client_id
@@ -205,12 +220,37 @@ class Bus:
                       "version": __version__, "node": self.node, "role": "leader",
                       "epoch": self._epoch()})
 
-    def _client_for(self) -> aiomqtt.Client:
+    async def _connect_window(self) -> float:
+        """Wait until a connect as the site may start; returns how long its TCP and TLS
+        handshakes may take (CONNECT is sent right after them). `Fenced` once this node
+        does not lead.
+
+        A CONNECT under the site's client id takes the site's session from whoever holds
+        it. Sent by a deposed leader after the next leader connected, it would take the
+        session (and the requests queued in it) from the new leader and leave a will
+        saying `offline` that fires after the new leader's `online`. So a connect starts
+        only while the leadership has the handshakes' time plus `CONNECT_MARGIN` left,
+        and the handshakes are bounded by that time. With too little left (a renewal is
+        due), wait for the renewal rather than fail: a failure would grow the backoff."""
+        while True:
+            if not self.may_publish():
+                raise Fenced("this node does not lead the site (any more)")
+            budget = min(CONNECT_TIMEOUT, self.time_left() - CONNECT_MARGIN)
+            if budget >= CONNECT_MIN:
+                return budget
+            await asyncio.sleep(0.05)
+
+    def _client_for(self, budget: float = CONNECT_TIMEOUT) -> aiomqtt.Client:
         if not self.may_publish():
             raise Fenced("this node does not lead the site (any more)")
         client = make_client(self.cfg, self.client_id, will=aiomqtt.Will(
             self.topics.status, self._status("offline"), qos=1, retain=True))
         client.pending_calls_threshold = 100_000  # the outbox window bounds them, not this
+        # paho bounds the TCP connect and the TLS handshake by this, each: CONNECT is
+        # sent within `budget` of the start, or never.
+        paho = getattr(client, "_client", None)
+        if paho is not None:
+            paho.connect_timeout = budget / 2
         return client
 
     async def run(self) -> None:
@@ -269,10 +309,18 @@ class Bus:
     async def _connection(self) -> None:
         """One connection: connect, run a session until it fails or the task is
         cancelled, then close it the way the SPEC asks for that way out."""
-        client = self._client_for()
+        client = self._client_for(await self._connect_window())
         await client.__aenter__()
         clean = True
+        leading = False  # the connection was made while this node led
         try:
+            if not self.may_publish():
+                # CONNACK came after the leadership lapsed: this connection may have
+                # taken the site's session from a newer leader. Leave it at once with a
+                # DISCONNECT, which discards the will: its `offline` could otherwise be
+                # published after the newer leader's `online` and stay retained.
+                raise Fenced("connected to the MQTT server after the leadership lapsed")
+            leading = True
             self._client = client
             if _stopping():
                 # Cancelled while connecting, and aiomqtt's `asyncio.wait_for` swallowed
@@ -284,7 +332,13 @@ class Bus:
             clean = self._farewell
             raise
         except Fenced:
-            clean = False  # deposed: leave as a crash does, with the will (`offline`)
+            # Deposed on a connection made while leading: leave as a crash does, with
+            # the will (`offline`). That is safe: the MQTT server publishes it now, or
+            # it did when a newer leader's CONNECT (the same client id) closed this
+            # connection, which discards or publishes the will before that leader's
+            # CONNACK, so before its `online`. A connection made too late (above) is
+            # left cleanly instead.
+            clean = not leading
             raise
         finally:
             self._client = None
@@ -515,9 +569,11 @@ class Bus:
         return True
 
     async def goodbye(self, timeout: float = 5.0) -> None:
-        """Publish `offline` (retained) before a clean disconnect, which sends no will."""
+        """Publish `offline` (retained) before a clean disconnect, which sends no will.
+        Not once this node stopped leading (`_publish` is fenced): a newer leader may be
+        online by then, and this `offline` would overwrite its `online`."""
         client = self._client
-        if client is None or not self.connected.is_set():
+        if client is None or not self.connected.is_set() or not self.may_publish():
             return
         with contextlib.suppress(aiomqtt.MqttError):
             await self._publish(client, self.topics.status, self._status("offline"),

@@ -33,6 +33,13 @@ What it does for the scheduler (SPEC §3-§5):
 * **The daemon's status.** `daemon_online` follows `P/status` (`None` until known).
   Requests keep waiting, and re-sending, while the daemon is offline, until their own
   deadline.
+* **Leader epochs** (high availability). A `P/status` whose `epoch` is lower than the
+  highest leader epoch seen (on a status or in an event's `leaderepoch`) comes from a
+  deposed leader, late: it is ignored, so it cannot make the client believe the daemon
+  offline while the new leader serves. An event whose `leaderepoch` is lower than the
+  highest seen on an event is dropped likewise. (Events are compared with events only:
+  a new leader sends the old one's unacknowledged events again, byte for byte, with
+  their old `leaderepoch`, after its own `online`.)
 
 Known limit: a lease that ends while the client is disconnected (its end event is lost
 with the clean session) is learnt at the next `renew()`, which the keep-alive sends.
@@ -569,7 +576,10 @@ class BrokerClient:
             if scheduler is not None else None
         # state
         self.daemon_status: Mapping[str, Any] | None = None
-        """The last `P/status` payload."""
+        """The last `P/status` payload (of the highest leader epoch seen)."""
+        self.leader_epoch = 0
+        """The highest leader epoch seen: in a `P/status` or an event's `leaderepoch`."""
+        self._event_epoch = 0  # the highest `leaderepoch` seen on an event
         self.connects = 0
         self._generation = 0  # +1 on each connect
         self._online_generation = 0  # +1 each time the daemon comes online
@@ -1097,6 +1107,13 @@ class BrokerClient:
         if env is None or not isinstance(env.get("data"), dict):
             log.warning("unreadable event on %s ignored", topic)
             return
+        epoch = _epoch(env.get("leaderepoch"))
+        if epoch < self._event_epoch:
+            log.debug("event %s of leader epoch %d on %s dropped: epoch %d was seen",
+                      env.get("id"), epoch, topic, self._event_epoch)
+            return
+        self._event_epoch = epoch
+        self.leader_epoch = max(self.leader_epoch, epoch)
         eid = str(env.get("id", ""))
         if eid in self._seen:
             return
@@ -1109,7 +1126,14 @@ class BrokerClient:
 
     def _on_status(self, payload: bytes, retained: bool) -> None:
         status = _json(payload)
+        if status is not None and _epoch(status.get("epoch")) < self.leader_epoch:
+            # A deposed leader's, late (its will, or a status from a connection it made
+            # after the new leader's): the new leader is the one that serves.
+            log.debug("P/status %r of leader epoch %d ignored: epoch %d was seen",
+                      status.get("state"), _epoch(status.get("epoch")), self.leader_epoch)
+            status = None
         if status is not None:
+            self.leader_epoch = _epoch(status.get("epoch"))
             was = self.daemon_online
             before = self.daemon_status.get("boot_id") if self.daemon_status else None
             self.daemon_status = status
@@ -1206,6 +1230,11 @@ def _json(payload: bytes) -> dict[str, Any] | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
+
+
+def _epoch(value: Any) -> int:
+    """A leader epoch from a payload: absent or not an integer (an older daemon) is 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _unsupported_version(exc: MqttConnectError) -> bool:

@@ -16,6 +16,7 @@ import contextlib
 import errno
 import functools
 import json
+import math
 import os
 import signal
 import sqlite3
@@ -105,11 +106,13 @@ class Daemon:
         else:
             self._use_hazard()
         self.book = LeaseBook(keep_ended=timedelta(hours=cfg.state.keep_ended_hours))
-        self.messages = Messages(self.topics, Envelopes(cfg.site, self.boot_id))
+        self.messages = Messages(self.topics, Envelopes(cfg.site, self.boot_id,
+                                                        epoch=lambda: self.store.epoch))
         self.bus = Bus(cfg.mqtt, self.topics, self.store, client_id=cfg.client_id,
                        boot_id=self.boot_id, on_command=self._submit,
                        retained=self._retained_state, node=cfg.node,
-                       epoch=lambda: self.store.epoch, may_publish=self._may_lead)
+                       epoch=lambda: self.store.epoch, may_publish=self._may_lead,
+                       time_left=self._lead_time_left)
         self.broker = Broker(pool=self.pool, book=self.book, store=self.store,
                              messages=self.messages, policy=self.policy,
                              publish=self.bus.enqueue,
@@ -160,6 +163,14 @@ class Daemon:
 
     def _may_lead(self) -> bool:
         return self.leadership is None or self.leadership.valid()
+
+    def _lead_time_left(self) -> float:
+        """Seconds this node is still sure to lead (infinite: a single daemon)."""
+        if self.leadership is None:
+            return math.inf
+        if not self.leadership.valid():
+            return 0.0
+        return self.leadership.deadline - time.monotonic()
 
     def not_ready(self) -> list[str]:
         """Why the daemon is not ready to serve (empty: ready)."""
@@ -443,7 +454,8 @@ class Daemon:
     async def _standby_bus(self) -> None:
         """Standing by: stay connected to the MQTT server with a client of this node's
         own (no will, no session, publishes nothing) and follow `P/status`, so /readyz
-        and the status line say whether the server and the leader are there."""
+        and the status line say whether the server and the leader are there. A status
+        of a lower epoch than one already seen is a deposed leader's, late: ignored."""
         client_id = f"{self.cfg.client_id}-standby-{self.cfg.node}"
         failures = 0
         while True:
@@ -454,7 +466,7 @@ class Daemon:
                     failures = 0
                     async for message in client.messages:
                         status = _json_object(message.payload)
-                        if status is not None:
+                        if status is not None and not _older(status, self.leader_status):
                             self.leader_status = status
             except Exception as exc:  # any failure: reconnect (standing by is all it does)
                 failures += 1
@@ -645,6 +657,19 @@ def _json_object(payload: Any) -> dict[str, Any] | None:
     except (TypeError, ValueError):
         return None
     return value if isinstance(value, dict) else None
+
+
+def _older(status: dict[str, Any], than: dict[str, Any] | None) -> bool:
+    """Whether `status` (a `P/status`) has a lower leader epoch than `than`: then it
+    comes from a deposed leader and says nothing of the site's leader now."""
+    if than is None:
+        return False
+    return _epoch_of(status) < _epoch_of(than)
+
+
+def _epoch_of(status: dict[str, Any]) -> int:
+    epoch = status.get("epoch")
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
 
 
 async def _cancel_and_wait(tasks: list[asyncio.Task[None]], every: float = 0.5) -> None:

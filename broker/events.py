@@ -87,14 +87,23 @@ def _level(name: str) -> str:
 
 
 class Envelopes:
-    """Builds CloudEvents for one daemon boot: `seq` counts up from 1 per boot."""
+    """Builds CloudEvents for one daemon boot: `seq` counts up from 1 per boot.
+
+    `epoch`: the leader's fencing epoch now (high availability; 0 for a single daemon
+    on SQLite), written into each envelope as the extension attribute `leaderepoch`
+    when the event is built. A subscriber that has seen a higher one drops the event:
+    it can only come from a deposed leader, late. The value is fixed at build time, so
+    an event sent again from the outbox (by this leader after a reconnect, or by the
+    next leader) keeps it, byte for byte."""
 
     def __init__(self, site: str, boot_id: str, *,
-                 clock: Callable[[], datetime] = utcnow) -> None:
+                 clock: Callable[[], datetime] = utcnow,
+                 epoch: Callable[[], int] = lambda: 0) -> None:
         self.source = f"gpubroker://{site}"
         self.boot_id = boot_id
         self._seq = itertools.count(1)
         self._clock = clock
+        self._epoch = epoch
         self.last_seq = 0
 
     def build(self, event: Event) -> dict[str, Any]:
@@ -110,6 +119,7 @@ class Envelopes:
             "datacontenttype": "application/json",
             "seq": seq,
             "bootid": self.boot_id,
+            "leaderepoch": self._epoch(),
         }
         if event.correlationid is not None:
             env["correlationid"] = event.correlationid

@@ -319,6 +319,11 @@ Correlation = Annotated[RequestId, _doc(
     "The `request_id` the event concerns: of the request answered, or of the lease's "
     "placement request.")]
 LeaseSubject = Annotated[str, Field(pattern=r"^lease/.+$", description="`lease/<lease_id>`.")]
+LeaderEpoch = Annotated[int, Field(ge=0, description=(
+    "CloudEvents extension attribute: the fencing epoch of the leader that built the event "
+    "(the `epoch` of its `P/status`; 0: a single daemon on SQLite). Once a higher one was "
+    "seen on an event, drop events with a lower one: they come from a deposed leader, "
+    "late. Absent from events of daemons before contract 1.1 (read it as 0)."))]
 
 
 @with_config(_SENT)
@@ -332,6 +337,7 @@ class _Envelope(TypedDict):
     datacontenttype: Literal["application/json"]
     seq: Seq
     bootid: BootId
+    leaderepoch: NotRequired[LeaderEpoch]
 
 
 @with_config(_SENT)

@@ -98,7 +98,8 @@ def test_envelope_has_every_cloudevents_field() -> None:
     clock = Clock(T0.replace(microsecond=123456))
     env = Envelopes("lab-1", BOOT, clock=clock).build(decided_event())
     assert list(env) == ["specversion", "id", "source", "type", "time", "subject",
-                         "datacontenttype", "seq", "bootid", "correlationid", "data"]
+                         "datacontenttype", "seq", "bootid", "leaderepoch", "correlationid",
+                         "data"]
     assert env["specversion"] == "1.0"
     uuid.UUID(env["id"])
     assert env["source"] == "gpubroker://lab-1"
@@ -110,6 +111,20 @@ def test_envelope_has_every_cloudevents_field() -> None:
     assert env["bootid"] == BOOT
     assert env["correlationid"] == "job-1"
     assert env["data"] == {"request_id": "job-1", "lease_id": "L-1", "epoch": 1}
+    assert env["leaderepoch"] == 0  # a single daemon (no leader election)
+
+
+def test_leaderepoch_is_the_fencing_epoch_when_the_event_is_built() -> None:
+    """The envelope carries the leader's epoch as it is when the event is built; the
+    bytes stored in the outbox keep it, whatever the epoch is when they are sent."""
+    epoch = 3
+    envelopes = Envelopes("lab-1", BOOT, epoch=lambda: epoch)
+    messages = Messages(Topics(P), envelopes)
+    first = messages.event(decided_event())[0].payload
+    epoch = 4
+    second = envelopes.build(decided_event())
+    assert json.loads(first)["leaderepoch"] == 3
+    assert second["leaderepoch"] == 4
 
 
 def test_correlationid_is_left_out_when_there_is_none() -> None:
