@@ -450,3 +450,81 @@ async def test_a_split_placement_gives_a_lease_per_part(start_daemon: StartDaemo
         for part in lease.parts:
             await part.release()
         assert not any(le.state is LeaseState.ACTIVE for le in leases_for(rd, "split"))
+
+
+def _status(state: str, epoch: int, node: str, ts: str) -> dict[str, Any]:
+    return {"state": state, "ts": ts, "boot_id": str(uuid.uuid4()), "version": "0.1.0",
+            "node": node, "role": "leader", "epoch": epoch}
+
+
+async def test_a_status_of_a_lower_leader_epoch_is_ignored(
+        mosquitto: Mosquitto, probe_factory: ProbeFactory,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """High availability: once `online` of epoch 3 was seen, a retained `offline` of
+    epoch 2 (a deposed leader's will or goodbye, late) does not make the client believe
+    the daemon offline; a status of epoch 3 after it is taken as usual."""
+    probe = await probe_factory([f"{PREFIX}/status"])
+    topic = f"{PREFIX}/status"
+    await probe.publish(topic, _status("online", 3, "a", "2026-11-30T12:00:00.000Z"),
+                        retain=True)
+    caplog.set_level("DEBUG", logger="gpubroker.client")
+    async with BrokerClient(mosquitto.url, scheduler=None) as c:
+        assert await c.wait_daemon_online(5)
+        assert c.leader_epoch == 3
+        await probe.publish(topic, _status("offline", 2, "b", "2026-11-30T12:00:01.000Z"),
+                            retain=True)
+        # The next status, on the same topic, arrives after it: the client has handled
+        # the stale one by then.
+        marker = "2026-11-30T12:00:02.000Z"
+        await probe.publish(topic, _status("online", 3, "a", marker), retain=True)
+        async with asyncio.timeout(5):
+            while c.daemon_status is None or c.daemon_status["ts"] != marker:
+                await c.wait_daemon_online(5)
+                await asyncio.sleep(0.01)
+        offline = [r for r in caplog.records if "offline" in r.getMessage()
+                   and r.levelname == "WARNING"]
+        assert not offline, "the client believed the daemon offline"
+        assert any("ignored" in r.getMessage() and r.levelname == "DEBUG"
+                   for r in caplog.records)
+        # A status of the same epoch counts: the will of the leader that crashed.
+        await probe.publish(topic, _status("offline", 3, "a", "2026-11-30T12:00:03.000Z"),
+                            retain=True)
+        async with asyncio.timeout(5):
+            while c.daemon_online:
+                await asyncio.sleep(0.01)
+    await probe.publish(topic, b"", retain=True)
+
+
+async def test_an_event_of_a_lower_leader_epoch_is_dropped(
+        start_daemon: StartDaemon, mosquitto: Mosquitto,
+        probe_factory: ProbeFactory) -> None:
+    """High availability: once an event of leader epoch 3 was seen, an event of leader
+    epoch 2 (a deposed leader's, late) is dropped, even one the lease would take (a
+    renewal of its epoch); a later event of epoch 3 is handled."""
+    await start_daemon()
+    probe = await probe_factory([f"{PREFIX}/events/{S}/#"])
+    async with client(mosquitto) as c:
+        lease = await c.place(gpu=GPUS, gpus=8, lease_seconds=300)
+        decided = await probe.wait_for(lambda m: m.topic.matches(f"{PREFIX}/events/{S}/+")
+                                       and payload_json(m)["type"].endswith("decided.v1"))
+        assert payload_json(decided)["leaderepoch"] == 0  # a single daemon
+
+        def renewed(leader_epoch: int, expires_at: str) -> dict[str, Any]:
+            return {**payload_json(decided), "id": str(uuid.uuid4()),
+                    "type": "gpubroker.lease.renewed.v1", "leaderepoch": leader_epoch,
+                    "data": {"lease_id": lease.lease_id, "epoch": 1,
+                             "expires_at": expires_at}}
+
+        topic = f"{PREFIX}/events/{S}/lease.renewed"
+        await probe.publish(topic, renewed(3, "2098-01-01T00:00:00.000Z"))
+        await probe.publish(topic, renewed(2, "2099-01-01T00:00:00.000Z"))
+        await probe.publish(topic, renewed(3, "2097-01-01T00:00:00.000Z"))
+        got: list[datetime] = []
+        async with asyncio.timeout(5):
+            async for ev in lease.events():
+                if ev.kind == "renewed" and ev.expires_at is not None:
+                    got.append(ev.expires_at)
+                    if ev.expires_at.year == 2097:
+                        break
+        assert [t.year for t in got] == [2098, 2097]
+        assert c.leader_epoch == 3
