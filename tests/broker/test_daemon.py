@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -438,3 +440,102 @@ async def test_a_polled_slice_waits_for_its_capacity_summaries_once(mosquitto: M
     finally:
         for adapter in daemon.adapters:
             await adapter.close()
+
+
+# --- the state file: synced commits, one daemon per file (#26) ---------------------------
+
+
+async def test_the_daemons_state_connection_syncs_every_commit(
+        start_daemon: StartDaemon) -> None:
+    """synchronous=FULL (2) by default: a decision is on disk before it is published."""
+    rd = await start_daemon()
+    assert await rd.daemon.store.call(
+        lambda db: db.execute("PRAGMA synchronous").fetchone()[0]) == 2
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+async def gpubroker_process(*args: str | Path, log: Path | None = None
+                            ) -> asyncio.subprocess.Process:
+    """`python -m broker.cli ...` as systemd runs it; its output in pipes, or appended to
+    `log` for a daemon that runs on (a pipe nobody reads would block it when full)."""
+    if log is None:
+        out: Any = asyncio.subprocess.PIPE
+    else:
+        out = await asyncio.to_thread(log.open, "ab")
+    try:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "broker.cli", *map(str, args), cwd=REPO,
+            stdout=out, stderr=out)
+    finally:
+        if log is not None:
+            out.close()  # the child has its own copy
+
+
+async def online(probe: MqttProbe, since: int, not_boot: str | None = None) -> str:
+    """The boot_id of the next daemon to announce itself `online` (not `not_boot`)."""
+    msg = await probe.wait_for(
+        lambda m: str(m.topic) == f"{PREFIX}/status" and bool(m.payload)
+        and payload_json(m)["state"] == "online" and payload_json(m)["boot_id"] != not_boot,
+        since=since, timeout=30)
+    return str(payload_json(msg)["boot_id"])
+
+
+async def test_a_second_daemon_on_the_same_state_file_exits_2_until_the_first_dies(
+        tmp_path: Path, mosquitto: Mosquitto, probe_factory: ProbeFactory) -> None:
+    """Two daemons writing one file would each publish decisions the other does not
+    know. The second fails at start (exit 2, one line naming the file and the holder's
+    pid); the read commands still work; once the first is killed (-9: no clean close),
+    the lock is gone with it and a new daemon starts."""
+    state = tmp_path / "state.db"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"site: lock-test\nstate: {{path: '{state}'}}\nhttp: {{listen: null}}\n"
+        f"mqtt: {{url: '{mosquitto.url}', client_id: gpubroker-lock-test}}\n"
+        "poll: {interval_seconds: 3600, stale_after_seconds: 7200}\n"
+        "clouds: {sim: {seed: 3, regions_per_cloud: 1, zones_per_region: 2, "
+        "preempt_rate_multiplier: 0}}\n")
+    probe = await probe_factory([f"{PREFIX}/status"])
+    started: list[asyncio.subprocess.Process] = []
+    try:
+        log = tmp_path / "daemons.log"
+        first = await gpubroker_process("run", "--config", config, log=log)
+        started.append(first)
+        boot1 = await online(probe, 0)
+
+        second = await gpubroker_process("run", "--config", config)
+        started.append(second)
+        async with asyncio.timeout(30):
+            _, err = await second.communicate()
+        assert second.returncode == 2, err.decode()
+        assert err.decode().splitlines() == [
+            f"gpubroker: {state}: state.path: cannot open the state file: another "
+            f"gpubroker (pid {first.pid}) is using it (lock {state}.lock held); one daemon "
+            "per state file"]
+        assert first.returncode is None  # the first runs on, untouched
+
+        # Read-only commands take no lock.
+        for args in (("history", "--state", state, "--since", "1h"),
+                     ("policy", "diff", REPO / "deploy/policy.example.yaml",
+                      REPO / "deploy/policy.example.yaml", "--config", config)):
+            reader = await gpubroker_process(*args)
+            async with asyncio.timeout(30):
+                _, err = await reader.communicate()
+            assert reader.returncode == 0, (args, err.decode())
+
+        mark = probe.mark()
+        first.send_signal(signal.SIGKILL)
+        async with asyncio.timeout(10):
+            await first.wait()
+        third = await gpubroker_process("run", "--config", config, log=log)
+        started.append(third)
+        assert await online(probe, mark, not_boot=boot1) != boot1
+        assert third.returncode is None
+        assert (await asyncio.to_thread(state.with_name("state.db.lock").read_text)
+                ).strip() == str(third.pid)
+    finally:
+        for proc in started:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGKILL)
+            await proc.wait()
