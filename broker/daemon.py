@@ -311,6 +311,8 @@ class Daemon:
                     return
                 assert self.leadership is not None
                 self.store.epoch = self.leadership.epoch
+                if isinstance(self.store, PgStateStore):
+                    self.store.boot_id = self.leadership.boot_id
             now = utcnow()
             self.broker.restore(await self.store.leases(
                 ended_since=now - self.book.keep_ended))

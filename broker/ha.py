@@ -1,25 +1,34 @@
 """High availability: one leader per site, elected in PostgreSQL, fenced by an epoch.
 
 Every daemon of a site (same `site`, same `state.url`) runs `Leadership`. The site's
-leadership is a row (`leadership`: epoch, node, expiry in the database's clock):
+leadership is two rows: `leadership` (epoch, node, boot id), written only by a claim, and
+`leadership_term` (epoch, boot id, expiry in the database's clock), written by claims,
+renewals and releases:
 
-* A **standby** tries, every `claim_every` seconds, to take the row once it has expired
-  (`expires_at < now()`), raising the epoch by one in the same statement; two standbys
-  starting at once cannot both win, the row update is atomic.
-* The **leader** renews the expiry every `seconds / 3`, from a thread and a connection
-  of their own (a busy event loop must not let the claim lapse; a loop that has not run
-  for `LOOP_STALL_SECONDS` stops the renewals, so a stuck daemon cannot keep it). It
-  counts itself leader only until `deadline`: the local monotonic time at which it sent
-  its last successful renewal, plus `seconds`, minus a margin (`seconds / 3`, at least
-  0.5 s). The database's expiry is at least `seconds` after that same moment, so the
-  leader stops acting before any standby can start. A leader that cannot renew in time
-  (database lost, process frozen by `SIGSTOP`, renewal refused because another took
-  over) raises `Deposed` and stands by again.
+* A **standby** tries, every `claim_every` seconds, to take the term once it has
+  expired (`expires_at < now()`) and, in the same transaction, to raise the epoch by
+  one; two standbys starting at once cannot both win.
+* The **leader** renews the term's expiry every `seconds / 3`, from a thread and a
+  connection of their own (a busy event loop must not let the claim lapse; a loop that
+  has not run for `loop_stall_seconds` stops the renewals, so a stuck daemon cannot keep
+  it; a timer on the loop says it runs, from the claim on). A renewal names the epoch
+  and the boot id, and renews only a term that has not expired: a lapsed term is never
+  revived, and an epoch issued twice (a PostgreSQL failover that lost the last WAL) is
+  told apart by the boot id. The leader counts itself leader only until `deadline`: the
+  local monotonic time at which it sent its last successful renewal, plus `seconds`,
+  minus a margin (`seconds / 3`, at least 0.5 s). The database's expiry is at least
+  `seconds` after that same moment, so the leader stops acting before any standby can
+  start. A leader that cannot renew in time (database lost, process frozen by
+  `SIGSTOP`, renewal refused because another took over) raises `Deposed`, ends its
+  term in the database if it is still its own (a standby need not wait out the rest)
+  and stands by again.
 * **Fencing** in the database (`broker.pgstore`): every write transaction checks the
-  epoch under a share lock of the row; the takeover's update waits for a commit in
-  flight, and every later commit of the old leader fails. **Fencing on the bus**: the
-  leader publishes (and connects) only while `valid()`; the leader's MQTT client id is
-  the site's, so a new leader's connection also ends the old one's at the MQTT server.
+  epoch and boot id under a share lock of the `leadership` row; a claim's update of that
+  row waits for a commit in flight, and every later commit of the old leader fails.
+  Renewals write the other row, so a COMMIT that stalls after the fence (a synchronous
+  replica away, an fsync stall) holds up no renewal. **Fencing on the bus**: the leader
+  publishes (and connects) only while `valid()`; the leader's MQTT client id is the
+  site's, so a new leader's connection also ends the old one's at the MQTT server.
 
 Only the database's clock is compared with the expiry; a node's clock may be wrong.
 The `nodes` table lists every node with its role, epoch and last heartbeat
@@ -39,7 +48,7 @@ import structlog
 
 from broker import __version__
 from broker.model import utcnow
-from broker.store import Deposed
+from broker.store import Deposed, StoreFailed
 
 if TYPE_CHECKING:
     import psycopg
@@ -48,19 +57,30 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("gpubroker.ha")
 
+_TAKE_TERM = """
+INSERT INTO leadership_term AS t (site, epoch, boot_id, expires_at)
+VALUES (%(site)s, 0, %(boot)s, now() + make_interval(secs => %(ttl)s))
+ON CONFLICT (site) DO UPDATE SET boot_id = excluded.boot_id, expires_at = excluded.expires_at
+WHERE t.expires_at < now()
+RETURNING site
+"""
 _CLAIM = """
-INSERT INTO leadership AS l (site, epoch, node, boot_id, since, expires_at)
-VALUES (%(site)s, 1, %(node)s, %(boot)s, now(), now() + make_interval(secs => %(ttl)s))
+INSERT INTO leadership AS l (site, epoch, node, boot_id, since)
+VALUES (%(site)s, 1, %(node)s, %(boot)s, now())
 ON CONFLICT (site) DO UPDATE SET epoch = l.epoch + 1, node = excluded.node,
-    boot_id = excluded.boot_id, since = now(), expires_at = excluded.expires_at
-WHERE l.expires_at < now()
+    boot_id = excluded.boot_id, since = now()
 RETURNING epoch
 """
+_SET_TERM_EPOCH = "UPDATE leadership_term SET epoch = %(epoch)s WHERE site = %(site)s"
 _RENEW = """
-UPDATE leadership SET expires_at = now() + make_interval(secs => %(ttl)s)
-WHERE site = %(site)s AND epoch = %(epoch)s RETURNING epoch
+UPDATE leadership_term SET expires_at = now() + make_interval(secs => %(ttl)s)
+WHERE site = %(site)s AND epoch = %(epoch)s AND boot_id = %(boot)s AND expires_at > now()
+RETURNING epoch
 """
-_RELEASE = "UPDATE leadership SET expires_at = now() WHERE site = %(site)s AND epoch = %(epoch)s"
+_RELEASE = """
+UPDATE leadership_term SET expires_at = now()
+WHERE site = %(site)s AND epoch = %(epoch)s AND boot_id = %(boot)s
+"""
 _HEARTBEAT = """
 INSERT INTO nodes (node, boot_id, role, epoch, version, started_at, seen_at)
 VALUES (%(node)s, %(boot)s, %(role)s, %(epoch)s, %(version)s, %(started)s, now())
@@ -87,7 +107,7 @@ class Leadership:
     """This node's part in the site's election (see the module docstring)."""
 
     def __init__(self, store: PgStateStore, *, site: str, node: str, boot_id: str,
-                 seconds: float = 3.0) -> None:
+                 seconds: float = 3.0, loop_stall_seconds: float = LOOP_STALL_SECONDS) -> None:
         self.store = store
         self.site = site
         self.node = node
@@ -96,6 +116,7 @@ class Leadership:
         self.renew_every = seconds / 3
         self.claim_every = min(0.5, seconds / 6)
         self.margin = max(0.5, seconds / 3)
+        self.loop_stall_seconds = loop_stall_seconds
         self.epoch = 0
         self.deadline = 0.0
         self.role = "standby"
@@ -109,17 +130,28 @@ class Leadership:
         self._renewer: threading.Thread | None = None
         self._stop_renewing = threading.Event()
         self._lost: str | None = None  # why the renewals ended (the renewing thread)
-        self._loop_seen = time.monotonic()  # when the event loop last ran `hold`
+        self._loop_seen = time.monotonic()  # when the event loop last ran (`_beat`)
+        self._pulse: asyncio.TimerHandle | None = None
+        self._held = 0  # the epoch of the term this node holds in the database, until released
         _own_boots.add(boot_id)
 
     def valid(self) -> bool:
         """Whether this node may act as the leader now (publish, connect as the site)."""
         return self.epoch > 0 and time.monotonic() < self.deadline
 
+    def time_left(self) -> float:
+        """Seconds this node may still act as the leader without another renewal."""
+        return max(0.0, self.deadline - time.monotonic()) if self.epoch > 0 else 0.0
+
     def _args(self, **extra: Any) -> dict[str, Any]:
         return {"site": self.site, "node": self.node, "boot": self.boot_id,
                 "ttl": self.seconds, "epoch": self.epoch, "role": self.role,
                 "version": __version__, "started": self.started_at, **extra}
+
+    def _lock_ms(self) -> int:
+        """A statement of the election waits at most this long for a row lock: a claim
+        waits for a commit in flight, not for a stuck session."""
+        return max(200, int(self.seconds * 1000 / 3))
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         if self._conn is None or self._conn.closed:
@@ -129,9 +161,7 @@ class Leadership:
             if self.store.password_file is not None:
                 kwargs["password"] = self.store.password_file.read_text(
                     encoding="utf-8").strip()
-            # Never wait on a row lock for long (a takeover waits for a commit in
-            # flight, not for a stuck session), nor on a statement.
-            ms = max(200, int(self.seconds * 1000 / 3))
+            ms = self._lock_ms()
             # tcp_user_timeout: a server that stops answering (a partition) is given up
             # on within the claim's lifetime, not after the kernel's retransmissions.
             self._conn = await psycopg.AsyncConnection.connect(
@@ -157,6 +187,41 @@ class Leadership:
             log.warning(f"{what} failed", database=self.store.name,
                         error=type(exc).__name__, detail=str(exc).strip()[:300])
 
+    async def _claim(self, conn: psycopg.AsyncConnection[Any]) -> int | None:
+        """Take the site's term if it has expired, raising the epoch, in one transaction;
+        the new epoch, or None (another node's term runs). The epoch row waits for a
+        commit that has passed its fence; the term row is the one renewals write, so a
+        stalled commit of the leader never holds up its renewals."""
+        async with conn.transaction():
+            cur = await conn.execute(_TAKE_TERM, self._args())
+            if await cur.fetchone() is None:
+                return None
+            cur = await conn.execute(_CLAIM, self._args())
+            row = await cur.fetchone()
+            assert row is not None  # an upsert returns its row
+            epoch = int(row[0])
+            await conn.execute(_SET_TERM_EPOCH, self._args(epoch=epoch))
+        return epoch
+
+    async def _seen(self, conn: psycopg.AsyncConnection[Any]) -> float | None:
+        """Read who leads (`self.leader`); the seconds left of a term that is this node's
+        own (a claim it won whose answer was lost: a timeout after the COMMIT), else
+        None."""
+        cur = await conn.execute(
+            "SELECT l.node, l.epoch, l.boot_id, t.epoch, "
+            "EXTRACT(EPOCH FROM t.expires_at - now()) FROM leadership l "
+            "JOIN leadership_term t USING (site) WHERE l.site = %s", (self.site,))
+        row = await cur.fetchone()
+        if row is None:
+            self.leader = None
+            return None
+        node, epoch, boot, term_epoch, left = row
+        self.leader = (node, int(epoch))
+        if boot == self.boot_id and int(term_epoch) == int(epoch):
+            self.epoch = int(epoch)
+            return float(left)
+        return None
+
     async def acquire(self, stop: asyncio.Event) -> int | None:
         """Stand by until this node leads; returns its epoch (None: `stop` was set)."""
         import psycopg
@@ -164,32 +229,22 @@ class Leadership:
         self.role, self.epoch, self.deadline = "standby", 0, 0.0
         while not stop.is_set():
             sent = time.monotonic()
+            won: int | None = None
+            left: float | None = None
             try:
                 async with asyncio.timeout(self.seconds):
                     conn = await self._connection()
-                    # Statements of their own (autocommit): a claim that fails holds no
-                    # lock of the leadership row past its statement.
-                    cur = await conn.execute(_CLAIM, self._args())
-                    row = await cur.fetchone()
-                    if row is None:
-                        cur = await conn.execute(
-                            "SELECT node, epoch FROM leadership WHERE site = %s",
-                            (self.site,))
-                        seen = await cur.fetchone()
-                        self.leader = None if seen is None else (seen[0], int(seen[1]))
-                    else:
-                        self.epoch, self.role = int(row[0]), "leader"
-                        self.leader = (self.node, self.epoch)
-                    if not self._name_checked:
-                        await self._check_name(conn)
-                    await conn.execute(_HEARTBEAT, self._args())
+                    won = await self._claim(conn)
+                    if won is None:
+                        left = await self._seen(conn)
+                        if left is None:
+                            await conn.execute(_HEARTBEAT, self._args())
             except psycopg.errors.LockNotAvailable:
-                # The old leader's transaction still holds the leadership row (a frozen
-                # process): the database answers; its session timeout ends that soon.
-                self.epoch, self.role = 0, "standby"
+                # A commit of the old leader that passed its fence still holds the epoch
+                # row (a stalled COMMIT, a frozen process): the database answers; the
+                # commit ends, or its session timeout ends it, soon.
                 await self._drop()
             except (psycopg.Error, OSError, TimeoutError) as exc:
-                self.epoch, self.role = 0, "standby"
                 self._trouble("standing by: the database", exc)
                 await self._drop()
             else:
@@ -197,14 +252,19 @@ class Leadership:
                 if self._complained:
                     self._complained = False
                     log.info("standing by: the database answers again")
-                if self.epoch > 0:
-                    global _takeovers
-                    _takeovers += 1
-                    self.deadline = sent + self.seconds - self.margin
-                    log.info("leading the site", site=self.site, node=self.node,
-                             epoch=self.epoch)
-                    self._start_renewing()
-                    return self.epoch
+            if won is not None or (left is not None and left > self.margin):
+                if won is not None:
+                    self.epoch, self.deadline = won, sent + self.seconds - self.margin
+                else:  # our own claim, whose answer was lost: its term runs `left` more
+                    self.deadline = time.monotonic() + left - self.margin  # type: ignore[operator]
+                self.role, self.leader, self._held = "leader", (self.node, self.epoch), self.epoch
+                global _takeovers
+                _takeovers += 1
+                log.info("leading the site", site=self.site, node=self.node, epoch=self.epoch)
+                self._start_renewing()
+                await self._announce()
+                return self.epoch
+            self.epoch = 0
             try:
                 async with asyncio.timeout(self.claim_every):
                     await stop.wait()
@@ -212,47 +272,90 @@ class Leadership:
                 pass
         return None
 
+    async def _announce(self) -> None:
+        """Just elected: the name check and the heartbeat. Their failure never costs the
+        claim won (the renewals keep it; the next heartbeat comes with them)."""
+        import psycopg
+
+        try:
+            async with asyncio.timeout(self.margin):
+                conn = await self._connection()
+                if not self._name_checked:
+                    await self._check_name(conn)
+                await conn.execute(_HEARTBEAT, self._args())
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            log.info("elected; the node's heartbeat is left to the renewals",
+                     error=type(exc).__name__, detail=str(exc).strip()[:300])
+            await self._drop()
+
     def _start_renewing(self) -> None:
         """Renew from a thread of its own, from the claim on: the event loop may be
         busy for seconds (a new term restoring tens of thousands of leases, a backlog
-        of requests), and the claim must not lapse meanwhile."""
+        of requests), and the claim must not lapse meanwhile. A timer on the loop tells
+        the thread the loop still runs, from the claim on: not only once `hold` runs,
+        after the lease book is restored."""
         self._stop_renewing = threading.Event()
         self._lost = None
         self._loop_seen = time.monotonic()
+        loop = asyncio.get_running_loop()
+        every = min(0.25, self.renew_every / 2)
+
+        def beat() -> None:
+            self._loop_seen = time.monotonic()
+            self._pulse = loop.call_later(every, beat)
+
+        if self._pulse is not None:
+            self._pulse.cancel()
+        self._pulse = loop.call_later(every, beat)
         self._renewer = threading.Thread(target=self._renew_forever, name="leadership",
                                          args=(self._stop_renewing, self.epoch),
                                          daemon=True)
         self._renewer.start()
 
+    def _renewal_connection(self) -> psycopg.Connection[Any]:
+        """The renewing thread's connection, with every timeout inside the renewal period:
+        a dropped connection is found out, and replaced, before the term lapses."""
+        from broker.pgstore import connect
+
+        ms = self._lock_ms()
+        return connect(self.store.url, password_file=self.store.password_file,
+                       application="gpubroker-renewal",
+                       timeout_seconds=min(2.0, self.seconds),
+                       tcp_user_timeout_ms=max(500, int(self.renew_every * 1000)),
+                       options=f"-c lock_timeout={ms} -c statement_timeout={ms}")
+
     def _renew_forever(self, stop: threading.Event, epoch: int) -> None:
         import psycopg
 
-        ms = max(200, int(self.seconds * 1000 / 3))
         conn: psycopg.Connection[Any] | None = None
         complained = False
+        wait = min(self.renew_every, max(0.0, self.deadline - time.monotonic()))
         try:
-            while not stop.wait(max(0.0, min(self.renew_every,
-                                             self.deadline - time.monotonic()))):
-                if time.monotonic() - self._loop_seen > LOOP_STALL_SECONDS:
-                    self._lost = (f"the event loop has not run for {LOOP_STALL_SECONDS:g} s: "
-                                  "the leadership is left to expire")
+            while not stop.wait(wait):
+                now = time.monotonic()
+                if now - self._loop_seen > self.loop_stall_seconds:
+                    self._lost = (f"the event loop has not run for "
+                                  f"{self.loop_stall_seconds:g} s: the leadership is left "
+                                  "to expire")
                     return
-                sent = time.monotonic()
+                if now >= self.deadline:  # a lapsed term is never revived
+                    self._lost = (f"leadership of site {self.site} not renewed in time "
+                                  f"(epoch {epoch}): another node may lead now")
+                    return
                 try:
                     if conn is None or conn.closed:
-                        conn = self.store.connect(
-                            options=f"-c lock_timeout={ms} -c statement_timeout={ms * 2}")
+                        conn = self._renewal_connection()
                     renewed = conn.execute(_RENEW, self._args(epoch=epoch)).fetchone()
-                    if renewed is not None:
-                        conn.execute(_HEARTBEAT, self._args(epoch=epoch, role="leader"))
                 except (psycopg.Error, OSError) as exc:
                     if not complained:
                         complained = True
-                        log.warning("renewing the leadership failed", database=self.store.name,
-                                    error=type(exc).__name__, detail=str(exc).strip()[:300])
+                        log.warning("renewing the leadership failed; trying again at once",
+                                    database=self.store.name, error=type(exc).__name__,
+                                    detail=str(exc).strip()[:300])
                     if conn is not None:
                         conn.close()
                     conn = None
+                    wait = 0.05  # a new connection at once: one drop must not depose
                     continue
                 if renewed is None:
                     self._lost = (f"another node leads site {self.site} now (this node's "
@@ -264,40 +367,72 @@ class Leadership:
                     complained = False
                     log.info("leadership renewed again")
                 self.database_ok = True
-                self.deadline = sent + self.seconds - self.margin
+                self.deadline = now + self.seconds - self.margin
+                wait = self.renew_every
+                try:
+                    conn.execute(_HEARTBEAT, self._args(epoch=epoch, role="leader"))
+                except (psycopg.Error, OSError) as exc:  # the next renewal reconnects
+                    log.debug("heartbeat failed", error=type(exc).__name__)
         finally:
             if conn is not None:
                 conn.close()
 
     async def hold(self) -> NoReturn:
-        """Watch the leadership the renewing thread keeps (and tell it the event loop
-        runs); raise `Deposed` as soon as it is lost or its deadline passes."""
+        """Watch the leadership the renewing thread keeps, and the store's connection;
+        raise `Deposed` as soon as the leadership is lost or its deadline passes."""
         every = min(0.25, self.renew_every / 2)
+        watch = asyncio.create_task(self._watch_store(), name="store-connection")
+        try:
+            while True:
+                self._loop_seen = time.monotonic()
+                lost = self._lost
+                if lost is not None or not self.valid():
+                    epoch = self.epoch
+                    self.step_down()
+                    raise Deposed(lost or f"leadership of site {self.site} not renewed in "
+                                  f"time (epoch {epoch}): another node may lead now")
+                await asyncio.sleep(every)
+        finally:
+            watch.cancel()
+
+    async def _watch_store(self) -> None:
+        """Check the store's own connection at each renewal, replacing one that a short
+        database restart, `pg_terminate_backend` or an idle timeout ended, so that the
+        next commit does not find it dead hours later."""
+        complained = False
         while True:
-            self._loop_seen = time.monotonic()
-            lost = self._lost
-            if lost is not None or not self.valid():
-                epoch = self.epoch
-                self.step_down()
-                raise Deposed(lost or f"leadership of site {self.site} not renewed in time "
-                              f"(epoch {epoch}): another node may lead now")
-            await asyncio.sleep(every)
+            await asyncio.sleep(self.renew_every)
+            try:
+                await self.store.reconnect_if_lost()
+            except StoreFailed as exc:
+                if not complained:
+                    complained = True
+                    log.warning("the store's database connection is lost; trying again",
+                                detail=str(exc)[:300])
+                continue
+            complained = False
 
     def step_down(self) -> None:
         """Stop acting as the leader at once (no more publishing): a renewal in flight
         cannot make it leader again."""
         self._stop_renewing.set()
+        if self._pulse is not None:
+            self._pulse.cancel()
+            self._pulse = None
         self.deadline, self.epoch, self.role = 0.0, 0, "standby"
 
     async def release(self) -> None:
-        """An orderly stop: let a standby take over at once. Best effort."""
-        epoch = self.epoch
-        if epoch <= 0:
-            return
+        """Let a standby take over at once: end this node's term in the database, if it
+        is still this node's (its epoch and boot). Also after a deposition by the
+        deadline, so the site does not wait out the rest of a term nobody uses. Best
+        effort; after the renewing thread ended, so a renewal in flight cannot undo it."""
         self.step_down()
         renewer, self._renewer = self._renewer, None
-        if renewer is not None:  # a renewal in flight would undo the release
+        if renewer is not None:
             await asyncio.to_thread(renewer.join, 2 * self.seconds)
+        epoch, self._held = self._held, 0
+        if epoch <= 0:
+            return
         try:
             async with asyncio.timeout(2.0):
                 conn = await self._connection()
@@ -308,10 +443,7 @@ class Leadership:
                         error=type(exc).__name__, detail=str(exc).strip()[:300])
 
     async def close(self) -> None:
-        self._stop_renewing.set()
-        renewer, self._renewer = self._renewer, None
-        if renewer is not None:
-            await asyncio.to_thread(renewer.join, 2 * self.seconds)
+        await self.release()
         await self._drop()
 
     async def _check_name(self, conn: psycopg.AsyncConnection[Any]) -> None:
@@ -352,8 +484,9 @@ class SiteStatus:
 def site_status(store: PgStateStore, site: str) -> SiteStatus:
     """The site's leadership and nodes as the database has them (blocking)."""
     with store.connect() as conn:
-        row = conn.execute("SELECT node, epoch, EXTRACT(EPOCH FROM expires_at - now()) "
-                           "FROM leadership WHERE site = %s", (site,)).fetchone()
+        row = conn.execute("SELECT l.node, l.epoch, EXTRACT(EPOCH FROM t.expires_at - now()) "
+                           "FROM leadership l JOIN leadership_term t USING (site) "
+                           "WHERE l.site = %s", (site,)).fetchone()
         nodes = [NodeInfo(n, role, int(e), boot, ver, started, float(ago))
                  for n, role, e, boot, ver, started, ago in conn.execute(
                      "SELECT node, role, epoch, boot_id, version, started_at, "

@@ -105,6 +105,20 @@ _MIGRATIONS: dict[int, str] = {
         "ALTER TABLE leases DROP CONSTRAINT leases_scheduler_request_id_key;"
         "ALTER TABLE leases ADD CONSTRAINT leases_scheduler_request_id_part_key "
         "UNIQUE (scheduler, request_id, part);"),
+    # Version 4: the leadership's term (expiry) in a row of its own, written by claims,
+    # renewals and releases; the `leadership` row (epoch, node, boot id) is written by
+    # claims only, so the fence's share lock of it never holds up a renewal (broker.ha).
+    4: """
+CREATE TABLE leadership_term (
+    site       TEXT PRIMARY KEY,
+    epoch      BIGINT NOT NULL,
+    boot_id    TEXT NOT NULL,
+    expires_at TIMESTAMPTZ NOT NULL
+);
+INSERT INTO leadership_term (site, epoch, boot_id, expires_at)
+    SELECT site, epoch, boot_id, expires_at FROM leadership;
+ALTER TABLE leadership DROP COLUMN expires_at;
+""",
 }
 
 _MIGRATE_LOCK = 0x67707562726B  # "gpubrk": the advisory lock key of migrations
@@ -132,6 +146,9 @@ class PgDb:
         self.conn = conn
         self._fence = fence
         self._cursors = itertools.count(1)
+        self.commit_sent = False
+        """Whether the last transaction got as far as sending its COMMIT: a connection
+        lost before then committed nothing, and the transaction may be tried again."""
 
     @property
     def in_transaction(self) -> bool:
@@ -176,6 +193,7 @@ class PgDb:
                 except Exception as exc:  # the connection is gone: the error that matters
                     log.debug("rollback failed", error=str(exc))
                 raise
+        self.commit_sent = True
         self.conn.execute("COMMIT")
 
     def rollback(self) -> None:
@@ -206,7 +224,8 @@ fails the statement within this long, instead of the kernel's minutes of retries
 
 
 def connect(url: str, *, password_file: Path | None = None, application: str = "gpubroker",
-            timeout_seconds: float = 5.0, options: str = "") -> psycopg.Connection[Any]:
+            timeout_seconds: float = 5.0, options: str = "",
+            tcp_user_timeout_ms: int = TCP_USER_TIMEOUT_MS) -> psycopg.Connection[Any]:
     """A new autocommit connection; TCP keepalives so a server that went away is found
     out within seconds, not hours."""
     _require_psycopg()
@@ -220,7 +239,7 @@ def connect(url: str, *, password_file: Path | None = None, application: str = "
     return psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(timeout_seconds)),
                            application_name=application, keepalives=1, keepalives_idle=5,
                            keepalives_interval=2, keepalives_count=3,
-                           tcp_user_timeout=TCP_USER_TIMEOUT_MS, **kwargs)
+                           tcp_user_timeout=tcp_user_timeout_ms, **kwargs)
 
 
 class PgStateStore(OneThreadStore[PgDb]):
@@ -233,6 +252,9 @@ class PgStateStore(OneThreadStore[PgDb]):
         self.site = site
         self.password_file = password_file
         self.epoch = 0
+        self.boot_id = ""
+        """The leader's boot id, with `epoch`: the fence tells an epoch issued twice (a
+        failover of an asynchronously replicated server that lost the last WAL) apart."""
         self._leadership_seconds = leadership_seconds
 
     @property
@@ -304,9 +326,10 @@ class PgStateStore(OneThreadStore[PgDb]):
         """The fence (see the module docstring); runs last in every write transaction."""
         if self.epoch <= 0:
             return
-        row = db.execute("SELECT epoch, node FROM leadership WHERE site=? FOR SHARE",
+        row = db.execute("SELECT epoch, node, boot_id FROM leadership WHERE site=? FOR SHARE",
                          (self.site,)).fetchone()
-        if row is None or int(row[0]) != self.epoch:
+        if row is None or int(row[0]) != self.epoch or (self.boot_id and
+                                                        row[2] != self.boot_id):
             now = "nobody" if row is None else f"node {row[1]} at epoch {row[0]}"
             raise Deposed(f"{self.name}: leadership of site {self.site} lost: this node's "
                           f"epoch is {self.epoch}, {now} leads")
@@ -327,6 +350,7 @@ class PgStateStore(OneThreadStore[PgDb]):
         def tx(db: PgDb) -> list[OutboxRow]:
             conn = db.conn
             ids: list[int] = []
+            db.commit_sent = False
             try:
                 # One round trip for the writes (a pipeline), one for the fence and the
                 # COMMIT (`PgDb.commit`).
@@ -353,6 +377,18 @@ class PgStateStore(OneThreadStore[PgDb]):
             return [OutboxRow(r.topic, r.payload, r.qos, r.retain, r.props, i)
                     for r, i in zip(rows, ids, strict=True)]
 
+        try:
+            return await self._run(tx)
+        except psycopg.Error as exc:
+            db = self._db
+            if db is None or db.commit_sent or not db.conn.broken:
+                raise self._failed("commit", exc) from exc
+            # The connection was lost before the COMMIT was sent (a short database
+            # restart, `pg_terminate_backend`, an idle timeout): nothing was committed,
+            # so the same transaction is tried once more on a new connection.
+            log.info("the database connection was lost before a commit; trying it again",
+                     database=self.name, error=type(exc).__name__)
+        await self.reconnect_if_lost()
         try:
             return await self._run(tx)
         except psycopg.Error as exc:

@@ -53,7 +53,7 @@ from broker.model import Lease, LeaseState, Placement, PlaceRequest, iso, parse_
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -137,6 +137,9 @@ DROP TABLE leases;
 ALTER TABLE leases_3 RENAME TO leases;
 CREATE INDEX leases_state ON leases (state, updated_at);
 """,
+    # PostgreSQL only (broker.pgstore): the leadership's term in a row of its own. Nothing
+    # changes in a SQLite file; the number stays the same on both engines.
+    4: "",
 }
 
 

@@ -33,7 +33,7 @@ from broker.store import SCHEMA_VERSION, Deposed, OutboxRow, StoreFailed, _lease
 
 SITE = "site-a"
 TABLES = {"meta", "leases", "outbox", "market_pools", "market_changes", "market_snapshots",
-          "leadership", "nodes"}
+          "leadership", "leadership_term", "nodes"}
 
 
 def lease(request_id: str = "r1", *, at: float = 0) -> Lease:
@@ -48,12 +48,16 @@ def sql(url: str, query: str, args: Any = None) -> list[tuple[Any, ...]]:
         return cur.fetchall() if cur.description else []
 
 
-def lead(url: str, epoch: int, node: str, *, expires_in: float = 3600) -> None:
+def lead(url: str, epoch: int, node: str, *, expires_in: float = 3600,
+         boot: str = "boot") -> None:
     """Make `node` the site's leader at `epoch` (what broker.ha's claim writes)."""
-    sql(url, "INSERT INTO leadership VALUES (%s, %s, %s, 'boot', now(), now() + "
-             "make_interval(secs => %s)) ON CONFLICT (site) DO UPDATE SET epoch = "
-             "excluded.epoch, node = excluded.node, expires_at = excluded.expires_at",
-        (SITE, epoch, node, expires_in))
+    sql(url, "INSERT INTO leadership VALUES (%s, %s, %s, %s, now()) ON CONFLICT (site) DO "
+             "UPDATE SET epoch = excluded.epoch, node = excluded.node, "
+             "boot_id = excluded.boot_id", (SITE, epoch, node, boot))
+    sql(url, "INSERT INTO leadership_term VALUES (%s, %s, %s, now() + make_interval(secs => "
+             "%s)) ON CONFLICT (site) DO UPDATE SET epoch = excluded.epoch, boot_id = "
+             "excluded.boot_id, expires_at = excluded.expires_at",
+        (SITE, epoch, boot, expires_in))
 
 
 async def until(check: Callable[[], bool], what: str, timeout: float = 10) -> None:
@@ -395,8 +399,7 @@ def row_lock_is_free(url: str) -> bool:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("SET lock_timeout = '500ms'")
         try:
-            conn.execute("UPDATE leadership SET expires_at = expires_at WHERE site = %s",
-                         (SITE,))
+            conn.execute("UPDATE leadership SET since = since WHERE site = %s", (SITE,))
         except psycopg.errors.LockNotAvailable:
             return False
         return True
@@ -565,9 +568,17 @@ async def test_a_lost_connection_fails_reads_and_commits_but_not_acks(
             await s.ack([row.id or 0])  # best effort: no exception
         assert [e["event"] for e in logs] == ["outbox rows not deleted; they are sent "
                                               "again later"]
+        # A commit that finds the connection lost before its COMMIT was sent committed
+        # nothing: it is tried again, once, on a new connection.
+        with capture_logs() as logs:
+            [row2] = await s.commit([lease("r2")], [OutboxRow("t/b", b"2")])
+        assert "the database connection was lost before a commit; trying it again" in [
+            e["event"] for e in logs]
+        pid2 = await s.call(lambda db: db.conn.info.backend_pid)
+        assert pid2 != pid
+        assert sql(pg_url, "SELECT pg_terminate_backend(%s, 5000)", (pid2,)) == [(True,)]
         failures: list[StoreFailed] = []
-        for what, op in (("commit", s.commit([lease("r2")], [])),
-                         ("outbox read", s.pending()),
+        for what, op in (("outbox read", s.pending()),
                          ("lease read", s.leases()),
                          ("lease lookup", s.find_leases([("sched-a", "r1")]))):
             with pytest.raises(StoreFailed) as err:
@@ -581,7 +592,7 @@ async def test_a_lost_connection_fails_reads_and_commits_but_not_acks(
     again = PgStateStore(pg_url, site=SITE)
     await again.open()
     try:
-        assert await again.pending() == [row]  # the ack was lost: sent again
+        assert await again.pending() == [row, row2]  # the ack was lost: sent again
     finally:
         await again.close()
 
@@ -634,8 +645,8 @@ def node(store: PgStateStore, name: str, seconds: float) -> Node:
 
 
 def leadership_row(url: str) -> tuple[Any, ...]:
-    [row] = sql(url, "SELECT node, epoch, since, expires_at FROM leadership WHERE site = %s",
-                (SITE,))
+    [row] = sql(url, "SELECT l.node, l.epoch, l.since, t.expires_at FROM leadership l "
+                     "JOIN leadership_term t USING (site) WHERE l.site = %s", (SITE,))
     return row
 
 
@@ -723,7 +734,7 @@ async def test_a_leader_whose_row_was_taken_is_deposed_at_its_next_renewal(
             assert await a.acquire(stop) == 1
         holding = asyncio.create_task(a.hold())
         try:
-            sql(pg_url, "UPDATE leadership SET epoch = 2, node = 'intruder'")
+            lead(pg_url, 2, "intruder")
             async with asyncio.timeout(5):
                 with pytest.raises(Deposed, match="another node leads site site-a now "
                                                   r"\(this node's epoch was 1\)"):
@@ -814,6 +825,7 @@ async def test_a_stuck_event_loop_lets_the_leadership_go(
 
     monkeypatch.setattr(ha, "LOOP_STALL_SECONDS", 1.0)
     async with nodes(store, 1.0, "a", "b") as (stop, (a, b)):
+        a.loop_stall_seconds = 1.0
         async with asyncio.timeout(10):
             assert await a.acquire(stop) == 1
         time.sleep(2.5)  # noqa: ASYNC251 - the fault: the loop stuck past the limit
@@ -835,3 +847,205 @@ async def test_a_lost_connection_is_replaced_when_asked(store: PgStateStore,
     assert await store.reconnect_if_lost() is True
     [row] = await store.commit([lease()], [OutboxRow("t/after", b"1")])
     assert await store.pending() == [row]
+
+
+# --- the election's faults (broker.ha) -----------------------------------------------
+
+
+def term_expiry(url: str) -> datetime:
+    [(at,)] = sql(url, "SELECT expires_at FROM leadership_term WHERE site = %s", (SITE,))
+    return at  # type: ignore[no-any-return]
+
+
+def backend_pids(url: str, application: str) -> set[int]:
+    return {pid for (pid,) in sql(url, "SELECT pid FROM pg_stat_activity WHERE "
+                                       "application_name = %s", (application,))}
+
+
+async def test_a_new_term_restoring_its_state_keeps_the_leadership(store: PgStateStore,
+                                                                   pg_url: str) -> None:
+    """Between the claim and `hold` a new leader reads the lease book and restores the
+    broker: seconds with a few hundred thousand leases. The loop runs meanwhile (the
+    reads are on the store's thread), so the renewals must go on, though `hold` has not
+    started yet."""
+    async with nodes(store, 1.0, "a") as (stop, (a,)):
+        a.loop_stall_seconds = 1.0
+        async with asyncio.timeout(10):
+            assert await a.acquire(stop) == 1
+        # The state being read: the loop free, `hold` not yet running, for 2.5 loop-stall
+        # limits (the length of the load is the fault here, not a wait for an event).
+        await asyncio.sleep(2.5)
+        holding = asyncio.create_task(a.hold())
+        await asyncio.wait({holding}, timeout=0.5)
+        assert not holding.done() and a.valid() and a.epoch == 1
+        assert leadership_row(pg_url)[:2] == ("a", 1)
+        holding.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await holding
+
+
+async def test_a_stalled_commit_neither_deposes_the_leader_nor_blocks_its_renewals(
+        store: PgStateStore, pg_url: str) -> None:
+    """A COMMIT that stalls after the fence (a synchronous replica away, an fsync stall)
+    holds a share lock of the epoch row for as long as it stalls: the renewals write the
+    term row, so the leader stays, and no standby takes over a term that is renewed."""
+    async with nodes(store, 1.0, "a", "b") as (stop, (a, b)):
+        async with asyncio.timeout(10):
+            assert await a.acquire(stop) == 1
+        store.epoch, store.boot_id = a.epoch, a.boot_id
+        holding = asyncio.create_task(a.hold())
+        fenced = threading.Event()
+        assert store._db is not None
+        real_fence = store._db._fence
+        assert real_fence is not None
+
+        def stalled_fence(db: PgDb) -> None:
+            real_fence(db)  # the epoch checked, the row share-locked ...
+            fenced.set()
+            # ... and the server stalls before the COMMIT is through (busy in the
+            # transaction, as a COMMIT waiting for a synchronous replica is).
+            db.execute("SELECT pg_sleep(3.5)")
+
+        store._db._fence = stalled_fence
+        standing_by = asyncio.create_task(b.acquire(stop))
+        commit = asyncio.ensure_future(store.commit([lease()], [OutboxRow("t/slow", b"1")]))
+        try:
+            assert await asyncio.to_thread(fenced.wait, 10)
+            before = term_expiry(pg_url)
+            # Three leadership lifetimes with the commit stalled.
+            done, _ = await asyncio.wait({holding, standing_by}, timeout=3.0)
+            assert not done, [t.exception() for t in done]
+            assert a.valid() and term_expiry(pg_url) > before
+            assert b.leader == ("a", 1) and b.role == "standby"
+            assert not commit.done()
+        finally:
+            store._db._fence = real_fence
+        async with asyncio.timeout(10):
+            [row] = await commit
+        assert row.topic == "t/slow"
+        holding.cancel()
+        standing_by.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await holding
+
+
+async def test_the_leaders_store_connection_is_checked_at_each_renewal(
+        store: PgStateStore, pg_url: str) -> None:
+    """A short database blip (`pg_terminate_backend`, an idle timeout, a restart) ends
+    the store's connection while the renewals' own lives: the leader replaces it within
+    a renewal or two, not at its next commit hours later."""
+    async with nodes(store, 1.0, "a") as (stop, (a,)):
+        async with asyncio.timeout(10):
+            assert await a.acquire(stop) == 1
+        store.epoch, store.boot_id = a.epoch, a.boot_id
+        holding = asyncio.create_task(a.hold())
+        try:
+            pid = await store.call(lambda db: db.conn.info.backend_pid)
+            assert sql(pg_url, "SELECT pg_terminate_backend(%s, 5000)", (pid,)) == [(True,)]
+
+            await until(lambda: bool(backend_pids(pg_url, "gpubroker") - {pid}),
+                        "the store's connection replaced", timeout=5)
+            assert await store.call(lambda db: db.conn.info.backend_pid) != pid
+            assert not holding.done() and a.valid()
+            [row] = await store.commit([lease()], [OutboxRow("t/after", b"1")])
+            assert row.topic == "t/after"
+        finally:
+            holding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await holding
+
+
+async def test_an_epoch_issued_twice_is_told_apart_by_the_boot_id(store: PgStateStore,
+                                                                  pg_url: str) -> None:
+    """A failover of an asynchronously replicated PostgreSQL that lost the last WAL can
+    issue the same epoch to another node: the renewals and the fence compare the boot id
+    too, so the first holder of that epoch is deposed and commits nothing."""
+    async with nodes(store, 1.0, "a") as (stop, (a,)):
+        async with asyncio.timeout(10):
+            assert await a.acquire(stop) == 1
+        store.epoch, store.boot_id = a.epoch, a.boot_id
+        holding = asyncio.create_task(a.hold())
+        lead(pg_url, 1, "b", boot="boot-b", expires_in=30)  # epoch 1 again, b's
+        with pytest.raises(Deposed, match="another node leads site site-a now"):
+            async with asyncio.timeout(5):
+                await holding
+        with pytest.raises(Deposed, match="node b at epoch 1 leads"):
+            await store.commit([lease()], [OutboxRow("t/lost", b"1")])
+        assert sql(pg_url, "SELECT count(*) FROM outbox") == [(0,)]
+
+
+async def test_a_lapsed_term_is_never_revived_by_a_renewal(store: PgStateStore,
+                                                           pg_url: str) -> None:
+    """A renewal in flight when the term lapsed in the database's clock must not extend
+    it: a standby may be claiming it."""
+    async with nodes(store, 2.0, "a") as (stop, (a,)):
+        async with asyncio.timeout(10):
+            assert await a.acquire(stop) == 1
+        holding = asyncio.create_task(a.hold())
+        sql(pg_url, "UPDATE leadership_term SET expires_at = now() - interval '1 second'")
+        with pytest.raises(Deposed):
+            async with asyncio.timeout(5):
+                await holding
+        assert term_expiry(pg_url) < datetime.now(term_expiry(pg_url).tzinfo)
+
+
+async def test_a_won_claim_survives_a_failing_heartbeat(store: PgStateStore,
+                                                        pg_url: str) -> None:
+    """The claim is won before the node's heartbeat and name check: their failure must
+    not throw the claim away (the site would have no leader until the term expired)."""
+    sql(pg_url, "ALTER TABLE nodes RENAME TO nodes_away")
+    try:
+        async with nodes(store, 1.0, "a") as (stop, (a,)):
+            async with asyncio.timeout(2.5):
+                assert await a.acquire(stop) == 1
+            assert a.valid() and leadership_row(pg_url)[:2] == ("a", 1)
+            await a.release()
+    finally:
+        sql(pg_url, "ALTER TABLE nodes_away RENAME TO nodes")
+
+
+async def test_a_leader_deposed_without_a_successor_releases_its_term(
+        store: PgStateStore, pg_url: str) -> None:
+    """A leader that deposes itself (its loop stuck past the limit) ends its term in the
+    database when it stops: a standby takes over at once, not at the term's expiry."""
+    import time
+
+    async with nodes(store, 30.0, "a", "b") as (stop, (a, b)):
+        a.loop_stall_seconds, a.renew_every = 1.0, 0.2  # a term of 30 s, renewed often
+        async with asyncio.timeout(10):
+            assert await a.acquire(stop) == 1
+        standing_by = asyncio.create_task(b.acquire(stop))
+        try:
+            time.sleep(1.5)  # noqa: ASYNC251 - the fault: the loop stuck past the limit
+            with pytest.raises(Deposed, match="event loop has not run"):
+                async with asyncio.timeout(15):
+                    await a.hold()
+            await a.close()  # what the daemon does as it stops
+            async with asyncio.timeout(10):  # the term had 25 s or more to run
+                assert await standing_by == 2
+        finally:
+            standing_by.cancel()
+
+
+async def test_a_dropped_renewal_connection_is_replaced_at_once(store: PgStateStore,
+                                                                pg_url: str) -> None:
+    """One dropped connection must not depose a healthy leader: the renewing thread
+    connects again at once, with timeouts inside the renewal period."""
+    async with nodes(store, 1.5, "a") as (stop, (a,)):
+        async with asyncio.timeout(10):
+            assert await a.acquire(stop) == 1
+        holding = asyncio.create_task(a.hold())
+        try:
+            await until(lambda: bool(backend_pids(pg_url, "gpubroker-renewal")),
+                        "the renewal connection", timeout=5)
+            first = backend_pids(pg_url, "gpubroker-renewal")
+            for pid in first:
+                sql(pg_url, "SELECT pg_terminate_backend(%s, 5000)", (pid,))
+            await until(lambda: bool(backend_pids(pg_url, "gpubroker-renewal") - first),
+                        "a new renewal connection", timeout=5)
+            done, _ = await asyncio.wait({holding}, timeout=1.5)
+            assert not done and a.valid()
+        finally:
+            holding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await holding
