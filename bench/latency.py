@@ -17,6 +17,12 @@ open-loop load at `--rate` messages per second, QoS 1, one aiomqtt client):
 `--state-url URL` keeps the daemon's state on PostgreSQL instead (a fresh database per
 phase on that server, dropped afterwards); `bench/ha.py` runs both side by side.
 
+`--synchronous normal|full|both` sets the SQLite daemon's `state.synchronous` (default:
+the daemon's own, full); `both` runs the gpubroker phase twice, normal then full, and
+prints full's latency against normal's. Before the gpubroker phases an fsync probe times
+`os.fsync` of a small file in the directory the state files live in (`--fsync-probe N`
+iterations; `--dir` chooses that directory): what one synced commit costs at least.
+
 Prints the figures (`--json`: as JSON); pass/fail is not its business.
 
     cd /work/main && python bench/latency.py [--rate 500] [--duration 20] [--json]
@@ -187,16 +193,18 @@ class Daemon:
 
     def __init__(self, workdir: Path, mqtt_url: str, *, seed: int, regions: int,
                  poll_interval: float, state_url: str | None = None, node: str | None = None,
-                 http_listen: str | None = None, root: Path = ROOT) -> None:
+                 http_listen: str | None = None, root: Path = ROOT,
+                 synchronous: str | None = None) -> None:
         """`state_url`: the state on PostgreSQL instead of a SQLite file in `workdir`;
-        `node`, `http_listen`: those settings (default: the daemon's); `root`: the
-        checkout the daemon runs from."""
+        `node`, `http_listen`, `synchronous` (SQLite's `state.synchronous`): those
+        settings (default: the daemon's); `root`: the checkout the daemon runs from."""
         self.workdir = workdir
         self.root = root
         workdir.mkdir(parents=True, exist_ok=True)
         self.config = workdir / "config.yaml"
         state = (f"state: {{url: '{state_url}'}}\n" if state_url
-                 else f"state: {{path: '{workdir / 'state.db'}'}}\n")
+                 else f"state: {{path: '{workdir / 'state.db'}'"
+                 + (f", synchronous: {synchronous}" if synchronous else "") + "}\n")
         self.config.write_text(
             "site: bench\n"
             + (f"node: {node}\n" if node else "")
@@ -613,13 +621,16 @@ def loop_lag(listen: str, before: dict[str, Any] | None = None) -> dict[str, Any
 
 async def gpubroker(mosq: Mosquitto, args: argparse.Namespace, workdir: Path, *,
                     name: str, poll_interval: float, state_url: str | None = None,
-                    http_listen: str | None = None, root: Path = ROOT) -> PhaseResult:
+                    http_listen: str | None = None, root: Path = ROOT,
+                    synchronous: str | None = None) -> PhaseResult:
     """One phase on the real daemon; `state_url`: its state on PostgreSQL (a database
-    of its own, fresh) instead of a fresh SQLite file."""
+    of its own, fresh) instead of a fresh SQLite file; `synchronous`: that SQLite
+    setting (default: the daemon's)."""
     host, port = host_port(mosq.url)
     daemon = Daemon(workdir / name, mosq.url, seed=args.seed,
                     regions=args.regions_per_cloud, poll_interval=poll_interval,
-                    state_url=state_url, http_listen=http_listen, root=root)
+                    state_url=state_url, http_listen=http_listen, root=root,
+                    synchronous=synchronous)
     t_start = time.monotonic()
     await daemon.start()
     try:
@@ -650,12 +661,51 @@ async def gpubroker(mosq: Mosquitto, args: argparse.Namespace, workdir: Path, *,
             log_levels=dict(daemon.levels))
         if state_url:
             res.extra["state"] = "postgresql"
+        else:
+            res.extra["synchronous"] = synchronous or "daemon default"
         return res
     finally:
         rc = await daemon.stop()
         if rc not in (0, None):
             print(f"bench: gpubroker ({name}) exited with code {rc}:\n"
                   + "\n".join(daemon.tail[-10:]), file=sys.stderr)
+
+
+def fsync_probe(folder: Path, iterations: int, size: int = 4096) -> dict[str, Any]:
+    """Time `os.fsync` of a small file in `folder` (the state's file system): append
+    `size` bytes, then fsync, `iterations` times. A synced commit costs at least this
+    (SQLite appends the transaction's pages to the WAL and syncs it)."""
+    path = folder / "fsync-probe"
+    times: list[float] = []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        block = os.urandom(size)
+        for _ in range(iterations):
+            os.write(fd, block)
+            t0 = time.perf_counter()
+            os.fsync(fd)
+            times.append((time.perf_counter() - t0) * 1000)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    times.sort()
+    return {"dir": str(folder), "fs": filesystem(folder), "iterations": iterations,
+            "bytes": size, "p50_ms": round(percentile(times, 50), 3),
+            "p99_ms": round(percentile(times, 99), 3), "max_ms": round(times[-1], 3)}
+
+
+def filesystem(folder: Path) -> str:
+    """The type and device of the mount `folder` is on (/proc/mounts: the longest
+    mount point that contains it)."""
+    best, found = "", "?"
+    target = str(folder.resolve())
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            dev, mnt, fstype = line.split()[:3]
+            if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and \
+                    len(mnt) >= len(best):
+                best, found = mnt, f"{fstype} on {dev}"
+    return found
 
 
 # --------------------------------------------------------------------------------------
@@ -680,7 +730,21 @@ def report(results: list[PhaseResult], args: argparse.Namespace) -> dict[str, An
     }
     if args.state_url:
         out["state"] = "postgresql"
+    if args.fsync:
+        out["fsync_probe"] = args.fsync
+    if (pair := sync_pair(results)) is not None:
+        normal, full = pair
+        out["full_vs_normal"] = {"p50": round(ratio(full.p50_ms, normal.p50_ms), 2),
+                                 "p99": round(ratio(full.p99_ms, normal.p99_ms), 2)}
     return out
+
+
+def sync_pair(results: list[PhaseResult]) -> tuple[PhaseResult, PhaseResult] | None:
+    """The normal and the full phase of `--synchronous both`, if it ran."""
+    by = {r.extra.get("synchronous"): r for r in results if r.name.startswith("gpubroker[")}
+    if "normal" in by and "full" in by:
+        return by["normal"], by["full"]
+    return None
 
 
 def print_table(results: list[PhaseResult], args: argparse.Namespace) -> None:
@@ -739,6 +803,16 @@ def print_table(results: list[PhaseResult], args: argparse.Namespace) -> None:
         if "publish_errors" in r.extra:
             print(f"{r.name}: {r.extra['publish_errors']} publish errors, e.g. "
                   f"{r.extra['publish_error']}")
+    if (probe := args.fsync) is not None:
+        print(f"fsync probe ({probe['iterations']} × {probe['bytes']} B appended then "
+              f"os.fsync, in {probe['dir']}, {probe['fs']}): p50 {probe['p50_ms']} ms, "
+              f"p99 {probe['p99_ms']} ms, max {probe['max_ms']} ms")
+    if (pair := sync_pair(results)) is not None:
+        normal, full = pair
+        print(f"synchronous full against normal: p50 {f(full.p50_ms, 2)} / "
+              f"{f(normal.p50_ms, 2)} ms = {ratio(full.p50_ms, normal.p50_ms):.2f}x, "
+              f"p99 {f(full.p99_ms, 2)} / {f(normal.p99_ms, 2)} ms = "
+              f"{ratio(full.p99_ms, normal.p99_ms):.2f}x")
 
 
 # --------------------------------------------------------------------------------------
@@ -770,6 +844,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "fresh database on this server, dropped afterwards (a libpq URL of "
                         "a role that may create databases, e.g. "
                         "postgresql://postgres@127.0.0.1:5432/postgres); default SQLite")
+    p.add_argument("--synchronous", choices=("normal", "full", "both"), default=None,
+                   help="the SQLite daemon's state.synchronous (default: the daemon's, "
+                        "full); both: the gpubroker phase twice, normal then full")
+    p.add_argument("--fsync-probe", type=int, default=300, metavar="N",
+                   help="time N fsyncs of a small file next to the state (300; 0: none)")
+    p.add_argument("--dir", type=Path, default=None,
+                   help="where the temporary directory (state files, logs) is made "
+                        "(default: the system's temporary directory)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     p.add_argument("--echo", metavar="URL", help=argparse.SUPPRESS)  # internal
@@ -778,6 +860,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--rate and --duration must be > 0, --warmup >= 0")
     if args.poll_interval is None:
         args.poll_interval = max(60.0, 3 * (args.warmup + args.duration) + 30)
+    if args.state_url and args.synchronous:
+        p.error("--synchronous is SQLite's; not with --state-url")
+    args.fsync = None  # the probe's figures, once taken
     return args
 
 
@@ -785,20 +870,30 @@ async def amain(args: argparse.Namespace, workdir: Path) -> list[PhaseResult]:
     mosq = Mosquitto(workdir, args.mosquitto_max_inflight)
     mosq.start()
     try:
-        async def phase(name: str, poll_interval: float) -> PhaseResult:
+        async def phase(name: str, poll_interval: float,
+                        synchronous: str | None = None) -> PhaseResult:
             if not args.state_url:
                 return await gpubroker(mosq, args, workdir, name=name,
                                        poll_interval=poll_interval,
-                                       http_listen=f"127.0.0.1:{free_port()}")
+                                       http_listen=f"127.0.0.1:{free_port()}",
+                                       synchronous=synchronous)
             with fresh_database(args.state_url) as url:
                 return await gpubroker(mosq, args, workdir, name=name,
                                        poll_interval=poll_interval, state_url=url,
                                        http_listen=f"127.0.0.1:{free_port()}")
 
         results = [await baseline(mosq, args)]
-        results.append(await phase("gpubroker", args.poll_interval))
+        if args.fsync_probe > 0 and not args.state_url:
+            args.fsync = await asyncio.to_thread(fsync_probe, workdir, args.fsync_probe)
+        if args.synchronous == "both":
+            for sync in ("normal", "full"):
+                results.append(await phase(f"gpubroker[{sync}]", args.poll_interval, sync))
+        else:
+            results.append(await phase("gpubroker", args.poll_interval, args.synchronous))
         if args.poll_phase_interval > 0:
-            results.append(await phase("gpubroker+polls", args.poll_phase_interval))
+            results.append(await phase("gpubroker+polls", args.poll_phase_interval,
+                                       None if args.synchronous == "both" else
+                                       args.synchronous))
         return results
     finally:
         mosq.stop()
@@ -813,7 +908,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the run; the phases' `finally` blocks stop the daemon, the echo and mosquitto.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
-    workdir = Path(tempfile.mkdtemp(prefix="gpubroker-bench-"))
+    workdir = Path(tempfile.mkdtemp(prefix="gpubroker-bench-", dir=args.dir))
     try:
         results = asyncio.run(amain(args, workdir))
     except KeyboardInterrupt:
