@@ -10,16 +10,19 @@ import errno
 import gc
 import json
 import logging
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiomqtt
 import pytest
+import structlog.testing
 from daemon_helpers import PREFIX, StartDaemon
 from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, payload_json
 
-from broker.bus import Bus, _describe, _only, make_client
+from broker.bus import CONNECT_MARGIN, CONNECT_MIN, Bus, _describe, _only, make_client
 from broker.config import MqttConfig
 from broker.daemon import _quiet_closed_socket_callbacks
 from broker.events import Topics
@@ -289,3 +292,167 @@ async def test_an_acknowledgement_after_a_cancelled_call_is_not_an_error(
     late = [r for r in caplog.records if r.name == "mqtt" and "Unexpected" in r.getMessage()]
     assert late, "the late SUBACK was not seen (the test no longer provokes it)"
     assert all(r.levelno == logging.DEBUG and r.exc_info is None for r in late)
+
+
+# --- leading a site: when the bus may connect as the site (#26) ---------------------
+
+
+class Lead:
+    """A leadership that holds until `deadline` (time.monotonic()): what the daemon
+    hands the bus from broker.ha, `valid()` and the time left."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+
+    def valid(self) -> bool:
+        return time.monotonic() < self.deadline
+
+    def time_left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+
+class HeldBackProxy:
+    """A TCP proxy to the MQTT server that forwards what the client sends at once and
+    holds what the server sends (the CONNACK) until `release()`."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.released = asyncio.Event()
+        self.accepted = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _accept(self, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self._writers += [writer, up_writer]
+        self.accepted.set()
+        for task in (self._pump(reader, up_writer, None),
+                     self._pump(up_reader, writer, self.released)):
+            t = asyncio.create_task(task)
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter,
+                    gate: asyncio.Event | None) -> None:
+        with contextlib.suppress(OSError):
+            while data := await src.read(65536):
+                if gate is not None:
+                    await gate.wait()
+                dst.write(data)
+                await dst.drain()
+        with contextlib.suppress(OSError):
+            dst.close()
+
+    def release(self) -> None:
+        self.released.set()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for w in self._writers:
+            w.close()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+async def _leading_bus(url: str, store: StateStore, client_id: str, lead: Lead) -> Bus:
+    async def ignore(_: Any) -> None:
+        return None
+
+    return Bus(MqttConfig(url=url), Topics(PREFIX), store, client_id=client_id,
+               boot_id=str(uuid.uuid4()), on_command=ignore, node="n1", epoch=lambda: 2,
+               may_publish=lead.valid, time_left=lead.time_left)
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll `condition` (a log, a clock: nothing to wait on) until it holds."""
+    async with asyncio.timeout(timeout):
+        while not condition():  # noqa: ASYNC110 - no event to wait on (see above)
+            await asyncio.sleep(0.02)
+
+
+async def _until_fenced(logs: list[dict[str, Any]], timeout: float = 5.0) -> None:
+    """Until the bus has said it does not lead (its connect given up, or left)."""
+    await _until(lambda: any(e["event"].startswith("mqtt closed: this node does not lead")
+                             for e in logs), timeout)
+
+
+async def test_a_leader_with_too_little_time_left_does_not_connect_as_the_site(
+        mosquitto: Mosquitto, probe_factory: ProbeFactory, tmp_path: Path) -> None:
+    """The leadership holds for less than a connect may take plus the margin: the bus
+    waits for a renewal instead of connecting; none comes, the leadership lapses, and
+    the bus never connected — the site's session (held here by a newer leader's
+    client) is not taken, and nothing appears on P/status."""
+    probe = await probe_factory([f"{PREFIX}/status"])
+    store = StateStore(tmp_path / "s.db")
+    await store.open()
+    client_id = f"gb-site-{uuid.uuid4().hex[:8]}"
+    lead = Lead(CONNECT_MARGIN + CONNECT_MIN / 2)
+    bus = await _leading_bus(mosquitto.url, store, client_id, lead)
+    async with make_client(MqttConfig(url=mosquitto.url), client_id) as newer:
+        with structlog.testing.capture_logs() as logs:
+            task = asyncio.create_task(bus.run())
+            try:
+                await _until_fenced(logs)
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        # The newer leader's session is still its own: a round trip on it works.
+        await newer.subscribe(f"{PREFIX}/probe", qos=1, timeout=5)
+    assert bus.connections == 0
+    await probe.publish(f"{PREFIX}/status", b"", retain=False)  # a marker: nothing before
+    marker = await probe.wait_for(f"{PREFIX}/status")
+    assert probe.messages[0] is marker, [payload_json(m) for m in probe.messages[:-1]]
+    await store.close()
+
+
+async def test_a_connection_made_after_the_leadership_lapsed_is_left_without_a_will(
+        mosquitto: Mosquitto, probe_factory: ProbeFactory, tmp_path: Path) -> None:
+    """The connect started in time, but its CONNACK came after the leadership lapsed
+    (the network held it back): the connection may have taken the site's session from
+    a newer leader. The bus leaves it with a DISCONNECT: no `online`, and no will (the
+    will's `offline`, of the old epoch, would be retained after the newer leader's
+    `online`)."""
+    probe = await probe_factory([f"{PREFIX}/status"])
+    store = StateStore(tmp_path / "s.db")
+    await store.open()
+    host, port = mosquitto.url.removeprefix("mqtt://").rsplit(":", 1)
+    proxy = HeldBackProxy(host, int(port))
+    proxy_port = await proxy.start()
+    client_id = f"gb-late-{uuid.uuid4().hex[:8]}"
+    lead = Lead(1.0)
+    bus = await _leading_bus(f"mqtt://127.0.0.1:{proxy_port}", store, client_id, lead)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            task = asyncio.create_task(bus.run())
+            try:
+                async with asyncio.timeout(5):
+                    await proxy.accepted.wait()
+                # The CONNACK waits at the proxy until the leadership has lapsed.
+                await _until(lambda: not lead.valid())
+                proxy.release()
+                await _until_fenced(logs)
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        # mosquitto logs how the connection ended; a will is sent before that line.
+        await _until(lambda: any(f"Client {client_id} {how}" in mosquitto.log_text()
+                                 for how in ("disconnected", "closed its connection")))
+        assert f"Client {client_id} disconnected" in mosquitto.log_text()
+        assert bus.connections == 0
+        await probe.publish(f"{PREFIX}/status", b"", retain=False)  # a marker
+        marker = await probe.wait_for(f"{PREFIX}/status")
+        assert probe.messages[0] is marker, [payload_json(m) for m in probe.messages[:-1]]
+    finally:
+        await proxy.close()
+        await store.close()
