@@ -43,6 +43,8 @@ import pytest
 from daemon_helpers import daemon_config
 from mqtt_helpers import Mosquitto, MqttProbe, Payload, find_mosquitto, payload_json
 from mqtt_helpers import publish_properties as props
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 from tls_helpers import Pki, make_pki
 
 from broker.daemon import Daemon
@@ -50,7 +52,8 @@ from broker.events import Topics
 
 P = "gpubroker/v1"
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto"
-USERS = ("gpubroker", "ops", "sched-a", "sched-b")
+USERS = ("gpubroker", "gpubroker-standby", "ops", "sched-a", "sched-b")
+DAEMON_ID = "gpubroker-lab-1"  # the daemon's client id as the config derives it: gpubroker-<site>
 PASSWD_HINT = "mosquitto_passwd ships with Debian's mosquitto package (apt-get install mosquitto)"
 
 pytestmark = pytest.mark.timeout(30)
@@ -137,22 +140,32 @@ def server(tmp_path: Path, mqtt_secrets: tuple[Pki, Path, dict[str, str]]) -> It
 
 
 class Client(MqttProbe):
-    """An MqttProbe that logs in with a username and password over TLS."""
+    """An MqttProbe that logs in with a username and password over TLS; `client_id`
+    (default: unique), `persistent` (a session kept for an hour) and `will` as asked."""
 
     def __init__(self, server: Mosquitto, username: str | None, password: str | None,
                  topics: tuple[str, ...] = (), *, tls: ssl.SSLContext | None,
+                 client_id: str | None = None, will: aiomqtt.Will | None = None,
                  **kwargs: Any) -> None:
         super().__init__(f"mqtt://{server.host}:{server.port}", topics,
-                         client_id=f"{username}-{uuid.uuid4().hex[:8]}", **kwargs)
-        self.username, self.password, self.tls = username, password, tls
+                         client_id=client_id or f"{username}-{uuid.uuid4().hex[:8]}",
+                         **kwargs)
+        self.username, self.password, self.tls, self.will = username, password, tls, will
 
     def _new_client(self) -> aiomqtt.Client:
-        v5 = self.protocol == aiomqtt.ProtocolVersion.V5
-        session = {"clean_start": True} if v5 else {"clean_session": True}
+        session: dict[str, Any] = {}
+        if self.protocol == aiomqtt.ProtocolVersion.V5:
+            session["clean_start"] = not self.persistent
+            if self.persistent:
+                connect = Properties(PacketTypes.CONNECT)
+                connect.SessionExpiryInterval = 3600
+                session["properties"] = connect
+        else:
+            session["clean_session"] = not self.persistent
         return aiomqtt.Client(self.host, self.port, identifier=self.client_id,
                               protocol=self.protocol, timeout=self.timeout,
                               username=self.username, password=self.password,
-                              tls_context=self.tls, **session)
+                              tls_context=self.tls, will=self.will, **session)
 
     async def subscribe(self, topic: str) -> None:
         """Subscribe one more filter (mosquitto may grant it: delivery is what it checks)."""
@@ -288,6 +301,145 @@ async def test_ops_reads_ops_events_and_all_leases_but_cannot_place(login: Any) 
     assert not daemon.matching(f"{P}/requests/ops/#", since=mark)
 
 
+# --- client ids are bound to user names (#26) ---------------------------------------------
+# mosquitto.conf sets use_username_as_clientid: whatever client id a client asks for, the
+# server uses its username. The daemon's session (client id `gpubroker-<site>` as asked,
+# `gpubroker` as kept) can then be continued or ended by the daemon's user only.
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_scheduler_with_the_daemons_client_id_does_not_end_its_connection(
+        server: DeployMosquitto, login: Any, protocol: int | str) -> None:
+    daemon = await login("gpubroker", Topics(P).requests, client_id=DAEMON_ID,
+                         persistent=True, protocol=protocol)
+    # Accepted — as itself. On a server that does not bind ids, the daemon's connection
+    # was closed before this one's CONNACK ("already connected, closing old connection").
+    await login("sched-a", client_id=DAEMON_ID, persistent=True, protocol=protocol)
+    await login("sched-a", client_id=DAEMON_ID, protocol=protocol)  # and a clean start
+
+    b = await login("sched-b", protocol=protocol)
+    await b.publish(f"{P}/requests/sched-b/place", {"request_id": "after"})
+    await daemon.wait_for(f"{P}/requests/sched-b/place")
+    assert daemon.connected and daemon.disconnect_error is None
+    assert "Client gpubroker already connected" not in server.log_text()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_scheduler_cannot_take_the_daemons_session_while_it_is_away(
+        login: Any, protocol: int | str) -> None:
+    # The daemon is away (a restart, a takeover): requests wait in its session.
+    daemon = await login("gpubroker", Topics(P).requests, client_id=DAEMON_ID,
+                         persistent=True, protocol=protocol)
+    await daemon.close()
+    a = await login("sched-a", protocol=protocol)
+    await a.publish(f"{P}/requests/sched-a/place", {"request_id": "queued"})
+    # Another scheduler continues "the daemon's" session, then leaves it.
+    intruder = await login("sched-b", client_id=DAEMON_ID, persistent=True,
+                           protocol=protocol)
+    await intruder.close()
+    await daemon.connect()
+    got = await daemon.wait_for(f"{P}/requests/sched-a/place")
+    assert payload_json(got) == {"request_id": "queued"}
+    assert intruder.messages == []
+
+
+async def test_the_standby_user_reads_the_status_only(login: Any) -> None:
+    # A standby node's P/status watcher has a user of its own (mqtt.standby_username):
+    # as `gpubroker` it would now be the leader's client id, and take its session.
+    daemon = await login("gpubroker", Topics(P).requests, client_id=DAEMON_ID,
+                         persistent=True)
+    await daemon.publish(f"{P}/leases/sched-a/L-a", {"lease_id": "L-a"}, retain=True)
+    await daemon.publish(f"{P}/status", {"state": "online"}, retain=True)
+    standby = await login("gpubroker-standby", "#", client_id=f"{DAEMON_ID}-standby-broker-b")
+    await standby.wait_for(f"{P}/status")
+    await standby.publish(f"{P}/requests/gpubroker-standby/place", {"request_id": "s"})
+    await standby.publish(f"{P}/status", {"state": "offline"}, retain=True)
+    a = await login("sched-a")
+    await a.publish(f"{P}/requests/sched-a/place", {"request_id": "sentinel"})
+    await daemon.wait_for(f"{P}/requests/sched-a/place")
+    assert daemon.topics_seen() == [f"{P}/requests/sched-a/place"]
+    await daemon.publish(f"{P}/events/sched-a/x", {"for": "a"})
+    await daemon.publish(f"{P}/status", {"state": "online", "n": 2}, retain=True)
+    await standby.wait_for(lambda m: payload_json(m) == {"state": "online", "n": 2})
+    assert standby.topics_seen() == [f"{P}/status"] * 2
+    assert daemon.connected
+
+
+# --- what a scheduler may try ---------------------------------------------------------------
+
+
+def foreign(client: MqttProbe, me: str) -> list[str]:
+    """Topics received that are neither `me`'s own nor public (capacity, status)."""
+    return [t for t in client.topics_seen()
+            if f"/{me}/" not in t and not t.startswith(f"{P}/capacity/") and t != f"{P}/status"]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_wildcard_sys_and_shared_subscriptions_deliver_nothing_foreign(
+        login: Any, protocol: int | str) -> None:
+    daemon = await login("gpubroker", Topics(P).requests)
+    await daemon.publish(f"{P}/leases/sched-b/L-b", {"lease_id": "L-b"}, retain=True)
+    b = await login("sched-b", f"{P}/events/sched-b/#", f"{P}/replies/sched-b/#")
+    a = await login("sched-a", "#", "$SYS/#", "$share/g/#", f"$share/g/{P}/#",
+                    f"$share/g/{P}/requests/#", f"$share/g/{P}/events/sched-b/#",
+                    f"$share/g/{P}/leases/+/+", "$share/g/$SYS/#", protocol=protocol)
+
+    await b.publish(f"{P}/requests/sched-b/place", {"request_id": "b1"})
+    await daemon.wait_for(f"{P}/requests/sched-b/place")
+    await daemon.publish(f"{P}/events/sched-b/placement.decided", {"for": "b"})
+    await daemon.publish(f"{P}/leases/sched-b/L-b2", {"for": "b"}, retain=True)
+    await daemon.publish(f"{P}/events/_ops/policy.applied", {"for": "ops"})
+    await daemon.publish(f"{P}/replies/sched-b/r1", {"for": "b"})
+    await b.wait_for(f"{P}/replies/sched-b/r1")  # all of it was published
+    await daemon.publish(f"{P}/events/sched-a/placement.decided", {"for": "a"})
+    await a.wait_for(f"{P}/events/sched-a/placement.decided")  # the sentinel
+    assert foreign(a, "sched-a") == []
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_schedulers_will_on_the_status_is_dropped(
+        login: Any, protocol: int | str) -> None:
+    daemon = await login("gpubroker", Topics(P).requests)
+    ops = await login("ops", f"{P}/status")
+    # The control: a will on a topic the scheduler may write is published when the
+    # connection ends without DISCONNECT (here: taken over by a second connection).
+    b = await login("sched-b", client_id="b-will", protocol=protocol, will=aiomqtt.Will(
+        f"{P}/requests/sched-b/report", b'{"request_id": "will"}', qos=1))
+    await login("sched-b", client_id="b-will", protocol=protocol)
+    await b.wait_disconnected()
+    await daemon.wait_for(f"{P}/requests/sched-b/report")
+    # A forged `offline` for every status subscriber, retained.
+    a = await login("sched-a", client_id="a-will", protocol=protocol, will=aiomqtt.Will(
+        f"{P}/status", b'{"state": "offline", "forged": true}', qos=1, retain=True))
+    await login("sched-a", client_id="a-will", protocol=protocol)
+    await a.wait_disconnected()
+    await daemon.publish(f"{P}/status", {"state": "online"}, retain=True)
+    await ops.wait_for(f"{P}/status")
+    assert [payload_json(m) for m in ops.messages] == [{"state": "online"}]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_an_empty_retained_publish_cannot_clear_retained_state(
+        login: Any, protocol: int | str) -> None:
+    daemon = await login("gpubroker")
+    retained: dict[str, Payload] = {
+        f"{P}/leases/sched-b/L-b": {"lease_id": "L-b"},
+        f"{P}/leases/sched-a/L-a": {"lease_id": "L-a"},  # not even its own
+        f"{P}/capacity/aws/us-east-1/H100-80GB": {"n": 1},
+        f"{P}/status": {"state": "online"},
+    }
+    for topic, body in retained.items():
+        await daemon.publish(topic, body, retain=True)
+    a = await login("sched-a", protocol=protocol)
+    for topic in retained:
+        await a.publish(topic, b"", retain=True)  # acknowledged, and dropped
+    ops = await login("ops", f"{P}/leases/#", f"{P}/status")
+    b = await login("sched-b", f"{P}/capacity/#")
+    for topic, body in retained.items():
+        got = await (b if "/capacity/" in topic else ops).wait_for(topic)
+        assert payload_json(got) == body
+
+
 # --- authentication and TLS ------------------------------------------------------------
 
 
@@ -368,6 +520,79 @@ async def test_tls_needs_a_client_that_trusts_the_ca(
     assert "CERTIFICATE_VERIFY_FAILED" in str(failed.value)
     del failed
     gc.collect()  # finalise that socket now, while ResourceWarning is ignored
+
+
+def mqtt311_connect(client_id: str, username: str, password: str) -> bytes:
+    """An MQTT 3.1.1 CONNECT packet (clean session, keepalive 60) with a login."""
+    def field(text: str) -> bytes:
+        data = text.encode()
+        return len(data).to_bytes(2, "big") + data
+    body = (field("MQTT") + bytes([4, 0b1100_0010]) + (60).to_bytes(2, "big")
+            + field(client_id) + field(username) + field(password))
+    assert len(body) < 128  # a one-byte remaining length
+    return bytes([0x10, len(body)]) + body
+
+
+async def test_plain_tcp_is_refused(
+        server: DeployMosquitto, mqtt_secrets: tuple[Pki, Path, dict[str, str]]) -> None:
+    # A valid CONNECT in the clear: a plain listener would answer CONNACK (0x20) and keep
+    # the connection; this one closes it, having answered no MQTT at all.
+    _, _, passwords = mqtt_secrets
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    try:
+        writer.write(mqtt311_connect("sched-a-plain", "sched-a", passwords["sched-a"]))
+        await writer.drain()
+        try:
+            async with asyncio.timeout(5):
+                answer = await reader.read(4)  # b"" once the server closes
+        except ConnectionResetError:
+            answer = b""
+    finally:
+        writer.close()
+    assert not answer.startswith(b"\x20"), f"a CONNACK over plain TCP: {answer!r}"
+    assert "wrong version number" in server.log_text()
+
+
+# paho leaves the socket of a failed TLS handshake to the garbage collector.
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore:ssl.TLSVersion.TLSv1:DeprecationWarning")
+async def test_tls_below_1_2_is_refused(
+        server: DeployMosquitto, mqtt_secrets: tuple[Pki, Path, dict[str, str]]) -> None:
+    pki, _, passwords = mqtt_secrets
+    for version in (ssl.TLSVersion.TLSv1, ssl.TLSVersion.TLSv1_1):
+        old = pki.client_context()
+        # Let this client offer the old version: at OpenSSL's default security level it
+        # would give up by itself, and the server would never be asked.
+        old.set_ciphers("DEFAULT:@SECLEVEL=0")
+        old.minimum_version = old.maximum_version = version
+        with pytest.raises((aiomqtt.MqttError, ssl.SSLError)) as failed:
+            await _connect(server, "sched-a", passwords["sched-a"], old)
+        # The server's answer (an alert), not the client's own refusal.
+        assert "TLSV1_ALERT_PROTOCOL_VERSION" in str(failed.value), version
+        del failed
+    gc.collect()  # finalise those sockets now, while ResourceWarning is ignored
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_publish_over_the_max_packet_size_ends_the_connection(
+        login: Any, protocol: int | str) -> None:
+    daemon = await login("gpubroker", Topics(P).requests)
+    a = await login("sched-a", protocol=protocol)
+    await a.publish(f"{P}/requests/sched-a/place", {"request_id": "fits", "x": "x" * 120_000})
+    await daemon.wait_for(f"{P}/requests/sched-a/place")
+    # The server hangs up, perhaps before the client has written it all: what the publish
+    # itself says (a timeout, an error) does not matter, the disconnect does.
+    too_large = asyncio.create_task(a.publish(
+        f"{P}/requests/sched-a/place", {"request_id": "too-large", "x": "x" * 140_000}))
+    assert await a.wait_disconnected() is not None
+    too_large.cancel()
+    await asyncio.wait({too_large})
+    if not too_large.cancelled():
+        too_large.exception()  # retrieved: whatever it was, it is not the point here
+    b = await login("sched-b", protocol=protocol)
+    await b.publish(f"{P}/requests/sched-b/place", {"request_id": "sentinel"})
+    await daemon.wait_for(f"{P}/requests/sched-b/place")
+    assert [payload_json(m)["request_id"] for m in daemon.messages] == ["fits", "sentinel"]
 
 
 # --- the daemon itself behind this server --------------------------------------------------
