@@ -329,7 +329,8 @@ class Bus:
                 raise asyncio.CancelledError
             await self._session(client)
         except asyncio.CancelledError:
-            clean = self._farewell
+            # Not leading (CONNACK after the lapse, cancelled on the way): no will.
+            clean = self._farewell or not leading
             raise
         except Fenced:
             # Deposed on a connection made while leading: leave as a crash does, with

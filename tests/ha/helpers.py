@@ -293,13 +293,20 @@ class PgProxy:
     """A TCP proxy on 127.0.0.1 in front of the PostgreSQL server of `target_url`.
     ``url(target_url)`` is that URL through the proxy. ``cut()``: every connection
     through it is closed at once and every new one is reset as soon as it is accepted
-    (libpq: "server closed the connection unexpectedly"), until ``restore()``."""
+    (libpq: "server closed the connection unexpectedly"), until ``restore()``.
+    ``hold()``: every connection through it is closed, and every new one is accepted but
+    not passed on (what the client sends waits, unread) until ``release()``: a network
+    that holds a connect back. The MQTT server works through it as well (``url`` of an
+    ``mqtt://`` URL)."""
 
     def __init__(self, target_url: str) -> None:
         u = urlsplit(target_url)
         self.target = (u.hostname or HOST, u.port or 5432)
         self.port = 0
         self.is_cut = False
+        self.held = asyncio.Event()  # set: new connections wait for release()
+        self.waiting = 0  # connections held back now
+        self._released = asyncio.Event()
         self.accepted = 0
         self.refused = 0
         self._server: asyncio.Server | None = None
@@ -321,6 +328,10 @@ class PgProxy:
             self.refused += 1
             writer.transport.abort()
             return
+        if self.held.is_set():
+            self.waiting += 1
+            await self._released.wait()
+            self.waiting -= 1
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
@@ -365,8 +376,22 @@ class PgProxy:
     def restore(self) -> None:
         self.is_cut = False
 
+    def hold(self) -> None:
+        """Close every connection; hold every new one back until `release()`."""
+        self._released.clear()
+        self.held.set()
+        for link in list(self._links):
+            for w in link:
+                w.transport.abort()
+
+    def release(self) -> None:
+        """Pass the held connections on (what their clients sent first), and new ones."""
+        self.held.clear()
+        self._released.set()
+
     async def close(self) -> None:
         self.cut()
+        self.release()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -385,16 +410,22 @@ class HaSite:
     """The daemons of one site on one mosquitto and one PostgreSQL database."""
 
     def __init__(self, workdir: Path, mosquitto: Mosquitto, pg_url: str,
-                 leadership_seconds: float = LEADERSHIP_SECONDS) -> None:
+                 leadership_seconds: float = LEADERSHIP_SECONDS,
+                 config: dict[str, Any] | None = None) -> None:
         self.workdir = workdir
         self.mosquitto = mosquitto
         self.pg_url = pg_url
         self.leadership_seconds = leadership_seconds
+        # Further config sections for every node (e.g. a larger sim market, a poll
+        # interval): each top-level key's mapping is merged over the default one.
+        self.config = config or {}
         self.daemons: dict[str, HaDaemon] = {}
         self.proxies: list[PgProxy] = []
 
-    def daemon(self, node: str, *, state_url: str | None = None) -> HaDaemon:
-        """A node of the site (not started); `state_url` defaults to the database."""
+    def daemon(self, node: str, *, state_url: str | None = None,
+               mqtt_url: str | None = None) -> HaDaemon:
+        """A node of the site (not started); `state_url` defaults to the database,
+        `mqtt_url` to the MQTT server."""
         port = free_port()
         cfg = {
             "site": SITE,
@@ -402,27 +433,31 @@ class HaSite:
             "log_level": "info",
             "state": {"url": state_url or self.pg_url,
                       "leadership_seconds": self.leadership_seconds},
-            "mqtt": {"url": self.mosquitto.url, "topic_prefix": PREFIX},
+            "mqtt": {"url": mqtt_url or self.mosquitto.url, "topic_prefix": PREFIX},
             "http": {"listen": f"{HOST}:{port}"},
             "clouds": {"sim": {"seed": 7}},
         }
+        for key, value in self.config.items():
+            cfg[key] = {**cfg[key], **value} if isinstance(cfg.get(key), dict) and \
+                isinstance(value, dict) else value
         path = self.workdir / f"{node}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         daemon = HaDaemon(node, path, self.workdir / f"{node}.log", port)
         self.daemons[node] = daemon
         return daemon
 
-    async def proxy(self) -> PgProxy:
-        """A started PgProxy in front of the database; its `url(site.pg_url)` is the
-        state.url of a node that reaches the database through it."""
-        proxy = PgProxy(self.pg_url)
+    async def proxy(self, target_url: str | None = None) -> PgProxy:
+        """A started PgProxy in front of the database (or of `target_url`, e.g. the
+        MQTT server's); its `url(site.pg_url)` is the state.url of a node that reaches
+        the database through it."""
+        proxy = PgProxy(target_url or self.pg_url)
         await proxy.start()
         self.proxies.append(proxy)
         return proxy
 
     async def start_leader(self, node: str, *, state_url: str | None = None,
-                           timeout: float = 20.0) -> HaDaemon:
-        d = self.daemon(node, state_url=state_url)
+                           mqtt_url: str | None = None, timeout: float = 20.0) -> HaDaemon:
+        d = self.daemon(node, state_url=state_url, mqtt_url=mqtt_url)
         d.start()
         await d.wait_role("leader", timeout)
         return d

@@ -23,8 +23,10 @@ check above holds for them too.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
+from typing import Any
 
 import pytest
 from ha.helpers import (
@@ -113,6 +115,16 @@ async def check_site(site: HaSite, seen: Observed, scheduler: Scheduler,
     return chain
 
 
+async def retained_status(site: HaSite) -> dict[str, Any]:
+    """The retained `P/status`, as a scheduler that connects now reads it first."""
+    async with MqttProbe(site.mosquitto.url, [f"{PREFIX}/status"]) as fresh:
+        message = await fresh.wait_for(f"{PREFIX}/status", 5)
+    assert message.retain
+    body = json.loads(bytes(message.payload))  # type: ignore[arg-type]
+    assert isinstance(body, dict)
+    return body
+
+
 async def leader_boot(d: HaDaemon, count: int = 1) -> str:
     """The boot_id of `d`'s `count`-th start as the leader (its "starting" record)."""
     record = await d.wait_log("starting", 5, count=count)
@@ -188,11 +200,63 @@ async def test_leader_frozen_then_resumed_steps_down_silently(
     chain = await check_site(site, seen, scheduler, [("a", 1), ("b", 2)],
                              quiet_from={old_boot: quiet_from})
     assert chain[1].boot == new_boot
+    status = await retained_status(site)
+    assert (status["state"], status["node"], status["epoch"], status["boot_id"]) == \
+        ("online", "b", 2, new_boot), "a scheduler connecting now must read b online"
     assert a.alive and a.proc.pid == pid, "the deposed leader's process stays"
     assert frozen_for > LEADERSHIP_SECONDS * 2 / 3, "frozen past its deadline"
     nodes = await site.nodes()
     assert nodes["a"][0] == "standby"
     assert nodes["b"][0] == "leader"
+    assert await site.stop_all() == {"a": 0, "b": 0}
+
+
+@pytest.mark.slow
+async def test_leader_frozen_while_its_connect_is_held_back(
+        site: HaSite, probe: MqttProbe, scheduler: Scheduler) -> None:
+    """The leader reaches the MQTT server through a proxy, which holds the leader's
+    reconnect back (its CONNECT sent, not passed on) while the leader is frozen. The
+    standby takes over and comes online. Then the network lets the old CONNECT through:
+    it takes the site's session from the new leader at the MQTT server, and the old
+    process is thawed with that connection made. It must leave it without a word —
+    no `online`, and no will (an `offline` of epoch 1 after the new leader's `online`
+    would stay retained until the new leader connects again) — and stand by; the new
+    leader takes its session back, and a scheduler connecting afterwards reads it
+    online."""
+    mqtt = await site.proxy(site.mosquitto.url)
+    a = await site.start_leader("a", mqtt_url=mqtt.url(site.mosquitto.url))
+    b = await site.start_standby("b")
+    old_boot = await leader_boot(a)
+
+    flow = Flow(scheduler)
+    flow.start()
+    await flow.more(10)
+    mqtt.hold()  # a's connection ends; its next one waits at the proxy
+    await wait_until(lambda: mqtt.waiting > 0, 10, "the leader connects again, held back")
+    a.freeze()
+    await b.wait_role("leader", TAKEOVER_TIMEOUT)
+    new_boot = await leader_boot(b)
+    await probe.wait_for(lambda m: m.topic.value == f"{PREFIX}/status"
+                         and new_boot.encode() in bytes(m.payload), 10)  # type: ignore[arg-type]
+    kicked = len(b.logged("mqtt connection lost"))
+    mqtt.release()  # a's CONNECT reaches the server after b's: b's session is taken
+    await wait_until(lambda: len(b.logged("mqtt connection lost")) > kicked, 10,
+                     "the held-back CONNECT takes the session from the new leader")
+    a.thaw()
+    await a.wait_log("stepped down; standing by again", 10)
+    await a.wait_role("standby", 10, text="leader: node b")
+    await b.wait_log("mqtt connected", 10, count=2)  # b took its session back
+    await flow.more(10)
+    await flow.stop()
+    seen = await settle(site, probe, scheduler)
+
+    chain = await check_site(site, seen, scheduler, [("a", 1), ("b", 2)])
+    assert chain[1].boot == new_boot
+    late = [s.body for s in seen.statuses() if s.index > chain[1].first and s.boot == old_boot]
+    assert not late, f"P/status from the deposed leader after b's online: {late}"
+    status = await retained_status(site)
+    assert (status["state"], status["node"], status["epoch"]) == ("online", "b", 2)
+    assert not a.logged("mqtt connected")[1:], "the deposed leader published online"
     assert await site.stop_all() == {"a": 0, "b": 0}
 
 
