@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from policies import yamlsrc
 from policies.yamlsrc import SourceError
@@ -86,6 +94,32 @@ class MqttConfig(_Section):
     requests queued for it) after a disconnect; MQTT 3.1.1 keeps it for good. 0 keeps
     none, on either version: a clean session (MQTT 5 clean start; 3.1.1 clean_session),
     as `gpubroker demo` uses."""
+    standby_username: str | None = Field(default=None, min_length=1)
+    """High availability: the MQTT user a standby node follows `P/status` as (read-only;
+    deploy/mosquitto/acl: `gpubroker-standby`). Never `username`: on a server that makes
+    each client's id its username (deploy/mosquitto: use_username_as_clientid), a
+    standby connecting as the daemon's user would end the leader's connection and discard
+    the site's session. Without it a standby follows `P/status` with the daemon's own
+    settings only on a server without logins (no `username`: nothing to bind ids to);
+    with `username` set it does not connect to the MQTT server at all."""
+    standby_password_file: Path | None = None
+    """That user's password (systemd `LoadCredential`)."""
+
+    @field_validator("standby_username")
+    @classmethod
+    def _standby_user(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and v == info.data.get("username"):
+            raise ValueError("must not be mqtt.username: on a server that binds client ids "
+                             "to usernames (deploy/mosquitto) a standby logged in as the "
+                             "daemon's user would end the leader's connection and session")
+        return v
+
+    @field_validator("standby_password_file")
+    @classmethod
+    def _standby_password(cls, v: Path | None, info: ValidationInfo) -> Path | None:
+        if v is not None and info.data.get("standby_username") is None:
+            raise ValueError("needs mqtt.standby_username (whose password it is)")
+        return v
 
     @field_validator("protocol", mode="before")
     @classmethod
@@ -127,6 +161,17 @@ class MqttConfig(_Section):
     @property
     def tls(self) -> bool:
         return urlsplit(self.url).scheme == "mqtts"
+
+    def standby(self) -> MqttConfig | None:
+        """What a standby node follows `P/status` with: these settings with the standby
+        user's login; these settings as they are when the server wants no login; None
+        (do not connect) when it wants one and no standby user is configured, since
+        the daemon's own login may be the leader's session (see `standby_username`)."""
+        if self.standby_username is None:
+            return self if self.username is None else None
+        return self.model_copy(update={
+            "username": self.standby_username, "password_file": self.standby_password_file,
+            "standby_username": None, "standby_password_file": None})
 
 
 class HttpConfig(_Section):

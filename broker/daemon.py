@@ -457,12 +457,21 @@ class Daemon:
         """Standing by: stay connected to the MQTT server with a client of this node's
         own (no will, no session, publishes nothing) and follow `P/status`, so /readyz
         and the status line say whether the server and the leader are there. A status
-        of a lower epoch than one already seen is a deposed leader's, late: ignored."""
+        of a lower epoch than one already seen is a deposed leader's, late: ignored.
+        It logs in as `mqtt.standby_username`, not as the daemon: where client ids are
+        usernames (deploy/mosquitto) the daemon's login is the leader's session, and
+        connecting with it would end the leader's connection (#26). On a server that
+        wants a login, without a standby user, it does not connect."""
+        mqtt = self.cfg.mqtt.standby()
+        if mqtt is None:
+            log.warning("standing by without following P/status: mqtt.standby_username "
+                        "is not set (the daemon's own MQTT user is the leader's)")
+            return
         client_id = f"{self.cfg.client_id}-standby-{self.cfg.node}"
         failures = 0
         while True:
             try:
-                async with make_client(self.cfg.mqtt, client_id, session=False) as client:
+                async with make_client(mqtt, client_id, session=False) as client:
                     await client.subscribe(self.topics.status, qos=1)
                     self.standby_mqtt = True
                     failures = 0

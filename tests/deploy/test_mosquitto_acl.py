@@ -47,6 +47,8 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from tls_helpers import Pki, make_pki
 
+from broker.client import BrokerClient
+from broker.config import StateConfig
 from broker.daemon import Daemon
 from broker.events import Topics
 
@@ -602,13 +604,18 @@ async def test_a_publish_over_the_max_packet_size_ends_the_connection(
 async def daemon(server: DeployMosquitto, tmp_path: Path,
                  mqtt_secrets: tuple[Pki, Path, dict[str, str]]) -> AsyncIterator[Daemon]:
     """The real daemon, as deploy/ configures it: mqtts://, user gpubroker, a password
-    file (as LoadCredential= provides it) and the CA file."""
+    file (as LoadCredential= provides it) and the CA file; and the standby user that
+    nodes of a high-availability site follow P/status as."""
     pki, _, passwords = mqtt_secrets
     password_file = tmp_path / "credentials" / "mqtt"
     password_file.parent.mkdir()
     password_file.write_text(passwords["gpubroker"] + "\n")
+    standby_file = password_file.parent / "mqtt-standby"
+    standby_file.write_text(passwords["gpubroker-standby"] + "\n")
     cfg = daemon_config(server, tmp_path / "state.db", username="gpubroker",
-                        password_file=password_file, ca_file=pki.ca_cert)
+                        password_file=password_file, ca_file=pki.ca_cert,
+                        standby_username="gpubroker-standby",
+                        standby_password_file=standby_file)
     assert cfg.mqtt.tls
     d = Daemon(cfg)
     stop = asyncio.Event()
@@ -669,3 +676,71 @@ async def test_a_scheduler_cannot_aim_replies_at_another(daemon: Daemon, login: 
     await b.wait_for(lambda m: request_id(m) == "b-own")
     assert [request_id(m) for m in b.matching(f"{P}/events/sched-b/#")] == ["b-own"]
     assert [t for t in b.topics_seen() if t.endswith("/L-forged")] == []
+
+
+async def test_the_scheduler_client_works_with_its_id_replaced(
+        daemon: Daemon, server: DeployMosquitto,
+        mqtt_secrets: tuple[Pki, Path, dict[str, str]]) -> None:
+    # broker.client asks for a random client id; this server uses the username instead.
+    pki, _, passwords = mqtt_secrets
+    async with BrokerClient(server.url, scheduler="sched-a", username="sched-a",
+                            password=passwords["sched-a"], ca_file=pki.ca_cert,
+                            protocol="5") as client:
+        lease = await client.place(["A100-80GB", "H100-80GB"], 8, request_id="via-client",
+                                   timeout=15)
+        assert lease.request_id == "via-client" and lease.scheduler == "sched-a"
+        await lease.release()
+    log = server.log_text()
+    assert f" as {client.client_id} " not in log and " as sched-a (" in log
+
+
+# --- a standby node next to the leader (high availability) ---------------------------------
+
+
+def standby_of(leader: Daemon, state: Path, **mqtt: Any) -> Daemon:
+    """A second node of the leader's site: its configuration but for `node` and `state`
+    (a standby never opens its store to follow P/status), and `mqtt` changes."""
+    cfg = leader.cfg.model_copy(update={
+        "node": "broker-b", "state": StateConfig(path=state),
+        "mqtt": leader.cfg.mqtt.model_copy(update=mqtt)})
+    return Daemon(cfg)
+
+
+async def stop_watching(task: asyncio.Task[None]) -> None:
+    while not task.done():  # cancelled again if aiomqtt swallowed it (CPython gh-86296)
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.5)
+
+
+async def test_a_standby_follows_the_status_as_its_own_user(
+        daemon: Daemon, server: DeployMosquitto, tmp_path: Path, login: Any) -> None:
+    # What a standby node runs while the leader serves (broker/daemon.py _standby_bus).
+    # As the daemon's user its connection would be the leader's client id here, ending
+    # the leader's connection and discarding the site's session.
+    standby = standby_of(daemon, tmp_path / "standby.db")
+    watch = asyncio.create_task(standby._standby_bus())
+    try:
+        deadline = time.monotonic() + 10
+        while standby.leader_status is None:
+            assert not watch.done(), watch
+            assert time.monotonic() < deadline, f"no P/status\n{server.log_tail()}"
+            await asyncio.sleep(0.01)
+        assert standby.leader_status["state"] == "online" and standby.standby_mqtt
+        assert " as gpubroker-standby (" in server.log_text()
+        # The leader still serves, on the connection it had.
+        a = await login("sched-a", f"{P}/events/sched-a/#")
+        await a.publish(f"{P}/requests/sched-a/place", place("after-standby"))
+        await a.wait_for(lambda m: request_id(m) == "after-standby")
+        assert "Client gpubroker already connected" not in server.log_text()
+    finally:
+        await stop_watching(watch)
+
+
+async def test_without_a_standby_user_a_standby_does_not_log_in_as_the_daemon(
+        daemon: Daemon, server: DeployMosquitto, tmp_path: Path) -> None:
+    standby = standby_of(daemon, tmp_path / "standby.db", standby_username=None,
+                         standby_password_file=None)
+    async with asyncio.timeout(5):
+        await standby._standby_bus()  # returns: nothing to follow P/status as
+    assert not standby.standby_mqtt and standby.leader_status is None
+    assert "Client gpubroker already connected" not in server.log_text()
