@@ -13,6 +13,14 @@ does not trust the CA cannot connect; adding or removing a scheduler is
 ``mosquitto_passwd`` + reload; and the real daemon, configured as deploy/ says (mqtts://,
 user ``gpubroker``, password file, CA file), serves a scheduler behind this ACL.
 
+And what a scheduler might try against the daemon or the others (#26): client ids are
+usernames, so one asking for the daemon's client id neither ends its connection nor
+takes its session while it is away; `#`, `$SYS/#` and `$share/...` subscriptions deliver
+nothing foreign; a will on `P/status` is dropped; an empty retained publish clears
+nothing; plain TCP, TLS below 1.2 and a packet over `max_packet_size` are refused. A
+standby node follows `P/status` as `gpubroker-standby` without touching the leader's
+session, and ``broker.client`` works with its client id replaced.
+
 "Never arrives" is proved without sleeping: after the message that must not arrive, a
 sentinel that must arrive is sent to the same subscriber; mosquitto queues a QoS 1 message
 to its subscribers before it acknowledges the publish, and delivers each subscriber's
