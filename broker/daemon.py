@@ -126,6 +126,9 @@ class Daemon:
         # publisher reads the slice when its turn comes, so a second poll adds nothing.
         self._polled: dict[SliceId, None] = {}
         self._polled_due = asyncio.Event()
+        # High availability: slices whose last poll is due to be shared with the standbys.
+        self._to_share: dict[SliceId, None] = {}
+        self._to_share_due = asyncio.Event()
         self.poller = Poller(self.pool, self.adapters,
                              interval_seconds=cfg.poll.interval_seconds,
                              timeout_seconds=cfg.poll.timeout_seconds,
@@ -283,6 +286,9 @@ class Daemon:
         if result.change is not None and result.slice not in self._polled:
             self._polled[result.slice] = None
             self._polled_due.set()
+        if result.change is not None and self.leadership is not None:
+            self._to_share[result.slice] = None
+            self._to_share_due.set()
 
     @property
     def capacity_pending(self) -> int:
@@ -313,6 +319,7 @@ class Daemon:
                 self.store.epoch = self.leadership.epoch
                 if isinstance(self.store, PgStateStore):
                     self.store.boot_id = self.leadership.boot_id
+                    await self._take_over_polls(self.store)
             now = utcnow()
             self.broker.restore(await self.store.leases(
                 ended_since=now - self.book.keep_ended))
@@ -343,6 +350,8 @@ class Daemon:
                     *(tg.create_task(self._signals(a)) for a in self.adapters),
                 ]
                 workers.append(tg.create_task(self._systemd()))
+                if self.leadership is not None:
+                    workers.append(tg.create_task(self._share_polls()))
                 recording = None
                 if self.recorder is not None:
                     recording = tg.create_task(self.recorder.run())
@@ -442,6 +451,47 @@ class Daemon:
             return False
         await self._store_connection_alive()
         return True
+
+    async def _take_over_polls(self, store: PgStateStore) -> None:
+        """Just elected: take the last leader's polls that are still fresh into the pool,
+        so that placement starts at once instead of after this node's first poll of
+        every cloud (which goes ahead on schedule all the same)."""
+        now = utcnow()
+        started = time.monotonic()
+        try:
+            shared = await store.load_slices(now - self.pool.stale_after)
+        except StoreFailed as exc:
+            log.warning("the last leader's polls not read; placing after the first poll",
+                        detail=str(exc)[:300])
+            return
+        ours = {(a.name, r) for a in self.adapters for r in a.regions()}
+        taken = []
+        for slice_id, polled_at, offers in shared:
+            if slice_id in ours and now - polled_at <= self.pool.stale_after:
+                self.pool.replace(slice_id, offers, polled_at=polled_at)
+                taken.append(slice_id)
+        self.poller.warmed(taken)
+        log.info("took over the last leader's polls", slices=len(taken), of=len(ours),
+                 offers=sum(len(self.pool.slice_offers(s)) for s in taken),
+                 seconds=round(time.monotonic() - started, 3))
+
+    async def _share_polls(self) -> None:
+        """Leading with standbys: write each slice's last poll to the database for them
+        (`_take_over_polls`), latest first come first, at most one write at a time."""
+        store = self.store
+        if not isinstance(store, PgStateStore):
+            return
+        while True:
+            await self._to_share_due.wait()
+            self._to_share_due.clear()
+            while self._to_share:
+                slice_id = next(iter(self._to_share))
+                del self._to_share[slice_id]
+                health = next((h for h in self.pool.health() if h.slice == slice_id), None)
+                if health is None or health.last_ok_at is None:
+                    continue
+                await store.save_slice(slice_id, health.last_ok_at,
+                                       self.pool.slice_offers(slice_id))
 
     async def _store_connection_alive(self) -> None:
         """Just elected: the store's connection was opened when this node began to stand

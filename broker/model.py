@@ -228,6 +228,25 @@ class Offer:
             **({"owned_gpus": self.owned_gpus} if self.targets else {}),
         }
 
+    def to_record(self) -> list[Any]:
+        """Everything placement reads of the offer, as a compact JSON-able list: the
+        leader shares its polls with the standbys in this form (`from_record` reads it
+        back equal)."""
+        return [*self.pool[:4], self.pool.market.value, self.gpu, self.gpus,
+                self.gpu_memory_gb, self.vcpus, self.memory_gb, self.price_per_hour,
+                iso(self.observed_at), self.availability, self.capacity,
+                self.interruption_rate, self.quota_headroom, self.gpu_known,
+                self.quota_group, self.quota_units, [list(t) for t in self.targets],
+                list(self.draining)]
+
+    @classmethod
+    def from_record(cls, r: list[Any]) -> Offer:
+        (cloud, region, zone, itype, market, gpu, gpus, mem, vcpus, ram, price, observed,
+         avail, capacity, rate, headroom, known, group, units, targets, draining) = r
+        return cls(PoolKey(cloud, region, zone, itype, Market(market)), gpu, gpus, mem,
+                   vcpus, ram, price, parse_iso(observed), avail, capacity, rate, headroom,
+                   known, group, units, tuple(Target(*t) for t in targets), tuple(draining))
+
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 6)

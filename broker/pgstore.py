@@ -30,12 +30,14 @@ import itertools
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import orjson
 import structlog
 
-from broker.model import Lease
+from broker.model import Lease, Offer
 from broker.store import (
     _INSERT_OUTBOX,
     _UPSERT_LEASE,
@@ -118,6 +120,19 @@ CREATE TABLE leadership_term (
 INSERT INTO leadership_term (site, epoch, boot_id, expires_at)
     SELECT site, epoch, boot_id, expires_at FROM leadership;
 ALTER TABLE leadership DROP COLUMN expires_at;
+""",
+    # Version 5: the leader's last poll of each slice (every offer as placement reads it,
+    # `Offer.to_record`), so that a new leader places at once instead of waiting for its
+    # own first poll of every cloud.
+    5: """
+CREATE TABLE offer_slices (
+    cloud        TEXT NOT NULL,
+    region       TEXT NOT NULL,
+    polled_at    TIMESTAMPTZ NOT NULL,
+    offers       BYTEA NOT NULL,
+    leader_epoch BIGINT NOT NULL,
+    PRIMARY KEY (cloud, region)
+);
 """,
 }
 
@@ -271,22 +286,23 @@ class PgStateStore(OneThreadStore[PgDb]):
         """Connect and migrate. Raises `RuntimeError` for a schema newer than this code
         or a database that holds another site's state, `psycopg.Error` when the server
         refuses."""
+        self._db = await asyncio.get_running_loop().run_in_executor(self._executor,
+                                                                    self._open_db)
+
+    def _open_db(self) -> PgDb:
+        """A new connection, migrated (on the store's thread)."""
         # A transaction left open (a frozen or stuck process) must not hold the
         # leadership row for longer than a takeover may wait.
         idle_ms = max(1000, int(self._leadership_seconds * 1000))
         options = f"-c idle_in_transaction_session_timeout={idle_ms} -c statement_timeout=30000"
-
-        def do_open() -> PgDb:
-            conn = self.connect(options=options)
-            db = PgDb(conn, self._check_epoch)
-            try:
-                migrate(db, self.site)
-            except BaseException:
-                conn.close()
-                raise
-            return db
-
-        self._db = await asyncio.get_running_loop().run_in_executor(self._executor, do_open)
+        conn = self.connect(options=options)
+        db = PgDb(conn, self._check_epoch)
+        try:
+            migrate(db, self.site)
+        except BaseException:
+            conn.close()
+            raise
+        return db
 
     async def close(self) -> None:
         if self._db is not None:
@@ -309,14 +325,20 @@ class PgStateStore(OneThreadStore[PgDb]):
         except psycopg.Error as exc:
             log.info("the database connection was lost; connecting again", database=self.name,
                      error=type(exc).__name__, detail=str(exc).strip()[:300])
-        db, self._db = self._db, None
-        if db is not None:
-            try:
-                await asyncio.get_running_loop().run_in_executor(self._executor, db.close)
-            except Exception as exc:  # it is broken: closing may fail as well
-                log.debug("closing the lost connection failed", error=str(exc))
+
+        def swap() -> None:
+            # On the store's thread, in one step: no other operation of the store can
+            # run between the old connection's end and the new one's start.
+            old = self._db
+            if old is not None:
+                try:
+                    old.close()
+                except Exception as exc:  # it is broken: closing may fail as well
+                    log.debug("closing the lost connection failed", error=str(exc))
+            self._db = self._open_db()
+
         try:
-            await self.open()
+            await asyncio.get_running_loop().run_in_executor(self._executor, swap)
         except (psycopg.Error, OSError, RuntimeError) as exc:
             raise StoreFailed(f"{self.name}: connecting again failed: "
                               f"{str(exc).strip()[:300]}") from exc
@@ -410,6 +432,44 @@ class PgStateStore(OneThreadStore[PgDb]):
         except psycopg.Error as exc:
             log.warning("outbox rows not deleted; they are sent again later",
                         rows=len(ids), error=str(exc).strip())
+
+    async def save_slice(self, slice_id: tuple[str, str], polled_at: datetime,
+                         offers: Sequence[Offer]) -> None:
+        """Share the leader's last poll of a slice with the standbys (fenced like every
+        write: a deposed leader's poll is refused). Best effort: a slice not saved costs
+        a new leader only the wait for its own first poll of it."""
+        import psycopg
+
+        body = orjson.dumps([o.to_record() for o in offers])
+
+        def tx(db: PgDb) -> None:
+            db.begin()
+            try:
+                db.execute("INSERT INTO offer_slices VALUES (?, ?, ?, ?, ?) ON CONFLICT "
+                           "(cloud, region) DO UPDATE SET polled_at = excluded.polled_at, "
+                           "offers = excluded.offers, leader_epoch = excluded.leader_epoch",
+                           (*slice_id, polled_at, body, self.epoch))
+                db.commit()
+            except BaseException:
+                db.rollback()
+                raise
+
+        try:
+            await self._run(tx)
+        except psycopg.Error as exc:
+            log.warning("the poll was not shared with the standbys", slice=list(slice_id),
+                        error=type(exc).__name__, detail=str(exc).strip()[:300])
+
+    async def load_slices(self, since: datetime
+                          ) -> list[tuple[tuple[str, str], datetime, list[Offer]]]:
+        """The last shared poll of each slice made at or after `since`."""
+        def q(db: PgDb) -> list[tuple[tuple[str, str], datetime, list[Offer]]]:
+            return [((cloud, region), at, [Offer.from_record(r) for r in orjson.loads(body)])
+                    for cloud, region, at, body in db.execute(
+                        "SELECT cloud, region, polled_at, offers FROM offer_slices "
+                        "WHERE polled_at >= ?", (since,))]
+
+        return await self._read("offers read", q)
 
     async def find_leases(self, keys: Sequence[tuple[str, str]]
                           ) -> dict[tuple[str, str], list[Lease]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -48,6 +48,14 @@ class Poller:
         self.on_result = on_result
         self.first_round = asyncio.Event()
         self._first_pending = {(a.name, r) for a in self.adapters for r in a.regions()}
+        if not self._first_pending:
+            self.first_round.set()
+
+    def warmed(self, slices: Iterable[SliceId]) -> None:
+        """These slices' offers are in the pool already, fresh (a new leader took them
+        over from its predecessor's last polls): placement need not wait for their
+        first poll. They are polled on schedule all the same."""
+        self._first_pending.difference_update(slices)
         if not self._first_pending:
             self.first_round.set()
 

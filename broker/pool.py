@@ -100,8 +100,11 @@ class ResourcePool:
 
     # --- writing (the poller) -------------------------------------------------------
 
-    def replace(self, slice_id: SliceId, offers: Iterable[Offer]) -> PoolChange:
-        """Replace a slice with a fresh poll's offers and tell the listeners."""
+    def replace(self, slice_id: SliceId, offers: Iterable[Offer], *,
+                polled_at: datetime | None = None) -> PoolChange:
+        """Replace a slice with a fresh poll's offers and tell the listeners. `polled_at`:
+        when that poll was made, if not now (a new leader taking over its predecessor's
+        last polls): the slice's freshness counts from then."""
         new = {o.pool: o for o in offers}
         old_keys = self._slices.get(slice_id, set())
         updated: dict[PoolKey, Offer | None] = {}
@@ -142,7 +145,8 @@ class ResourcePool:
             self._owned_keys.discard(key)
             self._rooms.pop(key, None)
         health = self._health.setdefault(slice_id, SliceHealth(slice_id))
-        health.ok, health.last_ok_at, health.last_error = True, self._clock(), None
+        health.ok, health.last_error = True, None
+        health.last_ok_at = self._clock() if polled_at is None else polled_at
         self._stale_cache = (None, set())
         health.failures, health.offers = 0, len(new)
         change = PoolChange(slice_id, updated, removed, new)

@@ -53,7 +53,7 @@ from broker.model import Lease, LeaseState, Placement, PlaceRequest, iso, parse_
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -140,6 +140,8 @@ CREATE INDEX leases_state ON leases (state, updated_at);
     # PostgreSQL only (broker.pgstore): the leadership's term in a row of its own. Nothing
     # changes in a SQLite file; the number stays the same on both engines.
     4: "",
+    # PostgreSQL only: the leader's last poll of each slice, for the standbys.
+    5: "",
 }
 
 

@@ -33,7 +33,7 @@ from broker.store import SCHEMA_VERSION, Deposed, OutboxRow, StoreFailed, _lease
 
 SITE = "site-a"
 TABLES = {"meta", "leases", "outbox", "market_pools", "market_changes", "market_snapshots",
-          "leadership", "leadership_term", "nodes"}
+          "leadership", "leadership_term", "nodes", "offer_slices"}
 
 
 def lease(request_id: str = "r1", *, at: float = 0) -> Lease:
@@ -859,7 +859,8 @@ def term_expiry(url: str) -> datetime:
 
 def backend_pids(url: str, application: str) -> set[int]:
     return {pid for (pid,) in sql(url, "SELECT pid FROM pg_stat_activity WHERE "
-                                       "application_name = %s", (application,))}
+                                       "application_name = %s AND datname = current_database()",
+                                  (application,))}
 
 
 async def test_a_new_term_restoring_its_state_keeps_the_leadership(store: PgStateStore,
@@ -1049,3 +1050,35 @@ async def test_a_dropped_renewal_connection_is_replaced_at_once(store: PgStateSt
             holding.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await holding
+
+
+# --- the leader's polls shared with the standbys ---------------------------------------
+
+
+async def test_a_shared_poll_comes_back_as_it_was_and_only_while_fresh(
+        store: PgStateStore, pg_url: str) -> None:
+    from broker.model import Market, Target
+
+    reserved = replace(offer("r-a", cloud="private", region="r", gpu="A100-80GB", price=0.0,
+                             market=Market.RESERVED),
+                       targets=(Target("s1", 1, 1), Target("s2", 1, 0)), draining=("s2",),
+                       quota_group="private:r:A100", quota_units=8)
+    offers = [offer(price=31.2, capacity=3, quota_headroom=16), reserved,
+              replace(offer("us-east-1b", gpu="L4", gpus=1, price=None,
+                            interruption_rate=0.01, availability=0.5), gpu_known=False,
+                      vcpus=None, memory_gb=None, gpu_memory_gb=None)]
+    lead(pg_url, 3, "n1", boot="b1")
+    store.epoch, store.boot_id = 3, "b1"
+    await store.save_slice(("aws", "us-east-1"), T0, offers)
+    await store.save_slice(("gcp", "us-central1"), T0 - timedelta(minutes=10), offers[:1])
+    shared = await store.load_slices(T0 - timedelta(minutes=5))
+    assert shared == [(("aws", "us-east-1"), T0, offers)]
+    # A newer poll of a slice replaces its older one.
+    await store.save_slice(("aws", "us-east-1"), T0 + timedelta(minutes=1), offers[1:])
+    assert await store.load_slices(T0) == [(("aws", "us-east-1"), T0 + timedelta(minutes=1),
+                                            offers[1:])]
+    # A deposed leader shares nothing more.
+    lead(pg_url, 4, "n2", boot="b2")
+    with pytest.raises(Deposed):
+        await store.save_slice(("aws", "us-east-1"), T0 + timedelta(minutes=2), [])
+    assert len((await store.load_slices(T0))[0][2]) == 2

@@ -606,7 +606,7 @@ async def test_a_schema_2_file_is_migrated_keeps_its_leases_and_takes_parts(
             "SELECT lease_id, leader_epoch, part FROM leases ORDER BY lease_id").fetchall()
         ) == sorted([(kept.lease_id, 4, 0), (ended.lease_id, 5, 0)])
         assert await store.call(lambda db: db.execute(
-            "SELECT value FROM meta WHERE key='schema'").fetchone()[0]) == "3"
+            "SELECT value FROM meta WHERE key='schema'").fetchone()[0]) == str(SCHEMA_VERSION)
         # The key is unique per part now: a split request's parts are kept.
         parts = split("s1", 3)
         await store.commit(parts, [])
