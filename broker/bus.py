@@ -12,12 +12,19 @@ sent again, in order, byte-for-byte the same; subscribers drop duplicates by `id
 Incoming messages on `P/requests/S/<verb>` become `Command`s for the broker; retained
 ones are ignored (never act on stale commands). Nothing a scheduler needs lives only in
 MQTT 5 properties: the 5-only extras are replies to ResponseTopic and message expiry.
+
+On MQTT 5 an incoming request is acknowledged (PUBACK) only once its outcome is
+committed (`Command.done`), in the order the requests came, and the daemon announces a
+Receive Maximum: a request received before a crash, a takeover or a lost connection is
+not lost but delivered again, and the backlog waits at the MQTT server, not in the
+daemon. On MQTT 3.1.1 requests are acknowledged on receipt (paho's default).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import random
@@ -71,6 +78,19 @@ the subscribers' epoch rule cover)."""
 CONNECT_MIN = 0.2
 """The least time a connect is allowed for its TCP and TLS handshakes: with less
 leadership time left, the bus waits for the next renewal before it connects."""
+RECEIVE_MAXIMUM = 1024
+"""The MQTT 5 Receive Maximum the daemon announces: the most requests (QoS 1) the server
+sends it that it has not acknowledged yet. Requests are acknowledged once committed, so
+this bounds the daemon's whole backlog; the rest waits at the MQTT server, in the
+session, where a crash or a takeover does not lose it. 1024 is four batches at the
+default `placement.max_batch` (256): enough that a batch is always filling while the one
+before is placed and committed (a small window would starve the batching and cost a
+round trip every few requests), and far below the 20,000 messages aiomqtt's queue holds.
+It replaces mosquitto's `max_inflight_messages` (default 20) for this connection."""
+INCOMING_QOS0 = 20_000
+"""At most this many QoS 0 messages wait in the client's incoming queue (more are
+dropped, as QoS 0 allows). Under manual acknowledgement QoS 1 messages are never dropped
+there: the Receive Maximum bounds them instead (see `_IncomingQueue`)."""
 
 
 class _LateAck(logging.Filter):
@@ -91,11 +111,44 @@ class _LateAck(logging.Filter):
 logging.getLogger("mqtt").addFilter(_LateAck())
 
 
+class _IncomingQueue(asyncio.Queue[aiomqtt.Message]):
+    """aiomqtt's incoming queue for a client that acknowledges by hand: unbounded for
+    QoS 1 messages (the Receive Maximum bounds those), `maxsize` for QoS 0 ones (aiomqtt
+    drops a message the queue refuses). With one bound for both, a flood of QoS 0
+    messages could make it drop a QoS 1 request, which would then never be acknowledged
+    and would hold back the acknowledgement of every later request."""
+
+    def __init__(self, maxsize: int = 0) -> None:
+        super().__init__()
+        self._qos0_limit = maxsize if maxsize > 0 else INCOMING_QOS0
+        self._qos0 = 0
+
+    def put_nowait(self, item: aiomqtt.Message) -> None:
+        if item.qos == 0:
+            if self._qos0 >= self._qos0_limit:
+                raise asyncio.QueueFull
+            self._qos0 += 1
+        super().put_nowait(item)
+
+    def get_nowait(self) -> aiomqtt.Message:
+        item = super().get_nowait()  # asyncio.Queue.get() ends in get_nowait() too
+        if item.qos == 0:
+            self._qos0 -= 1
+        return item
+
+
 def make_client(cfg: MqttConfig, client_id: str, *, will: aiomqtt.Will | None = None,
-                session: bool = True) -> aiomqtt.Client:
+                session: bool = True, manual_ack: bool = False,
+                receive_maximum: int = RECEIVE_MAXIMUM) -> aiomqtt.Client:
     """An MQTT client with the configured server, credentials and TLS. `session`: a
     persistent session (requests sent while the daemon is away wait for it), unless
-    `mqtt.session_expiry_seconds` is 0: then none is kept, on either version."""
+    `mqtt.session_expiry_seconds` is 0: then none is kept, on either version.
+
+    `manual_ack` (MQTT 5 only): incoming QoS 1 messages are not acknowledged on receipt,
+    the caller acknowledges each (`_Acks`), and the client announces `receive_maximum`
+    so that the server holds back what goes beyond it. On MQTT 3.1.1 it is ignored and
+    messages are acknowledged on receipt: 3.1.1 has no Receive Maximum, so only the
+    server's own settings would bound the unacknowledged messages."""
     password = None
     if cfg.password_file is not None:
         password = cfg.password_file.read_text(encoding="utf-8").strip()
@@ -107,14 +160,18 @@ def make_client(cfg: MqttConfig, client_id: str, *, will: aiomqtt.Will | None = 
     clean = expiry == 0
     kwargs: dict[str, Any] = {}
     v5 = cfg.protocol == "5"
+    manual = manual_ack and v5
     if v5:
         props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
         props.SessionExpiryInterval = expiry
         props.MaximumPacketSize = MAX_PACKET
+        if manual:
+            props.ReceiveMaximum = receive_maximum
+            kwargs["queue_type"] = _IncomingQueue
         kwargs["clean_start"] = clean
     else:
         kwargs["clean_session"] = clean
-    return aiomqtt.Client(
+    client = aiomqtt.Client(
         cfg.host, cfg.port, identifier=client_id, username=cfg.username,
         password=password, tls_context=tls,
         protocol=aiomqtt.ProtocolVersion.V5 if v5 else aiomqtt.ProtocolVersion.V311,
@@ -123,6 +180,59 @@ def make_client(cfg: MqttConfig, client_id: str, *, will: aiomqtt.Will | None = 
         # Small MQTT packets must not wait for Nagle's algorithm and delayed ACKs
         # (about 40 ms each way otherwise).
         socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], **kwargs)
+    if manual:
+        # aiomqtt 2.5 has no switch for it; its paho client has.
+        client._client.manual_ack_set(True)
+    return client
+
+
+class _Receipt:
+    __slots__ = ("done", "mid")
+
+    def __init__(self, mid: int) -> None:
+        self.mid = mid
+        self.done = False
+
+
+class _Acks:
+    """The PUBACKs of one connection under manual acknowledgement. Each QoS 1 message
+    gets a receipt when it is taken from the client; its `done` marks it, and every done
+    receipt at the head of the line is acknowledged, so PUBACKs go out in the order the
+    PUBLISH packets came, as MQTT 5 §4.6 requires: an acknowledgement waits for every
+    earlier message of the connection. Once the connection is gone (`close`) nothing is
+    acknowledged any more: the server delivers those messages again on the session's
+    next connection, and the broker answers a repeated request from its lease book."""
+
+    def __init__(self, client: aiomqtt.Client) -> None:
+        self._paho = client._client
+        self._line: deque[_Receipt] = deque()
+        self._open = True
+
+    @property
+    def waiting(self) -> int:
+        """Messages taken and not acknowledged yet."""
+        return len(self._line)
+
+    def take(self, message: aiomqtt.Message) -> Callable[[], None] | None:
+        """The `done` of one message; None for QoS 0 (no PUBACK). QoS 2 does not come:
+        the subscription is QoS 1."""
+        if message.qos != 1:
+            return None
+        receipt = _Receipt(message.mid)
+        self._line.append(receipt)
+        return functools.partial(self._done, receipt)
+
+    def _done(self, receipt: _Receipt) -> None:
+        receipt.done = True
+        line = self._line
+        while self._open and line and line[0].done:
+            # On a connection lost meanwhile paho sends nothing (it returns an error
+            # code): the message comes again on the next connection.
+            self._paho.ack(line.popleft().mid, 1)
+
+    def close(self) -> None:
+        self._open = False
+        self._line.clear()
 
 
 class Fenced(aiomqtt.MqttError):
@@ -140,8 +250,11 @@ class Bus:
                  retained: RetainedSource | None = None, node: str = "",
                  epoch: Callable[[], int] = lambda: 0,
                  may_publish: Callable[[], bool] = lambda: True,
-                 time_left: Callable[[], float] = lambda: math.inf) -> None:
+                 time_left: Callable[[], float] = lambda: math.inf,
+                 receive_maximum: int = RECEIVE_MAXIMUM) -> None:
         self.cfg = cfg
+        self.receive_maximum = receive_maximum
+        """The Receive Maximum announced on MQTT 5 (`RECEIVE_MAXIMUM`)."""
         self.node = node
         self._epoch = epoch
         self.may_publish = may_publish
@@ -176,6 +289,15 @@ class Bus:
         self.last_ack = time.monotonic()
         self.v5 = cfg.protocol == "5"
         self._dropped = Every(30.0)  # one warning per 30 s about invalid scheduler ids
+        self._acks: _Acks | None = None  # this connection's PUBACKs (MQTT 5)
+        self.received = 0
+        """Request messages taken from the MQTT server so far, over every connection."""
+
+    @property
+    def unacknowledged(self) -> int:
+        """Requests of this connection taken and not acknowledged yet (MQTT 5): being
+        decided and committed, or done and waiting for an earlier one."""
+        return 0 if self._acks is None else self._acks.waiting
 
     # --- the outbox ------------------------------------------------------------------
 
@@ -244,7 +366,8 @@ class Bus:
         if not self.may_publish():
             raise Fenced("this node does not lead the site (any more)")
         client = make_client(self.cfg, self.client_id, will=aiomqtt.Will(
-            self.topics.status, self._status("offline"), qos=1, retain=True))
+            self.topics.status, self._status("offline"), qos=1, retain=True),
+            manual_ack=True, receive_maximum=self.receive_maximum)
         client.pending_calls_threshold = 100_000  # the outbox window bounds them, not this
         # paho bounds the TCP connect and the TLS handshake by this, each: CONNECT is
         # sent within `budget` of the start, or never.
@@ -378,11 +501,20 @@ class Bus:
         self.connected.set()
         log.info("mqtt connected", url=self.cfg.url, outbox=len(self._pending),
                  protocol=self.cfg.protocol)
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._send(client))
-            if self._retained is not None:
-                tg.create_task(self._restore_retained(client, self._retained))
-            await self._receive(client)
+        acks = self._acks = _Acks(client) if self.v5 else None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._send(client))
+                if self._retained is not None:
+                    tg.create_task(self._restore_retained(client, self._retained))
+                await self._receive(client, acks)
+        finally:
+            # Acknowledgements belong to the connection: what it did not acknowledge,
+            # the server delivers again on the next one.
+            if acks is not None:
+                acks.close()
+            if self._acks is acks:
+                self._acks = None
         raise aiomqtt.MqttError("the MQTT server ended the session")
 
     async def _restore_retained(self, client: aiomqtt.Client, source: RetainedSource) -> None:
@@ -502,46 +634,61 @@ class Bus:
             batch, self._acked = self._acked[:ACK_BATCH], self._acked[ACK_BATCH:]
             await self.store.ack(batch)
 
-    async def _receive(self, client: aiomqtt.Client) -> None:
+    async def _receive(self, client: aiomqtt.Client, acks: _Acks | None = None) -> None:
+        """Turn each request message into a `Command` for the broker. With `acks` (MQTT
+        5) a message is acknowledged when its command is done; one dropped here, without
+        a command, is done at once, or it would hold back every later acknowledgement."""
         async for message in client.messages:
             if not self._receiving:
+                continue  # shutting down: not acknowledged, so the next boot gets it
+            self.received += 1
+            done = acks.take(message) if acks is not None else None
+            command = self._command(message, done)
+            if command is None:
+                if done is not None:
+                    done()
                 continue
-            topic = str(message.topic)
-            if message.retain and not self.v5:
-                # MQTT 3.1.1 marks only the replay on subscribe (a persistent session's
-                # subscription is not re-made, so that is rare); ignore it.
-                log.info("ignored retained request", topic=topic)
-                continue
-            parsed = self.topics.parse_request(topic)
-            if parsed is None:
-                continue
-            scheduler, verb = parsed
-            if not SCHEDULER_ID.match(scheduler) or scheduler == OPS:
-                if dropped := self._dropped.hit():
-                    log.warning("request from an invalid or reserved scheduler id dropped",
-                                topic=topic, dropped=dropped)
-                continue
-            payload = message.payload
-            if not isinstance(payload, bytes | bytearray):
-                payload = str(payload or "").encode()
-            reply = None
-            response_topic = getattr(message.properties, "ResponseTopic", None)
-            if response_topic:
-                # The reply is published with the daemon's rights, so it may only go where
-                # the scheduler itself could read: P/replies/S/... Anything else would let
-                # one scheduler write into another's events or leases.
-                if self.topics.may_reply(scheduler, str(response_topic)):
-                    correlation = getattr(message.properties, "CorrelationData", b"")
-                    reply = {"response_topic": str(response_topic),
-                             "correlation_data": bytes(correlation).hex()}
-                else:
-                    log.warning("ResponseTopic outside the scheduler's replies tree ignored",
-                                scheduler=scheduler, response_topic=str(response_topic),
-                                allowed=self.topics.replies(scheduler) + "/#")
-            # On MQTT 5 a retained request keeps its flag (Retain-As-Published): the
-            # broker answers it request.invalid and does not act on it.
-            await self._on_command(Command(scheduler, verb, bytes(payload), topic, reply,
-                                           retained=bool(message.retain)))
+            await self._on_command(command)
+
+    def _command(self, message: aiomqtt.Message,
+                 done: Callable[[], None] | None) -> Command | None:
+        """The command a request message carries; None for one dropped unanswered."""
+        topic = str(message.topic)
+        if message.retain and not self.v5:
+            # MQTT 3.1.1 marks only the replay on subscribe (a persistent session's
+            # subscription is not re-made, so that is rare); ignore it.
+            log.info("ignored retained request", topic=topic)
+            return None
+        parsed = self.topics.parse_request(topic)
+        if parsed is None:
+            return None
+        scheduler, verb = parsed
+        if not SCHEDULER_ID.match(scheduler) or scheduler == OPS:
+            if dropped := self._dropped.hit():
+                log.warning("request from an invalid or reserved scheduler id dropped",
+                            topic=topic, dropped=dropped)
+            return None
+        payload = message.payload
+        if not isinstance(payload, bytes | bytearray):
+            payload = str(payload or "").encode()
+        reply = None
+        response_topic = getattr(message.properties, "ResponseTopic", None)
+        if response_topic:
+            # The reply is published with the daemon's rights, so it may only go where
+            # the scheduler itself could read: P/replies/S/... Anything else would let
+            # one scheduler write into another's events or leases.
+            if self.topics.may_reply(scheduler, str(response_topic)):
+                correlation = getattr(message.properties, "CorrelationData", b"")
+                reply = {"response_topic": str(response_topic),
+                         "correlation_data": bytes(correlation).hex()}
+            else:
+                log.warning("ResponseTopic outside the scheduler's replies tree ignored",
+                            scheduler=scheduler, response_topic=str(response_topic),
+                            allowed=self.topics.replies(scheduler) + "/#")
+        # On MQTT 5 a retained request keeps its flag (Retain-As-Published): the broker
+        # answers it request.invalid and does not act on it.
+        return Command(scheduler, verb, bytes(payload), topic, reply,
+                       retained=bool(message.retain), done=done)
 
     # --- direct (non-durable) publishing ----------------------------------------------
 

@@ -103,6 +103,13 @@ class Command:
     answer: asyncio.Future[bytes] | None = None  # an HTTP caller waiting for the answer
     retained: bool = False  # published with the retain flag: refused, never acted on
     received: float = field(default_factory=time.monotonic)
+    done: Callable[[], None] | None = None
+    """Called once the command's outcome is committed (its lease and events, a
+    rejection, a `request.invalid`, a repeat answered from the lease book: all in the
+    outbox), or known to need no commit. The bus acknowledges the MQTT message then, not
+    on receipt (MQTT 5): a command that is never done — the store refused the commit, the
+    daemon stopped or crashed first — is never acknowledged, and the MQTT server delivers
+    it again on the next connection."""
 
 
 @dataclass(slots=True)
@@ -498,6 +505,12 @@ class Broker:
                     else:
                         self._invalid(b, cmd, req.request_id, [INTERNAL])
             await self._commit(b)
+            # Committed (or nothing to commit): every command of the batch is answered in
+            # the outbox, so its MQTT message may be acknowledged. A commit that raised
+            # never gets here: those stay unacknowledged and come again.
+            for cmd in batch:
+                if cmd.done is not None:
+                    cmd.done()
 
     def _known_gpus(self) -> set[str]:
         """GPU models a request may name besides the canonical ones: the policy's
