@@ -15,7 +15,9 @@ timeout) leaves memory ahead of the store, so it is fatal:
 * nothing of the failed batch is published (rows reach the bus only once committed);
   every HTTP caller waiting on it and every command still queued is answered at once
   with `StoreFailed` (HTTP 503, "state store failed; not executed"); MQTT requests get
-  no answer, and schedulers send them again with the same `request_id`;
+  no answer and are not acknowledged (`Command.done` is never called): on MQTT 5 the
+  server delivers them again to the next start, over 3.1.1 schedulers send them again
+  with the same `request_id`;
 * nothing more is committed: the loop whose commit failed raises `StoreFailed`, which
   ends the daemon's task group, and every later change is refused (`_changing`,
   `_commit`); `gpubroker run` logs the SQLite error once and exits 1, and systemd
