@@ -568,3 +568,43 @@ async def test_the_milp_gets_its_share_of_the_cpu_and_no_more(setup: Any) -> Non
     broker._milp_refilled -= 3601  # an hour and a second later
     assert broker._milp_allowed()
     assert broker._milp_budget <= core.MILP_BURST_SECONDS
+
+
+# --- a command is done once its outcome is committed (#26) -----------------------------
+
+
+async def test_each_command_is_done_once_its_answer_is_committed(setup: Any) -> None:
+    """`Command.done` (the bus acknowledges the MQTT message then) comes after the
+    batch's commit, for every kind of outcome: a lease, a repeat, an invalid request, a
+    verb on an unknown lease. The commit has handed the answers to the bus by then, and
+    the lease is in the store."""
+    broker, _, sink = setup
+    done: list[tuple[str, int]] = []
+
+    def cmd(name: str, c: Command) -> Command:
+        return dataclasses.replace(c, done=lambda: done.append((name, len(sink.rows))))
+
+    place = cmd("place", _place_cmd("r1"))
+    batch = [place, cmd("again", _place_cmd("r1")),
+             cmd("invalid", Command("sched-a", "place", b"{", "p/requests/sched-a/place")),
+             cmd("renew", Command("sched-a", "renew", b'{"lease_id": "L-nope"}',
+                                  "p/requests/sched-a/renew"))]
+    await broker.handle(batch)
+    answered = len(sink.rows)
+    assert answered > 0
+    assert done == [("place", answered), ("again", answered), ("invalid", answered),
+                    ("renew", answered)]
+    assert await broker.store.find_lease("sched-a", "r1") is not None
+
+
+async def test_a_command_whose_commit_is_refused_is_never_done(setup: Any) -> None:
+    """The store refuses the batch's commit: its commands are not done, so the bus never
+    acknowledges them and the MQTT server delivers them to the next start."""
+    broker, _, _ = setup
+    await broker.store.call(fill_up)
+    done: list[str] = []
+    c = dataclasses.replace(_place_cmd("doomed", labels=BIG_LABELS),
+                            done=lambda: done.append("doomed"))
+    with pytest.raises(StoreFailed):
+        await broker.handle([c])
+    assert done == []
