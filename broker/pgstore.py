@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import orjson
 import structlog
 
-from broker.model import Lease, Offer
+from broker.model import Lease, Offer, iso
 from broker.store import (
     _INSERT_OUTBOX,
     _UPSERT_LEASE,
@@ -133,10 +133,25 @@ CREATE TABLE offer_slices (
     leader_epoch BIGINT NOT NULL,
     PRIMARY KEY (cloud, region)
 );
+CREATE SEQUENCE lease_changes;
+ALTER TABLE leases ADD COLUMN change BIGINT;
+CREATE INDEX leases_change ON leases (change);
 """,
 }
 
 _MIGRATE_LOCK = 0x67707562726B  # "gpubrk": the advisory lock key of migrations
+
+
+_PG_UPSERT_LEASE = (
+    _UPSERT_LEASE.replace(") VALUES (?,?,?,?,?,?,?,?) ON CONFLICT",
+                          ", change) VALUES (?,?,?,?,?,?,?,?, nextval('lease_changes')) "
+                          "ON CONFLICT")
+    + ", change=excluded.change")
+"""`broker.store`'s lease upsert, numbering each write from one sequence: a standby
+follows the lease book by that number (`lease_changes`). One leader writes through one
+connection, one transaction at a time, and a new leader's first write comes after its
+claim, which waits for the old leader's last commit: so what a reader sees is always
+every change up to some number, and nothing after it is seen before it."""
 
 
 def _require_psycopg() -> None:
@@ -379,7 +394,7 @@ class PgStateStore(OneThreadStore[PgDb]):
                 with conn.pipeline():
                     conn.execute("BEGIN")
                     if lease_rows:
-                        conn.cursor().executemany(_pg_sql(_UPSERT_LEASE), lease_rows)
+                        conn.cursor().executemany(_pg_sql(_PG_UPSERT_LEASE), lease_rows)
                     cur = conn.cursor()
                     if outbox:
                         cur.executemany(_pg_sql(_INSERT_OUTBOX + " RETURNING id"), outbox,
@@ -470,6 +485,26 @@ class PgStateStore(OneThreadStore[PgDb]):
                         "WHERE polled_at >= ?", (since,))]
 
         return await self._read("offers read", q)
+
+    async def lease_changes(self, after: int, *, ended_since: datetime
+                            ) -> tuple[int, list[Lease]]:
+        """Follow the lease book (a standby): the leases written after change number
+        `after`, and the number to ask after next time. `after` < 0: the whole book (the
+        active leases and those ended at or after `ended_since`), as `leases` reads it."""
+        def q(db: PgDb) -> tuple[int, list[Lease]]:
+            # The highest number first: a change committed meanwhile is read now and
+            # again next time, never missed.
+            row = db.execute("SELECT COALESCE(max(change), 0) FROM leases").fetchone()
+            top = int(row[0]) if row else 0
+            if after < 0:
+                rows = db.execute("SELECT body FROM leases WHERE state = 'active' OR "
+                                  "updated_at >= ?", (iso(ended_since),))
+            else:
+                rows = db.execute("SELECT body FROM leases WHERE change > ? AND change <= ? "
+                                  "ORDER BY change", (after, top))
+            return top, [_lease_from(json.loads(b)) for (b,) in rows]
+
+        return await self._read("lease book read", q)
 
     async def find_leases(self, keys: Sequence[tuple[str, str]]
                           ) -> dict[tuple[str, str], list[Lease]]:

@@ -324,7 +324,8 @@ async def test_a_schema_2_database_is_migrated_keeps_its_leases_and_takes_parts(
     assert dict(sql(pg_url, "SELECT key, value FROM meta")) == {
         "schema": str(SCHEMA_VERSION), "site": SITE}
     columns, constraints, _ = lease_table(pg_url)
-    assert columns[-2:] == [("leader_epoch", "bigint", "NO", "0"), ("part", "bigint", "NO", "0")]
+    assert columns[-3:] == [("leader_epoch", "bigint", "NO", "0"), ("part", "bigint", "NO", "0"),
+                            ("change", "bigint", "YES", None)]
     assert dict(constraints) == {
         "leases_pkey": "PRIMARY KEY (lease_id)",
         "leases_scheduler_request_id_part_key": "UNIQUE (scheduler, request_id, part)"}
@@ -1082,3 +1083,32 @@ async def test_a_shared_poll_comes_back_as_it_was_and_only_while_fresh(
     with pytest.raises(Deposed):
         await store.save_slice(("aws", "us-east-1"), T0 + timedelta(minutes=2), [])
     assert len((await store.load_slices(T0))[0][2]) == 2
+
+
+async def test_the_lease_book_is_followed_change_by_change(store: PgStateStore,
+                                                           pg_url: str) -> None:
+    """A standby reads the whole book once, then only what changed: in order, each
+    change once, a refused (deposed) write never."""
+    book = LeaseBook()
+    a, b = (book.create(request(r), placement(), lease_seconds=600, cap=None, now=T0)
+            for r in ("r1", "r2"))
+    ended = book.end(book.create(request("r0"), placement(), lease_seconds=600, cap=None,
+                                 now=T0 - timedelta(days=3)).lease_id,
+                     LeaseState.RELEASED, T0 - timedelta(days=3))
+    lead(pg_url, 1, "n1", boot="b1")
+    store.epoch, store.boot_id = 1, "b1"
+    await store.commit([a, b, ended], [])
+    cursor, whole = await store.lease_changes(-1, ended_since=T0 - timedelta(days=1))
+    assert sorted(le.request_id for le in whole) == ["r1", "r2"]  # the old ended one: no
+    assert await store.lease_changes(cursor, ended_since=T0) == (cursor, [])
+    renewed = book.renew(a.lease_id, "sched-a", T0 + timedelta(seconds=30))
+    c = book.create(request("r3"), placement(), lease_seconds=600, cap=None, now=T0)
+    await store.commit([renewed], [])
+    await store.commit([c], [])
+    lead(pg_url, 2, "n2", boot="b2")  # deposed: this write is refused, never followed
+    with pytest.raises(Deposed):
+        await store.commit([book.renew(b.lease_id, "sched-a", T0 + timedelta(seconds=60))], [])
+    later, changed = await store.lease_changes(cursor, ended_since=T0)
+    assert later > cursor
+    assert changed == [renewed, c]
+    assert await store.lease_changes(later, ended_since=T0) == (later, [])
