@@ -83,6 +83,10 @@ log = structlog.get_logger("gpubroker.broker")
 BURST = 8
 """Requests waiting, besides the one taken, that make a burst worth the batch window."""
 
+FIRST_BATCH = 16
+"""The size of the first batch after a start; each next one may be twice as large, up to
+`placement.max_batch` (the backlog a new leader finds is answered from its head at once)."""
+
 VERBS = ("place", "renew", "release", "report")
 OPS = "_ops"  # the reserved scheduler id of operations events (P/events/_ops/...)
 REPEATED = "repeated request: the lease it already has"
@@ -255,11 +259,15 @@ class Broker:
         one; waiting for a few would keep the loop waiting, batch after batch)."""
         await ready.wait()
         loop = asyncio.get_running_loop()
+        # The first batches after a start (a takeover: the backlog that waited for it)
+        # are small and grow, so the first decision comes at once rather than after a
+        # whole backlog's solve; doubling reaches `max_batch` within a few batches.
+        limit = min(self._max_batch, FIRST_BATCH)
         while True:
             batch = [await self._requests.get()]
             start = loop.time()
             busy = self._requests.qsize() >= BURST
-            while len(batch) < self._max_batch:
+            while len(batch) < limit:
                 if not self._requests.empty():
                     batch.append(self._requests.get_nowait())
                     continue
@@ -279,6 +287,7 @@ class Broker:
             finally:
                 for _ in batch:
                     self._requests.task_done()
+            limit = min(self._max_batch, 2 * limit)
 
     async def idle(self) -> None:
         """Wait until every queued request is decided and committed."""

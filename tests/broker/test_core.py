@@ -183,6 +183,34 @@ async def test_requests_queued_together_are_placed_as_one_batch(setup: Any) -> N
     assert _decisions(broker) == {"r1": "us-east-1b", "r2": "us-east-1a"}
 
 
+async def test_a_backlog_found_at_start_is_answered_in_small_batches_first(
+        setup: Any) -> None:
+    """A new leader finds the requests that waited for it: the first batch is small, so
+    the first decisions come at once; each next batch may be twice as large."""
+    import asyncio
+
+    from broker.core import FIRST_BATCH
+
+    broker, _, _ = setup
+    observed: list[Any] = []
+    broker.batch_observers.append(observed.append)
+    for i in range(6 * FIRST_BATCH):
+        await broker.submit(_place_cmd(f"b{i}", gpus=1))
+    ready = asyncio.Event()
+    ready.set()
+    task = asyncio.create_task(broker.run_requests(ready))
+    try:
+        async with asyncio.timeout(20):
+            await broker.idle()
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    sizes = [len(r.outcomes) for r in observed]
+    assert sum(sizes) == 6 * FIRST_BATCH
+    assert sizes[:3] == [FIRST_BATCH, 2 * FIRST_BATCH, 3 * FIRST_BATCH]  # the rest: 3 x 16
+
+
 # --- a commit the store refuses: crash-only --------------------------------------------
 
 
