@@ -18,7 +18,7 @@ from broker.model import PoolKey
 S = "sched-1"
 EVENTS = f"{PREFIX}/events/{S}/"
 ENVELOPE = {"specversion", "id", "source", "type", "time", "subject", "datacontenttype",
-            "seq", "bootid", "correlationid", "data"}
+            "seq", "bootid", "leaderepoch", "correlationid", "data"}
 PLACEMENT = {"cloud", "region", "zone", "instance_type", "instances", "market", "gpu", "gpus",
              "total_gpus", "price_per_hour", "price_per_gpu_hour", "price_observed_at"}
 
@@ -58,6 +58,7 @@ async def test_place_decides_with_every_field(start_daemon: StartDaemon,
     assert ev["type"] == "gpubroker.placement.decided.v1"
     assert ev["source"] == "gpubroker://test"
     assert ev["bootid"] == rd.daemon.boot_id
+    assert ev["leaderepoch"] == 0  # one daemon on SQLite: no election
     assert ev["correlationid"] == "job-1"
     assert ev["time"].endswith("Z")
     d = ev["data"]
