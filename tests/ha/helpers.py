@@ -13,7 +13,8 @@ in front of PostgreSQL, a scheduler that re-sends, and the checks on what it all
   One process may hold several starts of the daemon (a deposed leader stands by again
   in-process, with a new boot_id).
 * ``PgProxy`` — an asyncio TCP proxy between a daemon and PostgreSQL: ``cut()`` closes
-  every connection through it and resets every new one until ``restore()``.
+  every connection through it and resets every new one until ``restore()``;
+  ``retarget()`` sends the new ones to another server (a failover).
 * ``Scheduler`` — a ``BrokerClient`` placing requests at a steady pace; the client sends
   an unanswered request again with the same request_id (every 0.5 s here, doubling to
   2 s, and at once when a daemon comes online with a new boot_id). Rejections are
@@ -365,6 +366,16 @@ class PgProxy:
             dst.write(data)
             await dst.drain()
         dst.transport.abort()  # one side closed: close both (libpq never half-closes)
+
+    def retarget(self, target_url: str) -> None:
+        """Send every new connection to the server of `target_url` from now on (a
+        failover to another server behind one address), and close every connection to
+        the old one."""
+        u = urlsplit(target_url)
+        self.target = (u.hostname or HOST, u.port or 5432)
+        for link in list(self._links):
+            for w in link:
+                w.transport.abort()
 
     def cut(self) -> None:
         """Close every connection; reset every new one until `restore()`."""
@@ -771,6 +782,61 @@ class Observed:
         return problems
 
 
+class LeaderWatch:
+    """Asks every node of `site` for ``/readyz`` every `every` s, from ``start()`` to
+    ``stop()``: which nodes said they lead at each moment, and so the longest stretch in
+    which none did (a node whose HTTP does not answer within 1 s does not lead)."""
+
+    def __init__(self, site: HaSite, every: float = 0.1) -> None:
+        self.site = site
+        self.every = every
+        self.samples: list[tuple[float, dict[str, Readiness]]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as s:
+            while True:
+                daemons = list(self.site.daemons.values())
+                replies = await asyncio.gather(*(d.readyz(s) for d in daemons))
+                self.samples.append((time.monotonic(),
+                                     {d.node: r for d, r in zip(daemons, replies,
+                                                                strict=True)}))
+                await asyncio.sleep(self.every)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def leading(self, since: float = 0.0) -> list[tuple[float, list[str]]]:
+        """(time, the nodes that said they lead) of every sample from `since` on."""
+        return [(t, sorted(n for n, r in replies.items() if r.role == "leader"))
+                for t, replies in self.samples if t >= since]
+
+    def longest_without_leader(self, since: float) -> tuple[float, float]:
+        """(seconds, start): the longest stretch without a leader from `since` (the
+        fault's start, counted as led) on: from a sample in which some node led, or
+        `since`, to the next such sample (or to the last sample)."""
+        best, start = 0.0, since
+        last = since
+        samples = self.leading(since)
+        for t, nodes in samples:
+            if nodes:
+                if t - last > best:
+                    best, start = t - last, last
+                last = t
+        if samples and samples[-1][0] - last > best:
+            best, start = samples[-1][0] - last, last
+        return best, start
+
+    def replies_of(self, node: str, since: float = 0.0) -> list[Readiness]:
+        return [r[node] for t, r in self.samples if t >= since and node in r]
+
+
 @dataclass(frozen=True)
 class Leader:
     """One leading start of a node, as its first P/status `online` announced it."""
@@ -799,5 +865,5 @@ async def wait_leader(daemons: list[HaDaemon], timeout: float) -> HaDaemon:
 
 
 __all__ = ["HOST", "LEADERSHIP_SECONDS", "MIX", "PREFIX", "SCHEDULER", "SITE", "HaDaemon",
-           "HaSite", "Leader", "Observed", "Outcome", "PgProxy", "Readiness", "Scheduler", "Seen",
-           "wait_leader", "wait_until"]
+           "HaSite", "Leader", "LeaderWatch", "Observed", "Outcome", "PgProxy", "Readiness",
+           "Scheduler", "Seen", "wait_leader", "wait_until"]
