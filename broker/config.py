@@ -180,6 +180,28 @@ class HttpConfig(_Section):
     token_file: Path | None = None
     """A file holding the bearer token for POST /v1/requests/{S}/place (systemd:
     LoadCredential). Without it, placing over HTTP is refused."""
+    views_need_token: bool = False
+    """The read-only views (/v1/offers, /v1/leases, /v1/policy) ask for the bearer token
+    too; /livez, /readyz and /metrics never do. Off by default, as the contract had it
+    (and `gpubroker leases --http` sends none); turn it on before opening the listener
+    beyond loopback, e.g. for Prometheus to scrape /metrics."""
+    header_timeout_seconds: float = Field(default=10, gt=0, le=3600)
+    """A connection must have sent a request's whole header this long after it opened
+    or after its previous answer, or it is closed: a slow or idle client cannot hold a
+    file descriptor for long (and keep-alive lasts this long)."""
+    body_timeout_seconds: float = Field(default=10, gt=0, le=3600)
+    """How long reading a request's body may take (POST /v1/requests/{S}/place): 408."""
+    max_connections: int | None = Field(default=None, ge=1, le=1_000_000)
+    """Open HTTP connections at most; default from the open-file limit (broker/http.py
+    `connection_limit`), so HTTP clients never take the descriptors the daemon needs.
+    Beyond it a new connection replaces the oldest one with no request in progress, or
+    is answered 503 and closed."""
+
+    @model_validator(mode="after")
+    def _views_token(self) -> HttpConfig:
+        if self.views_need_token and self.token_file is None:
+            raise ValueError("views_need_token needs http.token_file (the token to ask for)")
+        return self
 
     @property
     def host_port(self) -> tuple[str, int] | None:

@@ -47,6 +47,7 @@ from broker.model import Lease, LeaseState, Market, PoolKey, utcnow
 from broker.pgstore import PgStateStore
 from broker.poller import Poller, PollResult
 from broker.pool import PoolChange, ResourcePool, SliceId
+from broker.ratelimit import Every
 from broker.recorder import HistoryReader, MarketRecorder
 from broker.sdnotify import Notifier, watchdog_seconds
 from broker.store import Db, Deposed, StoreFailed, db_errors, store_for
@@ -55,6 +56,8 @@ from policies.model import Policy
 from policies.yamlsrc import Problem
 
 log = structlog.get_logger("gpubroker.daemon")
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS)
+"""A read failing with one of these says nothing about the file: try it again later."""
 
 SHUTDOWN_GRACE_SECONDS = 10.0
 RETAINED_ENDED_MARGIN = timedelta(hours=1)
@@ -73,6 +76,8 @@ class Daemon:
         self.boot_id = str(uuid.uuid4())
         self.policy_digest: str | None = None
         self._rejected_digest: str | None = None
+        self._forced_pending = False
+        self._unreadable_log = Every(60.0)
         if policy is None and cfg.policy_file is not None:
             text = cfg.policy_file.read_bytes() if cfg.policy_file.is_file() else None
             policy = load_policy(cfg.policy_file)  # raises SourceError, naming the file
@@ -235,6 +240,16 @@ class Daemon:
         try:
             raw = await asyncio.to_thread(path.read_bytes)
         except OSError as exc:
+            if exc.errno in _OUT_OF_RESOURCES:
+                # The process (or system) is out of descriptors or memory, e.g. while
+                # HTTP clients hold many connections: nothing is wrong with the file.
+                # Not a policy.rejected; the watcher tries again (a SIGHUP's forced
+                # reload too) on its next round.
+                self._forced_pending = self._forced_pending or forced
+                if n := self._unreadable_log.hit():
+                    log.warning("policy file not read now; retrying", file=str(path),
+                                error=exc.strerror, count=n)
+                return "unchanged"
             problem = Problem(str(path), None, None, "", f"cannot read: {exc.strerror}")
             if forced or self._rejected_digest != "unreadable":
                 self._rejected_digest = "unreadable"
@@ -264,8 +279,9 @@ class Daemon:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(every_seconds):
                     await self._reload.wait()
-            forced = self._reload.is_set()
+            forced = self._reload.is_set() or self._forced_pending
             self._reload.clear()
+            self._forced_pending = False
             await self.reload_policy(forced=forced)
 
     def _launch_failed(self, pool: PoolKey, detail: str) -> None:

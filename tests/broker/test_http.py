@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from daemon_helpers import RunningDaemon, daemon_config
-from mqtt_helpers import Mosquitto, ProbeFactory, free_port
+from mqtt_helpers import Mosquitto, ProbeFactory, free_port, payload_json
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker.config import HttpConfig
@@ -186,3 +191,255 @@ async def test_readyz_is_503_until_mqtt_connects(tmp_path: Path) -> None:
             assert r.status == 403  # no token file configured
     finally:
         await rd.stop()
+
+
+# --- hostile and malformed clients (#27) ---------------------------------------------
+
+FD_LIMIT = 256
+"""RLIMIT_NOFILE of the daemon processes below: systemd's 1,024 in small."""
+
+
+class DaemonProcess:
+    """`gpubroker run` as a process whose open-file limit is FD_LIMIT (soft and hard),
+    its JSON log in a file."""
+
+    def __init__(self, tmp_path: Path, mosquitto: Mosquitto, http: dict[str, Any],
+                 policy: Path | None = None, log_level: str = "info") -> None:
+        self.port = free_port()
+        config = tmp_path / "config.yaml"
+        config.write_text(yaml.safe_dump({
+            "state": {"path": str(tmp_path / "state.db")}, "mqtt": {"url": mosquitto.url},
+            "http": {"listen": f"127.0.0.1:{self.port}", **http},
+            **({"policy_file": str(policy)} if policy else {}), "log_level": log_level,
+            "poll": {"interval_seconds": 3600, "stale_after_seconds": 7200},
+            "clouds": {"sim": {"regions_per_cloud": 1, "zones_per_region": 1}}}))
+        self.log_path = tmp_path / "daemon.log"
+        self._log = self.log_path.open("wb")
+        limit = (f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+                 f"({FD_LIMIT}, {FD_LIMIT})); os.execv(sys.executable, [sys.executable, "
+                 f"'-m', 'broker.cli', 'run', '--config', {str(config)!r}])")
+        self.proc = subprocess.Popen([sys.executable, "-c", limit],
+                                     stdout=self._log, stderr=self._log)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    async def wait_log(self, event: str, timeout: float) -> None:
+        async with asyncio.timeout(timeout):
+            while f'"event": "{event}"' not in self.log():
+                assert self.proc.poll() is None, self.log()[-3000:]
+                await asyncio.sleep(0.1)  # polling a file: no event to wait on
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture
+def daemon_process() -> Any:
+    started: list[DaemonProcess] = []
+
+    def start(*args: Any, **kwargs: Any) -> DaemonProcess:
+        started.append(DaemonProcess(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for d in started:
+        d.close()
+
+
+async def livez(port: int, timeout: float) -> float:
+    """Seconds /livez took to answer 200 on a new connection."""
+    began = time.monotonic()
+    async with asyncio.timeout(timeout), aiohttp.ClientSession() as s, \
+            s.get(f"http://127.0.0.1:{port}/livez") as r:
+        assert r.status == 200
+    return time.monotonic() - began
+
+
+async def slow_clients(port: int, count: int) -> list[tuple[asyncio.StreamReader,
+                                                            asyncio.StreamWriter]]:
+    """`count` connections that sent half a request header and nothing since (those
+    the server's backlog cannot take within 2 s are left out)."""
+    async def one() -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        try:
+            async with asyncio.timeout(2):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except (TimeoutError, OSError):
+            return None
+        writer.write(b"GET /livez HTTP/1.1\r\nHost: gpubroker\r\nX-Slow: ")
+        return reader, writer
+
+    return [c for c in await asyncio.gather(*(one() for _ in range(count))) if c]
+
+
+async def closed_by_server(conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]],
+                           timeout: float) -> int:
+    """How many of `conns` the server closed (EOF or reset) within `timeout`."""
+    async def eof(reader: asyncio.StreamReader) -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                while await reader.read(4096):
+                    pass
+        except TimeoutError:
+            return False
+        except ConnectionError:
+            pass
+        return True
+
+    try:
+        return sum(await asyncio.gather(*(eof(r) for r, _ in conns)))
+    finally:
+        for _, w in conns:
+            w.close()
+
+
+async def wait_listening(port: int, timeout: float = 20) -> None:
+    async with asyncio.timeout(timeout):
+        while True:  # wait for the listener to be up (not for a state)
+            try:
+                await livez(port, 2)
+                return
+            except (aiohttp.ClientConnectionError, TimeoutError):
+                await asyncio.sleep(0.05)
+
+
+@pytest.mark.slow
+async def test_slow_clients_do_not_exhaust_descriptors(
+        tmp_path: Path, mosquitto: Mosquitto, daemon_process: Any) -> None:
+    d = daemon_process(tmp_path, mosquitto, {"header_timeout_seconds": 2})
+    await wait_listening(d.port)
+    conns = await slow_clients(d.port, FD_LIMIT + 100)
+    # Every one was accepted (the oldest idle ones made room for the newest)...
+    assert len(conns) == FD_LIMIT + 100
+    # ...the daemon still answers at once, with more half-sent headers than descriptors...
+    assert await livez(d.port, 3) < 3
+    # ...and no slow connection outlives the header timeout (plus scheduling slack).
+    assert await closed_by_server(conns, 2 + 3) == len(conns)
+    assert await livez(d.port, 3) < 3
+    log = d.log()
+    assert "Traceback" not in log and "out of system resource" not in log
+    assert len(log) < 20_000, log[-3000:]
+    assert '"event": "http connections closed: no request header in time"' in log
+
+
+@pytest.mark.slow
+async def test_out_of_descriptors_is_one_warning_and_no_policy_rejection(
+        tmp_path: Path, mosquitto: Mosquitto, daemon_process: Any,
+        probe_factory: ProbeFactory) -> None:
+    # A limit set above what the descriptors allow: accept() does run out, and so does
+    # the policy watcher's open() of the policy file.
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\n")
+    probe = await probe_factory(["gpubroker/v1/events/_ops/#"])
+    d = daemon_process(tmp_path, mosquitto, {"header_timeout_seconds": 6,
+                                             "max_connections": 10_000}, policy=policy)
+    await wait_listening(d.port)
+    conns = await slow_clients(d.port, FD_LIMIT + 100)
+    try:
+        await d.wait_log("http accept failed: out of descriptors; retried", 10)
+        await d.wait_log("policy file not read now; retrying", 10)
+    finally:
+        await closed_by_server(conns, 10)
+    assert await livez(d.port, 5) < 5
+    log = d.log()
+    assert "Traceback" not in log and len(log) < 20_000, log[-3000:]
+    assert log.count("http accept failed") <= 2  # once a minute
+    assert not [m for m in probe.messages if str(m.topic).endswith("policy.rejected")], [
+        payload_json(m) for m in probe.messages]
+
+
+async def raw_request(port: int, data: bytes) -> bytes:
+    """What the server answers to `data` sent as is, up to its close (a malformed
+    request is answered, then the connection closed)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        async with asyncio.timeout(5):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+async def test_malformed_requests_are_4xx_without_a_traceback(
+        tmp_path: Path, mosquitto: Mosquitto, daemon_process: Any) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    d = daemon_process(tmp_path, mosquitto, {"token_file": str(token),
+                                             "body_timeout_seconds": 1}, log_level="debug")
+    await d.wait_log("ready", 20)
+    port = d.port
+    good = f"Authorization: Bearer {TOKEN}\r\n".encode()
+    place = b"POST /v1/requests/s1/place HTTP/1.1\r\nHost: x\r\n"
+    answers = {
+        "token not UTF-8": await raw_request(
+            port, place + b"Authorization: Bearer tok-\xff\xfe\xc3\r\n"
+                          b"Content-Length: 2\r\nConnection: close\r\n\r\n{}"),
+        "bad JSON": await raw_request(
+            port, place + good + b"Content-Length: 5\r\nConnection: close\r\n\r\n{nope"),
+        "bad Content-Length": await raw_request(
+            port, place + good + b"Content-Length: -1\r\n\r\n{}"),
+        "two Content-Lengths": await raw_request(
+            port, place + good + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}"),
+        "bad method": await raw_request(port, b"G@T /livez HTTP/1.1\r\nHost: x\r\n\r\n"),
+        "wrong method": await raw_request(
+            port, b"DELETE /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+        "huge header": await raw_request(
+            port, b"GET /livez HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n"),
+        "not HTTP": await raw_request(port, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\r\n\r\n"),
+        "body too slow": await raw_request(
+            port, place + good + b"Content-Length: 100\r\n\r\n{\"request_id\": "),
+    }
+    status = {k: int(v[9:12]) if re.match(rb"HTTP/1\.[01] \d\d\d ", v) else v
+              for k, v in answers.items()}
+    assert status == {"token not UTF-8": 401, "bad JSON": 422, "bad Content-Length": 400,
+                      "two Content-Lengths": 400, "bad method": 400, "wrong method": 405,
+                      "huge header": 400, "not HTTP": 400, "body too slow": 408}
+    assert await livez(port, 3) < 3
+    log = d.log()
+    assert "Traceback" not in log and "UnicodeEncodeError" not in log, log[-3000:]
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    malformed = [r for r in lines if r["event"] == "http request malformed"]
+    assert malformed and all(r["level"] == "debug" for r in malformed)
+    assert not [r for r in lines if r["level"] in ("error", "critical")]
+
+
+async def test_views_need_the_token_when_configured(mosquitto: Mosquitto,
+                                                     tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    port = free_port()
+    cfg = daemon_config(mosquitto, tmp_path / "state.db").model_copy(update={
+        "http": HttpConfig(listen=f"127.0.0.1:{port}", token_file=token,
+                           views_need_token=True)})
+    rd = await start(cfg)
+    try:
+        async with asyncio.timeout(15):
+            await rd.daemon.ready.wait()
+        good = {"Authorization": f"Bearer {TOKEN}"}
+        bad = {"Authorization": "Bearer tok-5f1c2e"}
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as s:
+            for path in ("/v1/leases", "/v1/leases?state=all", "/v1/leases/L-nope",
+                         "/v1/policy", "/v1/offers"):
+                for headers in ({}, bad):
+                    async with s.get(path, headers=headers) as r:
+                        assert r.status == 401, (path, headers)
+                        assert r.headers["WWW-Authenticate"].startswith("Bearer")
+                async with s.get(path, headers=good) as r:
+                    assert r.status == (404 if path.endswith("L-nope") else 200), path
+            for path in ("/livez", "/readyz", "/metrics"):
+                async with s.get(path) as r:
+                    assert r.status == 200, path
+    finally:
+        await rd.stop()
+
+
+def test_views_need_token_needs_a_token_file() -> None:
+    with pytest.raises(ValueError, match=r"views_need_token needs http\.token_file"):
+        HttpConfig(views_need_token=True)
