@@ -6,7 +6,9 @@
   (/opt/gpubroker/bin/gpubroker); the test verifies a copy in which that one path is
   replaced by this environment's installed ``gpubroker`` console script.
 * The unit and the daemon agree: the command line, the config path, the credential the
-  example config reads the MQTT password from, reload = SIGHUP, the watchdog.
+  example config reads the MQTT password from, reload = SIGHUP, the watchdog, an
+  open-file limit (LimitNOFILE=) above systemd's default 1,024 and above what the HTTP
+  listener may use with the daemon's reserve (#27).
 
 Needs ``systemd-analyze`` (Debian package ``systemd``); skipped, saying so, without it.
 """
@@ -128,6 +130,12 @@ def test_the_unit_runs_the_daemon_as_the_install_guide_says() -> None:
     assert one("RestartPreventExitStatus") == "2"  # bad config: restarting cannot help
     assert one("CapabilityBoundingSet") == ""
     assert one("RestrictAddressFamilies") == "AF_UNIX AF_INET AF_INET6"
+    # Open files: above systemd's default soft limit (1024), and above what the daemon
+    # keeps for its HTTP connections at most (broker/http.py) with its own reserve.
+    from broker import http
+    nofile = int(one("LimitNOFILE"))
+    assert nofile > 1024
+    assert nofile >= http.MAX_DEFAULT_CONNECTIONS + http.RESERVED_FDS + http.BACKLOG
     stop = re.fullmatch(r"(\d+)s", one("TimeoutStopSec"))
     assert stop and 10 < int(stop[1]) <= 30  # the daemon stops within ~10 s
 
