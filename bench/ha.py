@@ -1,68 +1,65 @@
-"""High availability on PostgreSQL: leader kills and freezes under load, and PostgreSQL's
-request latency next to SQLite's.
+"""High-availability takeover: the leader of a two-node site killed (`kill -9`) and frozen
+(SIGSTOP) under load with a full lease book, or its PostgreSQL server restarted; how
+long the site makes no decision, and whether a request is lost or decided twice.
 
-Three parts, each on a private mosquitto (no persistence) and, where PostgreSQL is used,
-a fresh database created through `--admin-url` and dropped afterwards:
+The parts are the real ones, run by the helpers of the HA tests (tests/ha/helpers.py,
+tests/mqtt_helpers.py): two `gpubroker run` processes (`node-a`, `node-b`) of one site
+with `state.url` on one fresh PostgreSQL database, a private mosquitto, the simulated
+market, one `BrokerClient` scheduler that re-sends an unanswered request with the same
+request_id, and one MQTT subscriber of `P/status` and `P/events/#` whose arrival times
+every figure is read from.
 
-1. **kill** — two daemons of one site (`node-a`, `node-b`, each its own HTTP port) on
-   the simulated market; one scheduler (an aiomqtt client with a persistent session)
-   sends `--rate` placement requests per second with unique request_ids, open loop,
-   and re-sends an unanswered one with the same request_id after `--resend-after` s,
-   doubling up to `--resend-max` s, and at once when `P/status` says `online` with a
-   new boot_id. `--kills` times: the leader (the node of the last `online`) gets
-   `kill -9`; once the new boot has decided something, the killed node is started
-   again; the next kill waits until it stands by (`/readyz`: 503 `standby (leader: …)`),
-   then up to `--settle-timeout` s for every request sent more than 1 s ago to be
-   answered, then `--steady` s.
-2. **stop** — the same with `SIGSTOP`, and `SIGCONT` instead of the restart. The resumed
-   node must publish nothing more (no event of its boot after the new leader's first
-   one, no `online` of its own, no "mqtt connected" in its log) and stand by again.
-3. **latency** — request → decision latency at `--latency-rate` on one daemon with its
-   state on PostgreSQL next to one on SQLite, same load and sim market
-   (`bench/latency.py`'s gpubroker phase, `--latency-duration` s after
-   `--latency-warmup` s).
+1. The book is filled with `--leases` active leases, placed over MQTT by the same
+   scheduler (`--fill-window` requests in flight), before any fault.
+2. The load: `--rate` placement requests/s (the helpers' mix of six shapes, unique
+   request_ids, 1-hour leases), each decided lease released `--release-after` s later
+   (so the book stays about the same size; 0: never released).
+3. The faults, `kill` and `stop` in turn (`--kills`, `--stops`): the leader (the node
+   whose /readyz says it leads) gets SIGKILL, or SIGSTOP; once the new leader has
+   decided something, the killed node is started again, or the frozen one gets SIGCONT;
+   either must stand by again (/readyz 503 `standby (leader: …)`). Then the site settles:
+   up to `--settle-timeout` s for every request sent more than 1 s ago to be answered,
+   then `--steady` s.
+   With `--pg-restart N` instead: the daemons' PostgreSQL is a server of the bench's own
+   (initdb + pg_ctl on a free port in a temporary directory, as user postgres when the
+   bench runs as root), restarted N times (`pg_ctl restart -m fast`) under the same load.
 
-Figures of 1 and 2, per signal and over all: the **takeover** (the old leader's last
-decision — the last decision event with its bootid received before the new boot's
-`online` — to the first decision event with the new bootid), p50/p99/max; the signal to
-the new `online` and to its first decision; **lost** requests (never answered, after
-`--grace` s of re-sending at the end); **duplicate leases** (a request_id answered with
-two lease_ids, two active leases for one request in the database, an answered lease the
-database does not have or has under another id); request → decision latency outside
-the takeovers (sent and answered between a recovery — no request older than 1 s
-unanswered — and the next signal) and over all requests. To say why, also: each
-leader term from the nodes' logs (claim won → `starting`, the leases restored, a
-deposition the bench did not cause), the leader's `/livez` answer time (a stalled event
-loop answers late), and PostgreSQL's lock waits (sampled from `pg_stat_activity`, each
-waiter and blocker named by node and statement).
+Figures, per fault: the **takeover** (the old leader's last decision event received
+before the new leader's `online` → the new leader's first decision event), **no leader**
+(the signal → the new leader's `online`), the signal → its first decision, the signalled
+node back to standby, and when no request older than 1 s was left unanswered. Per
+PostgreSQL restart: the longest time without any decision event around it, leader
+changes, daemons that exited. Over the run: **lost** requests (never answered, after
+`--grace` s of re-sending at the end), **duplicated** ones (a request_id answered with two
+lease_ids, among the events, the scheduler's answers and the `leases` table), what the
+deposed leaders published after their successor's first event, "mqtt connected" lines
+of a node while it did not lead, and tracebacks in the nodes' logs.
 
-Prints the figures (`--json`: as JSON); pass/fail is not its business.
+Progress goes to stderr, the figures to stdout (`--json`: as JSON). Nothing is written
+into the repository; `--keep` keeps the temporary directory (configs, nodes' logs).
 
-    cd /work/main && python bench/ha.py [--quick] [--kills 10] [--rate 200] [--json]
-    python bench/ha.py --commit HEAD --keep      # the daemons from a clean worktree of HEAD
+    cd /work/main && python bench/ha.py --quick       # 3 kills, 3 stops
+    python bench/ha.py                                # 10 kills, 10 stops
+    python bench/ha.py --pg-restart 5                 # PostgreSQL restarted 5 times
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import heapq
+import itertools
 import json
 import logging
 import math
 import os
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -70,1298 +67,854 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import aiomqtt
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "ha"), str(ROOT / "tests")]  # broker first
 
-SCRIPT = Path(__file__).resolve()
-ROOT = SCRIPT.parent.parent
-sys.path.insert(0, str(SCRIPT.parent))
+import psycopg  # noqa: E402
+from helpers import (  # noqa: E402  (tests/ha/helpers.py)
+    PREFIX,
+    SCHEDULER,
+    SITE,
+    HaDaemon,
+    HaSite,
+    Observed,
+    Outcome,
+    Scheduler,
+    wait_leader,
+    wait_until,
+)
+from mqtt_helpers import Mosquitto, MqttProbe, free_port  # noqa: E402
+from pg_helpers import ADMIN_URL, fresh_database  # noqa: E402
 
-import latency as lat  # noqa: E402  (bench/latency.py)
+from broker.client import BrokerClient, BrokerError  # noqa: E402
 
-PREFIX = lat.PREFIX
-MQTT_LOG = logging.getLogger("bench.ha.mqtt")  # the scheduler's disconnects are counted
-MQTT_LOG.addHandler(logging.NullHandler())
-MQTT_LOG.propagate = False
 DECISIONS = ("placement.decided", "placement.rejected")
-RESEND_WINDOW = 2000  # re-sends awaiting their PUBACK
-ADMIN_URL = os.environ.get("GPUBROKER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
-# Lines of a node's log worth keeping with their time (everything at warning and above
-# is kept too).
-NOTABLE = ("standing by", "leading the site", "starting", "mqtt connected", "ready",
-           "stepped down; standing by again", "mqtt connection lost",
-           "mqtt closed: this node does not lead the site", "shutting down", "stopped")
+ANSWERED = ("decided", "rejected")
 
 
-# The daemons' log lines carry wall-clock timestamps; their output reaches the bench in
-# blocks (stdout is a pipe), so a line's time is its timestamp, on the monotonic clock.
-WALL_MINUS_MONOTONIC = time.time() - time.monotonic()
-
-
-def log_time(rec: dict[str, Any], default: float) -> float:
-    try:
-        wall = datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00"))
-    except (KeyError, ValueError):
-        return default
-    return wall.timestamp() - WALL_MINUS_MONOTONIC
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def pct(xs: Sequence[float], q: float) -> float:
-    return lat.percentile(sorted(xs), q)
+    """Nearest-rank percentile (as bench/latency.py)."""
+    s = sorted(xs)
+    if not s:
+        return math.nan
+    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
 
 
 def r3(x: float | None) -> float | None:
     return None if x is None or math.isnan(x) else round(x, 3)
 
 
+class QuietMosquitto(Mosquitto):  # type: ignore[misc]
+    """The tests' mosquitto without `log_type all` (which writes every PUBLISH to disk,
+    part of what would be measured) and with a queue long enough that a slow subscriber
+    shows up as late, not as messages dropped."""
+
+    def _log_types(self) -> list[str]:
+        return ["error", "warning", "notice"]
+
+
 # --------------------------------------------------------------------------------------
-# a node: the daemon of bench/latency.py with a node name, its own HTTP port, PostgreSQL
+# what the subscriber saw, read as it arrives
 # --------------------------------------------------------------------------------------
 
-class Node(lat.Daemon):
-    """One daemon of the site; its output goes to `<workdir>/<name>/node.log` (appended
-    across restarts, each line prefixed with the bench's monotonic clock), and the
-    notable lines are kept with their time."""
 
-    def __init__(self, workdir: Path, mqtt_url: str, *, name: str, state_url: str,
-                 args: argparse.Namespace) -> None:
-        self.name = name
-        self.http_port = lat.free_port()
-        super().__init__(workdir / name, mqtt_url, seed=args.seed,
-                         regions=args.regions_per_cloud, poll_interval=args.poll_interval,
-                         state_url=state_url, node=name,
-                         http_listen=f"127.0.0.1:{self.http_port}", root=args.daemon_tree)
-        self.log_path = workdir / name / "node.log"
-        self.notes: list[tuple[float, dict[str, Any]]] = []
-        self.tracebacks = 0
-        self.starts: list[float] = []
-        self.exits: list[tuple[float, int | None, str]] = []  # (time, code, why)
+@dataclass
+class Msg:
+    t: float  # arrival, time.monotonic()
+    index: int
+    status: bool
+    kind: str  # `state` of a P/status; the event kind of an event
+    boot: str
+    node: str = ""
+    epoch: int = 0
+    stamp: float = math.nan  # an event's envelope `time`, on the monotonic clock
 
-    async def start(self) -> None:
-        self.starts.append(time.monotonic())
-        await super().start()
 
-    async def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        with self.log_path.open("a", encoding="utf-8") as out:
-            async for raw in self.proc.stdout:
-                now = time.monotonic()
-                line = raw.decode(errors="replace").rstrip()
-                out.write(f"{now:.3f} {line}\n")
-                self.tail = [*self.tail[-29:], line]
-                if "Traceback" in line or "Future exception was never retrieved" in line:
-                    self.tracebacks += 1
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    self.levels["non-json"] += 1
-                    continue
-                if not isinstance(rec, dict):
-                    continue
-                level, event = rec.get("level", "?"), rec.get("event", "?")
-                self.levels[level] += 1
-                self.events[event] += 1
-                if event in NOTABLE or level in ("warning", "error", "critical"):
-                    self.notes.append((log_time(rec, now), rec))
-                if event == "ready":
-                    self.offers = rec.get("offers")
-                    self.ready.set()
+WALL_MINUS_MONOTONIC = time.time() - time.monotonic()
 
-    def signal(self, sig: signal.Signals) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, sig)
 
-    async def kill9(self) -> None:
-        proc = self.proc
-        assert proc is not None
-        self.signal(signal.SIGKILL)
-        await proc.wait()
-        self.exits.append((time.monotonic(), proc.returncode, "kill -9"))
-        if self._reader is not None:
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                await asyncio.wait_for(self._reader, 5)
+def stamp_of(body: dict[str, Any]) -> float:
+    """The envelope's `time` (the daemon's clock, the same machine) as monotonic."""
+    try:
+        wall = datetime.fromisoformat(str(body["time"]).replace("Z", "+00:00")).timestamp()
+    except (KeyError, ValueError):
+        return math.nan
+    return wall - WALL_MINUS_MONOTONIC
 
-    async def terminate(self) -> int | None:
-        proc = self.proc
-        if proc is not None and proc.returncode is not None:
-            self.proc = None
-            return proc.returncode  # not running (killed and not started again)
-        if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.signal(signal.SIGCONT)  # a frozen node could not stop
-        try:
-            rc = await self.stop()
-        except ProcessLookupError:  # it ended between the SIGTERM and the kill
-            rc = None if proc is None else await proc.wait()
-        self.exits.append((time.monotonic(), rc, "SIGTERM at the end"))
-        return rc
 
-    async def readyz(self, session: aiohttp.ClientSession) -> tuple[int, str] | None:
-        try:
-            async with session.get(f"http://127.0.0.1:{self.http_port}/readyz",
-                                   timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
-                return resp.status, (await resp.text()).strip()
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return None
+class Feed:
+    """The probe's messages parsed once each, in arrival order, with their arrival time."""
 
-    async def wait_role(self, role: str, timeout: float) -> float | None:
-        """Wait until /readyz says `role` (`leader`: 200 ready; `standby`: 503 standby,
-        naming a leader); returns the time (monotonic) or None on timeout or exit."""
-        deadline = time.monotonic() + timeout
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
-                if self.proc is None or self.proc.returncode is not None:
-                    return None
-                got = await self.readyz(session)
-                if got is not None:
-                    status, text = got
-                    if role == "leader" and status == 200:
-                        return time.monotonic()
-                    if role == "standby" and status == 503 and "standby (" in text \
-                            and "leader: node" in text:
-                        return time.monotonic()
-                await asyncio.sleep(0.05)
-        return None
+    def __init__(self, probe: MqttProbe) -> None:
+        self.probe = probe
+        self.msgs: list[Msg] = []
 
-    def terms(self) -> list[dict[str, Any]]:
-        """Each time this node led: its epoch, when it won the claim, how long until it
-        started serving (`starting`: the lease book read and restored), the leases it
-        restored, and how long until its log says it stepped down (deposed)."""
-        out: list[dict[str, Any]] = []
-        for t, rec in self.notes:
-            event = rec.get("event", "")
-            if event == "leading the site":
-                out.append({"t": t, "epoch": rec.get("epoch"), "claim_to_start_s": None,
-                            "leases": None, "deposed_after_s": None, "why": None})
-            elif out and event == "starting" and out[-1]["leases"] is None:
-                out[-1]["claim_to_start_s"] = round(t - out[-1]["t"], 3)
-                out[-1]["leases"] = rec.get("leases")
-                out[-1]["boot_id"] = rec.get("boot_id")
-            elif out and str(event).startswith("deposed") and \
-                    out[-1]["deposed_after_s"] is None:
-                out[-1]["deposed_after_s"] = round(t - out[-1]["t"], 3)
-                out[-1]["why"] = str(rec.get("detail", ""))[:160]
+    def update(self) -> list[Msg]:
+        n = len(self.msgs)
+        for i in range(n, min(len(self.probe.messages), len(self.probe.received_at))):
+            m = self.probe.messages[i]
+            raw = m.payload if isinstance(m.payload, bytes | bytearray) else b""
+            try:
+                body = json.loads(raw) if raw else {}
+            except ValueError:
+                body = {}
+            topic = m.topic.value
+            if topic == f"{PREFIX}/status":
+                self.msgs.append(Msg(self.probe.received_at[i], i, True,
+                                     str(body.get("state", "")), str(body.get("boot_id", "")),
+                                     str(body.get("node", "")), int(body.get("epoch") or 0)))
+            else:
+                self.msgs.append(Msg(self.probe.received_at[i], i, False,
+                                     topic.rsplit("/", 1)[-1], str(body.get("bootid", "")),
+                                     stamp=stamp_of(body)))
+        return self.msgs[n:]
+
+    def leader_boot(self) -> str | None:
+        """The boot of the last `online` P/status so far."""
+        self.update()
+        return next((m.boot for m in reversed(self.msgs) if m.status and m.kind == "online"),
+                    None)
+
+    def decisions_since(self, t: float) -> list[Msg]:
+        return [m for m in self.msgs if not m.status and m.kind in DECISIONS and m.t >= t]
+
+
+# --------------------------------------------------------------------------------------
+# PostgreSQL of the bench's own (--pg-restart)
+# --------------------------------------------------------------------------------------
+
+
+class OwnPostgres:
+    """initdb + pg_ctl on a free loopback port, in a temporary directory; as user
+    postgres when the bench runs as root (PostgreSQL refuses to run as root)."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="gpubroker-bench-pg-"))
+        self.data = self.dir / "data"
+        self.port = free_port()
+        self.as_postgres = os.geteuid() == 0
+        if self.as_postgres:
+            shutil.chown(self.dir, "postgres", "postgres")
+            self.dir.chmod(0o700)
+
+    def _run(self, *cmd: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        full = ["runuser", "-u", "postgres", "--", *cmd] if self.as_postgres else list(cmd)
+        out = subprocess.run(full, capture_output=True, text=True, timeout=timeout,
+                             check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)}: exit {out.returncode}\n{out.stdout}\n"
+                               f"{out.stderr}\n{self.log_tail()}")
         return out
 
-    def notes_between(self, t0: float, t1: float = math.inf) -> list[dict[str, Any]]:
-        return [rec for t, rec in self.notes if t0 <= t < t1]
+    def log_tail(self, lines: int = 20) -> str:
+        p = self.dir / "server.log"
+        with contextlib.suppress(OSError):
+            return "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
+        return ""
 
-    def summary(self) -> dict[str, Any]:
-        warn = Counter(rec.get("event", "?") for _, rec in self.notes
-                       if rec.get("level") in ("warning", "error", "critical"))
-        return {"starts": len(self.starts), "levels": dict(self.levels),
-                "tracebacks": self.tracebacks, "warnings_and_errors": dict(warn),
-                "exits": [(c, why) for _, c, why in self.exits]}
+    def start(self) -> None:
+        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres",
+                  "--no-sync", "-E", "UTF8")
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "server.log"), "-w",
+                  "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1", "start")
 
-
-# --------------------------------------------------------------------------------------
-# the scheduler: open-loop load, re-sends with the same request_id, records everything
-# --------------------------------------------------------------------------------------
-
-@dataclass
-class Req:
-    topic: str
-    payload: bytes
-    first_sent: float
-    next_due: float
-    interval: float
-    sends: int = 1
-    answered_at: float | None = None
-    kind: str | None = None
-    bootid: str | None = None
-    lease_ids: set[str] = field(default_factory=set)
-
-
-@dataclass
-class Status:
-    t: float
-    state: str
-    boot_id: str
-    node: str
-    epoch: int
-    retained: bool
-
-
-class Scheduler:
-    """The scheduler: one aiomqtt MQTT 5 client with a persistent session of its own
-    (events published while it reconnects wait for it), reconnecting by itself;
-    publishes `P/requests/<S>/place` (the request mix and scheduler ids of
-    bench/latency.py) and listens on `P/events/+/+` and `P/status`. Every unanswered
-    request is sent again, same request_id, after `resend_after` s (doubling up to
-    `resend_max`), at once when `P/status` says `online` with a new boot_id, and at once
-    after its own reconnect."""
-
-    def __init__(self, host: str, port: int, *, rate: float, resend_after: float,
-                 resend_max: float, tag: str) -> None:
-        self.host, self.port = host, port
-        self.rate = rate
-        self.resend_after = resend_after
-        self.resend_max = resend_max
-        self.make = lat.place_requests(tag)
-        self.client_id = f"bench-ha-scheduler-{tag}-{uuid.uuid4().hex[:8]}"
-        self.requests: dict[str, Req] = {}
-        self.unanswered: set[str] = set()
-        self._order: list[str] = []  # request_ids in the order sent
-        self._oldest = 0  # index in _order of the oldest request maybe unanswered
-        self._heap: list[tuple[float, str]] = []
-        self.event_ids: set[str] = set()
-        self.duplicate_events = 0
-        # every event received: (time, bootid, first time this event id was seen)
-        self.events: list[tuple[float, str, bool]] = []
-        self.decisions: list[tuple[float, str]] = []  # first receipt: (time, bootid)
-        self.first_decision: dict[str, float] = {}  # bootid -> time
-        self.other_events: Counter[str] = Counter()
-        self.statuses: list[Status] = []
-        self.online_boots: set[str] = set()
-        self.resent = 0  # publishes beyond the first
-        self.resent_on_online = 0
-        self.resent_on_reconnect = 0
-        self.publish_errors: Counter[str] = Counter()
-        self.disconnects: list[tuple[float, str]] = []
-        self.send_lag: list[float] = []
-        self.t_load: tuple[float, float] = (math.nan, math.nan)
-        self._stop = asyncio.Event()
-        self._window = asyncio.Semaphore(lat.INFLIGHT_WINDOW)
-        self._resend_window = asyncio.Semaphore(RESEND_WINDOW)
-        self._queue: collections.deque[str] = collections.deque()
-        self._queued: set[str] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._client: aiomqtt.Client | None = None
-        self.connected = asyncio.Event()
-        self._runner: asyncio.Task[None] | None = None
-        self._resender: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> Scheduler:
-        self._runner = asyncio.create_task(self._run())
-        async with asyncio.timeout(30):
-            await self.connected.wait()
-        self._resender = asyncio.create_task(self._resend())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for t in [self._runner, self._resender, *self._tasks]:
-            if t is not None:
-                t.cancel()
-        await asyncio.gather(*(t for t in [self._runner, self._resender, *self._tasks]
-                               if t is not None), return_exceptions=True)
-
-    def _new_client(self) -> aiomqtt.Client:
-        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-        props.SessionExpiryInterval = 3600
-        client = aiomqtt.Client(
-            self.host, self.port, identifier=self.client_id, clean_start=False,
-            properties=props, protocol=aiomqtt.ProtocolVersion.V5, keepalive=30,
-            timeout=30, logger=MQTT_LOG, max_inflight_messages=65535,
-            max_queued_incoming_messages=0,
-            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        client.pending_calls_threshold = 10**9  # the window bounds them
-        return client
-
-    async def _run(self) -> None:
-        connects = 0
-        while True:
-            client = self._new_client()
-            try:
-                async with client:
-                    await client.subscribe(f"{PREFIX}/events/+/+", qos=1)
-                    await client.subscribe(f"{PREFIX}/status", qos=1)
-                    self._client = client
-                    self.connected.set()
-                    connects += 1
-                    if connects > 1:  # what was in flight may be lost: again, now
-                        self.resent_on_reconnect += self._all_again()
-                    async for msg in client.messages:
-                        self._handle(msg)
-            except aiomqtt.MqttError as exc:
-                self.disconnects.append((time.monotonic(), str(exc)[:200]))
-            finally:
-                self._client = None
-                self.connected.clear()
-                fut = getattr(client, "_disconnected", None)  # retrieve, or asyncio logs it
-                if isinstance(fut, asyncio.Future) and fut.done() and not fut.cancelled():
-                    fut.exception()
-            await asyncio.sleep(0.2)
-
-    # --- sending ------------------------------------------------------------------------
-
-    def _publish(self, req: Req, window: asyncio.Semaphore) -> None:
-        """Publish (a slot of `window` taken), QoS 1; the slot is freed at the PUBACK."""
-        async def go() -> None:
-            try:
-                client = self._client
-                if client is None:
-                    raise aiomqtt.MqttError("not connected")
-                await client.publish(req.topic, req.payload, qos=1, timeout=10)
-            except aiomqtt.MqttError as exc:
-                self.publish_errors[str(exc)[:80]] += 1  # the re-sends take care of it
-            finally:
-                window.release()
-
-        t = asyncio.create_task(go())
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
-
-    async def run_load(self) -> None:
-        """Send `rate`/s on a fixed schedule until `stop_sending()`."""
-        t0 = time.monotonic() + 0.05
-        i = 0
-        while not self._stop.is_set():
-            now = time.monotonic()
-            due = t0 + i / self.rate
-            if due > now:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(due - now):
-                        await self._stop.wait()
-                continue
-            while t0 + i / self.rate <= now and not self._stop.is_set():
-                topic, payload, rid = self.make(i)
-                await self._window.acquire()
-                sent = time.monotonic()
-                self.send_lag.append(sent - (t0 + i / self.rate))
-                req = Req(topic, payload, sent, sent + self.resend_after, self.resend_after)
-                self.requests[rid] = req
-                self._order.append(rid)
-                self.unanswered.add(rid)
-                heapq.heappush(self._heap, (req.next_due, rid))
-                self._publish(req, self._window)
-                i += 1
-            await asyncio.sleep(0)
-        self.t_load = (t0, time.monotonic())
-
-    def stop_sending(self) -> None:
-        self._stop.set()
-
-    async def _resend(self) -> None:
-        """Due re-sends into the queue every 50 ms; the queue goes out through a window
-        of its own (RESEND_WINDOW publishes awaiting their PUBACK), so a burst of
-        re-sends neither delays the load nor swamps the client."""
-        while True:
-            await asyncio.sleep(0.05)
-            now = time.monotonic()
-            while self._heap and self._heap[0][0] <= now:
-                due, rid = heapq.heappop(self._heap)
-                req = self.requests[rid]
-                if req.answered_at is not None or due != req.next_due:
-                    continue
-                req.interval = min(req.interval * 2, self.resend_max)
-                self._again(rid, req, now)
-            while self._queue and not self._resend_window.locked():
-                rid = self._queue.popleft()
-                self._queued.discard(rid)
-                req = self.requests[rid]
-                if req.answered_at is not None:
-                    continue
-                await self._resend_window.acquire()
-                req.sends += 1
-                self.resent += 1
-                self._publish(req, self._resend_window)
-
-    def _again(self, rid: str, req: Req, now: float) -> bool:
-        """Queue a re-send (once: a request already queued stays where it is)."""
-        req.next_due = now + req.interval
-        heapq.heappush(self._heap, (req.next_due, rid))
-        if rid in self._queued:
-            return False
-        self._queued.add(rid)
-        self._queue.append(rid)
-        return True
-
-    def _all_again(self) -> int:
-        now = time.monotonic()
-        return sum(self._again(rid, self.requests[rid], now) for rid in list(self.unanswered))
-
-    # --- receiving ----------------------------------------------------------------------
-
-    def _handle(self, msg: aiomqtt.Message) -> None:
-        now = time.monotonic()
-        payload = msg.payload
-        if not isinstance(payload, bytes | bytearray):
-            return
-        topic = str(msg.topic)
-        try:
-            body = json.loads(payload)
-        except ValueError:
-            self.other_events["unparsable"] += 1
-            return
-        if topic == f"{PREFIX}/status":
-            st = Status(now, body.get("state", "?"), body.get("boot_id", "?"),
-                        body.get("node", "?"), int(body.get("epoch") or 0), bool(msg.retain))
-            self.statuses.append(st)
-            if st.state == "online" and st.boot_id not in self.online_boots:
-                first = not self.online_boots
-                self.online_boots.add(st.boot_id)
-                if not first:  # the daemon is back, maybe without what it had received
-                    self.resent_on_online += self._all_again()
-            return
-        kind = topic.rsplit("/", 1)[-1]
-        eid, boot = body.get("id", ""), body.get("bootid", "?")
-        first = eid not in self.event_ids
-        self.events.append((now, boot, first))
-        if not first:
-            self.duplicate_events += 1
-            return
-        self.event_ids.add(eid)
-        data = body.get("data") or {}
-        rid = data.get("request_id")
-        req = self.requests.get(rid) if isinstance(rid, str) else None
-        if kind not in DECISIONS or req is None:
-            self.other_events[kind] += 1
-            return
-        self.decisions.append((now, boot))
-        self.first_decision.setdefault(boot, now)
-        if kind == "placement.decided" and data.get("lease_id"):
-            req.lease_ids.add(data["lease_id"])
-        if req.answered_at is None:
-            req.answered_at, req.kind, req.bootid = now, kind, boot
-            self.unanswered.discard(rid)
-
-    # --- questions ----------------------------------------------------------------------
-
-    def leader_status(self) -> Status | None:
-        """The last `online` on P/status."""
-        return next((s for s in reversed(self.statuses) if s.state == "online"), None)
-
-    def oldest_unanswered(self) -> float:
-        """When the oldest unanswered request was first sent (inf: none)."""
-        while self._oldest < len(self._order) and \
-                self.requests[self._order[self._oldest]].answered_at is not None:
-            self._oldest += 1
-        if self._oldest == len(self._order):
-            return math.inf
-        return self.requests[self._order[self._oldest]].first_sent
-
-    async def wait(self, cond: Any, timeout: float, step: float = 0.01) -> bool:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(step)
-        return True
-
-    def dump(self, path: Path) -> None:
-        """Everything received and sent, for a look afterwards (--keep)."""
-        with path.open("w", encoding="utf-8") as out:
-            for s in self.statuses:
-                out.write(json.dumps({"status": asdict(s)}) + "\n")
-            for t, why in self.disconnects:
-                out.write(json.dumps({"disconnect": t, "why": why}) + "\n")
-            for rid, r in self.requests.items():
-                out.write(json.dumps({"rid": rid, "first_sent": round(r.first_sent, 3),
-                                      "sends": r.sends, "answered_at": r.answered_at,
-                                      "kind": r.kind, "bootid": r.bootid,
-                                      "lease_ids": sorted(r.lease_ids)}) + "\n")
-            for t, boot, first in self.events:
-                out.write(json.dumps({"event": round(t, 3), "bootid": boot,
-                                      "first": first}) + "\n")
-
-
-# --------------------------------------------------------------------------------------
-# parts 1 and 2: kill -9 and SIGSTOP of the leader
-# --------------------------------------------------------------------------------------
-
-@dataclass
-class Cycle:
-    n: int
-    signal: str
-    old_node: str
-    old_boot: str
-    t_signal: float
-    new_boot: str | None = None
-    new_node: str | None = None
-    t_new_online: float | None = None
-    t_last_old: float | None = None
-    t_first_new: float | None = None
-    t_cont: float | None = None  # SIGCONT (stop)
-    t_standby: float | None = None  # the signalled node stands by again
-    t_drained: float | None = None  # the requests sent before the first new decision answered
-    t_recovered: float | None = None  # no request older than 1 s unanswered any more
-    resent_old_events: int = 0  # old-boot decisions first seen after the new online
-    old_events_after_new: int = 0  # events of the old boot after the new first decision
-    old_online_after_cont: int = 0  # `online` of the resumed node (stop)
-    old_mqtt_connects_after_cont: int = 0  # "mqtt connected" in its log after SIGCONT
-    old_stepped_down: str | None = None  # how its log says it stepped down (stop)
-    leader_livez_max: float | None = None  # the new leader's slowest /livez until the next
-    new_leader_leases: int | None = None  # the leases the new leader restored
-    new_claim_to_start: float | None = None  # its claim won → `starting` (leases restored)
-    note: str = ""
+    def restart(self) -> None:
+        """`pg_ctl restart -m fast` (the same options: postmaster.opts)."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "restart")
 
     @property
-    def takeover(self) -> float | None:
-        if self.t_first_new is None or self.t_last_old is None:
-            return None
-        return self.t_first_new - self.t_last_old
+    def admin_url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 
-    def row(self) -> dict[str, Any]:
-        def d(a: float | None, b: float | None) -> float | None:
-            return None if a is None or b is None else round(a - b, 3)
+    def create_database(self, name: str) -> str:
+        with psycopg.connect(self.admin_url, autocommit=True, connect_timeout=5) as c:
+            c.execute(f'CREATE DATABASE "{name}"')
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{name}"
 
-        return {"n": self.n, "old_node": self.old_node, "new_node": self.new_node,
-                "takeover_s": r3(self.takeover),
-                "signal_to_online_s": d(self.t_new_online, self.t_signal),
-                "signal_to_first_decision_s": d(self.t_first_new, self.t_signal),
-                "last_old_decision_before_signal_s": d(self.t_signal, self.t_last_old),
-                "backlog_answered_s": d(self.t_drained, self.t_first_new),
-                "recovered_s": d(self.t_recovered, self.t_first_new),
-                "back_to_standby_s": d(self.t_standby, self.t_cont or self.t_first_new),
-                "resent_old_events": self.resent_old_events,
-                "old_events_after_new_first": self.old_events_after_new,
-                "old_online_after_cont": self.old_online_after_cont,
-                "old_mqtt_connects_after_cont": self.old_mqtt_connects_after_cont,
-                "old_stepped_down": self.old_stepped_down,
-                "new_leader_livez_max_s": r3(self.leader_livez_max),
-                "new_leader_leases": self.new_leader_leases,
-                "new_claim_to_start_s": r3(self.new_claim_to_start), "note": self.note}
+    def stop(self) -> None:
+        with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+            self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop",
+                      timeout=30)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole machine, from /proc/stat."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    idle = v[3] + (v[4] if len(v) > 4 else 0)
-    return sum(v) - idle, sum(v)
+# --------------------------------------------------------------------------------------
+# the bench
+# --------------------------------------------------------------------------------------
 
 
-LOCK_WAITS = """
-SELECT w.client_port, left(w.query, 200), EXTRACT(EPOCH FROM now() - w.query_start),
-       b.client_port, left(b.query, 200), b.state, EXTRACT(EPOCH FROM now() - b.xact_start)
-FROM pg_stat_activity w
-JOIN LATERAL unnest(pg_blocking_pids(w.pid)) AS bp(pid) ON true
-JOIN pg_stat_activity b ON b.pid = bp.pid
-WHERE w.datname = current_database() AND w.wait_event_type = 'Lock'
-"""
+@dataclass
+class Fault:
+    n: int
+    kind: str  # kill, stop, pg-restart
+    old: str = ""  # node
+    new: str = ""
+    old_epoch: int = 0
+    new_epoch: int = 0
+    takeover_s: float | None = None  # old's last decision → new's first decision
+    takeover_stamped_s: float | None = None  # the same by the envelopes' `time`
+    probe_lag_s: float | None = None  # the new first decision: received − its `time`
+    no_leader_s: float | None = None  # signal → new online
+    to_first_s: float | None = None  # signal → new's first decision
+    standby_s: float | None = None  # signal → the signalled node standing by again
+    recovered_s: float | None = None  # signal → no request older than 1 s unanswered
+    gap_s: float | None = None  # pg-restart: longest time without a decision around it
+    restart_s: float | None = None  # pg-restart: pg_ctl restart's wall time
+    leader_changes: int = 0  # pg-restart: new `online` boots in the window
+    notes: list[str] = field(default_factory=list)
 
 
-def statement_kind(query: str) -> str:
-    """What a node's statement is, in the words of broker/ha.py and broker/pgstore.py."""
-    for needle, kind in (("UPDATE leadership SET expires_at = now() +", "renew"),
-                         ("INSERT INTO leadership", "claim"),
-                         ("UPDATE leadership SET expires_at = now() WHERE", "release"),
-                         ("FOR SHARE", "fence"), ("INSERT INTO leases", "commit"),
-                         ("INSERT INTO outbox", "commit"), ("INSERT INTO nodes", "heartbeat"),
-                         ("DELETE FROM outbox", "ack"), ("FROM leadership", "leader read")):
-        if needle in query:
-            return kind
-    return " ".join(query.split())[:40] or "?"
+@dataclass
+class Run:
+    args: dict[str, Any]
+    faults: list[Fault] = field(default_factory=list)
+    fill: dict[str, Any] = field(default_factory=dict)
+    load: dict[str, Any] = field(default_factory=dict)
+    checks: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0
 
 
-def socket_owners(nodes: list[Node], ports: set[int]) -> dict[int, str]:
-    """Which node's process holds the local TCP port (its end of a PostgreSQL session)."""
-    inode_of: dict[str, int] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            for line in list(f)[1:]:
-                cols = line.split()
-                port = int(cols[1].rsplit(":", 1)[1], 16)
-                if port in ports:
-                    inode_of[cols[9]] = port
-    owners: dict[int, str] = {}
-    for node in nodes:
-        if node.proc is None:
-            continue
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{node.proc.pid}/fd"):
-                with contextlib.suppress(OSError):
-                    link = os.readlink(f"/proc/{node.proc.pid}/fd/{fd}")
-                    if link.startswith("socket:[") and link[8:-1] in inode_of:
-                        owners[inode_of[link[8:-1]]] = node.name
-    return owners
+class Pool:
+    """Several schedulers (one BrokerClient each, scheduler ids `ha-sched`, `ha-sched-1`,
+    …) placing in turn: one client with thousands of requests awaiting an answer spends
+    its CPU in aiomqtt's count of pending publishes (quadratic), which would make the
+    bench, not the site, the bottleneck after a takeover."""
+
+    def __init__(self, scheds: list[Scheduler]) -> None:
+        self.scheds = scheds
+        self._next = 0
+
+    def place(self, tag: str) -> tuple[Outcome, Scheduler]:
+        k = self._next % len(self.scheds)
+        self._next += 1
+        sched = self.scheds[k]
+        rid = sched.place(f"{tag}{k}")
+        return sched.outcomes[rid], sched
+
+    @property
+    def outcomes(self) -> list[Outcome]:
+        return [o for s in self.scheds for o in s.outcomes.values()]
+
+    async def finish(self, timeout: float) -> list[Outcome]:
+        left = await asyncio.gather(*(s.finish(timeout) for s in self.scheds))
+        return [o for part in left for o in part]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.close() for s in self.scheds))
 
 
-class LockWatch:
-    """Every 0.1 s, the sessions of the site's database that wait for a lock, each with
-    the sessions blocking it (`pg_blocking_pids`): which node and which statement (the
-    blocker's current or last one, and whether its transaction is still open)."""
+class Bench:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.run = Run(args={k: v for k, v in vars(args).items()})
+        self.nodes: list[HaDaemon] = []
+        self.released: Counter[str] = Counter()
+        self._release_tasks: set[asyncio.Task[None]] = set()
+        self._load: list[tuple[Outcome, Scheduler]] = []  # in the order sent
+        self._oldest = 0  # index in _load of the oldest maybe unanswered
 
-    def __init__(self, url: str, nodes: list[Node]) -> None:
-        self.url = url
-        self.nodes = nodes
-        self.samples: list[tuple[float, str, str, float, str, str, str, float]] = []
-        self.stop = threading.Event()
-        self.error: str | None = None
+    # --- the load ---------------------------------------------------------------------
 
-    def run(self) -> None:
-        import psycopg
+    async def fill(self, sched: Pool) -> None:
+        """Place requests, `fill_window` in flight, until `leases` are decided."""
+        a = self.args
+        t0 = time.monotonic()
+        pending: list[Outcome] = []
+        decided = rejected = failed = sent = 0
+        last_log = t0
+        while decided < a.leases:
+            while len(pending) < a.fill_window and decided + len(pending) < a.leases \
+                    and sent < 3 * a.leases:
+                pending.append(sched.place("fill")[0])
+                sent += 1
+            if not pending:
+                break  # too many rejections: the market is full
+            await asyncio.sleep(0.01)  # (`Scheduler.answered` counts every request)
+            still = []
+            for o in pending:
+                if o.kind is None:
+                    still.append(o)
+                elif o.kind == "decided":
+                    decided += 1
+                elif o.kind == "rejected":
+                    rejected += 1
+                else:
+                    failed += 1
+            pending = still
+            if time.monotonic() - last_log > 5:
+                last_log = time.monotonic()
+                log(f"fill: {decided} of {a.leases} leases decided ({rejected} rejected, "
+                    f"{failed} failed) in {last_log - t0:.0f} s")
+        wall = time.monotonic() - t0
+        self.run.fill = {"how": f"placed over MQTT by the scheduler, {a.fill_window} "
+                                "in flight", "decided": decided, "rejected": rejected,
+                         "failed": failed, "sent": sent, "seconds": round(wall, 1),
+                         "per_s": round((decided + rejected) / wall, 1) if wall else None}
+        log(f"fill: {decided} leases decided ({rejected} rejected, {failed} failed) in "
+            f"{wall:.1f} s, {self.run.fill['per_s']} answers/s")
 
+    async def load(self, sched: Pool, stop: asyncio.Event) -> None:
+        """`rate` requests/s on a fixed schedule; each decided lease is released
+        `release_after` s later."""
+        rate = self.args.rate
+        t0 = time.monotonic()
+        i = 0
+        while not stop.is_set():
+            due = t0 + i / rate
+            delay = due - time.monotonic()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await stop.wait()
+                continue
+            self._load.append(sched.place("load"))
+            i += 1
+
+    async def releaser(self, stop: asyncio.Event) -> None:
+        """Release each lease decided under load `release_after` s after its decision
+        (each release a request of its own, re-sent until answered)."""
+        waiting: dict[str, tuple[Outcome, Scheduler]] = {}
+        due: list[tuple[float, str, int]] = []
+        by_id: dict[int, Scheduler] = {}
+        seen = 0
+        while not stop.is_set():
+            waiting.update((o.request_id, (o, s)) for o, s in self._load[seen:])
+            seen = len(self._load)
+            for rid, (o, s) in list(waiting.items()):
+                if o.kind is not None:
+                    del waiting[rid]
+                    if o.kind == "decided" and o.lease_id is not None and \
+                            o.answered_at is not None:
+                        by_id[id(s)] = s
+                        heapq.heappush(due, (o.answered_at + self.args.release_after,
+                                             o.lease_id, id(s)))
+            while due and due[0][0] <= time.monotonic():
+                _, lease_id, sid = heapq.heappop(due)
+                task = asyncio.create_task(self._release(by_id[sid], lease_id))
+                self._release_tasks.add(task)
+                task.add_done_callback(self._release_tasks.discard)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await stop.wait()
+
+    async def _release(self, sched: Scheduler, lease_id: str) -> None:
         try:
-            self._run()
-        except psycopg.Error as exc:  # the database dropped at the end, or gone
-            if not self.stop.is_set():
-                self.error = f"{type(exc).__name__}: {exc}"
+            await sched.client.release(lease_id, timeout=self.args.answer_timeout)
+            self.released["released"] += 1
+        except BrokerError as exc:
+            self.released[type(exc).__name__] += 1
 
-    def _run(self) -> None:
-        import psycopg
+    def unanswered_older_than(self, age: float) -> int:
+        """Load requests sent more than `age` s ago without an answer yet."""
+        now = time.monotonic()
+        load = self._load
+        while self._oldest < len(load) and load[self._oldest][0].kind is not None:
+            self._oldest += 1
+        n = 0
+        for o, _ in load[self._oldest:]:
+            if o.sent_at > now - age:
+                break
+            if o.kind is None:
+                n += 1
+        return n
 
-        with psycopg.connect(self.url, autocommit=True, connect_timeout=5,
-                             application_name="bench-lockwatch") as conn:
-            while not self.stop.wait(0.1):
-                rows = conn.execute(LOCK_WAITS).fetchall()
-                if not rows:
-                    continue
-                now = time.monotonic()
-                owners = socket_owners(self.nodes, {int(p) for r in rows for p in (r[0], r[3])
-                                                    if p is not None})
-                for wport, wq, waited, bport, bq, bstate, bxact in rows:
-                    self.samples.append((now, owners.get(wport, "?"), statement_kind(wq or ""),
-                                         float(waited or 0), owners.get(bport, "?"),
-                                         statement_kind(bq or ""), str(bstate),
-                                         float(bxact or 0)))
+    async def settle(self, t_signal: float, fault: Fault) -> None:
+        """Until no request older than 1 s is unanswered (at most `settle_timeout` s),
+        then `steady` s."""
+        with contextlib.suppress(TimeoutError):
+            await wait_until(lambda: not self.unanswered_older_than(1.0),
+                             self.args.settle_timeout, "settled", every=0.1)
+        if not self.unanswered_older_than(1.0):
+            fault.recovered_s = r3(time.monotonic() - t_signal)
+        else:
+            fault.notes.append(f"{self.unanswered_older_than(1.0)} requests older "
+                               f"than 1 s unanswered after the {self.args.settle_timeout:g} "
+                               "s settle timeout")
+        await asyncio.sleep(self.args.steady)
 
-    def summary(self) -> dict[str, Any]:
-        """Waits counted once each (the longest sample of a waiter and its blocker)."""
-        pairs: Counter[str] = Counter()
-        longest: dict[str, float] = {}
-        for _t, wn, wk, waited, bn, bk, bstate, _x in self.samples:
-            key = f"{wn} {wk} waited for {bn} {bk} ({bstate})"
-            pairs[key] += 1
-            longest[key] = max(longest.get(key, 0.0), waited)
-        return {"samples": len(self.samples), "error": self.error,
-                "by_kind": {k: {"samples": n, "longest_s": round(longest[k], 2)}
-                            for k, n in pairs.most_common()}}
+    # --- node faults --------------------------------------------------------------------
 
+    async def node_fault(self, n: int, kind: str, feed: Feed) -> bool:
+        """One kill or stop; False when the site has no leader to go on with."""
+        a = self.args
+        fault = Fault(n, kind)
+        self.run.faults.append(fault)
+        try:
+            leader = await wait_leader(self.nodes, 30)
+        except TimeoutError as exc:
+            fault.notes.append(f"no leader before the signal: {str(exc)[:200]}")
+            return False
+        other = next(d for d in self.nodes if d is not leader)
+        old_boot = feed.leader_boot()
+        fault.old = leader.node
+        t_sig = time.monotonic()
+        if kind == "kill":
+            await leader.kill()
+        else:
+            leader.freeze()
+        # the new leader: an `online` of another boot, then its first decision
+        new: Msg | None = None
+        first: Msg | None = None
+        deadline = t_sig + a.takeover_timeout
+        while first is None and time.monotonic() < deadline:
+            for m in feed.update():
+                if new is None and m.status and m.kind == "online" and m.boot != old_boot \
+                        and m.t >= t_sig:
+                    new = m
+                elif new is not None and not m.status and m.kind in DECISIONS and \
+                        m.boot == new.boot:
+                    first = m
+                    break
+            await asyncio.sleep(0.02)
+        if new is not None:
+            fault.new, fault.new_epoch = new.node, new.epoch
+            fault.no_leader_s = r3(new.t - t_sig)
+            olds = [m for m in feed.msgs if m.status and m.kind == "online" and
+                    m.boot == old_boot]
+            fault.old_epoch = olds[-1].epoch if olds else 0
+            last_old = next((m for m in reversed(feed.msgs[:new.index]) if not m.status
+                             and m.boot == old_boot and m.kind in DECISIONS), None)
+            if first is not None:
+                fault.to_first_s = r3(first.t - t_sig)
+                fault.probe_lag_s = r3(first.t - first.stamp)
+                if last_old is not None:
+                    fault.takeover_s = r3(first.t - last_old.t)
+                    fault.takeover_stamped_s = r3(first.stamp - last_old.stamp)
+                else:
+                    fault.notes.append("no decision of the old leader seen")
+        if first is None:
+            fault.notes.append(f"no decision of a new leader within {a.takeover_timeout:g} s"
+                               + ("" if new else " (and no new `online`)"))
+        # the signalled node back, standing by
+        if kind == "kill":
+            leader.start()
+        else:
+            leader.thaw()
+        try:
+            await leader.wait_role("standby", a.takeover_timeout, text="leader: node")
+            fault.standby_s = r3(time.monotonic() - t_sig)
+        except (TimeoutError, AssertionError) as exc:
+            fault.notes.append(f"node {leader.node} not standing by: {str(exc)[:300]}")
+            if not leader.alive:
+                leader.start()
+        if not other.alive:
+            fault.notes.append(f"node {other.node} exited ({other.returncode}); started "
+                               "again")
+            other.start()
+        await self.settle(t_sig, fault)
+        log(f"{kind} {n + 1}: {fault.old}→{fault.new or '?'} takeover "
+            f"{fault.takeover_s} s, no leader {fault.no_leader_s} s, first decision "
+            f"{fault.to_first_s} s, standby {fault.standby_s} s, recovered "
+            f"{fault.recovered_s} s; " + self.so_far(kind)
+            + (f"; {'; '.join(fault.notes)}" if fault.notes else ""))
+        return first is not None or new is not None
 
-def mosquitto_summary(path: Path) -> dict[str, int]:
-    """mosquitto's log lines (connections, disconnections, warnings), counted by kind:
-    timestamps, ports and the bench's random client id parts left out."""
-    kinds: Counter[str] = Counter()
-    with contextlib.suppress(OSError):
-        for line in path.read_text(errors="replace").splitlines():
-            text = re.sub(r"^\d+: ", "", line)
-            if text.startswith("New connection from"):
-                continue  # each is followed by "New client connected ..."
-            text = re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1", text)
-            text = re.sub(r" \(p\d, c\d, k\d+\)", "", text)
-            text = re.sub(r"bench-ha-scheduler-\S+?(?=[ .,]|$)", "<scheduler>", text)
-            kinds[text.rstrip(".")] += 1
-    return dict(kinds.most_common())
+    def so_far(self, kind: str) -> str:
+        xs = [f.takeover_s for f in self.run.faults if f.kind == kind
+              and f.takeover_s is not None]
+        return (f"{kind} takeover so far p50 {r3(pct(xs, 50))} s, max {r3(max(xs))} s "
+                f"(n={len(xs)})" if xs else f"no {kind} takeover measured yet")
 
+    # --- PostgreSQL restarts --------------------------------------------------------------
 
-async def watch_livez(nodes: list[Node], samples: dict[str, list[tuple[float, float]]]
-                      ) -> None:
-    """GET /livez of every node every 0.2 s: how long its event loop takes to answer
-    (a stalled loop answers late); failures (a node down or frozen) are not kept."""
-    async with aiohttp.ClientSession() as session:
-        async def one(node: Node) -> None:
-            url = f"http://127.0.0.1:{node.http_port}/livez"
-            while True:
-                t = time.monotonic()
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                    async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
-                        await r.read()
-                        samples[node.name].append((t, time.monotonic() - t))
-                await asyncio.sleep(max(0.0, 0.2 - (time.monotonic() - t)))
+    async def pg_restart(self, n: int, pg: OwnPostgres, feed: Feed) -> None:
+        fault = Fault(n, "pg-restart")
+        self.run.faults.append(fault)
+        feed.update()
+        before = {m.boot for m in feed.msgs if m.status and m.kind == "online"}
+        old_boot = feed.leader_boot()
+        fault.old = next((m.node for m in reversed(feed.msgs) if m.status and
+                          m.boot == old_boot), "")
+        t_sig = time.monotonic()
+        try:
+            await asyncio.to_thread(pg.restart)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            fault.notes.append(f"pg_ctl restart failed: {str(exc)[:300]}")
+        fault.restart_s = r3(time.monotonic() - t_sig)
+        # decisions again, then the settle; then the gap from the window's decisions
+        deadline = t_sig + self.args.takeover_timeout
+        t_back = time.monotonic()
+        while time.monotonic() < deadline and not any(
+                m.t > t_back for m in feed.decisions_since(t_sig)):
+            feed.update()
+            await asyncio.sleep(0.05)
+        for d in self.nodes:
+            if not d.alive:
+                fault.notes.append(f"node {d.node} exited ({d.returncode}); started again")
+                d.start()
+        try:
+            await wait_leader(self.nodes, self.args.takeover_timeout)
+        except TimeoutError:
+            fault.notes.append("no leader after the restart")
+        await self.settle(t_sig, fault)
+        feed.update()
+        t_end = time.monotonic()
+        times = [m.t for m in feed.msgs if not m.status and m.kind in DECISIONS
+                 and t_sig - 1 <= m.t <= t_end]
+        edges = [t_sig - 1, *times, t_end]
+        gaps = [(b - a_) for a_, b in itertools.pairwise(edges)]
+        fault.gap_s = r3(max(gaps))
+        new_boots = [m for m in feed.msgs if m.status and m.kind == "online"
+                     and m.t >= t_sig and m.boot not in before]
+        fault.leader_changes = len({m.boot for m in new_boots})
+        fault.new = new_boots[-1].node if new_boots else fault.old
+        if new_boots:
+            fault.no_leader_s = r3(new_boots[0].t - t_sig)
+        log(f"pg-restart {n + 1}: pg_ctl restart {fault.restart_s} s, longest without a "
+            f"decision {fault.gap_s} s, leader changes {fault.leader_changes}, recovered "
+            f"{fault.recovered_s} s" + (f"; {'; '.join(fault.notes)}" if fault.notes else ""))
 
-        await asyncio.gather(*(one(n) for n in nodes))
+    # --- the whole run --------------------------------------------------------------------
 
+    async def main(self) -> Run:
+        a = self.args
+        t_start = time.monotonic()
+        mosq = QuietMosquitto(self.workdir / "mqtt", extra_config="max_queued_messages 1000000")
+        mosq.start()
+        pg: OwnPostgres | None = None
+        try:
+            with contextlib.ExitStack() as stack:
+                if a.pg_restart:
+                    pg = OwnPostgres()
+                    await asyncio.to_thread(pg.start)
+                    url = pg.create_database("gpubroker_bench_ha")
+                    log(f"own PostgreSQL on port {pg.port} in {pg.dir}")
+                else:
+                    url = stack.enter_context(fresh_database("gpbbench"))
+                await self.site_run(mosq, url, pg)
+        finally:
+            mosq.stop()
+            if pg is not None:
+                pg.stop()
+        self.run.wall_s = round(time.monotonic() - t_start, 1)
+        return self.run
 
-async def failover_part(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    sig = signal.SIGKILL if mode == "kill" else signal.SIGSTOP
-    pdir = workdir / mode
-    pdir.mkdir()
-    mosq = lat.Mosquitto(pdir, log_types=("error", "warning", "notice"))
-    mosq.start()
-    cycles: list[Cycle] = []
-    nodes: list[Node] = []
-    notes: list[str] = []
-    frozen: Node | None = None
-    locks: LockWatch | None = None
-    livez: dict[str, list[tuple[float, float]]] = {"node-a": [], "node-b": []}
-    out: dict[str, Any] = {"part": mode, "signal": sig.name, "notes": notes}
-    t_begin = time.monotonic()
-    cpu0 = cpu_jiffies()
-    watcher: asyncio.Task[None] | None = None
-    try:
-        with lat.fresh_database(args.admin_url, prefix=f"gpubroker_ha_{mode}") as url:
-            a = Node(pdir, mosq.url, name="node-a", state_url=url, args=args)
-            b = Node(pdir, mosq.url, name="node-b", state_url=url, args=args)
-            nodes = [a, b]
-            by_name = {n.name: n for n in nodes}
-            locks = LockWatch(url, nodes)
-            lock_thread = threading.Thread(target=locks.run, name="lockwatch", daemon=True)
-            lock_thread.start()
-            host, port = lat.host_port(mosq.url)
-            async with Scheduler(host, port, rate=args.rate, resend_after=args.resend_after,
-                                 resend_max=args.resend_max, tag=mode) as sched:
-                await a.start()
-                if await a.wait_role("leader", 180) is None:
-                    raise RuntimeError("node-a did not lead:\n" + "\n".join(a.tail))
-                out["first_start_to_ready_s"] = round(time.monotonic() - a.starts[0], 2)
-                await b.start()
-                if await b.wait_role("standby", 120) is None:
-                    raise RuntimeError("node-b did not stand by:\n" + "\n".join(b.tail))
-                await a.settle()
-                watcher = asyncio.create_task(watch_livez(nodes, livez))
-                load = asyncio.create_task(sched.run_load())
-                caught_up = lambda: sched.oldest_unanswered() > time.monotonic() - 1.0  # noqa: E731
-                for n in range(args.kills):
-                    # Before each signal: the last takeover's backlog is answered (every
-                    # request sent more than 1 s ago), the load has run undisturbed for
-                    # `--steady` s, and the other node stands by.
-                    if await sched.wait(caught_up, args.settle_timeout, 0.05):
-                        if cycles:
-                            cycles[-1].t_recovered = time.monotonic()
-                    else:
-                        notes.append(f"before signal {n}: requests older than 1 s still "
-                                     f"unanswered after {args.settle_timeout:g} s")
-                    await asyncio.sleep(args.steady)
-                    st = sched.leader_status()
-                    if st is None or st.node not in by_name:
-                        raise RuntimeError(f"no online status of a node seen: {st}")
-                    leader = by_name[st.node]
-                    standby = b if leader is a else a
-                    if await standby.wait_role("standby", 0.5) is None:
-                        notes.append(f"before signal {n}: {standby.name} does not say standby")
-                    cyc = Cycle(n, sig.name, leader.name, st.boot_id, time.monotonic())
-                    cycles.append(cyc)
-                    if mode == "kill":
-                        await leader.kill9()
-                    else:
-                        leader.signal(signal.SIGSTOP)
-                        frozen = leader
-                    # The new boot's `online`, then its first decision.
-                    def new_online(c: Cycle = cyc) -> Status | None:
-                        return next((s for s in sched.statuses if s.state == "online"
-                                     and s.boot_id != c.old_boot and s.t > c.t_signal), None)
+    async def site_run(self, mosq: Mosquitto, url: str, pg: OwnPostgres | None) -> None:
+        a = self.args
+        site = HaSite(self.workdir, mosq, url, leadership_seconds=a.leadership_seconds,
+                      config={"clouds": {"sim": {"seed": a.seed,
+                                                 "regions_per_cloud": a.regions_per_cloud}},
+                              "poll": {"interval_seconds": a.poll_interval,
+                                       "stale_after_seconds": max(300.0, 3 * a.poll_interval)},
+                              "log_level": a.log_level})
+        try:
+            async with MqttProbe(mosq.url, [f"{PREFIX}/status", f"{PREFIX}/events/#"],
+                                 check_contract=False, timeout=30) as probe:
+                feed = Feed(probe)
+                log("starting node-a (leader) and node-b (standby)")
+                self.nodes = [await site.start_leader("node-a", timeout=120),
+                              await site.start_standby("node-b", timeout=120)]
+                async with contextlib.AsyncExitStack() as clients:
+                    scheds = []
+                    for k in range(a.schedulers):
+                        client = await clients.enter_async_context(BrokerClient(
+                            mosq.url, scheduler=SCHEDULER if k == 0 else f"{SCHEDULER}-{k}",
+                            protocol="5", resend_after=a.resend_after,
+                            resend_max=a.resend_max))
+                        scheds.append(Scheduler(client, answer_timeout=a.answer_timeout))
+                    sched = Pool(scheds)
+                    try:
+                        await self.fill(sched)
+                        await self.loaded(sched, feed, pg)
+                        await self.check(site, sched, probe, feed)
+                    finally:
+                        for t in list(self._release_tasks):
+                            t.cancel()
+                        await asyncio.gather(*self._release_tasks, return_exceptions=True)
+                        await sched.close()
+                codes = await site.stop_all()
+                self.run.checks["exit_codes_at_the_end"] = codes
+        finally:
+            await site.close()
 
-                    if not await sched.wait(lambda: new_online() is not None,
-                                            args.takeover_timeout):
-                        cyc.note += f"no new online within {args.takeover_timeout:g} s; "
+    async def loaded(self, sched: Pool, feed: Feed, pg: OwnPostgres | None) -> None:
+        a = self.args
+        stop = asyncio.Event()
+        t0 = time.monotonic()
+        cpu0 = os.times()
+        loader = asyncio.create_task(self.load(sched, stop))
+        releaser = asyncio.create_task(self.releaser(stop)) \
+            if a.release_after > 0 else None
+        try:
+            await asyncio.sleep(a.steady)
+            if pg is not None:
+                for n in range(a.pg_restart):
+                    log(f"pg-restart {n + 1} of {a.pg_restart}")
+                    await self.pg_restart(n, pg, feed)
+            else:
+                plan = interleave(a.kills, a.stops)
+                for n, kind in enumerate(plan):
+                    log(f"fault {n + 1} of {len(plan)}: {kind} the leader")
+                    if not await self.node_fault(n, kind, feed):
+                        log("no leader: the faults stop here")
                         break
-                    new = new_online()
-                    assert new is not None
-                    cyc.new_boot, cyc.new_node, cyc.t_new_online = new.boot_id, new.node, new.t
-                    if not await sched.wait(lambda c=cyc: c.new_boot in sched.first_decision,
-                                            args.takeover_timeout):
-                        cyc.note += f"no decision of the new boot within " \
-                                    f"{args.takeover_timeout:g} s; "
-                        break
-                    cyc.t_first_new = sched.first_decision[new.boot_id]
-                    if new.node != standby.name:
-                        cyc.note += f"the new leader is {new.node}, not {standby.name}; "
-                    if mode == "kill":
-                        await leader.start()
-                    else:
-                        cyc.t_cont = time.monotonic()
-                        leader.signal(signal.SIGCONT)
-                        frozen = None
-                    cyc.t_standby = await leader.wait_role("standby", 120)
-                    if cyc.t_standby is None:
-                        cyc.note += f"{leader.name} not standing by within 120 s; "
-                        break
-                if frozen is not None:
-                    notes.append(f"{frozen.name} was still frozen when the cycles stopped: "
-                                 "SIGCONT")
-                    frozen.signal(signal.SIGCONT)
-                    frozen = None
-                for node in nodes:
-                    if node.proc is not None and node.proc.returncode is not None:
-                        notes.append(f"{node.name} was down when the cycles stopped: "
-                                     "started again")
-                        await node.start()
-                # the tail: steady load, then the grace period for the last answers
-                if await sched.wait(caught_up, args.settle_timeout, 0.05) and cycles:
-                    cycles[-1].t_recovered = time.monotonic()
-                await asyncio.sleep(args.steady)
-                sched.stop_sending()
-                await load
-                t_grace = time.monotonic()
-                await sched.wait(lambda: not sched.unanswered, args.grace, 0.1)
-                out["grace_used_s"] = round(time.monotonic() - t_grace, 2)
-                await asyncio.sleep(1.0)  # late duplicates
-                watcher.cancel()
-                for node in nodes:
-                    await node.terminate()
-                locks.stop.set()
-                lock_thread.join(5)
-                out["lock_waits"] = locks.summary()
-                db = await asyncio.to_thread(database_check, url, sched)
-                if args.keep:
-                    sched.dump(pdir / "scheduler.jsonl")
-                    with (pdir / "lockwaits.jsonl").open("w") as f:
-                        for row in locks.samples:
-                            f.write(json.dumps(row) + "\n")
-            out.update(analyse(mode, sched, cycles, nodes, db, livez))
-    finally:
-        if watcher is not None:
-            watcher.cancel()
-        if locks is not None:
-            locks.stop.set()
-        for node in nodes:
-            if node.proc is not None:
-                with contextlib.suppress(Exception):
-                    await node.terminate()
-        mosq.stop()
-    cpu1 = cpu_jiffies()
-    out["machine_busy_pct"] = round(100 * (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]), 1)
-    out["mosquitto_log"] = mosquitto_summary(pdir / "mosquitto.log")
-    out["wall_s"] = round(time.monotonic() - t_begin, 1)
-    return out
+        finally:
+            stop.set()
+            await loader
+            if releaser is not None:
+                await releaser
+        t_load = time.monotonic() - t0
+        cpu1 = os.times()
+        bench_cpu = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / t_load * 100
+        log(f"load stopped; {a.grace:g} s for the last answers")
+        left = await sched.finish(a.grace)
+        load = [o for o, _ in self._load]
+        kinds = Counter(o.kind or "unanswered" for o in load)
+        lat = [o.answered_at - o.sent_at for o in load
+               if o.kind in ANSWERED and o.answered_at is not None]
+        self.run.load = {
+            "sent": len(load), "seconds": round(t_load, 1),
+            "per_s": round(len(load) / t_load, 1), "outcomes": dict(kinds),
+            "rejection_codes": dict(Counter(o.detail for o in load if o.kind == "rejected")),
+            "lost": sum(1 for o in load if o.kind not in ANSWERED),
+            "lost_fill": sum(1 for o in left if o.request_id.startswith("fill")),
+            "lost_examples": [f"{o.request_id}: {o.kind} {o.detail[:80]}" for o in left][:5],
+            "answer_p50_s": r3(pct(lat, 50)), "answer_p99_s": r3(pct(lat, 99)),
+            "releases": dict(self.released),
+            "bench_cpu_percent": round(bench_cpu), "loadavg_1min_at_end":
+                round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
+        }
+
+    async def check(self, site: HaSite, sched: Pool, probe: MqttProbe, feed: Feed
+                    ) -> None:
+        obs = Observed.of(probe)
+        decided = obs.decided()
+        table, active = [], [(None,)]
+        for attempt in range(5):  # a busy machine: the server may answer late
+            try:
+                table = await site.leases()
+                active = await site.query("SELECT count(*) FROM leases WHERE "
+                                          "state='active'")
+                break
+            except psycopg.OperationalError as exc:
+                log(f"reading the leases table: {exc}; again")
+                await asyncio.sleep(2 * (attempt + 1))
+        # Observed.lease_problems knows one scheduler id: each scheduler against the
+        # rows of its own id, under that name.
+        problems = []
+        for s in sched.scheds:
+            own = [(SCHEDULER, r, i, e) for sid, r, i, e in table
+                   if sid == s.client.scheduler]
+            problems += obs.lease_problems(s, own)
+        self.run.checks.update({
+            "duplicated_events": sum(1 for ids in decided.values() if len(ids) > 1),
+            "lease_problems": len(problems),
+            "lease_problem_examples": problems[:5],
+            "takeover_problems": obs.takeover_problems()[:10],
+            "epoch_problems": obs.epoch_problems()[:10],
+            "connects_while_not_leading": {d.node: len(d.connects_while_not_leading())
+                                           for d in site.daemons.values()},
+            "tracebacks": {d.node: len(d.tracebacks()) for d in site.daemons.values()},
+            "leases_in_table": len(table), "active_leases_at_the_end": active[0][0],
+            "leaders": len(obs.leaders()), "messages_seen": len(probe.messages),
+        })
 
 
-def database_check(url: str, sched: Scheduler) -> dict[str, Any]:
-    """What the database holds at the end, against what the scheduler was told."""
-    import psycopg
-
-    with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
-        rows = conn.execute("SELECT scheduler, request_id, lease_id, state, leader_epoch "
-                            "FROM leases").fetchall()
-        lead = conn.execute("SELECT node, epoch FROM leadership").fetchall()
-    by_request: dict[str, list[tuple[str, str, int]]] = {}
-    for _s, rid, lease_id, state, epoch in rows:
-        by_request.setdefault(rid, []).append((lease_id, state, int(epoch)))
-    two_active = {rid: [x[0] for x in v] for rid, v in by_request.items()
-                  if sum(1 for x in v if x[1] == "active") > 1}
-    missing: list[str] = []
-    other_id: list[str] = []
-    unknown: list[str] = []
-    for rid, req in sched.requests.items():
-        db_ids = {x[0] for x in by_request.get(rid, [])}
-        for lease_id in req.lease_ids:
-            if lease_id not in db_ids:
-                (other_id if db_ids else missing).append(rid)
-        if db_ids and not (db_ids <= req.lease_ids):
-            unknown.append(rid)  # a lease the scheduler was never told of
-    epochs = Counter(int(x[2]) for v in by_request.values() for x in v)
-    return {"leases": len(rows), "active": sum(1 for r in rows if r[3] == "active"),
-            "two_active_for_one_request": len(two_active),
-            "two_active_examples": dict(list(two_active.items())[:3]),
-            "answered_lease_not_in_db": len(set(missing)),
-            "answered_lease_under_other_id": len(set(other_id)),
-            "db_lease_never_answered": len(set(unknown)),
-            "db_lease_never_answered_examples": sorted(set(unknown))[:3],
-            "leases_by_writer_epoch": dict(sorted(epochs.items())),
-            "leadership": [list(x) for x in lead]}
-
-
-def analyse(mode: str, sched: Scheduler, cycles: list[Cycle], nodes: list[Node],
-            db: dict[str, Any], livez: dict[str, list[tuple[float, float]]]
-            ) -> dict[str, Any]:
-    by_node = {n.name: n for n in nodes}
-    for c in cycles:
-        if c.t_new_online is not None:
-            old = [t for t, boot in sched.decisions if boot == c.old_boot
-                   and t < c.t_new_online]
-            c.t_last_old = old[-1] if old else None
-            c.resent_old_events = sum(1 for t, boot in sched.decisions
-                                      if boot == c.old_boot and t >= c.t_new_online)
-        if c.t_first_new is not None:
-            c.old_events_after_new = sum(1 for t, boot, _f in sched.events
-                                         if boot == c.old_boot and t > c.t_first_new)
-            backlog = [r.answered_at for r in sched.requests.values()
-                       if r.first_sent < c.t_first_new and r.answered_at is not None
-                       and r.answered_at >= c.t_signal]
-            c.t_drained = max(backlog, default=c.t_first_new)
-        if c.t_cont is not None:
-            end = cycles[c.n + 1].t_signal if c.n + 1 < len(cycles) else math.inf
-            c.old_online_after_cont = sum(1 for s in sched.statuses if s.state == "online"
-                                          and s.node == c.old_node and c.t_cont < s.t < end)
-            notes = by_node[c.old_node].notes_between(c.t_cont, end)
-            c.old_mqtt_connects_after_cont = sum(1 for r in notes
-                                                 if r.get("event") == "mqtt connected")
-            down = [r.get("event", "") for r in notes
-                    if "standing by again" in str(r.get("event", ""))]
-            c.old_stepped_down = down[0] if down else None
-    # /livez of the leader: the first from the start of the load, each new one from the
-    # signal that made it leader, to the next signal
-    t0, t_end = sched.t_load
-    periods: list[tuple[Cycle | None, str, float, float]] = []
-    who, since, after = (cycles[0].old_node if cycles else "node-a"), t0, None
-    for c in cycles:
-        periods.append((after, who, since, c.t_signal))
-        if c.new_node is None:
-            who = ""
-            break
-        who, since, after = c.new_node, c.t_signal, c
-    if who:
-        periods.append((after, who, since, t_end))
-    slow, worst = 0, 0.0
-    for after_cycle, name, p0, p1 in periods:
-        xs = [dt for t, dt in livez.get(name, []) if p0 <= t < p1]
-        slow += sum(1 for dt in xs if dt > 1.0)
-        worst = max([worst, *xs])
-        if after_cycle is not None:
-            after_cycle.leader_livez_max = max(xs, default=None)
-    # each leader term from the nodes' logs; a deposition the bench did not cause (every
-    # one after a kill; after a SIGSTOP, all but the resumed node's own)
-    terms: list[dict[str, Any]] = []
-    for node in nodes:
-        for term in node.terms():
-            term["node"] = node.name
-            terms.append(term)
-    terms.sort(key=lambda x: x["t"])
-    boots = {t.get("boot_id"): t for t in terms}
-    for c in cycles:
-        new_term = boots.get(c.new_boot)
-        if new_term is not None:
-            c.new_leader_leases = new_term["leases"]
-            c.new_claim_to_start = new_term["claim_to_start_s"]
-    unplanned = []
-    for term in terms:
-        if term["deposed_after_s"] is None:
-            continue
-        at = term["t"] + term["deposed_after_s"]
-        if any(c.t_cont is not None and c.old_node == term["node"]
-               and c.t_signal <= at <= c.t_cont + 10 for c in cycles):
-            continue
-        unplanned.append(term)
-    never_decided = [t for t in unplanned if t.get("boot_id") not in sched.first_decision]
-    starts = [t["claim_to_start_s"] for t in terms if t["claim_to_start_s"] is not None]
-    takeovers = [c.takeover for c in cycles if c.takeover is not None]
-    to_first = [c.t_first_new - c.t_signal for c in cycles if c.t_first_new is not None]
-    to_online = [c.t_new_online - c.t_signal for c in cycles if c.t_new_online is not None]
-    # latency outside takeovers: sent and answered between the recovery from a takeover
-    # (no request older than 1 s unanswered; the start of the load) and the next signal
-    windows, start = [], t0
-    for c in cycles:
-        windows.append((start, c.t_signal))
-        start = c.t_recovered if c.t_recovered is not None else math.inf
-    windows.append((start, math.inf))
-    steady, all_lat = [], []
-    for r in sched.requests.values():
-        if r.answered_at is None:
-            continue
-        ms = (r.answered_at - r.first_sent) * 1000
-        all_lat.append(ms)
-        if any(w0 <= r.first_sent and r.answered_at < w1 for w0, w1 in windows):
-            steady.append(ms)
-    dup_leases = {rid: sorted(r.lease_ids) for rid, r in sched.requests.items()
-                  if len(r.lease_ids) > 1}
-    kinds = Counter(r.kind for r in sched.requests.values() if r.kind is not None)
-
-    def stats(xs: list[float]) -> dict[str, float | None]:
-        return {"p50": r3(pct(xs, 50)), "p99": r3(pct(xs, 99)),
-                "max": r3(max(xs)) if xs else None}
-
-    lag = sorted(x * 1000 for x in sched.send_lag)
-    return {
-        "cycles": [c.row() for c in cycles],
-        "takeovers": len(takeovers), "signals": len(cycles),
-        "same_boot_offline_online": sum(
-            1 for i, st in enumerate(sched.statuses) if st.state == "offline" and any(
-                x.state == "online" and x.boot_id == st.boot_id for x in sched.statuses[i + 1:])),
-        "unplanned_new_boots": len(sched.online_boots) - 1 - len(
-            [c for c in cycles if c.new_boot is not None]),
-        "leader_livez_max_s": r3(worst), "leader_livez_over_1s": slow,
-        "leader_terms": len(terms), "deposed_unplanned": len(unplanned),
-        "deposed_unplanned_never_decided": len(never_decided),
-        "deposed_unplanned_examples": [
-            {k: t.get(k) for k in ("node", "epoch", "leases", "claim_to_start_s",
-                                   "deposed_after_s", "why")} for t in unplanned[:3]],
-        "claim_to_start_s": {"p50": r3(pct(starts, 50)), "max": r3(max(starts, default=math.nan)),
-                             "n": len(starts)},
-        "max_leases_restored": max((t["leases"] or 0 for t in terms), default=0),
-        "takeover_s": stats(takeovers),
-        "signal_to_first_decision_s": stats(to_first),
-        "signal_to_online_s": stats(to_online),
-        "sent": len(sched.requests), "answered": len(sched.requests) - len(sched.unanswered),
-        "lost": len(sched.unanswered),
-        "lost_examples": sorted(sched.unanswered)[:5],
-        "answers": dict(kinds),
-        "resent_publishes": sched.resent, "resent_on_online": sched.resent_on_online,
-        "requests_sent_more_than_once": sum(1 for r in sched.requests.values()
-                                            if r.sends > 1),
-        "duplicate_leases_events": len(dup_leases),
-        "duplicate_leases_examples": dict(list(dup_leases.items())[:3]),
-        "duplicate_leases_db": db["two_active_for_one_request"],
-        "duplicate_events": sched.duplicate_events,
-        "other_events": dict(sched.other_events),
-        "latency_outside_ms": {**stats(steady), "n": len(steady)},
-        "latency_all_ms": {**stats(all_lat), "n": len(all_lat)},
-        "load_s": r3(t_end - t0), "send_rate": r3(len(sched.requests) / (t_end - t0)),
-        "send_lag_p99_ms": r3(pct(lag, 99)),
-        "publish_errors": dict(sched.publish_errors),
-        "scheduler_disconnects": [why for _, why in sched.disconnects],
-        "resent_on_reconnect": sched.resent_on_reconnect,
-        "database": db,
-        "nodes": {n.name: n.summary() for n in nodes},
-    }
-
-
-# --------------------------------------------------------------------------------------
-# part 3: PostgreSQL next to SQLite
-# --------------------------------------------------------------------------------------
-
-async def latency_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    pdir = workdir / "latency"
-    pdir.mkdir()
-    mosq = lat.Mosquitto(pdir)
-    mosq.start()
-    ns = argparse.Namespace(rate=args.latency_rate, duration=args.latency_duration,
-                            warmup=args.latency_warmup, seed=args.seed,
-                            regions_per_cloud=args.regions_per_cloud, nodelay=True)
-    poll = max(60.0, 3 * (args.latency_warmup + args.latency_duration) + 30)
-    results: list[lat.PhaseResult] = []
-    try:
-        for _ in range(args.latency_rounds):
-            results.append(await lat.gpubroker(
-                mosq, ns, pdir, name=f"sqlite-{len(results)}", poll_interval=poll,
-                http_listen=f"127.0.0.1:{lat.free_port()}", root=args.daemon_tree))
-            with lat.fresh_database(args.admin_url, prefix="gpubroker_ha_latency") as url:
-                results.append(await lat.gpubroker(
-                    mosq, ns, pdir, name=f"postgresql-{len(results)}", poll_interval=poll,
-                    state_url=url, http_listen=f"127.0.0.1:{lat.free_port()}",
-                    root=args.daemon_tree))
-    finally:
-        mosq.stop()
-    phases = [asdict(r) for r in results]
-    sq = [r for r in results if r.name.startswith("sqlite")]
-    pg = [r for r in results if r.name.startswith("postgresql")]
-
-    def med(rs: list[lat.PhaseResult], attr: str) -> float:
-        xs: list[float] = sorted(float(getattr(r, attr)) for r in rs)
-        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-    out: dict[str, Any] = {"part": "latency", "rate": args.latency_rate,
-                           "duration_s": args.latency_duration,
-                           "warmup_s": args.latency_warmup, "rounds": args.latency_rounds,
-                           "phases": phases}
-    for key, rs in (("sqlite", sq), ("postgresql", pg)):
-        out[key] = {"p50_ms": r3(med(rs, "p50_ms")), "p99_ms": r3(med(rs, "p99_ms")),
-                    "missing": sum(r.missing_total for r in rs)}
-    out["ratio_p50"] = r3(lat.ratio(out["postgresql"]["p50_ms"], out["sqlite"]["p50_ms"]))
-    out["ratio_p99"] = r3(lat.ratio(out["postgresql"]["p99_ms"], out["sqlite"]["p99_ms"]))
+def interleave(kills: int, stops: int) -> list[str]:
+    out = []
+    for i in range(max(kills, stops)):
+        if i < kills:
+            out.append("kill")
+        if i < stops:
+            out.append("stop")
     return out
 
 
 # --------------------------------------------------------------------------------------
-# report
+# the report
 # --------------------------------------------------------------------------------------
 
-def f(x: Any, nd: int = 2) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+def fmt(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.2f}"
+    return str(x)
 
 
-def print_failover(p: dict[str, Any], args: argparse.Namespace) -> None:
-    what = "kill -9" if p["part"] == "kill" else "SIGSTOP (SIGCONT after the takeover)"
-    print(f"\n== {p['part']}: leader {what} x{args.kills} under {args.rate:g} req/s; "
-          f"re-send after {args.resend_after:g} s doubling to {args.resend_max:g} s, and at "
-          f"once at a new online; first leader ready {p.get('first_start_to_ready_s')} s "
-          f"after its start; machine busy {p.get('machine_busy_pct')} % of "
-          f"{os.cpu_count()} CPUs over the part")
-    stop = p["part"] == "stop"
-    head = ("#", "old→new", "takeover s", "sig→online s", "sig→1st new s", "backlog s",
-            "recovered s", "standby s", "resent old", "old ev after", "old online", "old mqtt",
-            "livez max s", "leases", "claim→start s")
-    rows = [head]
-    for c in p["cycles"]:
-        rows.append((str(c["n"]), f"{c['old_node'][-1]}→{(c['new_node'] or '?')[-1]}",
-                     f(c["takeover_s"]), f(c["signal_to_online_s"]),
-                     f(c["signal_to_first_decision_s"]), f(c["backlog_answered_s"]),
-                     f(c["recovered_s"]), f(c["back_to_standby_s"]), str(c["resent_old_events"]),
-                     str(c["old_events_after_new_first"]),
-                     str(c["old_online_after_cont"]) if stop else "-",
-                     str(c["old_mqtt_connects_after_cont"]) if stop else "-",
-                     f(c["new_leader_livez_max_s"]), str(c["new_leader_leases"] or "-"),
-                     f(c["new_claim_to_start_s"])))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    for r in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
-    for c in p["cycles"]:
-        if c["note"]:
-            print(f"  cycle {c['n']}: {c['note']}")
-    t, s1, so = p["takeover_s"], p["signal_to_first_decision_s"], p["signal_to_online_s"]
-    print(f"takeover (old leader's last decision → new leader's first): p50 {f(t['p50'])} s, "
-          f"p99 {f(t['p99'])} s, max {f(t['max'])} s over {p['takeovers']} of "
-          f"{p['signals']} signals; signal → new online p50 {f(so['p50'])} s, "
-          f"→ first decision p50 {f(s1['p50'])} s, max {f(s1['max'])} s")
-    cs = p["claim_to_start_s"]
-    print(f"leader terms {p['leader_terms']} (claims won); deposed without a signal "
-          f"{p['deposed_unplanned']}, {p['deposed_unplanned_never_decided']} of them before "
-          f"deciding anything; new boots online beyond the signals "
-          f"{p['unplanned_new_boots']}; claim won → 'starting' p50 {f(cs['p50'])} s, max "
-          f"{f(cs['max'])} s (up to {p['max_leases_restored']} leases restored); leader "
-          f"/livez slowest {f(p['leader_livez_max_s'])} s, {p['leader_livez_over_1s']} "
-          f"answers over 1 s; P/status offline then online again with the same boot "
-          f"{p['same_boot_offline_online']}")
-    for ex in p["deposed_unplanned_examples"]:
-        print(f"  e.g. {ex}")
-    db = p["database"]
-    print(f"requests: sent {p['sent']} in {f(p['load_s'], 1)} s ({f(p['send_rate'], 1)}/s, "
-          f"send lag p99 {f(p['send_lag_p99_ms'], 1)} ms), answered {p['answered']}, "
-          f"LOST {p['lost']} (grace used {p.get('grace_used_s')} s); answers {p['answers']}")
-    print(f"duplicate leases: {p['duplicate_leases_events']} request_ids answered with two "
-          f"lease_ids, {db['two_active_for_one_request']} with two active leases in the "
-          f"database; answered leases not in the database {db['answered_lease_not_in_db']}, "
-          f"under another id {db['answered_lease_under_other_id']}; database leases never "
-          f"answered {db['db_lease_never_answered']}")
-    print(f"re-sends: {p['resent_publishes']} publishes ({p['resent_on_online']} at a new "
-          f"online, {p['resent_on_reconnect']} after the scheduler's reconnects), "
-          f"{p['requests_sent_more_than_once']} requests sent more than once; events "
-          f"received twice (same id) {p['duplicate_events']}; other events "
-          f"{p['other_events'] or 'none'}; publish errors {p['publish_errors'] or 'none'}; "
-          f"scheduler disconnects {len(p['scheduler_disconnects'])}")
-    lo, la = p["latency_outside_ms"], p["latency_all_ms"]
-    print(f"request → decision outside takeovers: p50 {f(lo['p50'], 1)} ms, p99 "
-          f"{f(lo['p99'], 1)} ms (n={lo['n']}); all requests: p50 {f(la['p50'], 1)} ms, "
-          f"p99 {f(la['p99'], 1)} ms, max {f(la['max'], 1)} ms")
-    print(f"database at the end: {db['leases']} leases ({db['active']} active), by writer "
-          f"epoch {db['leases_by_writer_epoch']}, leadership {db['leadership']}")
-    for name, n in p["nodes"].items():
-        print(f"{name}: {n['starts']} starts, exits {n['exits']}, log levels {n['levels']}, "
-              f"Traceback lines {n['tracebacks']}, warnings/errors "
-              f"{n['warnings_and_errors'] or 'none'}")
-    lw = p.get("lock_waits") or {}
-    print(f"PostgreSQL lock waits (sampled every 0.1 s; a wait counts once per sample): "
-          f"{lw.get('samples', 0)} samples" + (f", sampler failed: {lw['error']}"
-                                              if lw.get("error") else ""))
-    for kind, v in (lw.get("by_kind") or {}).items():
-        print(f"  {kind}: {v['samples']} samples, longest {v['longest_s']} s")
-    print(f"mosquitto log: {p.get('mosquitto_log') or 'nothing'}")
-    for note in p.get("notes", []):
-        print(f"note: {note}")
-
-
-def print_latency(p: dict[str, Any]) -> None:
-    print(f"\n== latency: {p['rate']:g} req/s open loop, {p['duration_s']:g} s measured after "
-          f"{p['warmup_s']:g} s warm-up, one daemon each, same sim market and load")
-    head = ("phase", "sent", "answered", "missing", "p50 ms", "p90 ms", "p99 ms", "max ms",
-            "sent/s", "cpu% (daemon,mosq,bench)")
-    rows = [head]
-    for r in p["phases"]:
-        rows.append((r["name"], str(r["sent"]), str(r["answered"]), str(r["missing"]),
-                     f(r["p50_ms"]), f(r["p90_ms"]), f(r["p99_ms"]), f(r["max_ms"], 1),
-                     f(r["send_rate"], 1), ",".join(f"{v:.0f}" for v in r["cpu"].values())))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    for r in rows:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                        for i, (c, w) in enumerate(zip(r, widths, strict=True))))
-    print(f"PostgreSQL/SQLite: p50 {f(p['ratio_p50'])}x, p99 {f(p['ratio_p99'])}x "
-          f"(SQLite p50 {f(p['sqlite']['p50_ms'], 1)} / p99 {f(p['sqlite']['p99_ms'], 1)} ms, "
-          f"PostgreSQL p50 {f(p['postgresql']['p50_ms'], 1)} / p99 "
-          f"{f(p['postgresql']['p99_ms'], 1)} ms)")
-    for r in p["phases"]:
-        print(f"{r['name']} p50 ms per {lat.WINDOW_S:g} s of sends (warm-up first): "
-              + " ".join(f"{x:g}" for x in r["p50_by_window_ms"]))
-
-
-def code_version(tree: Path) -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", "-C", str(tree), *a], capture_output=True, text=True,
-                              check=False).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD")
-    if not commit:
-        return f"{tree} (not a git checkout)"
-    dirty = git("status", "--porcelain", "--", "broker", "adapters", "policies")
-    if not dirty:
-        return f"{tree} at {commit}"
-    files = " ".join(line.split()[-1] for line in dirty.splitlines())
-    return f"{tree} at {commit} (uncommitted changes: {files})"
+def print_report(run: Run) -> None:
+    a = run.args
+    mode = (f"PostgreSQL of its own restarted {a['pg_restart']} times" if a["pg_restart"]
+            else f"{a['kills']} kill -9 and {a['stops']} SIGSTOP of the leader, in turn")
+    print(f"ha bench: site {SITE!r}, 2 nodes, state.leadership_seconds "
+          f"{a['leadership_seconds']:g}, sim seed {a['seed']} with {a['regions_per_cloud']} "
+          f"regions/cloud; {mode}; load {a['rate']:g} req/s, leases released "
+          + (f"{a['release_after']:g} s after their decision" if a["release_after"] > 0
+             else "never") + f"; wall {run.wall_s:g} s")
+    f = run.fill
+    print(f"book: {f.get('decided')} active leases before the first fault ({f.get('how')}; "
+          f"{f.get('rejected')} rejected, {f.get('failed')} failed; {f.get('seconds')} s, "
+          f"{f.get('per_s')} answers/s)")
+    head: tuple[str, ...]
+    if a["pg_restart"]:
+        head = ("#", "kind", "leader", "pg_ctl s", "no decision s", "leader changes",
+                "no leader s", "recovered s", "notes")
+        rows = [tuple(fmt(x) for x in (x.n + 1, x.kind, f"{x.old}→{x.new}", x.restart_s,
+                                       x.gap_s, x.leader_changes, x.no_leader_s,
+                                       x.recovered_s, "; ".join(x.notes)[:100]))
+                for x in run.faults]
+    else:
+        head = ("#", "kind", "old→new", "epoch", "takeover s", "(stamped)", "no leader s",
+                "sig→1st decision s", "probe lag s", "standby s", "recovered s", "notes")
+        rows = [tuple(fmt(v) for v in (x.n + 1, x.kind, f"{x.old}→{x.new or '?'}",
+                                       f"{x.old_epoch}→{x.new_epoch}", x.takeover_s,
+                                       x.takeover_stamped_s, x.no_leader_s, x.to_first_s,
+                                       x.probe_lag_s, x.standby_s,
+                                       x.recovered_s, "; ".join(x.notes)[:100]))
+                for x in run.faults]
+    table = [head, *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    for r in table:
+        print("  ".join(c.rjust(w) if 0 < i < len(head) - 1 else c.ljust(w)
+                        for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+    print()
+    for kind in ("kill", "stop", "pg-restart"):
+        fs = [x for x in run.faults if x.kind == kind]
+        if not fs:
+            continue
+        if kind == "pg-restart":
+            gaps = [x.gap_s for x in fs if x.gap_s is not None]
+            print(f"pg-restart ×{len(fs)}: longest time without a decision p50 "
+                  f"{fmt(r3(pct(gaps, 50)))} s, p99 {fmt(r3(pct(gaps, 99)))} s, max "
+                  f"{fmt(max(gaps) if gaps else None)} s; leader changes "
+                  f"{sum(x.leader_changes for x in fs)}")
+            continue
+        tk = [x.takeover_s for x in fs if x.takeover_s is not None]
+        ts = [x.takeover_stamped_s for x in fs if x.takeover_stamped_s is not None]
+        nl = [x.no_leader_s for x in fs if x.no_leader_s is not None]
+        lag = [x.probe_lag_s for x in fs if x.probe_lag_s is not None]
+        print(f"{kind} ×{len(fs)}: takeover p50 {fmt(r3(pct(tk, 50)))} s, p99 "
+              f"{fmt(r3(pct(tk, 99)))} s, max {fmt(max(tk) if tk else None)} s "
+              f"(measured in {len(tk)} of {len(fs)}; goal p99 ≤ 3 s: "
+              f"{'met' if tk and len(tk) == len(fs) and pct(tk, 99) <= 3 else 'NOT met'}); "
+              f"no leader p50 {fmt(r3(pct(nl, 50)))} s, max {fmt(max(nl) if nl else None)} s")
+        print(f"  by the envelopes' `time` (the daemons' clock, not the subscriber's): "
+              f"takeover p50 {fmt(r3(pct(ts, 50)))} s, p99 {fmt(r3(pct(ts, 99)))} s; the "
+              f"subscriber received the new leader's first decision p50 "
+              f"{fmt(r3(pct(lag, 50)))} s, max {fmt(max(lag) if lag else None)} s after it")
+    ld, c = run.load, run.checks
+    dup = c.get("duplicated_events", 0)
+    print(f"requests under load: {ld.get('sent')} sent in {ld.get('seconds')} s "
+          f"({ld.get('per_s')}/s): {ld.get('outcomes')}; rejections "
+          f"{ld.get('rejection_codes') or 'none'}; answer p50 {fmt(ld.get('answer_p50_s'))} s, "
+          f"p99 {fmt(ld.get('answer_p99_s'))} s; releases {ld.get('releases') or 'none'}")
+    print(f"the bench's own CPU over the load: {ld.get('bench_cpu_percent')} % of one core "
+          f"(its schedulers and subscriber); 1-min load average at the end "
+          f"{ld.get('loadavg_1min_at_end')} on {ld.get('cpus')} CPUs")
+    print(f"LOST {ld.get('lost')} (goal 0; after {a['grace']:g} s of grace; fill requests "
+          f"lost {ld.get('lost_fill')})" + (f", e.g. {ld['lost_examples']}"
+                                             if ld.get("lost_examples") else ""))
+    print(f"DUPLICATED {dup} (request_ids with two lease_ids among the events; goal 0); "
+          f"lease problems (events, answers, `leases` table) {c.get('lease_problems')}"
+          + (f", e.g. {c['lease_problem_examples']}" if c.get("lease_problem_examples")
+             else ""))
+    print(f"deposed leaders publishing after their successor: "
+          f"{len(c.get('takeover_problems', []))}; epoch problems "
+          f"{len(c.get('epoch_problems', []))}; 'mqtt connected' while not leading "
+          f"{c.get('connects_while_not_leading')}; tracebacks {c.get('tracebacks')}; "
+          f"exit codes at the end {c.get('exit_codes_at_the_end')}")
+    for p in c.get("takeover_problems", []) + c.get("epoch_problems", []):
+        print(f"  {p[:300]}")
+    print(f"leases table at the end: {c.get('leases_in_table')} rows, "
+          f"{c.get('active_leases_at_the_end')} active; {c.get('leaders')} leader starts "
+          f"seen; {c.get('messages_seen')} messages on P/status and P/events/#")
 
 
 # --------------------------------------------------------------------------------------
+
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", choices=["kill", "stop", "latency"],
-                   default=["kill", "stop", "latency"], help="which parts (all three)")
-    p.add_argument("--kills", type=int, default=None,
-                   help="signals to the leader per part (10; --quick 3)")
-    p.add_argument("--rate", type=float, default=200.0,
-                   help="placement requests per second during the kills (200)")
-    p.add_argument("--steady", type=float, default=2.0,
-                   help="seconds of load before each signal, after the settle (2)")
-    p.add_argument("--resend-after", type=float, default=2.0,
-                   help="the scheduler re-sends an unanswered request after this many s (2)")
-    p.add_argument("--resend-max", type=float, default=15.0,
-                   help="... doubling up to this many s apart (15, as broker/client.py)")
-    p.add_argument("--grace", type=float, default=None,
-                   help="seconds after the load for the last answers (20; --quick 15)")
-    p.add_argument("--settle-timeout", type=float, default=5.0,
-                   help="wait at most this long before a signal for the requests older "
-                        "than 1 s to be answered (5 s; the signal comes anyway after it)")
-    p.add_argument("--takeover-timeout", type=float, default=30.0,
-                   help="stop the signals when a takeover (the new boot's online, then its "
-                        "first decision) takes longer than this (30 s)")
-    p.add_argument("--latency-rate", type=float, default=500.0,
-                   help="requests per second of the latency part (500)")
-    p.add_argument("--latency-duration", type=float, default=None,
-                   help="measured seconds per latency phase (10; --quick 5)")
-    p.add_argument("--latency-warmup", type=float, default=2.0,
-                   help="warm-up seconds per latency phase (2)")
-    p.add_argument("--latency-rounds", type=int, default=1,
-                   help="SQLite + PostgreSQL pairs in the latency part, alternating (1); "
-                        "the figures are their medians")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: 3 kills and 3 stops (or 2 PostgreSQL restarts), "
+                        "5,000 leases")
+    p.add_argument("--kills", type=int, default=None, help="leader kill -9 (10)")
+    p.add_argument("--stops", type=int, default=None, help="leader SIGSTOP (10)")
+    p.add_argument("--pg-restart", type=int, default=0, metavar="N",
+                   help="instead of the node faults: the daemons on a PostgreSQL server of "
+                        "the bench's own, restarted N times (pg_ctl restart -m fast)")
+    p.add_argument("--leases", type=int, default=None,
+                   help="active leases in the book before the first fault (20000)")
+    p.add_argument("--fill-window", type=int, default=300,
+                   help="fill requests in flight at a time (300)")
+    p.add_argument("--rate", type=float, default=200.0, help="placement requests/s (200)")
+    p.add_argument("--schedulers", type=int, default=8,
+                   help="schedulers (BrokerClients) placing in turn (8)")
+    p.add_argument("--release-after", type=float, default=5.0,
+                   help="release each lease decided under load this many s after its "
+                        "decision (5; 0: never, the book grows)")
+    p.add_argument("--leadership-seconds", type=float, default=3.0,
+                   help="state.leadership_seconds (3, the daemon's default)")
     p.add_argument("--regions-per-cloud", type=int, default=88,
-                   help="sim regions per cloud (88: about 20,000 offers, as latency.py)")
+                   help="sim regions per cloud (88, as bench/latency.py: ~20,000 offers)")
     p.add_argument("--seed", type=int, default=7, help="sim seed (7)")
     p.add_argument("--poll-interval", type=float, default=300.0,
-                   help="poll interval of the HA nodes (300 s: only a new leader's first "
-                        "poll lands in the load)")
-    p.add_argument("--admin-url", default=ADMIN_URL,
-                   help="PostgreSQL role that may create databases ($GPUBROKER_TEST_PG or "
-                        "postgresql://postgres@127.0.0.1:5432/postgres)")
-    p.add_argument("--daemon-tree", type=Path, default=ROOT,
-                   help="the checkout the daemons run from (this repository)")
-    p.add_argument("--commit", metavar="REV", default=None,
-                   help="run the daemons from a temporary git worktree of REV instead "
-                        "(removed afterwards): figures of a commit, whatever the working "
-                        "tree holds")
-    p.add_argument("--quick", action="store_true",
-                   help="a short run: 3 signals per part, 5 s latency phases")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument("--keep", action="store_true",
-                   help="keep the temporary directory (configs, node logs)")
+                   help="poll.interval_seconds (300)")
+    p.add_argument("--log-level", default="info", help="the daemons' log_level (info)")
+    p.add_argument("--resend-after", type=float, default=2.0,
+                   help="the scheduler re-sends an unanswered request after this many s, "
+                        "doubling (2)")
+    p.add_argument("--resend-max", type=float, default=15.0,
+                   help="... up to this many s (15)")
+    p.add_argument("--answer-timeout", type=float, default=300.0,
+                   help="the scheduler gives up on a request after this many s (300)")
+    p.add_argument("--takeover-timeout", type=float, default=60.0,
+                   help="s to wait for a new leader's first decision, as the subscriber "
+                        "sees it (60)")
+    p.add_argument("--settle-timeout", type=float, default=15.0,
+                   help="after a fault, at most this many s for every request older than "
+                        "1 s to be answered (15)")
+    p.add_argument("--steady", type=float, default=2.0,
+                   help="s of load after the settle, and before the first fault (2)")
+    p.add_argument("--grace", type=float, default=60.0,
+                   help="s for the last answers once the load stops (60)")
+    p.add_argument("--json", action="store_true", help="the figures as JSON")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = p.parse_args(argv)
-    quick = args.quick
-    for name, normal, short in (("kills", 10, 3), ("grace", 20.0, 15.0),
-                                ("latency_duration", 10.0, 5.0)):
-        if getattr(args, name) is None:
-            setattr(args, name, short if quick else normal)
-    if args.kills < 1 or args.rate <= 0 or args.latency_rate <= 0:
-        p.error("--kills >= 1, --rate and --latency-rate > 0")
-    args.daemon_tree = args.daemon_tree.resolve()
+    if args.kills is None:
+        args.kills = 3 if args.quick else 10
+    if args.stops is None:
+        args.stops = 3 if args.quick else 10
+    if args.leases is None:
+        args.leases = 5000 if args.quick else 20000
+    if args.quick and args.pg_restart > 2:
+        args.pg_restart = 2
+    if args.rate <= 0 or args.leases < 0 or args.fill_window < 1:
+        p.error("--rate must be > 0, --leases >= 0, --fill-window >= 1")
     return args
-
-
-async def amain(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    out: dict[str, Any] = {"code": code_version(args.daemon_tree), "cpus": os.cpu_count(),
-                           "args": {k: str(v) if isinstance(v, Path) else v
-                                    for k, v in vars(args).items()}}
-    t0 = time.monotonic()
-    for part in args.parts:
-        if part == "latency":
-            out[part] = await latency_part(args, workdir)
-        else:
-            out[part] = await failover_part(part, args, workdir)
-        if not args.json:
-            print_failover(out[part], args) if part != "latency" else print_latency(out[part])
-    out["wall_s"] = round(time.monotonic() - t0, 1)
-    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # aiomqtt warns on stderr at every publish beyond 10 awaiting their PUBACK (the
+    # scheduler's re-sends after a takeover: thousands of lines, and their CPU).
+    logging.getLogger("mqtt").setLevel(logging.ERROR)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
-    workdir = Path(tempfile.mkdtemp(prefix="gpubroker-ha-"))
-    if args.commit:
-        args.daemon_tree = workdir / "tree"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach",
-                        str(args.daemon_tree), args.commit], check=True, capture_output=True)
-    if not args.json:
-        print(f"ha bench: daemon code {code_version(args.daemon_tree)}; {os.cpu_count()} CPUs; "
-              f"sim seed {args.seed}, {args.regions_per_cloud} regions/cloud; files in "
-              f"{workdir}" + ("" if args.keep else " (removed at the end)"), flush=True)
+    workdir = Path(tempfile.mkdtemp(prefix="gpubroker-bench-ha-"))
+    log(f"workdir {workdir}; PostgreSQL "
+        + ("of the bench's own" if args.pg_restart else ADMIN_URL))
     try:
-        out = asyncio.run(amain(args, workdir))
+        run = asyncio.run(Bench(args, workdir).main())
     except KeyboardInterrupt:
-        print("bench: interrupted", file=sys.stderr)
+        log("interrupted")
         return 130
     finally:
-        if args.commit:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                            str(args.daemon_tree)], check=False, capture_output=True)
         if args.keep:
-            print(f"bench: files kept in {workdir}", file=sys.stderr)
+            log(f"files kept in {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps(asdict(run), indent=2, default=str))
     else:
-        print(f"\nwall time {out['wall_s']:.0f} s")
+        print_report(run)
     return 0
 
 

@@ -351,6 +351,7 @@ class MqttProbe:
         self.persistent = persistent
         self.timeout = timeout
         self.messages: list[aiomqtt.Message] = []
+        self.received_at: list[float] = []  # time.monotonic() of each of `messages`
         self.check_contract = check_contract
         self.contract_errors: list[str] = []
         self._reported = 0  # contract errors raised already
@@ -458,6 +459,7 @@ class MqttProbe:
         try:
             async for message in client.messages:
                 self.messages.append(message)
+                self.received_at.append(time.monotonic())
                 if self.check_contract:
                     self._check_contract(message)
                 async with self._cond:
