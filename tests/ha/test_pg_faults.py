@@ -23,6 +23,7 @@ import asyncio
 import io
 import itertools
 import json
+import re
 import signal
 import time
 import uuid
@@ -205,15 +206,17 @@ async def test_failover_to_a_replica_that_lost_the_last_transactions(
         own_site: HaSite, own_pg: PgServer, probe: MqttProbe, scheduler: Scheduler) -> None:
     """Asynchronous streaming replication, then a failover that loses the last WAL.
 
-    The nodes reach PostgreSQL through one TCP proxy (the site's one address). Node `a`
-    leads at epoch 1; the replica has everything so far. Then the replica stops receiving
-    WAL (its `primary_conninfo` emptied), `a` is killed, and `b` takes over at epoch 2
-    and decides leases — all of it on the primary only. `a` comes back as a standby.
-    The primary dies (`pg_ctl stop -m immediate`), the replica is promoted, and the proxy
-    sends every connection to it: there, `a`'s epoch 1 is the last one, its term long
-    expired. A standby claims epoch 2 again. `b`, still holding epoch 2 of the lost
-    history, must be deposed: its renewals and its commits' fence compare the boot id,
-    not only the epoch.
+    Each node reaches PostgreSQL through a TCP proxy of its own (its address of the
+    database). Node `a` leads at epoch 1; the replica has everything so far. Then the
+    replica stops receiving WAL (its `primary_conninfo` emptied), `a` is killed, and `b`
+    takes over at epoch 2 and decides leases — all of it on the primary only. `a` comes
+    back as a standby. The replica is promoted while the old primary, cut off from it,
+    still runs (as a partition would have it) and `a`'s address is switched to it: there
+    `a`'s epoch 1 is the last one, its term long expired, and `a` claims epoch 2 again.
+    Then `b`'s address is switched too and the old primary dies (`-m immediate`). `b`,
+    still within its epoch-2 term, must be deposed by its first commit or renewal there:
+    the fence and the renewal compare the boot id, not only the epoch (without it `b`
+    would commit into the new history as if epoch 2 were its own).
 
     What the scheduler may see (and the test allows): the leases `b` decided at epoch 2
     on the primary are gone with the lost WAL — the scheduler holds them, the database
@@ -223,13 +226,16 @@ async def test_failover_to_a_replica_that_lost_the_last_transactions(
     saw two decisions for it, one of each history). What must hold: in P/status one
     start (boot id) never publishes two epochs and the epochs of the leaders never go
     down; no request_id has two lease_ids among the leases the database still holds
-    (each the one the scheduler was given, when it was given one); the site serves
-    again."""
+    (each the one the scheduler was given, when it was given one); nothing `b` decided
+    is in the new primary's history; `b` is deposed by the epoch and boot id; the site
+    serves again. (Messages of `b` after `a`'s first are possible while both databases
+    run — the database itself split — and are counted, not refused.)"""
     replica = await asyncio.to_thread(own_pg.replica)
-    proxy = await own_site.proxy(own_pg.url(DB))
-    url = proxy.url(own_pg.url(DB))
-    a = await own_site.start_leader("a", state_url=url)
-    b = await own_site.start_standby("b", state_url=url)
+    # One address of the database per node: the failover reaches a before b.
+    proxy_a, proxy_b = await own_site.proxy(own_pg.url(DB)), await own_site.proxy(
+        own_pg.url(DB))
+    a = await own_site.start_leader("a", state_url=proxy_a.url(own_pg.url(DB)))
+    b = await own_site.start_standby("b", state_url=proxy_b.url(own_pg.url(DB)))
     a_boot = await leader_boot(a)
     watch = LeaderWatch(own_site)
     watch.start()
@@ -255,13 +261,22 @@ async def test_failover_to_a_replica_that_lost_the_last_transactions(
     assert replica.sql("SELECT epoch FROM leadership", dbname=DB) == [(1,)], \
         "the replica must lack b's epoch"
 
-    # The failover.
+    # The failover: the replica is promoted while the old primary, cut off from it,
+    # still runs and b still renews its epoch-2 term there; a's address leads to the
+    # new primary first, and a claims epoch 2 there. Then the old primary dies and b's
+    # address leads to the new one: b, still within its term, renews at epoch 2 — the
+    # boot id alone tells it the epoch is no longer its own.
     t_fail = time.monotonic()
-    await asyncio.to_thread(own_pg.stop, "immediate")
     await asyncio.to_thread(replica.promote)
-    proxy.retarget(replica.url(DB))
+    proxy_a.retarget(replica.url(DB))
     own_site.pg_url = replica.url(DB)  # the site's database from now on
+    await a.wait_log("leading the site", TAKEOVER_TIMEOUT, count=2)
+    assert b.alive and not stepped_down(b), "b must still hold its term here"
+    proxy_b.retarget(replica.url(DB))
+    await asyncio.to_thread(own_pg.stop, "immediate")
     failover_for = time.monotonic() - t_fail
+    await wait_until(lambda: bool(stepped_down(b)), 10, "b steps down")
+    deposed = stepped_down(b)[0]
     leader = await wait_leader([a, b], TAKEOVER_TIMEOUT)
     other = b if leader is a else a
     await other.wait_role("standby", 20, text=f"leader: node {leader.node}")
@@ -288,8 +303,6 @@ async def test_failover_to_a_replica_that_lost_the_last_transactions(
     row = await own_site.query("SELECT node, epoch, boot_id FROM leadership")
     if chain and row != [(chain[-1].node, chain[-1].epoch, chain[-1].boot)]:
         problems.append(f"leadership row {row}, the last leader seen {chain[-1]}")
-    if not stepped_down(b) and leader is not b:
-        problems.append("b, leading epoch 2 of the lost history, was never deposed")
 
     table = await own_site.leases()
     rows: dict[str, list[str]] = {}
@@ -311,6 +324,18 @@ async def test_failover_to_a_replica_that_lost_the_last_transactions(
         elif rows[o.request_id] != [o.lease_id]:
             problems.append(f"request {o.request_id}: the scheduler holds {o.lease_id}, "
                             f"the database {rows[o.request_id]}")
+    # b's whole term came after the replica stopped receiving: nothing b decided may be in
+    # the new primary's history, where its epoch is a's.
+    held = {lease_id for _, _, lease_id, _ in table}
+    by_b = [str(e.body["data"]["lease_id"]) for e in seen.events()
+            if e.boot == b_boot and e.kind == "placement.decided"]
+    if held & set(by_b):
+        problems.append(f"leases b decided at epoch 2 committed in the new primary's "
+                        f"history (where epoch 2 is a's): {sorted(held & set(by_b))[:5]}")
+    why = str(deposed.get("detail") or deposed.get("why"))
+    if not re.search(r"this node's epoch is 2, node a at epoch 2 leads|another node leads "
+                     r"site \w+ now \(this node's epoch was 2\)", why):
+        problems.append(f"b was not deposed by the epoch and boot id: {why}")
     for d in own_site.daemons.values():
         if d.tracebacks():
             problems.append(f"node {d.node} logged failures: {d.tracebacks()[:3]}")
@@ -320,7 +345,8 @@ async def test_failover_to_a_replica_that_lost_the_last_transactions(
                           + "\n" + own_site.logs())
     print(f"\nfailover made in {failover_for:.2f} s, no leader for {gap:.2f} s; leaders "
           f"{[str(c) for c in chain]}; decided leases lost with the WAL: {len(lost)}; "
-          f"messages of b's epoch-2 start after the new leader's first: {len(late)}")
+          f"messages of b's epoch-2 start after the new leader's first: {len(late)}; b "
+          f"deposed: {deposed.get('detail') or deposed.get('why')}")
     assert lost, "the leases b decided on the lost history must be missing"
 
 
