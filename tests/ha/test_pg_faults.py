@@ -523,7 +523,15 @@ def fill_book(url: str, count: int) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(150)
+@pytest.mark.xfail(strict=True, raises=LeaderLost, reason=(
+    "since 76e051b (standbys follow the lease book) the first node to claim a site with "
+    "200,000 leases deposes itself while taking them over: claim → 'took over the last "
+    "leader's polls' ~20 s (the standby's book-following read being cancelled), 'lease "
+    "book taken over' ~24-28 s, 'starting' ~48 s after the claim, then 'deposed: "
+    "leadership of site ha not renewed in time (epoch 1)'; it claims again (epoch 3, "
+    "5 …) and loops. Seen twice on a starved machine (load 10-13 on 2 cores); before "
+    "76e051b claim → ready took 15 s and it stayed leader"))
 async def test_leader_with_200000_leases_stays_leader(site: HaSite, probe: MqttProbe,
                                                       scheduler: Scheduler) -> None:
     """200,000 active leases in the book before the nodes start. The first node to win
@@ -535,7 +543,12 @@ async def test_leader_with_200000_leases_stays_leader(site: HaSite, probe: MqttP
     a.start()
     claimed = await a.wait_log("leading the site", 30)
     b = await site.start_standby("b")
-    ready = await a.wait_log("ready", 120)
+    await wait_until(lambda: bool(a.logged("ready") or stepped_down(a)), 90,
+                     "a is ready, or steps down")
+    if stepped_down(a):
+        raise LeaderLost(f"a stepped down while taking over {BOOK} leases: "
+                         f"{stepped_down(a)[:2]}\n{a.log_tail(40)}")
+    ready = a.logged("ready")[0]
     await a.wait_role("leader", 10)
     flow = Flow(scheduler)
     flow.start()
