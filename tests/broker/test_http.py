@@ -204,7 +204,8 @@ class DaemonProcess:
     its JSON log in a file."""
 
     def __init__(self, tmp_path: Path, mosquitto: Mosquitto, http: dict[str, Any],
-                 policy: Path | None = None, log_level: str = "info") -> None:
+                 policy: Path | None = None, log_level: str = "info",
+                 **extra: Any) -> None:
         self.port = free_port()
         config = tmp_path / "config.yaml"
         config.write_text(yaml.safe_dump({
@@ -212,7 +213,7 @@ class DaemonProcess:
             "http": {"listen": f"127.0.0.1:{self.port}", **http},
             **({"policy_file": str(policy)} if policy else {}), "log_level": log_level,
             "poll": {"interval_seconds": 3600, "stale_after_seconds": 7200},
-            "clouds": {"sim": {"regions_per_cloud": 1, "zones_per_region": 1}}}))
+            "clouds": {"sim": {"regions_per_cloud": 1, "zones_per_region": 1}}, **extra}))
         self.log_path = tmp_path / "daemon.log"
         self._log = self.log_path.open("wb")
         limit = (f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
@@ -337,10 +338,20 @@ async def test_out_of_descriptors_is_one_warning_and_no_policy_rejection(
     # the policy watcher's open() of the policy file.
     policy = tmp_path / "policy.yaml"
     policy.write_text("version: 1\n")
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
     probe = await probe_factory(["gpubroker/v1/events/_ops/#"])
-    d = daemon_process(tmp_path, mosquitto, {"header_timeout_seconds": 6,
-                                             "max_connections": 10_000}, policy=policy)
-    await wait_listening(d.port)
+    d = daemon_process(tmp_path, mosquitto, {"header_timeout_seconds": 4, "token_file":
+                                             str(token), "max_connections": 10_000},
+                       policy=policy, placement={"exact_max_batch": 0})
+    # Started in full, and a decision made, without the MILP (its solver is imported in
+    # a thread after the start): what the daemon imports on first use is in, since an
+    # import failing for want of descriptors stops it (not a matter of the listener).
+    await d.wait_log("retained state restored", 20)
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{d.port}") as s, s.post(
+            "/v1/requests/s1/place", json={"request_id": "w", "gpu": "L4", "gpus": 1},
+            headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+        assert r.status == 200
     conns = await slow_clients(d.port, FD_LIMIT + 100)
     try:
         await d.wait_log("http accept failed: out of descriptors; retried", 10)
