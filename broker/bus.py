@@ -49,6 +49,7 @@ from broker.events import Topics, dumps
 from broker.model import SCHEDULER_ID, iso, utcnow
 from broker.ratelimit import Every
 from broker.store import OutboxRow, Store
+from policies import files
 
 log = structlog.get_logger("gpubroker.bus")
 
@@ -151,7 +152,7 @@ def make_client(cfg: MqttConfig, client_id: str, *, will: aiomqtt.Will | None = 
     server's own settings would bound the unacknowledged messages."""
     password = None
     if cfg.password_file is not None:
-        password = cfg.password_file.read_text(encoding="utf-8").strip()
+        password = files.read_secret(cfg.password_file)  # a regular file, at most 64 KiB
     tls = None
     if cfg.tls:
         tls = ssl.create_default_context(cafile=str(cfg.ca_file) if cfg.ca_file else None)

@@ -51,7 +51,8 @@ from broker.ratelimit import Every
 from broker.recorder import HistoryReader, MarketRecorder
 from broker.sdnotify import Notifier, watchdog_seconds
 from broker.store import Db, Deposed, StoreFailed, db_errors, store_for
-from policies.loader import SourceError, load_policy, parse_policy, policy_hash
+from policies import files, yamlsrc
+from policies.loader import SourceError, parse_policy_bytes, policy_hash
 from policies.model import Policy
 from policies.yamlsrc import Problem
 
@@ -79,9 +80,10 @@ class Daemon:
         self._forced_pending = False
         self._unreadable_log = Every(60.0)
         if policy is None and cfg.policy_file is not None:
-            text = cfg.policy_file.read_bytes() if cfg.policy_file.is_file() else None
-            policy = load_policy(cfg.policy_file)  # raises SourceError, naming the file
-            self.policy_digest = policy_hash(text or b"")
+            # Raises SourceError, naming the file: read once, by the reader a reload uses.
+            raw = yamlsrc.read(cfg.policy_file)
+            policy = parse_policy_bytes(raw, str(cfg.policy_file))
+            self.policy_digest = policy_hash(raw)
         self.policy = policy if policy is not None else Policy()
         if adapters is None:
             adapters, problems = build_adapters(cfg)
@@ -161,11 +163,10 @@ class Daemon:
         self.http_token: bytes | None = None
         if cfg.http.token_file is not None:
             try:
-                self.http_token = cfg.http.token_file.read_bytes().strip() or None
+                self.http_token = files.read_secret(cfg.http.token_file).encode() or None
             except OSError as exc:
-                raise SourceError([Problem(str(cfg.http.token_file), None, None,
-                                           "http.token_file", f"cannot read: {exc.strerror}")]
-                                  ) from None
+                raise SourceError([yamlsrc.unreadable(cfg.http.token_file, exc,
+                                                      "http.token_file")]) from None
         self._last_poll = time.monotonic()
 
     @property
@@ -237,8 +238,14 @@ class Daemon:
             self.notifier.ready(self.status_line())
 
     async def _reload_policy_file(self, path: Path, forced: bool) -> str:
+        """The file is read and parsed by the readers a start uses (`policies.files`:
+        a regular file of at most 1 MiB, strict UTF-8; `yamlsrc`: every YAML failure an
+        error naming line and key), off the event loop: a FIFO, `/dev/zero` or a
+        42,000-team policy neither blocks nor stalls the daemon. A refusal is published
+        once per change of the file — of its content, or for a file that is not read,
+        of why and of what it is (inode, size, modification time)."""
         try:
-            raw = await asyncio.to_thread(path.read_bytes)
+            raw = await asyncio.to_thread(files.read_bytes, path, yamlsrc.MAX_BYTES)
         except OSError as exc:
             if exc.errno in _OUT_OF_RESOURCES:
                 # The process (or system) is out of descriptors or memory, e.g. while
@@ -250,9 +257,10 @@ class Daemon:
                     log.warning("policy file not read now; retrying", file=str(path),
                                 error=exc.strerror, count=n)
                 return "unchanged"
-            problem = Problem(str(path), None, None, "", f"cannot read: {exc.strerror}")
-            if forced or self._rejected_digest != "unreadable":
-                self._rejected_digest = "unreadable"
+            problem = yamlsrc.unreadable(path, exc)
+            seen = f"unreadable: {problem} {getattr(exc, 'identity', None)}"
+            if forced or self._rejected_digest != seen:
+                self._rejected_digest = seen
                 await self.broker.reject_policy(str(path), [problem])
             return "rejected"
         digest = policy_hash(raw)
@@ -261,7 +269,7 @@ class Daemon:
         if digest == self._rejected_digest and not forced:
             return "rejected"
         try:
-            policy = parse_policy(raw.decode("utf-8", errors="replace"), str(path))
+            policy = await asyncio.to_thread(parse_policy_bytes, raw, str(path))
         except SourceError as err:
             self._rejected_digest = digest
             await self.broker.reject_policy(str(path), err.problems)
@@ -868,22 +876,27 @@ def _check_mqtt_files(cfg: Config) -> None:
     """The MQTT password and CA files, and the database's password file, read once at
     start: a missing or unreadable one is a mistake in the configuration (exit 2), not
     a server that is away (which the daemon waits out). They are read again at each
-    connect."""
+    connect. Each is read by `policies.files` (a regular file, within its bound), so a
+    FIFO or `/dev/zero` there is refused at once rather than hanging or filling memory."""
     problems = []
     for key, path in (("mqtt.password_file", cfg.mqtt.password_file),
+                      ("mqtt.standby_password_file", cfg.mqtt.standby_password_file),
                       ("mqtt.ca_file", cfg.mqtt.ca_file),
                       ("state.password_file", cfg.state.password_file)):
         if path is None:
             continue
         try:
             if key == "mqtt.ca_file":
+                files.read_bytes(path, files.MAX_CA_BYTES)
                 ssl.create_default_context(cafile=str(path))
             else:
-                path.read_bytes()
+                files.read_secret(path)
         except (OSError, ssl.SSLError) as exc:
             why = "not a PEM certificate file" if isinstance(exc, ssl.SSLError) else \
                 exc.strerror or str(exc)
-            problems.append(Problem(str(path), None, None, key, f"cannot read: {why}"))
+            problems.append(Problem(str(path), None, None, key, f"cannot read: {why}")
+                            if isinstance(exc, ssl.SSLError)  # an OSError too
+                            else yamlsrc.unreadable(path, exc, key))
     if problems:
         raise SourceError(problems)
 

@@ -19,7 +19,7 @@ from policies import checks, yamlsrc
 from policies.model import Policy
 from policies.yamlsrc import Document, Loc, Problem, SourceError
 
-__all__ = ["SourceError", "load_policy", "parse_policy"]
+__all__ = ["SourceError", "load_policy", "parse_policy", "parse_policy_bytes"]
 
 _PASSES = 16
 """At most this many rounds of leaving out what failed (each leaves out more, or stops)."""
@@ -27,6 +27,12 @@ _PASSES = 16
 
 def parse_policy(text: str, name: str = "<policy>") -> Policy:
     return _validate(yamlsrc.parse(text, name))
+
+
+def parse_policy_bytes(raw: bytes, name: str = "<policy>") -> Policy:
+    """The policy whose file content is `raw`: what a reload reads, checked exactly as a
+    start checks it (strict UTF-8, the same bounds)."""
+    return _validate(yamlsrc.parse_bytes(raw, name))
 
 
 def load_policy(path: Path) -> Policy:

@@ -7,6 +7,7 @@ reported as `FILE:LINE:COL: key.path: message`.
 from __future__ import annotations
 
 import difflib
+import errno
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
+
+from policies import files
 
 Loc = tuple[str | int, ...]
 
@@ -28,10 +31,16 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
+        """`FILE:LINE:COL: key: message`, with the control characters of all of it
+        escaped (`broker.stdio.printable`): the file name, a key and the text a message
+        quotes come from the user, and a terminal must not act on them."""
+        from broker.stdio import printable
+
         where = self.file
         if self.line is not None:
             where += f":{self.line}:{self.column}"
-        return f"{where}: {self.key}: {self.message}" if self.key else f"{where}: {self.message}"
+        return printable(f"{where}: {self.key}: {self.message}" if self.key
+                         else f"{where}: {self.message}")
 
 
 class SourceError(Exception):
@@ -68,32 +77,116 @@ def dotted(loc: Loc) -> str:
     return out
 
 
-MAX_BYTES = 1 << 20
+MAX_BYTES = files.MAX_YAML_BYTES
 MAX_DEPTH = 32
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """What the loader below refuses, where, and under which key."""
+
+    def __init__(self, message: str, mark: yaml.Mark | None, loc: Loc) -> None:
+        super().__init__(problem=message, problem_mark=mark)
+        self.loc = loc
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader (plain data only: no Python objects, no unknown tags) that
+    stops composing at `MAX_DEPTH` levels (so that deep nesting is refused at once, not
+    after a `RecursionError`), refuses a list or a mapping as a key, and turns whatever
+    constructing a value raises (a date like 2024-13-45, an integer past Python's 4,300
+    digits, a bad `!!float`) into an error naming the value's line and key."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.path: list[str | int] = []
+        self.locs: dict[int, Loc] = {}
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if parent is not None and index is None and (
+                self.check_event(yaml.MappingStartEvent)
+                or self.check_event(yaml.SequenceStartEvent)):
+            raise _Refused("a key must be plain text, not a list or a mapping",
+                           self._next_mark(), tuple(self.path))
+        pushed = parent is not None and index is not None
+        if pushed:
+            self.path.append(str(index.value) if isinstance(index, yaml.ScalarNode)
+                             else index if isinstance(index, int) else "?")
+        try:
+            if len(self.path) > MAX_DEPTH and (self.check_event(yaml.MappingStartEvent)
+                                               or self.check_event(yaml.SequenceStartEvent)):
+                raise _Refused(f"nested too deeply (at most {MAX_DEPTH} levels)",
+                               self._next_mark(), tuple(self.path))
+            node = super().compose_node(parent, index)
+            assert node is not None  # an event was there: `check_event` above
+            self.locs.setdefault(id(node), tuple(self.path))
+            return node
+        finally:
+            if pushed:
+                self.path.pop()
+
+    def _next_mark(self) -> yaml.Mark | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        mark: yaml.Mark | None = getattr(event, "start_mark", None)
+        return mark
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, OverflowError, ArithmeticError) as exc:
+            why = "an integer of more than 4300 digits" if "integer string conversion" in \
+                str(exc) else _one_line(str(exc))  # not Python's advice to raise the limit
+            raise _Refused(f"cannot read this value: {why}", node.start_mark,
+                           self.locs.get(id(node), ())) from None
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _yaml_problem(exc: yaml.YAMLError, text: str, name: str) -> Problem:
+    """One line for whatever PyYAML raised, at its line and column when it has one."""
+    if isinstance(exc, yaml.reader.ReaderError):  # a control character: no mark, a position
+        head = text[:exc.position]
+        char = f" (character U+{exc.character:04X})" if isinstance(exc.character, int) else ""
+        return Problem(name, head.count("\n") + 1, len(head) - (head.rfind("\n") + 1) + 1,
+                       "", f"invalid YAML: {exc.reason}{char}")
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    line: int | None = mark.line + 1 if mark else None
+    col: int | None = mark.column + 1 if mark else None
+    if isinstance(exc, _Refused):
+        return Problem(name, line, col, dotted(exc.loc), str(exc.problem))
+    problem = getattr(exc, "problem", None) or str(exc)
+    return Problem(name, line, col, "", f"invalid YAML: {_one_line(str(problem))}")
 
 
 def parse(text: str, name: str) -> Document:
     """Parse YAML `text`; raise SourceError (with line) on syntax errors, duplicate keys,
     anchors/aliases (a "billion laughs" bomb expands through them), nesting deeper than
-    MAX_DEPTH or a text larger than MAX_BYTES."""
-    if len(text.encode()) > MAX_BYTES:
+    MAX_DEPTH, a value that cannot be read (a bad date, a tag of its own, a list as a
+    key) or a text larger than MAX_BYTES. Nothing else escapes: a file is never a crash."""
+    if len(text.encode("utf-8", errors="surrogatepass")) > MAX_BYTES:
         raise SourceError([Problem(name, None, None, "",
-                                   f"larger than {MAX_BYTES // 1024} KiB; not read")])
+                                   f"larger than {files.size_text(MAX_BYTES)}; not read")])
+    text = text.removeprefix("\ufeff")  # one truth with `files.decode`
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        loader = _Loader(text)  # refuses control characters at once
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return Document(name, {}, {})
+            marks: dict[Loc, tuple[int, int]] = {}
+            problems: list[Problem] = []
+            _walk(node, (), marks, problems, name)
+            if problems:
+                raise SourceError(problems)
+            data = loader.construct_document(node)
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        problem = getattr(exc, "problem", None) or str(exc)
-        line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
-        raise SourceError([Problem(name, line, col, "", f"invalid YAML: {problem}")]) from None
-    if node is None:
-        return Document(name, {}, {})
-    marks: dict[Loc, tuple[int, int]] = {}
-    problems: list[Problem] = []
-    _walk(node, (), marks, problems, name)
-    if problems:
-        raise SourceError(problems)
-    data = yaml.safe_load(text)
+        raise SourceError([_yaml_problem(exc, text, name)]) from None
+    except RecursionError:  # not expected with MAX_DEPTH; still never a crash
+        raise SourceError([Problem(name, None, None, "", "nested too deeply")]) from None
     return Document(name, data, marks)
 
 
@@ -108,9 +201,6 @@ def _walk(node: yaml.Node, loc: Loc, marks: dict[Loc, tuple[int, int]],
                                        "YAML anchors and aliases are not allowed "
                                        "(this one refers to the anchor on this line)")])
         seen.add(id(node))
-        if len(loc) > MAX_DEPTH:
-            problems.append(Problem(name, *mark, dotted(loc), "nested too deeply"))
-            return
     marks.setdefault(loc, mark)
     if isinstance(node, yaml.MappingNode):
         keys: set[str] = set()
@@ -129,18 +219,39 @@ def _walk(node: yaml.Node, loc: Loc, marks: dict[Loc, tuple[int, int]],
             _walk(item, (*loc, i), marks, problems, name, seen)
 
 
-def load(path: Path) -> Document:
+def parse_bytes(raw: bytes, name: str) -> Document:
+    """`parse` of a file's bytes: strict UTF-8 (a leading byte order mark dropped), at
+    most MAX_BYTES; what the daemon reads on a reload and what a start reads are one."""
+    if len(raw) > MAX_BYTES:
+        raise SourceError([Problem(name, None, None, "",
+                                   f"larger than {files.size_text(MAX_BYTES)}; not read")])
     try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_BYTES + 1)
-        text = raw.decode("utf-8")
+        text = files.decode(raw, name)
+    except files.FileRefused as exc:
+        raise SourceError([Problem(name, exc.line, exc.column, "", str(exc.strerror))]
+                          ) from None
+    return parse(text, name)
+
+
+def read(path: Path, limit: int = MAX_BYTES) -> bytes:
+    """The bytes of the YAML file at `path` (`files.read_bytes`); SourceError naming the
+    file when it cannot be read or is refused (not a regular file, too large)."""
+    try:
+        return files.read_bytes(path, limit)
     except OSError as exc:
-        raise SourceError([Problem(str(path), None, None, "", f"cannot read: {exc.strerror}")]
-                          ) from None
-    except UnicodeDecodeError as exc:
-        raise SourceError([Problem(str(path), None, None, "", f"not UTF-8 text: {exc.reason}")]
-                          ) from None
-    return parse(text, str(path))
+        raise SourceError([unreadable(path, exc)]) from None
+
+
+def unreadable(path: Path | str, exc: OSError, key: str = "") -> Problem:
+    """The one line for a file that cannot be read or is refused."""
+    why = exc.strerror or str(exc)
+    if isinstance(exc, files.FileRefused) and exc.errno == errno.EFBIG:
+        return Problem(str(path), None, None, key, why)  # "larger than …; not read"
+    return Problem(str(path), None, None, key, f"cannot read: {why}")
+
+
+def load(path: Path) -> Document:
+    return parse_bytes(read(path), str(path))
 
 
 def error_loc(error: Any) -> Loc:

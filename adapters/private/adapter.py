@@ -66,7 +66,7 @@ class PrivateAdapter(CloudAdapter):
         self._known = set(self._sites)
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="private")
         self._file_lock = asyncio.Lock()
-        self._missing = False
+        self._refused: str | None = None  # the refusal last logged (logged once each)
         self.health = HealthMonitor(timeout=health_timeout, executor=self._executor,
                                     concurrency=probe_concurrency, max_body=max_body)
 
@@ -125,18 +125,22 @@ class PrivateAdapter(CloudAdapter):
 
     async def _reread(self) -> None:
         """Read the servers file again if it changed; keep the last good one when the new
-        one has errors or is gone (logged once per change)."""
+        one has errors, is gone or is refused (a FIFO, a device, over `MAX_BYTES`):
+        logged once per change — of the content, or of why and what the file is — and
+        read off the event loop."""
         async with self._file_lock:
             try:
                 raw = await run_blocking(self._executor, self._watched.changed)
             except OSError as exc:
-                if not self._missing:
-                    self._missing = True
+                why = exc.strerror or str(exc)
+                refusal = f"{why} {getattr(exc, 'identity', None)}"
+                if refusal != self._refused:
+                    self._refused = refusal
                     log.error("private servers file unreadable; keeping the last good one",
-                              file=str(self.file), why=exc.strerror or str(exc))
+                              file=str(self.file), why=why)
                 return
-            if self._missing:
-                self._missing = False
+            if self._refused is not None:
+                self._refused = None
                 log.info("private servers file readable again", file=str(self.file))
             if raw is None:
                 return

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from policies import files
+
 RACY_NS = 2_000_000_000
 """A file read less than this long after its last modification is read again at the
 next check even when its stat looks the same: the kernel stamps modifications with a
@@ -26,8 +28,7 @@ class _Stat:
 
 
 class WatchedFile:
-    """`path`, read at most `max_bytes + 1` bytes at a time (so that a file over the limit
-    is seen to be, without reading all of it)."""
+    """`path`, at most `max_bytes` of it (a file over the bound is refused unread)."""
 
     def __init__(self, path: Path, max_bytes: int) -> None:
         self.path = path
@@ -37,10 +38,11 @@ class WatchedFile:
         self._digest: str | None = None
 
     def read(self) -> bytes:
-        """The file's content now (raises `OSError`); remembered as the last content."""
+        """The file's content now, read by `policies.files.read_bytes` (a regular file, at
+        most `max_bytes`; raises `OSError`, `FileRefused` for a FIFO, a device or a file
+        over the bound); remembered as the last content."""
         st = os.stat(self.path)
-        with self.path.open("rb") as f:
-            raw = f.read(self.max_bytes + 1)
+        raw = files.read_bytes(self.path, self.max_bytes)
         self._stat = _Stat(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         self._read_at_ns = time.time_ns()
         self._digest = hashlib.sha256(raw).hexdigest()

@@ -276,12 +276,7 @@ class HealthMonitor:
 
 
 def _parse_down(raw: bytes, name: str) -> frozenset[str]:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SourceError([yamlsrc.Problem(name, None, None, "",
-                                           f"not UTF-8 text: {exc.reason}")]) from None
-    doc = yamlsrc.parse(text, name)
+    doc = yamlsrc.parse_bytes(raw, name)
     try:
         spec = _DownFile.model_validate({} if doc.data is None else doc.data)
     except ValidationError as err:

@@ -201,13 +201,7 @@ class Servers:
 
 def load_servers(path: Path) -> Servers:
     """The servers file at `path`; raises `SourceError` naming every problem."""
-    try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_BYTES + 1)
-    except OSError as exc:
-        raise SourceError([Problem(str(path), None, None, "",
-                                   f"cannot read: {exc.strerror or exc}")]) from None
-    return parse_servers(raw, str(path), base=path.parent)
+    return parse_servers(yamlsrc.read(path), str(path), base=path.parent)
 
 
 def parse_servers(raw: bytes | str, name: str = "<servers>", base: Path | None = None
@@ -216,15 +210,7 @@ def parse_servers(raw: bytes | str, name: str = "<servers>", base: Path | None =
     file paths are taken from `base`. Raises `SourceError` naming every problem."""
     if isinstance(raw, str):
         raw = raw.encode()
-    if len(raw) > MAX_BYTES:
-        raise SourceError([Problem(name, None, None, "",
-                                   f"larger than {MAX_BYTES // 1024} KiB; not read")])
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SourceError([Problem(name, None, None, "", f"not UTF-8 text: {exc.reason}")]
-                          ) from None
-    return _Checker(yamlsrc.parse(text, name), base).run()
+    return _Checker(yamlsrc.parse_bytes(raw, name), base).run()
 
 
 class _Checker:

@@ -234,7 +234,7 @@ def test_sizes_are_capped() -> None:
     assert problems(too_many) == [
         "servers.yaml:8:1: groups: 100,001 servers declared; at most 100,000 per file"]
     huge = SERVERS + "#" * MAX_BYTES
-    assert problems(huge) == ["servers.yaml: larger than 1024 KiB; not read"]
+    assert problems(huge) == ["servers.yaml: larger than 1 MiB (1048576 bytes); not read"]
     assert problems("") == ["servers.yaml: empty file: it needs `version: 1` and `sites`"]
 
 
