@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from broker import __version__
 from broker.config import Config, SourceError, load_config
+from broker.stdio import printable
 
 if TYPE_CHECKING:
     from broker.model import Lease, Offer
@@ -36,7 +37,26 @@ class _Parser(argparse.ArgumentParser):
         m = re.search(r"invalid choice: '(.*?)' \(choose from (.*)\)$", message)
         if m:
             message += suggest(m.group(1), re.findall(r"'(.*?)'", m.group(2)))
-        self.exit(EXIT_USAGE, f"{self.prog}: {message} ({self.prog} --help)\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: {printable(message)} ({self.prog} --help)\n")
+
+
+MAX_TIMEOUT_SECONDS = 86400.0
+"""The longest `--timeout`: a day."""
+
+
+def seconds_arg(text: str) -> float:
+    """`--timeout`: a number of seconds, finite, > 0 and at most MAX_TIMEOUT_SECONDS
+    (`-1`, `nan` and `inf` were taken before and waited not at all, or for ever)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of seconds, got {printable(repr(text), 80)}") from None
+    if not 0 < value <= MAX_TIMEOUT_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"must be > 0 and at most {MAX_TIMEOUT_SECONDS:g} seconds "
+            f"(MAX_TIMEOUT_SECONDS), got {printable(repr(text), 80)}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -293,7 +313,9 @@ def _poll(cfg: Config) -> tuple[ResourcePool, list[str]]:
 
 
 def _usage(message: str) -> int:
-    print(f"gpubroker: {message}", file=sys.stderr)
+    """A mistake of the user's: one line on stderr, control characters escaped (it may
+    quote a file name or a value the user gave), exit 2."""
+    print(f"gpubroker: {printable(message)}", file=sys.stderr)
     return EXIT_USAGE
 
 
@@ -553,7 +575,7 @@ def _history(args: argparse.Namespace) -> int:
     """`gpubroker history`: the state file's market history as a trace (broker.trace),
     streamed in time order; a one-line summary on stderr at the end."""
     import gzip
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Generator, Iterator
     from datetime import datetime
 
     from broker.model import CLOUDS, GPU_MODELS, Market, PoolKey, utcnow
@@ -570,10 +592,7 @@ def _history(args: argparse.Namespace) -> int:
         write_jsonl,
     )
 
-    def usage(message: str) -> int:
-        print(f"gpubroker: {message}", file=sys.stderr)
-        return EXIT_USAGE
-
+    usage = _usage
     now = utcnow()
     when: dict[str, datetime | None] = {}
     for option, text in (("--since", args.since), ("--until", args.until)):
@@ -619,10 +638,15 @@ def _history(args: argparse.Namespace) -> int:
         pools: set[PoolKey] = set()
         span: list[datetime] = []  # the first and the last row's time
 
-        def counted() -> Iterator[TraceRow]:
-            for row in reader.rows(since=since, until=until, gpus=args.gpu or (),
+        def read() -> Generator[TraceRow]:
+            yield from reader.rows(since=since, until=until, gpus=args.gpu or (),
                                    clouds=args.cloud or (),
-                                   market=Market(args.market) if args.market else None):
+                                   market=Market(args.market) if args.market else None)
+
+        rows = read()  # closing it closes the reader's generator (`yield from`)
+
+        def counted() -> Iterator[TraceRow]:
+            for row in rows:
                 pools.add(row.pool)
                 if not span:
                     span.append(row.t)
@@ -630,6 +654,10 @@ def _history(args: argparse.Namespace) -> int:
                 yield row
 
         write = write_csv if fmt == "csv" else write_jsonl
+        # The rows' read transaction ends when their generator is closed: here, on every
+        # way out, while the database is still open. Left to the garbage collector, a
+        # reader gone early (`| head -1`) had it end after `reader` closed the database:
+        # "Exception ignored ... Cannot operate on a closed database".
         try:
             if args.output is None:
                 n = write(counted(), sys.stdout)
@@ -642,8 +670,10 @@ def _history(args: argparse.Namespace) -> int:
         except BrokenPipeError:  # `gpubroker history | head`: no error (`main`)
             raise
         except db_errors(OSError) as err:
-            print(f"gpubroker: {_why(err)}", file=sys.stderr)
+            print(f"gpubroker: {printable(_why(err))}", file=sys.stderr)
             return EXIT_RUNTIME
+        finally:
+            rows.close()
     summary = f"exported {n} changes of {len(pools)} pools"
     if span:
         summary += f" from {format_t(span[0])} to {format_t(span[-1])}"
@@ -651,7 +681,7 @@ def _history(args: argparse.Namespace) -> int:
         summary += f" ({name} holds no market history)"
     elif pruned is not None and since is not None and since < pruned:
         summary += f" (history before {format_t(pruned)} is pruned: it starts there)"
-    print(summary, file=sys.stderr)
+    print(printable(summary), file=sys.stderr)
     return EXIT_OK
 
 
@@ -791,7 +821,7 @@ def _add_client_parsers(sub: Any) -> None:
         p.add_argument("--topic-prefix", metavar="PREFIX",
                        help="topic root (default: mqtt.topic_prefix of --config, else "
                             "gpubroker/v1)")
-        p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+        p.add_argument("--timeout", type=seconds_arg, default=30.0, metavar="SECONDS",
                        help="how long to wait for the MQTT server and the daemon's answer "
                             "(default: 30)")
 
@@ -878,10 +908,9 @@ def _client_command(args: argparse.Namespace) -> int:
             return _release(args)
         return _leases(args)
     except ValueError as err:  # a bad URL, scheduler id or prefix
-        print(f"gpubroker: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage(str(err))
     except BrokerError as err:  # the MQTT server or the daemon said no, or nothing
-        print(f"gpubroker: {err}", file=sys.stderr)
+        print(f"gpubroker: {printable(err)}", file=sys.stderr)
         return EXIT_RUNTIME
 
 

@@ -1,4 +1,4 @@
-"""Keeping a command's stdout for its report.
+"""What a command writes: its stdout kept for its report, and user text made safe to echo.
 
 Native libraries may write to file descriptor 1 directly, past `sys.stdout`: HiGHS
 (highspy, used by `broker.solver`) once printed
@@ -7,6 +7,11 @@ the middle of a `gpubroker backtest --format json`, which then was no valid JSON
 Python-level `output_flag` being off does not reach such lines. A command whose stdout
 is a machine-readable report computes inside `stdout_to_stderr()` and writes the report
 after it.
+
+Error messages echo what the user gave (file names, YAML keys, hosts, cells of a
+trace); `printable` escapes the control characters in them, so that a file named with a
+terminal escape sequence cannot recolour, move or clear the user's terminal, and an
+embedded newline cannot split one error into two lines.
 """
 
 from __future__ import annotations
@@ -15,6 +20,26 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+
+ECHO_MAX_CHARS = 200
+"""The longest piece of user text `printable` echoes whole; a longer one is cut there,
+with `…(N chars)` after it, so that a megabyte argument is not a megabyte error line."""
+
+_CONTROLS = {c: repr(chr(c))[1:-1] for c in (*range(0x20), *range(0x7F, 0xA0))}
+"""Every C0 control (ESC among them), DEL and every C1 control → its escape as `repr`
+writes it (`\\x1b`, `\\n`, `\\x9b`)."""
+
+
+def printable(text: object, limit: int | None = None) -> str:
+    """`text` (or `str(text)`) with its control characters escaped as `repr` escapes
+    them, everything else as it is (backslashes too, so a message that already holds
+    a `repr` is unchanged). With `limit`, text longer than that is cut there. Used for
+    every error line that echoes user input (`policies.yamlsrc.Problem`, the trace and
+    workload readers, the command line's own messages)."""
+    s = str(text)
+    if limit is not None and len(s) > limit:
+        s = f"{s[:limit]}…({len(s)} chars)"
+    return s.translate(_CONTROLS)
 
 
 @contextmanager

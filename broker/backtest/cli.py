@@ -10,10 +10,17 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from broker.backtest import STRATEGIES
-from broker.backtest.market import PrivateSite
-from broker.stdio import stdout_to_stderr
+from broker.backtest.market import MAX_SPAN_DAYS, PrivateSite
+from broker.stdio import printable, stdout_to_stderr
+from broker.trace import MAX_GPUS, MAX_INTERRUPTION_RATE, MAX_PRICE_PER_HOUR
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+MAX_SEEDS = 100
+"""The most runs `--seeds` asks for: each is a whole backtest."""
+MAX_STEP_MINUTES = 1440.0
+"""The longest `--step-minutes`: a day (the poll interval of the replay)."""
+MAX_PRIVATE_SERVERS = 100_000
+"""The most servers `--private-gpus` may make (each is a target the replay keeps)."""
 PRIVATE_DEFAULTS = PrivateSite(gpus=1)
 """`--private-gpu`, `--private-gpus-per-server` and `--private-price` when not given."""
 
@@ -144,19 +151,29 @@ def run(args: argparse.Namespace) -> int:
         problems.append("--strategy: name at least one strategy")
     if len(set(names)) != len(names):
         problems.append("--strategy: a strategy is named twice")
-    for flag, value, low in (("--restart-hours", 0.0 if args.restart_hours is None
-                              else args.restart_hours, 0.0),
-                             ("--max-wait-hours", args.max_wait_hours, 0.0),
-                             ("--default-interruption-rate", args.default_interruption_rate,
-                              0.0),
-                             ("--startup-minutes", args.startup_minutes, 0.0),
-                             ("--checkpoint-minutes", args.checkpoint_minutes, 0.0)):
-        if not value >= low:
+    hours, minutes = MAX_SPAN_DAYS * 24.0, MAX_SPAN_DAYS * 1440.0
+    for flag, value, low, high in (
+            ("--restart-hours", 0.0 if args.restart_hours is None else args.restart_hours,
+             0.0, hours),
+            ("--max-wait-hours", args.max_wait_hours, 0.0, hours),
+            ("--default-interruption-rate", args.default_interruption_rate, 0.0,
+             MAX_INTERRUPTION_RATE),
+            ("--startup-minutes", args.startup_minutes, 0.0, minutes),
+            ("--checkpoint-minutes", args.checkpoint_minutes, 0.0, minutes)):
+        if not value >= low:  # also NaN
             problems.append(f"{flag}: must be >= {low:g}, got {value!r}")
+        elif value > high:
+            problems.append(f"{flag}: must be at most {high:g}, got {value!r}")
     if not args.step_minutes > 0:
         problems.append(f"--step-minutes: must be > 0, got {args.step_minutes!r}")
+    elif args.step_minutes > MAX_STEP_MINUTES:
+        problems.append(f"--step-minutes: must be at most {MAX_STEP_MINUTES:g} "
+                        f"(MAX_STEP_MINUTES), got {args.step_minutes!r}")
     if not args.seeds >= 1:
         problems.append(f"--seeds: must be >= 1, got {args.seeds!r}")
+    elif args.seeds > MAX_SEEDS:
+        problems.append(f"--seeds: must be at most {MAX_SEEDS} (MAX_SEEDS), "
+                        f"got {args.seeds!r}")
     elif args.seeds > 1:
         try:
             importlib.import_module("scipy.stats")
@@ -179,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     problems += bad
     if problems:
         for p in problems:
-            print(f"gpubroker: {p}", file=err)
+            _say(err, f"{p}")
         return EXIT_USAGE
 
     settings = Settings(step_seconds=args.step_minutes * 60.0,
@@ -217,43 +234,43 @@ def run(args: argparse.Namespace) -> int:
                 if args.save_market is not None and i == 0:
                     n = save_market(market, args.save_market)
                     _clear(progress, err)
-                    print(f"gpubroker: wrote {n} market rows to {args.save_market}", file=err)
+                    _say(err, f"wrote {n} market rows to {args.save_market}")
                 workload = load_or_generate(args.workload, seed=seeds["workload"], market=market)
                 if private is not None and i == 0 and not any(
                         private.gpu in a.request.gpu for a in workload.arrivals):
                     _clear(progress, err)
-                    print(f"gpubroker: note: no request of the workload asks for "
-                          f"{private.gpu}: the private pool stays idle", file=err)
+                    _say(err, f"note: no request of the workload asks for "
+                          f"{private.gpu}: the private pool stays idle")
                 run_settings = replace(settings, seed=seeds["draw"], market_seed=market.seed,
                                        workload_seed=workload.seed)
             except MarketError as exc:
                 _clear(progress, err)
-                print(f"gpubroker: {exc}", file=err)
+                _say(err, f"{exc}")
                 return EXIT_USAGE
             except WorkloadError as exc:
                 _clear(progress, err)
                 for p in exc.problems:
-                    print(f"gpubroker: {p}", file=err)
+                    _say(err, f"{p}")
                 return EXIT_USAGE
             except OSError as exc:  # writing --save-market (the checks above make it rare)
                 _clear(progress, err)
-                print(f"gpubroker: --save-market: {_why(exc)}", file=err)
+                _say(err, f"--save-market: {_why(exc)}")
                 return EXIT_RUNTIME
             try:
                 if args.save_workload is not None and i == 0:
                     save_workload(workload, args.save_workload, market=market)
-                    print(f"gpubroker: wrote {len(workload.arrivals)} requests to "
-                          f"{args.save_workload}", file=err)
+                    _say(err, f"wrote {len(workload.arrivals)} requests to "
+                          f"{args.save_workload}")
                 runs.append(cmp.compare(market, workload, names, policy, run_settings,
                                         policy_name=policy_name, progress=progress,
                                         private=private))
             except MarketError as exc:  # the trace has the private pool's key already
                 _clear(progress, err)
-                print(f"gpubroker: --private-gpus: {exc}", file=err)
+                _say(err, f"--private-gpus: {exc}")
                 return EXIT_USAGE
             except OSError as exc:  # --save-workload could not be written after all
                 _clear(progress, err)
-                print(f"gpubroker: {_why(exc)}", file=err)
+                _say(err, f"{_why(exc)}")
                 return EXIT_RUNTIME
     result = cmp.Seeds(tuple(runs))
     try:
@@ -271,9 +288,9 @@ def run(args: argparse.Namespace) -> int:
         raise
     except OSError as exc:  # a file could not be written after all (disk full ...)
         _clear(show, err)
-        print(f"gpubroker: {_why(exc)}", file=err)
+        _say(err, f"{_why(exc)}")
         return EXIT_RUNTIME
-    print(f"gpubroker: {result.speed_line()}", file=err)
+    _say(err, f"{result.speed_line()}")
     return EXIT_OK
 
 
@@ -302,6 +319,14 @@ def private_site(args: argparse.Namespace) -> tuple[PrivateSite | None, list[str
         else args.private_gpus_per_server
     if per_server < 1:
         problems.append(f"--private-gpus-per-server: must be >= 1, got {per_server!r}")
+    elif per_server > MAX_GPUS:
+        problems.append(f"--private-gpus-per-server: must be at most {MAX_GPUS} "
+                        f"(MAX_GPUS), got {per_server!r}")
+    elif args.private_gpus is not None and \
+            -(-args.private_gpus // per_server) > MAX_PRIVATE_SERVERS:
+        problems.append(f"--private-gpus: at most {MAX_PRIVATE_SERVERS:,} servers "
+                        f"(MAX_PRIVATE_SERVERS) of {per_server} GPUs, got "
+                        f"{args.private_gpus!r} GPUs")
     slices = 1 if args.private_slices is None else args.private_slices
     if slices < 1 or (per_server >= 1 and per_server % slices):
         problems.append(f"--private-slices: must divide the {per_server} GPUs of a server, "
@@ -310,9 +335,18 @@ def private_site(args: argparse.Namespace) -> tuple[PrivateSite | None, list[str
     if not (math.isfinite(price) and price >= 0):
         problems.append(f"--private-price: must be a number >= 0 (USD per GPU-hour), "
                         f"got {price!r}")
+    elif price > MAX_PRICE_PER_HOUR:
+        problems.append(f"--private-price: must be at most {MAX_PRICE_PER_HOUR:g} "
+                        f"(USD per GPU-hour), got {price!r}")
     if problems or args.private_gpus is None:
         return None, problems
     return PrivateSite(args.private_gpus, gpu, per_server, price, slices), []
+
+
+def _say(err: TextIO, text: str) -> None:
+    """One line on stderr, `gpubroker: …`, its control characters escaped: the messages
+    quote file names and values from the user's files (`broker.stdio.printable`)."""
+    print(f"gpubroker: {printable(text)}", file=err)
 
 
 def _clear(progress: Any, err: TextIO) -> None:

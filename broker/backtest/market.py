@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.model import GPU_MODELS, Market, Offer, PoolKey, Target
+from broker.stdio import printable
 from broker.trace import TraceError, TraceRow, read_trace, trace_format, write_csv, write_jsonl
 
 SIM_START = datetime(2026, 11, 30, tzinfo=UTC)
@@ -76,6 +77,32 @@ Progress = Callable[[str], None]
 
 class MarketError(ValueError):
     """A market that cannot be read or generated; the message says where and why."""
+
+
+MAX_SPAN_DAYS = 731
+"""The longest market a backtest replays, in days (two years): a trace whose rows span
+more, or a `sim:` duration beyond it, is refused before it is replayed."""
+MAX_STEPS = 200_000
+"""The most simulated steps (the span over `--step-minutes`) a backtest takes: each
+costs time and memory in every strategy's replay and in the interruption draws (a
+two-year market at 10-minute steps is 105,264; a year at 1-minute steps, 525,600, is
+too many)."""
+MAX_MARKET_ROWS = 1_000_000
+"""The most rows of a trace a backtest holds in memory (the traces in data/traces have
+a few thousand)."""
+
+
+def span_bound(step_seconds: float) -> tuple[timedelta, str]:
+    """The longest span a backtest at `step_seconds` replays, and the sentence that
+    says why: MAX_SPAN_DAYS, or fewer days when MAX_STEPS steps of that size end
+    sooner."""
+    days = timedelta(days=MAX_SPAN_DAYS)
+    steps_seconds = MAX_STEPS * step_seconds
+    if steps_seconds < days.total_seconds():
+        return (timedelta(seconds=steps_seconds),
+                f"a backtest takes at most {MAX_STEPS:,} steps (MAX_STEPS) of "
+                f"{step_seconds / 60:g} minutes (--step-minutes)")
+    return days, f"a backtest replays at most {MAX_SPAN_DAYS} days (MAX_SPAN_DAYS)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,11 +264,13 @@ def read_market(path: Path, *, step_seconds: float,
     """A recorded market trace (JSON Lines or CSV, optionally gzipped); with
     `relabel_seed`, its zone labels permuted by `relabel_zones`. Raises MarketError
     naming the file and line of a bad row."""
+    span, why = span_bound(step_seconds)
     try:
+        trace = read_trace(path, max_rows=MAX_MARKET_ROWS, max_span=span, span_bound=why)
         if relabel_seed is None:
-            return replace(from_rows(read_trace(path), source=str(path),
+            return replace(from_rows(trace, source=str(path),
                                      step_seconds=step_seconds), zone_labels="recorded")
-        rows = relabel_zones(list(read_trace(path)), seed=relabel_seed)
+        rows = relabel_zones(list(trace), seed=relabel_seed)
         return replace(from_rows(rows, source=str(path), step_seconds=step_seconds),
                        seed=relabel_seed, zone_labels="permuted")
     except TraceError as err:
@@ -412,13 +441,17 @@ def parse_sim_spec(text: str, *, default_seed: int) -> SimSpec | None:
         return None
     m = _SIM_SPEC.match(text)
     if m is None:
-        raise MarketError(f"--market {text!r}: expected sim:DURATION[:SEED][:REGIONS], "
+        raise MarketError(f"--market {printable(repr(text), 80)}: expected "
+                          "sim:DURATION[:SEED][:REGIONS], "
                           "e.g. sim:7d, sim:36h:42, sim:1d:7:2 (DURATION in d, h or m; "
                           "REGIONS per cloud)")
     seconds = float(m.group(1)) * _UNIT[m.group(2)]
     regions = int(m.group(4)) if m.group(4) else 3
     if seconds <= 0:
         raise MarketError(f"--market {text!r}: the duration must be positive")
+    if seconds > MAX_SPAN_DAYS * 86400:
+        raise MarketError(f"--market {text!r}: a backtest replays at most {MAX_SPAN_DAYS} "
+                          "days (MAX_SPAN_DAYS)")
     if not 1 <= regions <= 100:
         raise MarketError(f"--market {text!r}: REGIONS must be 1..100 per cloud")
     seed = int(m.group(3)) if m.group(3) is not None else default_seed
@@ -497,6 +530,10 @@ def load_market(text: str, *, seed: int, step_seconds: float,
     (`relabel_zones`) unless `keep_zone_labels`."""
     spec = parse_sim_spec(text, default_seed=seed)
     if spec is not None:
+        span, why = span_bound(step_seconds)
+        if spec.seconds > span.total_seconds():
+            raise MarketError(f"--market {text!r}: {spec.seconds / 86400:g} days is longer "
+                              f"than {span.total_seconds() / 86400:g} days: {why}")
         return simulate_market(spec, step_seconds=step_seconds, progress=progress)
     return read_market(Path(text), step_seconds=step_seconds,
                        relabel_seed=None if keep_zone_labels else seed)

@@ -37,11 +37,19 @@ from pathlib import Path
 from typing import Any
 
 from broker import requests
-from broker.backtest.market import MarketTrace
+from broker.backtest.market import MAX_SPAN_DAYS, MarketTrace
 from broker.model import GPU_MODELS, SCHEDULER_ID, PlaceRequest, parse_iso
+from broker.stdio import printable
+from broker.trace import EARLIEST, LATEST, LineError, bounded_lines, format_t, json_line
 
 DEFAULT_SCHEDULER = "backtest"
 MAX_PROBLEMS = 20
+MAX_REQUESTS = 1_000_000
+"""The most requests a workload file may hold (as many as `gen:N` makes at most)."""
+MAX_AT_HOURS = MAX_SPAN_DAYS * 24.0
+"""The latest `at_hours` a workload line may give: the longest market's span."""
+MAX_MINUTES = MAX_SPAN_DAYS * 1440.0
+"""The longest `startup_minutes` and `checkpoint_minutes` a workload line may give."""
 
 
 class WorkloadError(ValueError):
@@ -98,9 +106,9 @@ def parse_arrival(text: str, *, market: MarketTrace
     """One workload line: (seconds after the market's start, the request, its
     startup_minutes, its checkpoint_minutes). Raises ValueError as `parse_line` does."""
     try:
-        d = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON: {exc.msg} (column {exc.colno})") from None
+        d = json_line(text)  # bounded in length and depth before it is parsed
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("not JSON:", "not valid JSON:", 1)) from None
     if not isinstance(d, dict):
         raise ValueError("expected a JSON object with at or at_hours, scheduler, request")
     if ("at" in d) == ("at_hours" in d):
@@ -117,6 +125,9 @@ def parse_arrival(text: str, *, market: MarketTrace
                              "2026-11-30T10:05:00Z)") from None
         if t.tzinfo is None:
             raise ValueError(f"at: {at_text!r} has no time zone (write UTC as ...Z)")
+        if not EARLIEST <= t < LATEST:  # (aware datetimes compare in UTC, never overflow)
+            raise ValueError(f"at: {at_text!r} is outside {format_t(EARLIEST)} .. "
+                             f"{format_t(LATEST)} (EARLIEST .. LATEST)")
         at = (t - market.start).total_seconds()
         if at < 0:
             raise ValueError(f"at: {at_text!r} is before the market starts "
@@ -125,6 +136,9 @@ def parse_arrival(text: str, *, market: MarketTrace
         hours = d["at_hours"]
         if not _number(hours) or hours < 0:
             raise ValueError(f"at_hours: expected a number >= 0, got {hours!r}")
+        if hours > MAX_AT_HOURS:
+            raise ValueError(f"at_hours: must be at most {MAX_AT_HOURS:g} "
+                             f"(MAX_AT_HOURS), got {hours!r}")
         at = round(float(hours) * 3600.0, 3)
     scheduler = d.get("scheduler", DEFAULT_SCHEDULER)
     if not isinstance(scheduler, str) or not SCHEDULER_ID.match(scheduler):
@@ -147,6 +161,9 @@ def parse_arrival(text: str, *, market: MarketTrace
         value = d.get(name)
         if value is not None and (not _number(value) or value < 0):
             raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
+        if value is not None and value > MAX_MINUTES:
+            raise ValueError(f"{name}: must be at most {MAX_MINUTES:g} (MAX_MINUTES), "
+                             f"got {value!r}")
         minutes.append(None if value is None else float(value))
     return at, req, minutes[0], minutes[1]
 
@@ -154,40 +171,55 @@ def parse_arrival(text: str, *, market: MarketTrace
 def load_workload(path: Path, *, market: MarketTrace) -> Workload:
     """Read and validate a workload file; raises WorkloadError with every problem
     (up to MAX_PROBLEMS), each naming the file and line."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise WorkloadError([f"{path}: {getattr(exc, 'strerror', None) or exc}"]) from None
+    name = printable(path)
     problems: list[str] = []
     arrivals: list[Arrival] = []
     seen: dict[tuple[str, str], int] = {}
     outside = 0
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            at, req, startup, checkpoint = parse_arrival(line, market=market)
-        except ValueError as exc:
-            problems.append(f"{path}:{lineno}: {exc}")
-            if len(problems) >= MAX_PROBLEMS:
-                problems.append(f"{path}: stopping after {MAX_PROBLEMS} problems")
-                break
-            continue
-        ident = (req.scheduler, req.request_id)
-        if ident in seen:
-            problems.append(f"{path}:{lineno}: request.request_id: {req.request_id!r} of "
-                            f"scheduler {req.scheduler!r} is already on line {seen[ident]} "
-                            "(request_id is the idempotency key)")
-            continue
-        seen[ident] = lineno
-        if at >= market.seconds:
-            outside += 1
-            continue
-        arrivals.append(Arrival(at, req, lineno, startup, checkpoint))
+
+    def problem(text: str) -> bool:
+        """Note one; True when there are enough to stop."""
+        problems.append(printable(text))
+        if len(problems) >= MAX_PROBLEMS:
+            problems.append(f"{name}: stopping after {MAX_PROBLEMS} problems")
+            return True
+        return False
+
+    try:
+        with open(path, "rb") as f:
+            for lineno, line in bounded_lines(f):
+                if not line.strip():
+                    continue
+                if len(seen) >= MAX_REQUESTS:
+                    problem(f"{name}:{lineno}: more than {MAX_REQUESTS:,} requests "
+                            "(MAX_REQUESTS)")
+                    break
+                try:
+                    at, req, startup, checkpoint = parse_arrival(line, market=market)
+                except ValueError as exc:
+                    if problem(f"{name}:{lineno}: {exc}"):
+                        break
+                    continue
+                ident = (req.scheduler, req.request_id)
+                if ident in seen:
+                    if problem(f"{name}:{lineno}: request.request_id: {req.request_id!r} of "
+                               f"scheduler {req.scheduler!r} is already on line "
+                               f"{seen[ident]} (request_id is the idempotency key)"):
+                        break
+                    continue
+                seen[ident] = lineno
+                if at >= market.seconds:
+                    outside += 1
+                    continue
+                arrivals.append(Arrival(at, req, lineno, startup, checkpoint))
+    except LineError as exc:
+        problem(f"{name}:{exc.lineno}: {exc.message}")
+    except OSError as exc:
+        raise WorkloadError([f"{name}: {printable(exc.strerror or exc)}"]) from None
     if problems:
         raise WorkloadError(problems)
     if not arrivals:
-        raise WorkloadError([f"{path}: no request arrives within the market's span "
+        raise WorkloadError([f"{name}: no request arrives within the market's span "
                              f"({market.describe()['start']} to {market.describe()['end']})"])
     arrivals.sort(key=lambda a: a.at)  # stable: file order within an instant
     return Workload(str(path), tuple(arrivals), outside)
@@ -274,8 +306,10 @@ def generate_workload(n: int, *, seed: int, market: MarketTrace) -> Workload:
         elif market_pick < 0.2 + 1 / 6:
             body["market"] = "on_demand"
         if rng.random() < 0.25 and gpu in market.on_demand_ppg:
-            body["max_price_per_gpu_hour"] = round(
-                market.on_demand_ppg[gpu] * rng.uniform(0.6, 1.3), 4)
+            # At least $0.0001: a cap must be > 0, and the on-demand price per GPU of a
+            # trace can be smaller than that (a price of $0.001 an hour over 16 GPUs).
+            body["max_price_per_gpu_hour"] = max(0.0001, round(
+                market.on_demand_ppg[gpu] * rng.uniform(0.6, 1.3), 4))
         scheduler = rng.choice(_SCHEDULERS)
         req = requests.parse_place(scheduler, json.dumps(body).encode())
         assert isinstance(req, PlaceRequest), req
