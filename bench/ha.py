@@ -646,12 +646,23 @@ class Bench:
                 for n in range(a.pg_restart):
                     log(f"pg-restart {n + 1} of {a.pg_restart}")
                     await self.pg_restart(n, pg, feed)
+                    if self.run.faults[-1].recovered_s is None and not a.keep_going:
+                        log("the site did not work off the backlog: the restarts stop here "
+                            "(--keep-going goes on)")
+                        self.run.faults[-1].notes.append("not recovered: the restarts "
+                                                         "stopped")
+                        break
             else:
                 plan = interleave(a.kills, a.stops)
                 for n, kind in enumerate(plan):
                     log(f"fault {n + 1} of {len(plan)}: {kind} the leader")
                     if not await self.node_fault(n, kind, feed):
                         log("no leader: the faults stop here")
+                        break
+                    if self.run.faults[-1].recovered_s is None and not a.keep_going:
+                        log("the site did not work off the backlog: the faults stop here "
+                            "(--keep-going goes on)")
+                        self.run.faults[-1].notes.append("not recovered: the faults stopped")
                         break
         finally:
             stop.set()
@@ -868,9 +879,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--takeover-timeout", type=float, default=60.0,
                    help="s to wait for a new leader's first decision, as the subscriber "
                         "sees it (60)")
-    p.add_argument("--settle-timeout", type=float, default=15.0,
+    p.add_argument("--settle-timeout", type=float, default=30.0,
                    help="after a fault, at most this many s for every request older than "
-                        "1 s to be answered (15)")
+                        "1 s to be answered (30); past it, the faults stop")
+    p.add_argument("--keep-going", action="store_true",
+                   help="go on with the next fault even when the last one's backlog was "
+                        "not worked off within --settle-timeout")
     p.add_argument("--steady", type=float, default=2.0,
                    help="s of load after the settle, and before the first fault (2)")
     p.add_argument("--grace", type=float, default=60.0,
