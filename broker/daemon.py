@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import gc
 import json
 import math
 import os
@@ -137,6 +138,7 @@ class Daemon:
         # lease id), and the last change number read.
         self._followed: dict[str, Lease] = {}
         self._follow_cursor = -1
+        self._reading_book: asyncio.Future[None] | None = None
         # High availability: slices whose last poll is due to be shared with the standbys.
         self._to_share: dict[SliceId, None] = {}
         self._to_share_due = asyncio.Event()
@@ -350,6 +352,11 @@ class Daemon:
                     await self._take_over_polls(self.store)
             now = utcnow()
             self.broker.restore(await self._lease_book(now - self.book.keep_ended))
+            # The restored book is long-lived: out of the cyclic collector's sight, a full
+            # collection does not walk it (with a few hundred thousand leases one would
+            # hold every thread, the leadership's renewals included, for seconds). Leases
+            # hold no cycles: an ended one is still freed when it is let go.
+            gc.freeze()
             self.bus.enqueue(await self.store.pending())
             log.info("starting", site=self.cfg.site, boot_id=self.boot_id,
                      leases=len(self.book.active()), outbox=self.bus.outbox_depth,
@@ -487,6 +494,12 @@ class Daemon:
         if not isinstance(self.store, PgStateStore):
             return await self.store.leases(ended_since=ended_since)
         started = time.monotonic()
+        reading = self._reading_book
+        if reading is not None:
+            # The standby's read in flight (its first, of the whole book, may take
+            # seconds): wait for it rather than read the book a second time.
+            with contextlib.suppress(StoreFailed):
+                await reading
         await self._catch_up_book(self.store, ended_since)
         followed, self._followed = self._followed, {}
         leases = [le for le in followed.values()
@@ -512,8 +525,11 @@ class Daemon:
         pruned = time.monotonic()
         while True:
             ended_since = utcnow() - self.book.keep_ended
+            # Shielded: a takeover cancels this task but takes over the read in flight.
+            self._reading_book = asyncio.ensure_future(self._catch_up_book(store,
+                                                                           ended_since))
             try:
-                await self._catch_up_book(store, ended_since)
+                await asyncio.shield(self._reading_book)
             except StoreFailed as exc:
                 if not failing:
                     failing = True

@@ -64,6 +64,14 @@ ON CONFLICT (site) DO UPDATE SET boot_id = excluded.boot_id, expires_at = exclud
 WHERE t.expires_at < now()
 RETURNING site
 """
+_TERM_RUNS = """
+SELECT 1 FROM leadership_term WHERE site = %(site)s AND expires_at >= now()
+"""
+_LOCAL_COMMIT = "-c synchronous_commit=local"
+"""The election's own statements do not wait for a synchronous replica: a COMMIT that
+waits for one that is away would hold the term row (a standby's claim attempt locks it
+even when the term still runs) and stall every renewal behind it. An epoch lost with
+the last WAL in a failover is told apart by the boot id."""
 _CLAIM = """
 INSERT INTO leadership AS l (site, epoch, node, boot_id, since)
 VALUES (%(site)s, 1, %(node)s, %(boot)s, now())
@@ -96,6 +104,11 @@ LOOP_STALL_SECONDS = 10.0
 """The renewals stop when the event loop has not run for this long: a daemon whose loop
 is stuck must not keep the site's leadership (a slow start of a term, with tens of
 thousands of leases to restore, stalls it for a few seconds)."""
+
+
+HEARTBEAT_EVERY = 3
+"""The leader's row in `nodes` is written every this many renewals (`gpubroker status`
+reads it; a standby's name check looks back two leadership lifetimes)."""
 
 
 def takeovers() -> int:
@@ -169,7 +182,8 @@ class Leadership:
                 application_name="gpubroker-election", keepalives=1, keepalives_idle=5,
                 keepalives_interval=2, keepalives_count=3,
                 tcp_user_timeout=int(self.seconds * 1000),
-                options=f"-c lock_timeout={ms} -c statement_timeout={ms * 2}", **kwargs)
+                options=f"-c lock_timeout={ms} -c statement_timeout={ms * 2} "
+                        f"{_LOCAL_COMMIT}", **kwargs)
         return self._conn
 
     async def _drop(self) -> None:
@@ -192,6 +206,10 @@ class Leadership:
         the new epoch, or None (another node's term runs). The epoch row waits for a
         commit that has passed its fence; the term row is the one renewals write, so a
         stalled commit of the leader never holds up its renewals."""
+        # A plain read first: while the term runs (nearly always), no row is locked.
+        cur = await conn.execute(_TERM_RUNS, self._args())
+        if await cur.fetchone() is not None:
+            return None
         async with conn.transaction():
             cur = await conn.execute(_TAKE_TERM, self._args())
             if await cur.fetchone() is None:
@@ -322,25 +340,27 @@ class Leadership:
                        application="gpubroker-renewal",
                        timeout_seconds=min(2.0, self.seconds),
                        tcp_user_timeout_ms=max(500, int(self.renew_every * 1000)),
-                       options=f"-c lock_timeout={ms} -c statement_timeout={ms}")
+                       options=f"-c lock_timeout={ms} -c statement_timeout={ms} "
+                               f"{_LOCAL_COMMIT}")
 
     def _renew_forever(self, stop: threading.Event, epoch: int) -> None:
+        """Renew every `renew_every`, counted from when the last renewal was sent (not
+        from when the thread got round to it again): a slow statement or a busy machine
+        must not add its delay to the next renewal's. The node's heartbeat comes after a
+        renewal, every `HEARTBEAT_EVERY` renewals, never in a renewal's way."""
         import psycopg
 
         conn: psycopg.Connection[Any] | None = None
         complained = False
-        wait = min(self.renew_every, max(0.0, self.deadline - time.monotonic()))
+        next_at = min(time.monotonic() + self.renew_every, self.deadline)
+        beats = 0
         try:
-            while not stop.wait(wait):
+            while not stop.wait(max(0.0, next_at - time.monotonic())):
                 now = time.monotonic()
                 if now - self._loop_seen > self.loop_stall_seconds:
                     self._lost = (f"the event loop has not run for "
                                   f"{self.loop_stall_seconds:g} s: the leadership is left "
                                   "to expire")
-                    return
-                if now >= self.deadline:  # a lapsed term is never revived
-                    self._lost = (f"leadership of site {self.site} not renewed in time "
-                                  f"(epoch {epoch}): another node may lead now")
                     return
                 try:
                     if conn is None or conn.closed:
@@ -355,7 +375,7 @@ class Leadership:
                     if conn is not None:
                         conn.close()
                     conn = None
-                    wait = 0.05  # a new connection at once: one drop must not depose
+                    next_at = time.monotonic() + 0.05  # at once: one drop must not depose
                     continue
                 if renewed is None:
                     self._lost = (f"another node leads site {self.site} now (this node's "
@@ -368,11 +388,13 @@ class Leadership:
                     log.info("leadership renewed again")
                 self.database_ok = True
                 self.deadline = now + self.seconds - self.margin
-                wait = self.renew_every
-                try:
-                    conn.execute(_HEARTBEAT, self._args(epoch=epoch, role="leader"))
-                except (psycopg.Error, OSError) as exc:  # the next renewal reconnects
-                    log.debug("heartbeat failed", error=type(exc).__name__)
+                next_at = now + self.renew_every
+                beats += 1
+                if beats % HEARTBEAT_EVERY == 0:
+                    try:
+                        conn.execute(_HEARTBEAT, self._args(epoch=epoch, role="leader"))
+                    except (psycopg.Error, OSError) as exc:  # the next renewal reconnects
+                        log.debug("heartbeat failed", error=type(exc).__name__)
         finally:
             if conn is not None:
                 conn.close()

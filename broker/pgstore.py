@@ -425,11 +425,26 @@ class PgStateStore(OneThreadStore[PgDb]):
             # so the same transaction is tried once more on a new connection.
             log.info("the database connection was lost before a commit; trying it again",
                      database=self.name, error=type(exc).__name__)
-        await self.reconnect_if_lost()
+        await self._reconnect_within(self._leadership_seconds)
         try:
             return await self._run(tx)
         except psycopg.Error as exc:
             raise self._failed("commit", exc) from exc
+
+    async def _reconnect_within(self, seconds: float) -> None:
+        """Connect again, trying every 0.1 s for up to `seconds`: a database restarting
+        (shutting down, starting) refuses connections for a moment. `StoreFailed` if it
+        still does then; a leader that cannot commit for longer loses its term anyway."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while True:
+            try:
+                await self.reconnect_if_lost()
+                return
+            except StoreFailed:
+                if loop.time() + 0.1 > deadline:
+                    raise
+            await asyncio.sleep(0.1)
 
     async def ack(self, ids: Sequence[int]) -> None:
         """Forget acknowledged outbox rows. Best effort: a row not deleted is sent again

@@ -148,13 +148,6 @@ class LeaderLost(AssertionError):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=LeaderLost, reason=(
-    "a restart of PostgreSQL shorter than the term deposes the leader: a commit that "
-    "lost its connection is retried once at once (PgStateStore.commit → "
-    "reconnect_if_lost), while the server is still shutting down or starting; "
-    "'connecting again failed: … the database system is shutting down' is StoreFailed, "
-    "the broker fails and the daemon stands by again: a new term, ~2 s without a "
-    "leader, for a 0.3 s restart"))
 async def test_postgres_restart_shorter_than_the_term(own_site: HaSite, own_pg: PgServer,
                                                       probe: MqttProbe,
                                                       scheduler: Scheduler) -> None:
@@ -356,15 +349,6 @@ async def test_failover_to_a_replica_that_lost_the_last_transactions(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=LeaderLost, reason=(
-    "the election's statements commit with synchronous_commit on: a standby's claim "
-    "attempt (_TAKE_TERM, INSERT … ON CONFLICT DO UPDATE … WHERE expired) locks the "
-    "leadership_term row even when the term runs, and its COMMIT waits for the absent "
-    "synchronous standby holding that lock until its statement_timeout; the leader's "
-    "renewal (UPDATE leadership_term, itself a commit that waits) waits on the lock, "
-    "is cancelled by its statement timeout ('while updating tuple … in relation "
-    "leadership_term'), the term is not renewed in time and the leader is deposed, "
-    "again and again"))
 async def test_commits_stalled_by_an_absent_synchronous_standby(
         own_site: HaSite, own_pg: PgServer, probe: MqttProbe, scheduler: Scheduler) -> None:
     """`synchronous_standby_names = 'nobody'` (set with ALTER SYSTEM and a reload while
@@ -524,14 +508,6 @@ def fill_book(url: str, count: int) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.xfail(strict=True, raises=LeaderLost, reason=(
-    "since 76e051b (standbys follow the lease book) the first node to claim a site with "
-    "200,000 leases deposes itself while taking them over: claim → 'took over the last "
-    "leader's polls' ~20 s (the standby's book-following read being cancelled), 'lease "
-    "book taken over' ~24-28 s, 'starting' ~48 s after the claim, then 'deposed: "
-    "leadership of site ha not renewed in time (epoch 1)'; it claims again (epoch 3, "
-    "5 …) and loops. Seen twice on a starved machine (load 10-13 on 2 cores); before "
-    "76e051b claim → ready took 15 s and it stayed leader"))
 async def test_leader_with_200000_leases_stays_leader(site: HaSite, probe: MqttProbe,
                                                       scheduler: Scheduler) -> None:
     """200,000 active leases in the book before the nodes start. The first node to win
