@@ -715,8 +715,10 @@ def _status(args: argparse.Namespace) -> int:
     store = PgStateStore(cfg.state.url, site=cfg.site, password_file=cfg.state.password_file,
                          leadership_seconds=cfg.state.leadership_seconds)
     if (pw := cfg.state.password_file) is not None:
+        from policies.files import read_secret
+
         try:
-            pw.read_bytes()
+            read_secret(pw)
         except OSError as err:
             return _usage(f"{pw}: state.password_file: cannot read: {err.strerror or err}")
 

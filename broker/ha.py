@@ -49,6 +49,7 @@ import structlog
 from broker import __version__
 from broker.model import utcnow
 from broker.store import Deposed, StoreFailed
+from policies.files import read_secret
 
 if TYPE_CHECKING:
     import psycopg
@@ -172,8 +173,7 @@ class Leadership:
 
             kwargs: dict[str, Any] = {}
             if self.store.password_file is not None:
-                kwargs["password"] = self.store.password_file.read_text(
-                    encoding="utf-8").strip()
+                kwargs["password"] = read_secret(self.store.password_file)
             ms = self._lock_ms()
             # tcp_user_timeout: a server that stops answering (a partition) is given up
             # on within the claim's lifetime, not after the kernel's retransmissions.

@@ -53,6 +53,7 @@ from broker.store import (
 )
 from broker.store import _MIGRATIONS as _SQLITE_MIGRATIONS
 from broker.store import _SCHEMA as _SQLITE_SCHEMA
+from policies.files import read_secret
 
 if TYPE_CHECKING:
     import psycopg
@@ -263,7 +264,7 @@ def connect(url: str, *, password_file: Path | None = None, application: str = "
 
     kwargs: dict[str, Any] = {}
     if password_file is not None:
-        kwargs["password"] = password_file.read_text(encoding="utf-8").strip()
+        kwargs["password"] = read_secret(password_file)
     if options:
         kwargs["options"] = options
     return psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(timeout_seconds)),
