@@ -274,3 +274,30 @@ async def test_a_running_daemons_history_exports_its_pools(start_daemon: StartDa
                 last[key].capacity, last[key].quota_headroom) == (
             o.gpu, o.gpus, o.price_per_hour, o.capacity, o.quota_headroom)
     assert f"of {len(offered)} pools" in err
+
+
+async def test_a_reader_gone_early_ends_it_quietly(tmp_path: Path) -> None:
+    """`gpubroker history | head -1`: exit 0, nothing on stderr. The rows' read
+    transaction used to end after the database had closed, in the garbage collector:
+    "Exception ignored ... Cannot operate on a closed database"."""
+    path = tmp_path / "state.db"
+    offers = [offer(f"us-east-1{z}", instance_type=f"p{i}.x") for z in "ab" for i in range(60)]
+    await record(path, Clock(utcnow() - timedelta(hours=5)), [
+        (600, AWS, [replace(o, price_per_hour=10.0 + k) for o in offers]) for k in range(8)])
+
+    def head_1() -> tuple[bytes, int, bytes]:
+        with subprocess.Popen([sys.executable, "-m", "broker.cli", "history", "--state",
+                               str(path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) as proc:
+            assert proc.stdout is not None and proc.stderr is not None
+            first = proc.stdout.readline()
+            # 960 rows of about 280 bytes: more than a pipe holds, so the command is
+            # still writing when its reader goes.
+            proc.stdout.close()
+            err = proc.stderr.read()
+            return first, proc.wait(timeout=60), err
+
+    first, code, err = await asyncio.to_thread(head_1)
+    assert json.loads(first)["cloud"] == "aws"
+    assert code == 0
+    assert err.decode() == ""
