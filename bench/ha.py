@@ -224,7 +224,10 @@ class OwnPostgres:
 
     def restart(self) -> None:
         """`pg_ctl restart -m fast` (the same options: postmaster.opts)."""
-        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "restart")
+        # -l again: else the new server writes to pg_ctl's stdout, a pipe of ours that
+        # would then stay open (and `run` wait) as long as the server runs.
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "server.log"),
+                  "-m", "fast", "-w", "restart")
 
     @property
     def admin_url(self) -> str:
