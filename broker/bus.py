@@ -42,14 +42,13 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from broker import __version__
+from broker import __version__, files
 from broker.config import MqttConfig
 from broker.core import OPS, Command
 from broker.events import Topics, dumps
 from broker.model import SCHEDULER_ID, iso, utcnow
 from broker.ratelimit import Every
 from broker.store import OutboxRow, Store
-from policies import files
 
 log = structlog.get_logger("gpubroker.bus")
 

@@ -715,7 +715,7 @@ def _status(args: argparse.Namespace) -> int:
     store = PgStateStore(cfg.state.url, site=cfg.site, password_file=cfg.state.password_file,
                          leadership_seconds=cfg.state.leadership_seconds)
     if (pw := cfg.state.password_file) is not None:
-        from policies.files import read_secret
+        from broker.files import read_secret
 
         try:
             read_secret(pw)

@@ -73,8 +73,8 @@ from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from broker import files
 from broker.model import SCHEDULER_ID, LeaseState, Placement, parse_iso
-from policies import files
 
 __all__ = [
     "DEFAULT_PREFIX",

@@ -33,7 +33,7 @@ import structlog
 
 from adapters.base import CloudAdapter
 from adapters.errors import AdapterError
-from broker import capacity, solver
+from broker import capacity, files, solver
 from broker.bus import Bus, RetainedRead, make_client
 from broker.clouds import build_adapters
 from broker.config import Config
@@ -52,7 +52,7 @@ from broker.ratelimit import Every
 from broker.recorder import HistoryReader, MarketRecorder
 from broker.sdnotify import Notifier, watchdog_seconds
 from broker.store import Db, Deposed, StoreFailed, db_errors, store_for
-from policies import files, yamlsrc
+from policies import yamlsrc
 from policies.loader import SourceError, parse_policy_bytes, policy_hash
 from policies.model import Policy
 from policies.yamlsrc import Problem
@@ -240,7 +240,7 @@ class Daemon:
             self.notifier.ready(self.status_line())
 
     async def _reload_policy_file(self, path: Path, forced: bool) -> str:
-        """The file is read and parsed by the readers a start uses (`policies.files`:
+        """The file is read and parsed by the readers a start uses (`broker.files`:
         a regular file of at most 1 MiB, strict UTF-8; `yamlsrc`: every YAML failure an
         error naming line and key), off the event loop: a FIFO, `/dev/zero` or a
         42,000-team policy neither blocks nor stalls the daemon. A refusal is published
@@ -892,7 +892,7 @@ def _check_mqtt_files(cfg: Config) -> None:
     """The MQTT password and CA files, and the database's password file, read once at
     start: a missing or unreadable one is a mistake in the configuration (exit 2), not
     a server that is away (which the daemon waits out). They are read again at each
-    connect. Each is read by `policies.files` (a regular file, within its bound), so a
+    connect. Each is read by `broker.files` (a regular file, within its bound), so a
     FIFO or `/dev/zero` there is refused at once rather than hanging or filling memory."""
     problems = []
     for key, path in (("mqtt.password_file", cfg.mqtt.password_file),

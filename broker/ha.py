@@ -47,9 +47,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import structlog
 
 from broker import __version__
+from broker.files import read_secret
 from broker.model import utcnow
 from broker.store import Deposed, StoreFailed
-from policies.files import read_secret
 
 if TYPE_CHECKING:
     import psycopg

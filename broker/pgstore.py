@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import orjson
 import structlog
 
+from broker.files import read_secret
 from broker.model import Lease, Offer, iso
 from broker.store import (
     _INSERT_OUTBOX,
@@ -53,7 +54,6 @@ from broker.store import (
 )
 from broker.store import _MIGRATIONS as _SQLITE_MIGRATIONS
 from broker.store import _SCHEMA as _SQLITE_SCHEMA
-from policies.files import read_secret
 
 if TYPE_CHECKING:
     import psycopg

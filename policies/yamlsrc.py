@@ -17,7 +17,7 @@ from typing import Annotated, Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from policies import files
+from broker import files
 
 Loc = tuple[str | int, ...]
 
