@@ -538,7 +538,7 @@ def _policy_check(path: Path) -> int:
     from policies.loader import load_policy
 
     policy = load_policy(path)
-    print(f"{path}: ok (version {policy.version})")
+    print(f"{printable(str(path))}: ok (version {policy.version})")
     return EXIT_OK
 
 
@@ -546,7 +546,7 @@ def _private_check(path: Path) -> int:
     from adapters.private.servers import load_servers
 
     servers = load_servers(path)  # raises SourceError: every problem, by line
-    print(f"{path}: ok: {len(servers.sites)} sites, {len(servers.groups)} groups, "
+    print(f"{printable(str(path))}: ok: {len(servers.sites)} sites, {len(servers.groups)} groups, "
           f"{servers.server_count} servers")
     return EXIT_OK
 

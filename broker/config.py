@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from broker.mqtturl import parse_mqtt_url
 from policies import yamlsrc
 from policies.yamlsrc import SourceError
 
@@ -140,6 +141,10 @@ class MqttConfig(_Section):
             raise ValueError("port must be a number from 1 to 65535")
         if u.username or u.password:
             raise ValueError("put no credentials in the URL: use username and password_file")
+        try:  # what the client's parser refuses besides (the host, a path)
+            parse_mqtt_url(v)
+        except ValueError as exc:
+            raise ValueError(str(exc).split(": ", 1)[-1]) from None
         return v
 
     @field_validator("topic_prefix")

@@ -149,6 +149,8 @@ def test_the_database_password_file_is_read_at_start(files: dict[str, Path],
 @pytest.mark.parametrize(("yaml", "key"), [
     ("mqtt: {url: 'http://broker:1883'}", "mqtt.url: must look like mqtt://HOST[:PORT]"),
     ("mqtt: {url: 'mqtt://broker:99999'}", "mqtt.url: port must be a number"),
+    (f"mqtt: {{url: 'mqtt://{'a' * 300}:1883'}}", "mqtt.url: the host is no host name"),
+    ("mqtt: {url: 'mqtt://broker:1883/x'}", "mqtt.url: expected mqtt://HOST[:PORT]"),
     ("clouds: {aws: {regions: [us-east-1], endpoint: 'http://'}}", "clouds.aws.endpoint: "
                                                                     "must be an http://"),
     ("clouds: {aws: {regions: [us-east-1], interruption_queue_url: 'sqs/queue'}}",
@@ -281,3 +283,13 @@ def test_every_option_has_help() -> None:
             if not action.help:
                 missing.append(f"{command} {action.option_strings or action.dest}")
     assert missing == []
+
+
+def test_a_file_name_with_terminal_codes_is_shown_escaped_when_it_is_good(
+        tmp_path: Path) -> None:
+    """A good file is named on stdout: its terminal escape codes are shown, not run."""
+    policy = tmp_path / "p\x1b[2Jolicy.yaml"
+    policy.write_text("version: 1\n")
+    r = gpubroker("policy", "check", policy)
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout and "\\x1b[2J" in r.stdout
