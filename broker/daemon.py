@@ -43,6 +43,7 @@ from broker.ha import Leadership
 from broker.hazard import HazardEstimator
 from broker.http import serve
 from broker.leases import LeaseBook
+from broker.logs import filter_loop_errors
 from broker.metrics import Metrics, state_gauges
 from broker.model import Lease, LeaseState, Market, PoolKey, utcnow
 from broker.pgstore import PgStateStore
@@ -850,21 +851,16 @@ def _quiet_closed_socket_callbacks(loop: asyncio.AbstractEventLoop) -> None:
     would log that with a traceback although nothing is wrong: the session is already
     ending and reconnects. Only that case is quietened; everything else goes to the
     handler that was there."""
-    previous = loop.get_exception_handler()
-
-    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    def quiet(context: dict[str, Any]) -> bool:
         exc = context.get("exception")
         handle = repr(context.get("handle", ""))
         if isinstance(exc, OSError) and exc.errno == errno.EBADF and (
                 "add_writer" in handle or "add_reader" in handle):
             log.debug("socket watch on a closed MQTT connection skipped", handle=handle)
-            return
-        if previous is not None:
-            previous(loop, context)
-        else:
-            loop.default_exception_handler(context)
+            return True
+        return False
 
-    loop.set_exception_handler(handler)
+    filter_loop_errors(loop, quiet)
 
 
 async def _ready(payload: bytes) -> bytes:

@@ -62,6 +62,7 @@ from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from broker.core import Command
+from broker.logs import filter_loop_errors
 from broker.model import SCHEDULER_ID, Lease, LeaseState, Market, utcnow
 from broker.ratelimit import Every
 from broker.store import StoreFailed
@@ -430,23 +431,18 @@ def _quiet_accept_errors(loop: asyncio.AbstractEventLoop
     the loop's exception handler, with a traceback, and in Python 3.11 once for each of
     a backlog's retries (thousands a second, 171 MB of log in 50 s): one warning a
     minute instead, with the count. Returns what puts the previous handler back."""
-    previous = loop.get_exception_handler()
     every = Every(LOG_EVERY)
 
-    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        if context.get("message") == "socket.accept() out of system resource":
-            if n := every.hit():
-                exc = context.get("exception")
-                log.warning("http accept failed: out of descriptors; retried",
-                            error=getattr(exc, "strerror", None) or str(exc), count=n)
-            return
-        if previous is not None:
-            previous(loop, context)
-        else:
-            loop.default_exception_handler(context)
+    def quiet(context: dict[str, Any]) -> bool:
+        if context.get("message") != "socket.accept() out of system resource":
+            return False
+        if n := every.hit():
+            exc = context.get("exception")
+            log.warning("http accept failed: out of descriptors; retried",
+                        error=getattr(exc, "strerror", None) or str(exc), count=n)
+        return True
 
-    loop.set_exception_handler(handler)
-    return lambda: loop.set_exception_handler(previous)
+    return filter_loop_errors(loop, quiet)
 
 
 def build_app(daemon: Daemon) -> web.Application:

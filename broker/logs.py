@@ -7,9 +7,10 @@ holds a secret, should one be added by mistake."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import structlog
@@ -68,3 +69,26 @@ def configure(*, json: bool = True, level: int = logging.INFO) -> None:
 SDK_LOGGERS = ("azure", "msal", "urllib3", "botocore", "boto3", "s3transfer", "google",
                "google_auth_httplib2", "alibabacloud_credentials", "alibabacloud",
                "alibabacloud_tea_openapi", "Tea", "aiohttp.client")
+
+
+LoopFilter = Callable[[dict[str, Any]], bool]
+
+
+def filter_loop_errors(loop: asyncio.AbstractEventLoop, quiet: LoopFilter
+                       ) -> Callable[[], None]:
+    """Put `quiet` in front of the loop's exception handler: a report it takes (returns
+    True for: it logged it its own way, or it is nothing) goes no further; the rest goes
+    to the handler that was there, or asyncio's default. Returns what puts that handler
+    back. The one way the daemon narrows what asyncio reports with a traceback."""
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if quiet(context):
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+    return lambda: loop.set_exception_handler(previous)
