@@ -245,7 +245,8 @@ class Unpublishable(Exception):
 
 
 class Bus:
-    def __init__(self, cfg: MqttConfig, topics: Topics, store: Store, *, client_id: str,
+    # Many arguments: the daemon's wiring, keyword-only; regrouped in the package redesign (#28).
+    def __init__(self, cfg: MqttConfig, topics: Topics, store: Store, *, client_id: str,  # noqa: PLR0913
                  boot_id: str, on_command: Callable[[Command], Awaitable[None]],
                  retained: RetainedSource | None = None, node: str = "",
                  epoch: Callable[[], int] = lambda: 0,

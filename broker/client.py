@@ -244,7 +244,8 @@ class Lease:
     `on_failover(lease, event)` and `on_end(lease, event)` are called for those events
     (plain functions or coroutine functions); `events()` iterates over all of them."""
 
-    def __init__(self, client: BrokerClient, *, lease_id: str, scheduler: str,
+    # Many arguments: one keyword per field of the daemon's answer.
+    def __init__(self, client: BrokerClient, *, lease_id: str, scheduler: str,  # noqa: PLR0913
                  request_id: str, epoch: int, placement: Placement, expires_at: datetime,
                  remaining: float, state: LeaseState, reason: str,
                  alternatives: Sequence[Placement], decided: Mapping[str, Any]) -> None:
@@ -511,7 +512,8 @@ class BrokerClient:
     3.1.1 when the server does not speak 5). `client_id` defaults to a unique one.
     `scheduler=None` makes a read-only client (lease watches, status)."""
 
-    def __init__(self, url: str = "mqtt://127.0.0.1:1883", *, scheduler: str | None,
+    # Many arguments: the public client's options, keyword-only, each documented.
+    def __init__(self, url: str = "mqtt://127.0.0.1:1883", *, scheduler: str | None,  # noqa: PLR0913
                  topic_prefix: str = DEFAULT_PREFIX, username: str | None = None,
                  password: str | None = None, password_file: str | Path | None = None,
                  ca_file: str | Path | None = None, ssl_context: ssl.SSLContext | None = None,
@@ -682,7 +684,8 @@ class BrokerClient:
 
     # --- verbs -------------------------------------------------------------------------
 
-    async def place(self, gpu: str | Sequence[str], gpus: int, *,
+    # Many arguments: the public client's API: one keyword per field of a request.
+    async def place(self, gpu: str | Sequence[str], gpus: int, *,  # noqa: PLR0913
                     market: Literal["spot", "on_demand", "reserved", "any"] | None = None,
                     request_id: str | None = None, timeout: float = 60.0,
                     gang: bool | None = None, max_price_per_gpu_hour: float | None = None,

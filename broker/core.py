@@ -134,7 +134,8 @@ Observer = Callable[[str, dict[str, Any]], None]
 
 
 class Broker:
-    def __init__(self, *, pool: ResourcePool, book: LeaseBook, store: Store,
+    # Many arguments: the daemon's wiring, keyword-only; regrouped in the package redesign (#28).
+    def __init__(self, *, pool: ResourcePool, book: LeaseBook, store: Store,  # noqa: PLR0913
                  messages: Messages, policy: Policy, publish: Publish,
                  retry_after_seconds: float, clock: Callable[[], datetime] = utcnow,
                  batching: PlacementConfig | None = None) -> None:
@@ -457,7 +458,8 @@ class Broker:
 
     # --- requests --------------------------------------------------------------------
 
-    async def handle(self, batch: Sequence[Command]) -> None:
+    # Complex: split in the package redesign (#28).
+    async def handle(self, batch: Sequence[Command]) -> None:  # noqa: C901, PLR0912
         async with self._changing():
             b = _Batch()
             parsed = {i: self._parse_place(cmd)

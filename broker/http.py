@@ -242,7 +242,8 @@ async def policy(request: web.Request) -> web.Response:
                   "policy": d.broker.policy.model_dump(mode="json")})
 
 
-async def place(request: web.Request) -> web.Response:
+# Many returns: one early return per refusal before the work.
+async def place(request: web.Request) -> web.Response:  # noqa: PLR0911
     d = _daemon(request)
     if (refused := _standing_by(d)) is not None:
         return refused

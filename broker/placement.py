@@ -999,7 +999,8 @@ class _Builder:
                 continue
             yield u, offer, offer.price_per_hour / offer.gpus, None  # type: ignore[operator]
 
-    def _walk(self, ask: Ask, c: Constraints, k: int | None, limit: float | None,
+    # Complex: hot path (bench/placement.py); split in the package redesign (#28).
+    def _walk(self, ask: Ask, c: Constraints, k: int | None, limit: float | None,  # noqa: C901, PLR0912, PLR0915
               alive: solver.Alive | None = None, *, h: float
               ) -> tuple[list[solver.Option], float, _Scan]:
         """The request's options, cheapest expected cost per hour first: the best `k`,
@@ -1170,7 +1171,8 @@ class _Ranked:
     `room`), in `order` of cost: the cheapest few are sorted up front (most groups read
     no further), the rest once a read gets to them."""
 
-    def __init__(self, arrays: list[_Arrays], made: list[list[solver.Option | None]],
+    # Many arguments: the groups' parallel arrays, built together by the caller.
+    def __init__(self, arrays: list[_Arrays], made: list[list[solver.Option | None]],  # noqa: PLR0913
                  parts: list[Any], rows: list[Any], insts: list[Any], costs: list[Any],
                  prices: list[Any], slots: list[Any], head: int) -> None:
         import numpy as np
@@ -1401,7 +1403,8 @@ def _reject(ask: Ask, c: Constraints, scan: _Scan, retry_after: float | None) ->
     return Rejection(ask, RejectCode.NO_CAPACITY, detail, retry_after)
 
 
-def explain(ask: Ask, view: PoolView, policy: Policy, *, now: datetime, top: int = 5,
+# Complex: split in the package redesign (#28).
+def explain(ask: Ask, view: PoolView, policy: Policy, *, now: datetime, top: int = 5,  # noqa: C901
             all_gpus: Sequence[str] = ()) -> dict[str, Any]:
     """Why a request would be placed where it would: the policy's verdict, every offer
     that was excluded counted by reason, and the best candidates with their expected cost

@@ -387,7 +387,8 @@ def why_unplaced(p: Problem, choice: Sequence[Option | None]
 # --- the heuristic ----------------------------------------------------------------------
 
 
-def heuristic(p: Problem, *, improve_rounds: int = 2, chains: bool = True,
+# Complex: hot path (bench/placement.py); split in the package redesign (#28).
+def heuristic(p: Problem, *, improve_rounds: int = 2, chains: bool = True,  # noqa: C901
               deadline: float = math.inf) -> Solution:
     """Regret greedy, then local improvement. Never exceeds a resource or a limit.
     `deadline` (a `time.perf_counter()` instant) stops the improvement early: the
@@ -532,7 +533,8 @@ def _unit(o: Option, by_gpus: bool) -> float:
 _CLOCK_EVERY = 256  # requests between two looks at the clock in the improvement
 
 
-def _improve(st: State, *, rounds: int,
+# Complex: hot path (bench/placement.py); split in the package redesign (#28).
+def _improve(st: State, *, rounds: int,  # noqa: C901, PLR0912
              best_two: Callable[[int], tuple[Option | None, float, float]],
              chains: bool = True, deadline: float = math.inf) -> None:
     p = st.p
@@ -614,7 +616,8 @@ def _improve(st: State, *, rounds: int,
             return
 
 
-def _make_room(st: State, i: int, users: dict[Hashable, list[int]], tries: int = 4,
+# Complex: hot path (bench/placement.py); split in the package redesign (#28).
+def _make_room(st: State, i: int, users: dict[Hashable, list[int]], tries: int = 4,  # noqa: C901, PLR0912
                per_key: int = 32, scan: int = 16, worth: float | None = None) -> bool:
     """Place request `i` (not placed now) on one of its cheapest options by moving as
     many placed requests off the resources it lacks as it takes, each to its cheapest
@@ -676,7 +679,8 @@ def _make_room(st: State, i: int, users: dict[Hashable, list[int]], tries: int =
     return False
 
 
-def _team_swaps(st: State) -> int:
+# Complex: hot path (bench/placement.py); split in the package redesign (#28).
+def _team_swaps(st: State) -> int:  # noqa: C901, PLR0912
     """For each unplaced request of a team whose `gpus_left` or `budget_left` rules out
     all its options, unplace the team's placed requests of lowest value per unit of that
     limit (value: penalty − cost) until it fits, when what they are worth together is
@@ -934,7 +938,8 @@ class _LP:
     per (request, option), one 'unplaced' per request, one 'batch GPUs' per team with a
     spread limit."""
 
-    def __init__(self, p: Problem) -> None:
+    # Complex: split in the package redesign (#28).
+    def __init__(self, p: Problem) -> None:  # noqa: C901, PLR0912, PLR0915
         import numpy as np
 
         self.p = p

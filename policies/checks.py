@@ -55,7 +55,8 @@ def _names(found: Found, loc: Loc, values: Iterable[str] | None, known: set[str]
             found.append(((*loc, i), f"unknown {what} {v!r}{suggest(v, known)}"))
 
 
-def check(policy: Policy) -> Found:
+# Complex: one check per section of the policy, each its own finding.
+def check(policy: Policy) -> Found:  # noqa: C901, PLR0912
     found: Found = []
     gpus = set(GPU_MODELS) | set(policy.extra_gpus)
     clouds = set(CLOUDS)

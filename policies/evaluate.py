@@ -115,7 +115,8 @@ def matching_rule(policy: Policy, request: PlaceRequest) -> Rule | None:
     return None
 
 
-def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = None,
+# Complex: split in the package redesign (#28).
+def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = None,  # noqa: C901, PLR0912
              resident: Residency | None = None, owned_gpus: int = 0) -> Constraints | Denied:
     """The request's constraints under the policy, or why it is denied. `usage`: what
     the request's team holds; `owned_gpus`: the paid-for GPUs there are (for the team's

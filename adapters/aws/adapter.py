@@ -146,7 +146,8 @@ class _Part:
 class AwsAdapter(CloudAdapter):
     name = "aws"
 
-    def __init__(self, *, regions: Sequence[str], endpoint: str | None = None,
+    # Many arguments: the adapter's settings, keyword-only, passed by name.
+    def __init__(self, *, regions: Sequence[str], endpoint: str | None = None,  # noqa: PLR0913
                  anonymous: bool = False, interruption_queue_url: str | None = None,
                  call_timeout: float = 10.0, retry: RetryPolicy | None = None,
                  refresh: Refresh | None = None, max_workers: int | None = None,

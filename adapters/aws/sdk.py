@@ -155,7 +155,8 @@ def retry_after_of(headers: Mapping[str, Any], now: float | None = None) -> floa
     return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
-def translate(exc: BaseException, region: str = "") -> AdapterError:
+# Many returns: one return per SDK error class: a flat mapping table.
+def translate(exc: BaseException, region: str = "") -> AdapterError:  # noqa: PLR0911
     """Map a botocore exception onto the typed errors of the adapter contract (see the
     module doc); re-raise anything else, which is a bug."""
     _boto()

@@ -116,7 +116,8 @@ class _RegionState:
 class AzureAdapter(CloudAdapter):
     name = "azure"
 
-    def __init__(self, *, subscription_id: str | None, regions: Sequence[str],
+    # Many arguments: the adapter's settings, keyword-only, passed by name.
+    def __init__(self, *, subscription_id: str | None, regions: Sequence[str],  # noqa: PLR0913
                  endpoint: str | None = None, anonymous: bool = False,
                  refresh: Refresh | None = None, max_workers: int = 16,
                  attempts: int = RetryPolicy.ATTEMPTS,

@@ -155,7 +155,8 @@ def classify(status: int, code: str, message: str, *, region: str = "",
     return AdapterError(msg, cloud=CLOUD, region=region)
 
 
-def translate(exc: BaseException, region: str = "") -> AdapterError:
+# Many returns: one return per SDK error class: a flat mapping table.
+def translate(exc: BaseException, region: str = "") -> AdapterError:  # noqa: PLR0911
     """Map an azure-core, aiohttp or JSON exception onto the typed errors of the adapter
     contract; the one table, in order:
 

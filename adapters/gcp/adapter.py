@@ -179,7 +179,8 @@ class _Shared(Generic[V]):
 class GcpAdapter(CloudAdapter):
     name = "gcp"
 
-    def __init__(self, *, regions: Sequence[str], project: str | None = None,
+    # Many arguments: the adapter's settings, keyword-only, passed by name.
+    def __init__(self, *, regions: Sequence[str], project: str | None = None,  # noqa: PLR0913
                  endpoint: str | None = None, anonymous: bool = False,
                  refresh: Refresh | None = None, stockout: StockoutDecay | None = None,
                  max_workers: int | None = None, retry: RetryPolicy | None = None,

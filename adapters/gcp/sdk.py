@@ -175,7 +175,8 @@ def is_stockout(text: str) -> bool:
     return bool(_STOCKOUT_TEXT.search(text)) or _norm(text.strip()) in _STOCKOUT
 
 
-def translate(exc: BaseException, region: str = "") -> AdapterError:
+# Many returns: one return per SDK error class: a flat mapping table.
+def translate(exc: BaseException, region: str = "") -> AdapterError:  # noqa: PLR0911
     """Map what a call to Google raised onto the typed errors of the contract. The one
     table, in order (the first row that matches wins):
 

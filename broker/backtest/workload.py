@@ -101,7 +101,8 @@ def parse_line(text: str, *, market: MarketTrace) -> tuple[float, PlaceRequest]:
     return at, req
 
 
-def parse_arrival(text: str, *, market: MarketTrace
+# Complex: one check per field of a workload line, each with its own message.
+def parse_arrival(text: str, *, market: MarketTrace  # noqa: C901, PLR0912
                   ) -> tuple[float, PlaceRequest, float | None, float | None]:
     """One workload line: (seconds after the market's start, the request, its
     startup_minutes, its checkpoint_minutes). Raises ValueError as `parse_line` does."""

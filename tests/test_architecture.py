@@ -1,0 +1,213 @@
+"""The architecture's CI gates (#28). CI runs only the README's pytest command, so these
+tests are how it enforces them:
+
+* the import contracts of pyproject.toml's `[tool.importlinter]`, checked by
+  import-linter (`lint-imports`): the shared vocabulary (`broker.model`) and the
+  schedulers' client stay light, the adapters and the policies stay off the daemon side,
+  the command line stays on top, and no new import cycle appears (the four known ones
+  are listed there, each to be removed by the package redesign);
+* ruff over broker/, adapters/ and policies/, with the complexity (C901 at 15) and size
+  (PLR0911/0912/0913/0915) limits: every function over them carries a `# noqa` and the
+  reason on the line above.
+
+A contract or a limit that catches nothing is worth nothing, so each is also run against
+a copy of the code with a violation put in, and must fail there.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("broker", "adapters", "policies")
+
+
+def _lint_imports(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`lint-imports` run in `cwd`, which it puts first on sys.path, so a copy of the
+    packages there is what it reads, not the installed ones. No cache: nothing is left
+    in the tree, and a stale graph cannot hide an import."""
+    return subprocess.run(
+        [sys.executable, "-c",
+         "from importlinter.cli import lint_imports_command; "
+         "lint_imports_command(prog_name='lint-imports')",
+         "--no-cache", "--no-logo", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=50, check=False)
+
+
+def _ruff(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=50, check=False)
+
+
+def _importlinter_config() -> dict[str, Any]:
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        config: dict[str, Any] = tomllib.load(f)["tool"]["importlinter"]
+    return config
+
+
+def _contract(contract_id: str) -> dict[str, Any]:
+    for contract in _importlinter_config()["contracts"]:
+        if contract["id"] == contract_id:
+            assert isinstance(contract, dict)
+            return contract
+    raise AssertionError(f"no contract {contract_id!r} in pyproject.toml")
+
+
+# --- the import contracts ------------------------------------------------------------
+
+
+def test_import_contracts_are_kept() -> None:
+    r = _lint_imports(ROOT)
+    report = r.stdout + r.stderr
+    assert r.returncode == 0, report
+    assert " 0 broken" in report, report
+    ids = [c["id"] for c in _importlinter_config()["contracts"]]
+    assert f"Contracts: {len(ids)} kept, 0 broken." in report, report
+
+
+def test_the_clients_contract_names_every_other_module_of_broker() -> None:
+    """`broker.client` may import only `broker.model`, `broker.mqtturl` and `broker.files`
+    of the project. import-linter has no "only" for a module's imports, so the contract
+    forbids the others by name; a module added to broker/ must be added there too, or
+    the client could import it unnoticed."""
+    allowed = {"broker.client", "broker.model", "broker.mqtturl", "broker.files"}
+    modules = {f"broker.{p.stem}" for p in (ROOT / "broker").glob("*.py")
+               if p.name != "__init__.py"}
+    modules |= {f"broker.{p.parent.name}" for p in (ROOT / "broker").glob("*/__init__.py")}
+    forbidden = set(_contract("client-light")["forbidden_modules"])
+    assert modules - allowed - forbidden == set(), "add these to the client-light contract"
+    assert {"adapters", "policies"} <= forbidden
+
+
+@pytest.fixture(scope="module")
+def tree_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the packages and of pyproject.toml to put violations in."""
+    root = tmp_path_factory.mktemp("tree")
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, root / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
+    return root
+
+
+@pytest.fixture
+def inject(tree_copy: Path) -> Iterator[Path]:
+    """Yields the copy; every module changed in it is put back afterwards."""
+    saved = {p: p.read_text() for package in PACKAGES for p in (tree_copy / package).rglob("*.py")}
+    yield tree_copy
+    for p, text in saved.items():
+        if p.read_text() != text:
+            p.write_text(text)
+
+
+@pytest.mark.parametrize(("contract_id", "module", "line", "shown"), [
+    ("model-alone", "broker/model.py", "from broker import store",
+     "broker.model -> broker.store"),
+    ("model-alone", "broker/model.py", "import policies.model",
+     "broker.model -> policies.model"),
+    ("client-light", "broker/client.py", "from broker import config",
+     "broker.client -> broker.config"),
+    # indirectly: through the vocabulary the client does import
+    ("client-light", "broker/model.py", "import numpy", "broker.model -> numpy"),
+    ("adapters-not-daemon", "adapters/sim.py", "from broker.daemon import Daemon",
+     "adapters.sim -> broker.daemon"),
+    ("clouds-independent", "adapters/aws/adapter.py", "from adapters.gcp import pricing",
+     "adapters.aws.adapter -> adapters.gcp.pricing"),
+    ("policies-not-daemon", "policies/evaluate.py", "from broker.placement import explain",
+     "policies.evaluate -> broker.placement"),
+    ("cli-on-top", "broker/daemon.py", "from broker import cli", "broker.daemon -> broker.cli"),
+    ("demo-on-top", "broker/http.py", "from broker import demo", "broker.http -> broker.demo"),
+    # a new cycle: recorder already imports trace
+    ("no-cycles", "broker/trace.py", "from broker import recorder", ".trace -> .recorder"),
+    # an import on a known cycle's edge is hidden by its ignore_imports entry, but a new
+    # cycle through the same module is not: events already imports store
+    ("no-cycles", "broker/store.py", "from broker import events", ".store -> .events"),
+    ("no-cycles", "policies/residency.py", "from policies import model",
+     ".residency -> .model"),
+])
+def test_a_contract_catches_its_violation(inject: Path, contract_id: str, module: str,
+                                          line: str, shown: str) -> None:
+    # Kept on the copy as it is: the failure below is the injected import's doing.
+    kept = _lint_imports(inject, "--contract", contract_id)
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    target = inject / module
+    target.write_text(target.read_text() + f"\n{line}\n")
+    r = _lint_imports(inject, "--contract", contract_id)
+    report = r.stdout + r.stderr
+    assert r.returncode != 0, report
+    assert "BROKEN" in report, report
+    assert shown in report, report
+
+
+def test_a_known_cycle_gone_must_leave_the_contracts() -> None:
+    """Every `ignore_imports` entry is a known cycle, each marked in pyproject.toml as
+    removed by the package redesign; once its import is gone, import-linter reports the
+    unmatched entry as an error (its default), so none outlives its cycle."""
+    for contract in _importlinter_config()["contracts"]:
+        assert contract.get("unmatched_ignore_imports_alerting", "error") == "error"
+    text = (ROOT / "pyproject.toml").read_text()
+    section = text[text.index("[tool.importlinter]"):]
+    ignored = [ln.strip() for ln in section.splitlines() if ln.strip().startswith('"broker.')
+               and " -> " in ln]
+    assert ignored, "no ignore_imports entries found"
+    for entry in ignored:
+        above = section.splitlines()[section.splitlines().index(f"  {entry}") - 1]
+        assert "known cycle, removed by the package redesign (#28)" in above, entry
+
+
+# --- ruff: lint, complexity and size ------------------------------------------------
+
+
+def test_ruff_is_clean() -> None:
+    r = _ruff(ROOT, *PACKAGES)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _function(name: str, *, args: int = 1, ifs: int = 0, returns: int = 1,
+              pad: int = 0) -> str:
+    """A function of the given shape: `ifs` ifs in a row (complexity ifs + 1),
+    `returns` returns (the last one at the end), `pad` more plain statements."""
+    params = ", ".join(f"a{i}: int" for i in range(args))
+    body = ["    x = a0"]
+    body += [f"    if x == {i}:\n        x += 1" for i in range(ifs)]
+    body += [f"    if x == {-1 - i}:\n        return {i}" for i in range(returns - 1)]
+    body += ["    x += 1"] * pad
+    body.append("    return x")
+    return f"def {name}({params}) -> int:\n" + "\n".join(body) + "\n"
+
+
+def test_ruff_keeps_complexity_and_size_in_check(tmp_path: Path) -> None:
+    """The limits in pyproject.toml bite just above where they are set, and not at them."""
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    at_limits = [
+        _function("complexity_15", ifs=14),
+        _function("branches_15", ifs=15),  # complexity 16: C901's, below
+        _function("args_8", args=8),
+        _function("returns_8", returns=8),
+        _function("statements_60", pad=59),
+    ]
+    over = {
+        "C901": (_function("complexity_16", ifs=15), "(16 > 15)"),
+        "PLR0912": (_function("branches_16", ifs=16), "(16 > 15)"),
+        "PLR0913": (_function("args_9", args=9), "(9 > 8)"),
+        "PLR0911": (_function("returns_9", returns=9), "(9 > 8)"),
+        "PLR0915": (_function("statements_61", pad=60), "(61 > 60)"),
+    }
+    (tmp_path / "at_limits.py").write_text("\n\n".join(at_limits))
+    r = _ruff(tmp_path, "at_limits.py", "--ignore", "C901", "--output-format", "concise")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _ruff(tmp_path, "at_limits.py", "--output-format", "concise")
+    assert r.stdout.count(" C901 ") == 1 and "branches_15" in r.stdout, r.stdout
+    for code, (source, figures) in over.items():
+        (tmp_path / f"{code}.py").write_text(source)
+        r = _ruff(tmp_path, f"{code}.py", "--output-format", "concise")
+        found = [ln for ln in r.stdout.splitlines() if f" {code} " in ln]
+        assert len(found) == 1 and figures in found[0], r.stdout + r.stderr
