@@ -18,8 +18,9 @@ every figure is read from.
    whose /readyz says it leads) gets SIGKILL, or SIGSTOP; once the new leader has
    decided something, the killed node is started again, or the frozen one gets SIGCONT;
    either must stand by again (/readyz 503 `standby (leader: …)`). Then the site settles:
-   up to `--settle-timeout` s for every request sent more than 1 s ago to be answered,
-   then `--steady` s.
+   up to `--settle-timeout` s for every request sent more than 1 s ago to be answered
+   (if that does not happen, the faults stop there, unless `--keep-going`), then
+   `--steady` s.
    With `--pg-restart N` instead: the daemons' PostgreSQL is a server of the bench's own
    (initdb + pg_ctl on a free port in a temporary directory, as user postgres when the
    bench runs as root), restarted N times (`pg_ctl restart -m fast`) under the same load.
