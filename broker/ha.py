@@ -7,7 +7,9 @@ renewals and releases:
 
 * A **standby** tries, every `claim_every` seconds, to take the term once it has
   expired (`expires_at < now()`) and, in the same transaction, to raise the epoch by
-  one; two standbys starting at once cannot both win.
+  one; two standbys starting at once cannot both win. A term whose holder has died (its
+  database sessions, named with its boot id, gone for `DEAD_AFTER_SECONDS` after being
+  seen) is taken over without waiting for the expiry.
 * The **leader** renews the term's expiry every `seconds / 3`, from a thread and a
   connection of their own (a busy event loop must not let the claim lapse; a loop that
   has not run for `loop_stall_seconds` stops the renewals, so a stuck daemon cannot keep
@@ -62,12 +64,27 @@ _TAKE_TERM = """
 INSERT INTO leadership_term AS t (site, epoch, boot_id, expires_at)
 VALUES (%(site)s, 0, %(boot)s, now() + make_interval(secs => %(ttl)s))
 ON CONFLICT (site) DO UPDATE SET boot_id = excluded.boot_id, expires_at = excluded.expires_at
-WHERE t.expires_at < now()
+WHERE t.expires_at < now() OR t.boot_id = %(dead)s
 RETURNING site
 """
-_TERM_RUNS = """
-SELECT 1 FROM leadership_term WHERE site = %(site)s AND expires_at >= now()
+_TERM = """
+SELECT t.epoch, t.boot_id, t.expires_at >= now(),
+       EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.application_name IN
+               ('gpubroker-election ' || t.boot_id, 'gpubroker-renewal ' || t.boot_id)),
+       EXTRACT(EPOCH FROM now() - pg_postmaster_start_time())
+FROM leadership_term t WHERE t.site = %(site)s
 """
+"""The term, and whether its holder still has a session with the database (its election
+or renewal connection, named with its boot id), and how long the server has run."""
+DEAD_AFTER_SECONDS = 0.5
+"""A holder whose sessions have all been gone this long, and longer than a renewal period —
+seen alive earlier in its term — has died (its process ended: the kernel closed its
+connections, and the server ended their sessions at once): a standby takes its term over
+without waiting for the expiry. Not within `renew_every` + `margin` of a server start (a
+restart ends every session; a living leader connects again at its next renewal), nor
+when the holder was never seen (a server that hides other sessions' names, a pooler in
+between): then the term's expiry decides, as always. A living leader taken for dead this
+way loses nothing but its term: its next renewal or commit is refused by the epoch."""
 _LOCAL_COMMIT = "-c synchronous_commit=local"
 """The election's own statements do not wait for a synchronous replica: a COMMIT that
 waits for one that is away would hold the term row (a standby's claim attempt locks it
@@ -128,7 +145,7 @@ class Leadership:
         self.boot_id = boot_id
         self.seconds = seconds
         self.renew_every = seconds / 3
-        self.claim_every = min(0.5, seconds / 6)
+        self.claim_every = min(0.25, seconds / 8)
         self.margin = max(0.5, seconds / 3)
         self.loop_stall_seconds = loop_stall_seconds
         self.epoch = 0
@@ -147,6 +164,8 @@ class Leadership:
         self._loop_seen = time.monotonic()  # when the event loop last ran (`_beat`)
         self._pulse: asyncio.TimerHandle | None = None
         self._held = 0  # the epoch of the term this node holds in the database, until released
+        self._holder_seen = ""  # standing by: the boot id of a holder seen alive
+        self._holder_gone_since: float | None = None  # ... and since when it is gone
         _own_boots.add(boot_id)
 
     def valid(self) -> bool:
@@ -158,7 +177,7 @@ class Leadership:
         return max(0.0, self.deadline - time.monotonic()) if self.epoch > 0 else 0.0
 
     def _args(self, **extra: Any) -> dict[str, Any]:
-        return {"site": self.site, "node": self.node, "boot": self.boot_id,
+        return {"site": self.site, "node": self.node, "boot": self.boot_id, "dead": "",
                 "ttl": self.seconds, "epoch": self.epoch, "role": self.role,
                 "version": __version__, "started": self.started_at, **extra}
 
@@ -179,8 +198,8 @@ class Leadership:
             # on within the claim's lifetime, not after the kernel's retransmissions.
             self._conn = await psycopg.AsyncConnection.connect(
                 self.store.url, autocommit=True, connect_timeout=max(1, round(self.seconds)),
-                application_name="gpubroker-election", keepalives=1, keepalives_idle=5,
-                keepalives_interval=2, keepalives_count=3,
+                application_name=f"gpubroker-election {self.boot_id}", keepalives=1,
+                keepalives_idle=5, keepalives_interval=2, keepalives_count=3,
                 tcp_user_timeout=int(self.seconds * 1000),
                 options=f"-c lock_timeout={ms} -c statement_timeout={ms * 2} "
                         f"{_LOCAL_COMMIT}", **kwargs)
@@ -207,11 +226,17 @@ class Leadership:
         commit that has passed its fence; the term row is the one renewals write, so a
         stalled commit of the leader never holds up its renewals."""
         # A plain read first: while the term runs (nearly always), no row is locked.
-        cur = await conn.execute(_TERM_RUNS, self._args())
-        if await cur.fetchone() is not None:
-            return None
+        cur = await conn.execute(_TERM, self._args())
+        term = await cur.fetchone()
+        dead = ""
+        if term is not None and term[2]:
+            dead = self._dead_holder(str(term[1]), bool(term[3]), float(term[4]))
+            if not dead:
+                return None
+            log.info("the leader's database sessions are gone: taking its term over "
+                     "before it expires", epoch=int(term[0]))
         async with conn.transaction():
-            cur = await conn.execute(_TAKE_TERM, self._args())
+            cur = await conn.execute(_TAKE_TERM, self._args(dead=dead))
             if await cur.fetchone() is None:
                 return None
             cur = await conn.execute(_CLAIM, self._args())
@@ -220,6 +245,23 @@ class Leadership:
             epoch = int(row[0])
             await conn.execute(_SET_TERM_EPOCH, self._args(epoch=epoch))
         return epoch
+
+    def _dead_holder(self, boot: str, alive: bool, server_up: float) -> str:
+        """The boot id of a running term's holder that has died (`DEAD_AFTER_SECONDS`),
+        else "". Kept per standby: when the holder was last seen alive, since when it
+        has been gone."""
+        now = time.monotonic()
+        if alive or server_up < self.renew_every + self.margin:
+            self._holder_seen = boot if alive else self._holder_seen
+            self._holder_gone_since = None
+            return ""
+        if self._holder_seen != boot:
+            return ""
+        if self._holder_gone_since is None:
+            self._holder_gone_since = now
+        # A living leader whose sessions all ended connects again at its next renewal.
+        after = max(DEAD_AFTER_SECONDS, self.renew_every + 0.25)
+        return boot if now - self._holder_gone_since >= after else ""
 
     async def _seen(self, conn: psycopg.AsyncConnection[Any]) -> float | None:
         """Read who leads (`self.leader`); the seconds left of a term that is this node's
@@ -337,7 +379,7 @@ class Leadership:
 
         ms = self._lock_ms()
         return connect(self.store.url, password_file=self.store.password_file,
-                       application="gpubroker-renewal",
+                       application=f"gpubroker-renewal {self.boot_id}",
                        timeout_seconds=min(2.0, self.seconds),
                        tcp_user_timeout_ms=max(500, int(self.renew_every * 1000)),
                        options=f"-c lock_timeout={ms} -c statement_timeout={ms} "

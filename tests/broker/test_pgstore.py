@@ -860,7 +860,7 @@ def term_expiry(url: str) -> datetime:
 
 def backend_pids(url: str, application: str) -> set[int]:
     return {pid for (pid,) in sql(url, "SELECT pid FROM pg_stat_activity WHERE "
-                                       "application_name = %s AND datname = current_database()",
+                                       "application_name LIKE %s AND datname = current_database()",
                                   (application,))}
 
 
@@ -1038,12 +1038,12 @@ async def test_a_dropped_renewal_connection_is_replaced_at_once(store: PgStateSt
             assert await a.acquire(stop) == 1
         holding = asyncio.create_task(a.hold())
         try:
-            await until(lambda: bool(backend_pids(pg_url, "gpubroker-renewal")),
+            await until(lambda: bool(backend_pids(pg_url, "gpubroker-renewal %")),
                         "the renewal connection", timeout=5)
-            first = backend_pids(pg_url, "gpubroker-renewal")
+            first = backend_pids(pg_url, "gpubroker-renewal %")
             for pid in first:
                 sql(pg_url, "SELECT pg_terminate_backend(%s, 5000)", (pid,))
-            await until(lambda: bool(backend_pids(pg_url, "gpubroker-renewal") - first),
+            await until(lambda: bool(backend_pids(pg_url, "gpubroker-renewal %") - first),
                         "a new renewal connection", timeout=5)
             done, _ = await asyncio.wait({holding}, timeout=1.5)
             assert not done and a.valid()
@@ -1112,3 +1112,69 @@ async def test_the_lease_book_is_followed_change_by_change(store: PgStateStore,
     assert later > cursor
     assert changed == [renewed, c]
     assert await store.lease_changes(later, ended_since=T0) == (later, [])
+
+
+async def test_a_dead_leaders_term_is_taken_over_before_it_expires(
+        store: PgStateStore, pg_url: str) -> None:
+    """A leader whose process ended (its database sessions gone at once) leaves a term of
+    30 s: a standby that saw it alive takes it over within a second or two, not at the
+    expiry; the dead leader's commits are refused."""
+    async with nodes(store, 30.0, "a", "b") as (stop, (a, b)):
+        a.renew_every = b.renew_every = 0.25  # a 30 s term, renewed and watched often
+        async with asyncio.timeout(10):
+            assert await a.acquire(stop) == 1
+        holding = asyncio.create_task(a.hold())
+        standing_by = asyncio.create_task(b.acquire(stop))
+        try:
+            async with asyncio.timeout(10):
+                await b.saw_leader.wait()
+            # Alive, renewing, its sessions there: b waits, though it keeps looking.
+            done, _ = await asyncio.wait({standing_by}, timeout=2.0)
+            assert not done and b._holder_seen == a.boot_id
+            # a's process ends: its renewals stop and every connection of it closes,
+            # without a release (the kernel closes a killed process's sockets).
+            a._stop_renewing.set()
+            holding.cancel()
+            renewer, a._renewer = a._renewer, None
+            assert renewer is not None
+            await asyncio.to_thread(renewer.join, 5)
+            await a._drop()
+            a._held = 0
+            died = asyncio.get_running_loop().time()
+            async with asyncio.timeout(10):
+                assert await standing_by == 2
+            assert asyncio.get_running_loop().time() - died < 3.0  # the term had ~30 s
+            assert term_expiry(pg_url) > datetime.now(term_expiry(pg_url).tzinfo) + \
+                timedelta(seconds=20)  # b's own new term
+            store.epoch, store.boot_id = 1, a.boot_id
+            with pytest.raises(Deposed):
+                await store.commit([lease()], [])
+        finally:
+            holding.cancel()
+            standing_by.cancel()
+
+
+async def test_a_living_leader_whose_sessions_blip_keeps_its_term(
+        store: PgStateStore, pg_url: str) -> None:
+    """Every session of the leader ended at once (a proxy reset) but the process lives:
+    its renewal connects again within a renewal, and a standby that counts on a death
+    only after 0.5 s of absence does not take the term."""
+    async with nodes(store, 30.0, "a", "b") as (stop, (a, b)):
+        a.renew_every = b.renew_every = 0.1  # a death is taken after 0.5 s of absence
+        b.claim_every = 0.05
+        async with asyncio.timeout(10):
+            assert await a.acquire(stop) == 1
+        holding = asyncio.create_task(a.hold())
+        standing_by = asyncio.create_task(b.acquire(stop))
+        try:
+            async with asyncio.timeout(10):
+                await b.saw_leader.wait()
+            await until(lambda: bool(backend_pids(pg_url, "gpubroker-renewal %")),
+                        "the renewal connection", timeout=5)
+            sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                        "application_name LIKE %s", (f"% {a.boot_id}",))
+            done, _ = await asyncio.wait({standing_by, holding}, timeout=3.0)
+            assert not done and a.valid() and leadership_row(pg_url)[:2] == ("a", 1)
+        finally:
+            holding.cancel()
+            standing_by.cancel()
