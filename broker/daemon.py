@@ -560,11 +560,11 @@ class Daemon:
                         detail=str(exc)[:300])
             return
         ours = {(a.name, r) for a in self.adapters for r in a.regions()}
-        taken = []
+        taken: dict[SliceId, float] = {}
         for slice_id, polled_at, offers in shared:
             if slice_id in ours and now - polled_at <= self.pool.stale_after:
                 self.pool.replace(slice_id, offers, polled_at=polled_at)
-                taken.append(slice_id)
+                taken[slice_id] = (now - polled_at).total_seconds()
         self.poller.warmed(taken)
         log.info("took over the last leader's polls", slices=len(taken), of=len(ours),
                  offers=sum(len(self.pool.slice_offers(s)) for s in taken),

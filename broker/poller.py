@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -48,14 +48,19 @@ class Poller:
         self.on_result = on_result
         self.first_round = asyncio.Event()
         self._first_pending = {(a.name, r) for a in self.adapters for r in a.regions()}
+        self._first_delay: dict[SliceId, float] = {}  # the slices taken over (`warmed`)
         if not self._first_pending:
             self.first_round.set()
 
-    def warmed(self, slices: Iterable[SliceId]) -> None:
-        """These slices' offers are in the pool already, fresh (a new leader took them
-        over from its predecessor's last polls): placement need not wait for their
-        first poll. They are polled on schedule all the same."""
-        self._first_pending.difference_update(slices)
+    def warmed(self, ages: Mapping[SliceId, float]) -> None:
+        """These slices' offers are in the pool already, fresh, polled `ages` seconds ago
+        (a new leader took them over from its predecessor's last polls): placement need
+        not wait for their first poll, and each is next polled when its schedule says —
+        a takeover neither doubles the clouds' API calls nor spends its first seconds
+        polling what it has."""
+        self._first_pending.difference_update(ages)
+        for slice_id, age in ages.items():
+            self._first_delay[slice_id] = max(0.0, self.interval - age)
         if not self._first_pending:
             self.first_round.set()
 
@@ -117,6 +122,9 @@ class Poller:
 
     async def _loop(self, adapter: CloudAdapter, region: str) -> None:
         loop = asyncio.get_running_loop()
+        first = self._first_delay.pop((adapter.name, region), 0.0)
+        if first > 0:
+            await asyncio.sleep(first * random.uniform(0.95, 1.05))
         while True:
             started = loop.time()
             result = await self.poll_once(adapter, region)
