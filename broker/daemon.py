@@ -102,7 +102,8 @@ class Daemon:
             assert isinstance(self.store, PgStateStore)
             self.leadership = Leadership(self.store, site=cfg.site, node=cfg.node,
                                          boot_id=self.boot_id,
-                                         seconds=cfg.state.leadership_seconds)
+                                         seconds=cfg.state.leadership_seconds,
+                                         gone=self._said_offline)
         self.pool = ResourcePool(stale_after_seconds=cfg.poll.stale_after_seconds)
         self.hazard = _hazard_estimator(self.policy, None)
         self.hazard_warm = asyncio.Event()
@@ -489,6 +490,13 @@ class Daemon:
             return False
         await self._store_connection_alive()
         return True
+
+    def _said_offline(self, boot_id: str) -> bool:
+        """Standing by: whether the last `P/status` this node saw is that boot's
+        `offline` (a leader's will fires when its MQTT connection drops)."""
+        status = self.leader_status
+        return (status is not None and status.get("state") == "offline"
+                and status.get("boot_id") == boot_id)
 
     async def _lease_book(self, ended_since: datetime) -> list[Lease]:
         """The lease book to restore: read whole (SQLite), or — just elected — the book

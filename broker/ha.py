@@ -8,8 +8,8 @@ renewals and releases:
 * A **standby** tries, every `claim_every` seconds, to take the term once it has
   expired (`expires_at < now()`) and, in the same transaction, to raise the epoch by
   one; two standbys starting at once cannot both win. A term whose holder has died (its
-  database sessions, named with its boot id, gone for `DEAD_AFTER_SECONDS` after being
-  seen) is taken over without waiting for the expiry.
+  will seen on the MQTT bus and its database sessions, named with its boot id, gone for
+  `DEAD_AFTER_SECONDS` after being seen) is taken over without waiting for the expiry.
 * The **leader** renews the term's expiry every `seconds / 3`, from a thread and a
   connection of their own (a busy event loop must not let the claim lapse; a loop that
   has not run for `loop_stall_seconds` stops the renewals, so a stuck daemon cannot keep
@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -77,14 +78,16 @@ FROM leadership_term t WHERE t.site = %(site)s
 """The term, and whether its holder still has a session with the database (its election
 or renewal connection, named with its boot id), and how long the server has run."""
 DEAD_AFTER_SECONDS = 0.5
-"""A holder whose sessions have all been gone this long, and longer than a renewal period —
-seen alive earlier in its term — has died (its process ended: the kernel closed its
-connections, and the server ended their sessions at once): a standby takes its term over
-without waiting for the expiry. Not within `renew_every` + `margin` of a server start (a
-restart ends every session; a living leader connects again at its next renewal), nor
-when the holder was never seen (a server that hides other sessions' names, a pooler in
-between): then the term's expiry decides, as always. A living leader taken for dead this
-way loses nothing but its term: its next renewal or commit is refused by the epoch."""
+"""A holder that is gone from both sides — its will (`offline`, its boot id) seen on the
+MQTT bus, and every database session of it (named with its boot id), seen alive earlier
+in its term, gone this long — has died: its process ended, and the kernel closed its
+connections. A standby then takes its term over without waiting for the expiry. A leader
+cut off from only one side (the database, or the bus) is not taken for dead: it stops at
+its own deadline, as before. Not within `renew_every` + `margin` of the database
+server's start (a restart ends every session), nor when the holder was never seen (a
+server that hides other sessions' names, a pooler in between): then the term's expiry
+decides. A living leader taken for dead loses nothing but its term: its next renewal or
+commit is refused by the epoch."""
 _LOCAL_COMMIT = "-c synchronous_commit=local"
 """The election's own statements do not wait for a synchronous replica: a COMMIT that
 waits for one that is away would hold the term row (a standby's claim attempt locks it
@@ -138,7 +141,8 @@ class Leadership:
     """This node's part in the site's election (see the module docstring)."""
 
     def __init__(self, store: PgStateStore, *, site: str, node: str, boot_id: str,
-                 seconds: float = 3.0, loop_stall_seconds: float = LOOP_STALL_SECONDS) -> None:
+                 seconds: float = 3.0, loop_stall_seconds: float = LOOP_STALL_SECONDS,
+                 gone: Callable[[str], bool] | None = None) -> None:
         self.store = store
         self.site = site
         self.node = node
@@ -148,6 +152,10 @@ class Leadership:
         self.claim_every = min(0.25, seconds / 8)
         self.margin = max(0.5, seconds / 3)
         self.loop_stall_seconds = loop_stall_seconds
+        self.gone = gone
+        """Whether the node of this boot id said on the MQTT bus that it is gone (its will,
+        `offline`, seen by this standby): with its database sessions gone as well, its
+        process has ended (`DEAD_AFTER_SECONDS`). None: never taken for dead early."""
         self.epoch = 0
         self.deadline = 0.0
         self.role = "standby"
@@ -255,13 +263,11 @@ class Leadership:
             self._holder_seen = boot if alive else self._holder_seen
             self._holder_gone_since = None
             return ""
-        if self._holder_seen != boot:
+        if self._holder_seen != boot or self.gone is None or not self.gone(boot):
             return ""
         if self._holder_gone_since is None:
             self._holder_gone_since = now
-        # A living leader whose sessions all ended connects again at its next renewal.
-        after = max(DEAD_AFTER_SECONDS, self.renew_every + 0.25)
-        return boot if now - self._holder_gone_since >= after else ""
+        return boot if now - self._holder_gone_since >= DEAD_AFTER_SECONDS else ""
 
     async def _seen(self, conn: psycopg.AsyncConnection[Any]) -> float | None:
         """Read who leads (`self.leader`); the seconds left of a term that is this node's

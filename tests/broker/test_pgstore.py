@@ -1121,6 +1121,8 @@ async def test_a_dead_leaders_term_is_taken_over_before_it_expires(
     expiry; the dead leader's commits are refused."""
     async with nodes(store, 30.0, "a", "b") as (stop, (a, b)):
         a.renew_every = b.renew_every = 0.25  # a 30 s term, renewed and watched often
+        wills: set[str] = set()  # the boot ids whose `offline` b saw on the bus
+        b.gone = wills.__contains__
         async with asyncio.timeout(10):
             assert await a.acquire(stop) == 1
         holding = asyncio.create_task(a.hold())
@@ -1140,6 +1142,11 @@ async def test_a_dead_leaders_term_is_taken_over_before_it_expires(
             await asyncio.to_thread(renewer.join, 5)
             await a._drop()
             a._held = 0
+            # Its database sessions alone gone: not dead yet (it might be cut off from the
+            # database only); its will on the bus as well: dead.
+            done, _ = await asyncio.wait({standing_by}, timeout=1.5)
+            assert not done
+            wills.add(a.boot_id)
             died = asyncio.get_running_loop().time()
             async with asyncio.timeout(10):
                 assert await standing_by == 2
@@ -1160,8 +1167,9 @@ async def test_a_living_leader_whose_sessions_blip_keeps_its_term(
     its renewal connects again within a renewal, and a standby that counts on a death
     only after 0.5 s of absence does not take the term."""
     async with nodes(store, 30.0, "a", "b") as (stop, (a, b)):
-        a.renew_every = b.renew_every = 0.1  # a death is taken after 0.5 s of absence
+        a.renew_every = b.renew_every = 0.1
         b.claim_every = 0.05
+        b.gone = lambda boot: True  # even with its will seen (a bus blip as well)
         async with asyncio.timeout(10):
             assert await a.acquire(stop) == 1
         holding = asyncio.create_task(a.hold())
