@@ -61,3 +61,34 @@ class RunningDaemon:
 StartDaemon = Callable[..., Awaitable[RunningDaemon]]
 
 
+
+
+async def start_until_ready(cfg: Config, started: list[RunningDaemon],
+                            timeout: float = 15) -> RunningDaemon:
+    """Start a daemon in-process (added to `started`, for the test to stop); return once
+    it is ready, or raise what ended it first."""
+    daemon = Daemon(cfg)
+    stop = asyncio.Event()
+    rd = RunningDaemon(daemon, asyncio.create_task(daemon.run(stop)), stop)
+    started.append(rd)
+    ready = asyncio.create_task(daemon.ready.wait())
+    done, _ = await asyncio.wait({ready, rd.task}, timeout=timeout,
+                                 return_when=asyncio.FIRST_COMPLETED)
+    if rd.task in done:
+        ready.cancel()
+        rd.task.result()
+    assert ready in done, f"daemon did not become ready within {timeout:g} s"
+    return rd
+
+
+def fill_up(db: Any) -> None:
+    """Make a SQLite state file as full as it may get on this connection: no free pages
+    and no room to grow, so the next commit that needs a page fails with a real
+    SQLITE_FULL. The limit is the connection's own: a restarted daemon has room."""
+    db.execute("VACUUM")
+    pages = db.execute("PRAGMA page_count").fetchone()[0]
+    db.execute(f"PRAGMA max_page_count = {pages}")
+
+
+BIG_LABELS = {f"label-{i}": "x" * 250 for i in range(40)}
+"""About 10 KB of labels: a request that needs new pages in the store."""

@@ -9,20 +9,26 @@ import asyncio
 import contextlib
 import json
 import re
-import sqlite3
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_helpers import PREFIX, RunningDaemon, StartDaemon, daemon_config
+from daemon_helpers import (
+    BIG_LABELS,
+    PREFIX,
+    RunningDaemon,
+    StartDaemon,
+    daemon_config,
+    fill_up,
+    start_until_ready,
+)
 from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, payload_json
 
 from broker.bus import RECEIVE_MAXIMUM, Bus, _drop
-from broker.config import Config, MqttConfig
+from broker.config import MqttConfig
 from broker.core import REPEATED, Command
-from broker.daemon import Daemon
 from broker.events import Topics
 from broker.store import StateStore, StoreFailed
 
@@ -247,17 +253,6 @@ async def _all_seen(probe: MqttProbe) -> list[Any]:
     return [payload_json(m) for m in probe.messages if not str(m.topic).endswith("/marker")]
 
 
-def fill_up(db: sqlite3.Connection) -> None:
-    """No free pages and no room to grow on the daemon's own connection: the next commit
-    that needs a page fails with a real SQLITE_FULL (a restarted daemon has room)."""
-    db.execute("VACUUM")
-    pages = db.execute("PRAGMA page_count").fetchone()[0]
-    db.execute(f"PRAGMA max_page_count = {pages}")
-
-
-BIG_LABELS = {f"label-{i}": "x" * 250 for i in range(40)}  # ~10 KB: new pages
-
-
 @pytest.fixture
 async def daemons() -> AsyncIterator[list[RunningDaemon]]:
     """Daemons started by the test (one may end with an error), stopped at teardown."""
@@ -268,19 +263,6 @@ async def daemons() -> AsyncIterator[list[RunningDaemon]]:
             await rd.stop()
 
 
-async def _start(cfg: Config, started: list[RunningDaemon]) -> RunningDaemon:
-    daemon = Daemon(cfg)
-    stop = asyncio.Event()
-    rd = RunningDaemon(daemon, asyncio.create_task(daemon.run(stop)), stop)
-    started.append(rd)
-    ready = asyncio.create_task(daemon.ready.wait())
-    done, _ = await asyncio.wait({ready, rd.task}, timeout=15,
-                                 return_when=asyncio.FIRST_COMPLETED)
-    if rd.task in done:
-        ready.cancel()
-        rd.task.result()
-    assert ready in done, "daemon did not become ready within 15 s"
-    return rd
 
 
 async def test_a_request_received_before_a_crash_is_answered_by_the_next_boot(
@@ -292,13 +274,13 @@ async def test_a_request_received_before_a_crash_is_answered_by_the_next_boot(
     lost: nobody ever answered it.)"""
     probe = await probe_factory([f"{PREFIX}/events/#"])
     cfg = daemon_config(mosquitto, tmp_path / "state.db")
-    first = await _start(cfg, daemons)
+    first = await start_until_ready(cfg, daemons)
     await first.daemon.store.call(fill_up)
     await probe.publish(PLACE, {**body("doomed"), "labels": BIG_LABELS})
     async with asyncio.timeout(15):
         with pytest.raises(StoreFailed):
             await first.task
-    second = await _start(cfg, daemons)
+    second = await start_until_ready(cfg, daemons)
     answer = payload_json(await probe.wait_for(decided("doomed"), timeout=15))
     assert answer["bootid"] == second.daemon.boot_id
     events = await _all_seen(probe)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_helpers import BIG_LABELS, fill_up
 from factories import SLICE, Clock, Sink, offer, pool_of, request
 
 from broker.core import Broker, Command
@@ -214,15 +215,6 @@ async def test_a_backlog_found_at_start_is_answered_in_small_batches_first(
 # --- a commit the store refuses: crash-only --------------------------------------------
 
 
-def fill_up(db: Any) -> None:
-    """Make the state file as full as it may get (a real SQLITE_FULL on the next commit
-    that needs a page): no free pages, no room to grow. The limit is this connection's."""
-    db.execute("VACUUM")
-    pages = db.execute("PRAGMA page_count").fetchone()[0]
-    db.execute(f"PRAGMA max_page_count = {pages}")
-
-
-BIG_LABELS = {f"label-{i}": "x" * 250 for i in range(40)}  # ~10 KB: new pages in the store
 
 
 def _answered(request_id: str, **fields: Any) -> Any:

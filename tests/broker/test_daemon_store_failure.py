@@ -5,38 +5,33 @@ same file recovers what was committed (README "State and durability")."""
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from daemon_helpers import PREFIX, RunningDaemon, daemon_config
+from daemon_helpers import (
+    BIG_LABELS,
+    PREFIX,
+    RunningDaemon,
+    daemon_config,
+    fill_up,
+    start_until_ready,
+)
 from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, free_port, payload_json
 
 from broker.config import Config, HttpConfig
 from broker.core import REPEATED
-from broker.daemon import Daemon
 from broker.store import StoreFailed
 
 S = "sched-1"
 TOKEN = "tok-3e9a"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-BIG_LABELS = {f"label-{i}": "x" * 250 for i in range(40)}  # ~10 KB: new pages in the store
 
 
 def place_body(request_id: str, **extra: Any) -> dict[str, Any]:
     return {"request_id": request_id, "gpu": ["A100-80GB", "H100-80GB"], "gpus": 8, **extra}
-
-
-def fill_up(db: sqlite3.Connection) -> None:
-    """Make the state file as full as it may get, on the daemon's own connection: no free
-    pages and no room to grow, so the next commit that needs a page fails with a real
-    SQLITE_FULL. The limit belongs to this connection: a restarted daemon has room."""
-    db.execute("VACUUM")
-    pages = db.execute("PRAGMA page_count").fetchone()[0]
-    db.execute(f"PRAGMA max_page_count = {pages}")
 
 
 @pytest.fixture
@@ -56,19 +51,6 @@ async def running() -> AsyncIterator[list[RunningDaemon]]:
             await rd.stop()
 
 
-async def start(cfg: Config, daemons: list[RunningDaemon]) -> RunningDaemon:
-    daemon = Daemon(cfg)
-    stop = asyncio.Event()
-    rd = RunningDaemon(daemon, asyncio.create_task(daemon.run(stop)), stop)
-    daemons.append(rd)
-    ready = asyncio.create_task(daemon.ready.wait())
-    done, _ = await asyncio.wait({ready, rd.task}, timeout=15,
-                                 return_when=asyncio.FIRST_COMPLETED)
-    if rd.task in done:
-        ready.cancel()
-        rd.task.result()
-    assert ready in done, "daemon did not become ready within 15 s"
-    return rd
 
 
 def decided(request_id: str) -> Any:
@@ -89,7 +71,7 @@ async def test_a_refused_commit_stops_the_daemon_and_a_restart_recovers(
     probe = await probe_factory([f"{PREFIX}/events/#"])
     status_probe = await probe_factory([f"{PREFIX}/status"])
     base = f"http://{config.http.listen}"
-    first = await start(config, running)
+    first = await start_until_ready(config, running)
     kept = (await place_mqtt(probe, "kept"))["data"]
     committed = {le.lease_id: le.to_json() for le in first.daemon.book.all()}
     assert list(committed) == [kept["lease_id"]]
@@ -125,7 +107,7 @@ async def test_a_refused_commit_stops_the_daemon_and_a_restart_recovers(
     assert payload_json(offline)["boot_id"] == first.daemon.boot_id
 
     # A restart on the same file: the lease book is what was committed, no more.
-    second = await start(config, running)
+    second = await start_until_ready(config, running)
     assert second.daemon.boot_id != first.daemon.boot_id
     # (compared as published and stored: in memory a price's observed_at has microseconds,
     # the store keeps milliseconds)
