@@ -497,11 +497,7 @@ class StateStore(OneThreadStore[SqliteDb]):
                                          cur.lastrowid))
                 db.execute("COMMIT")
             except BaseException:
-                # SQLite may have rolled back already (SQLITE_FULL, SQLITE_IOERR ...); a
-                # second ROLLBACK would fail and hide the error that matters.
-                if db.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        db.execute("ROLLBACK")
+                _end_failed(db)
                 raise
             return out
 
@@ -536,9 +532,7 @@ class StateStore(OneThreadStore[SqliteDb]):
                                    f"({','.join('?' * len(chunk))})", chunk)
                     db.execute("COMMIT")
                 except BaseException:
-                    if db.in_transaction:
-                        with contextlib.suppress(sqlite3.Error):
-                            db.execute("ROLLBACK")
+                    _end_failed(db)
                     raise
             finally:
                 if relax:
@@ -596,6 +590,15 @@ _UPSERT_LEASE = (
     "leader_epoch=excluded.leader_epoch, part=excluded.part")
 _INSERT_OUTBOX = ("INSERT INTO outbox (topic, payload, qos, retain, props, leader_epoch) "
                   "VALUES (?,?,?,?,?,?)")
+
+
+def _end_failed(db: SqliteDb) -> None:
+    """Roll back a transaction that failed, if SQLite has not already (SQLITE_FULL,
+    SQLITE_IOERR ... roll back by themselves): a second ROLLBACK would fail and hide the
+    error that matters."""
+    if db.in_transaction:
+        with contextlib.suppress(sqlite3.Error):
+            db.execute("ROLLBACK")
 
 
 def _lease_row(lease: Lease, epoch: int) -> tuple[str, str, str, str, str, str, int, int]:
