@@ -299,9 +299,12 @@ class _Call:
     json_body: dict[str, Any]
 
 
-CALL: web.RequestKey[_Call | None] = web.RequestKey("fake_aws_call")
+CALL: Any = (
+    web.RequestKey("fake_aws_call") if hasattr(web, "RequestKey") else "fake_aws_call"
+)
 """The request's `_Call` (None: not one the fake understands), set by the counting
-middleware."""
+middleware. A typed key where aiohttp has one (3.14 warns on a plain string key); a
+string on the older releases pyproject.toml's aiohttp range still admits."""
 
 
 def _iso(ts: datetime) -> str:
