@@ -168,7 +168,11 @@ async def _standby_leases(d: Daemon) -> list[Lease] | web.Response:
 
 async def offers(request: web.Request) -> web.Response:
     d = _daemon(request)
-    if (refused := _view_refused(d, request) or _standing_by(d)) is not None:
+    # `is None`, never `or`: a Response is a mapping, and an empty one is falsy.
+    refused = _view_refused(d, request)
+    if refused is None:
+        refused = _standing_by(d)
+    if refused is not None:
         return refused
     q = request.query
     try:
