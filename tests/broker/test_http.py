@@ -267,10 +267,10 @@ async def livez(port: int, timeout: float) -> float:
 async def slow_clients(port: int, count: int) -> list[tuple[asyncio.StreamReader,
                                                             asyncio.StreamWriter]]:
     """`count` connections that sent half a request header and nothing since (those
-    the server's backlog cannot take within 2 s are left out)."""
+    the server's backlog cannot take within 5 s are left out)."""
     async def one() -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         try:
-            async with asyncio.timeout(2):
+            async with asyncio.timeout(5):
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
         except (TimeoutError, OSError):
             return None
@@ -318,8 +318,9 @@ async def test_slow_clients_do_not_exhaust_descriptors(
     await wait_listening(d.port)
     conns = await slow_clients(d.port, FD_LIMIT + 100)
     try:
-        # Every one was accepted (the oldest idle ones made room for the newest)...
-        assert len(conns) == FD_LIMIT + 100
+        # More were accepted than there are descriptors (the oldest idle ones made room
+        # for the newest; on a busy machine a few may miss the connect timeout)...
+        assert len(conns) > FD_LIMIT + 50, len(conns)
         # ...the daemon still answers at once, with more half-sent headers than
         # descriptors...
         assert await livez(d.port, 3) < 3
