@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from adapters.gpus import canonical
+from broker.market.pool import ResourcePool
 from broker.model import Market, Offer, PlaceRequest, PoolKey
-from broker.pool import ResourcePool
 from policies.model import Gpus, Policy, Scoring, Team
 
 # the snapshot vendored with the tests (provenance: tests/fixtures/prices/README.md);

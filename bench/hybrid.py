@@ -47,7 +47,7 @@ from broker.backtest.compare import Comparison, Seeds, compare
 from broker.backtest.engine import Settings
 from broker.backtest.market import PrivateSite, SimSpec, simulate_market
 from broker.backtest.workload import generate_workload
-from broker.stdio import stdout_to_stderr
+from broker.output.stdio import stdout_to_stderr
 
 COLUMNS = (
     ("$/USEFUL CLOUD", "cloud", "cost_per_useful_gpu_hour", "{:.4f}"),

@@ -9,7 +9,7 @@ a. 1,000 requests × 5,000 offers, a few seeds: the heuristic, the MILP, the opt
    side by side: objective, expected cost, requests placed, ratios to the optimum, wall
    time; each answer checked for capacity, quota and team limits independently.
 b. 10,000 requests × 50,000 offers: the heuristic's time (median of `--runs`) and its gap
-   to the LP lower bound (column generation, as `broker.solver.exact` starts), then
+   to the LP lower bound (column generation, as `broker.placement.solver.exact` starts), then
    which features of the instance make the gap (the same at 1,000 × 5,000 with one
    feature switched off at a time). `--profile`: where the heuristic's time goes.
 c. For (b): time to evaluate the policy, build the candidate lists, solve, and turn the
@@ -64,7 +64,7 @@ from _instances import Instance, group_quotas, instance, pool_from  # noqa: E402
 
 from broker import placement, solver  # noqa: E402
 from broker.model import Offer, PoolKey  # noqa: E402
-from broker.placement import Ask, BatchResult, Decision, Outcome, Rejection, Settings  # noqa: E402
+from broker.placement.optimizer import Ask, BatchResult, Decision, Outcome, Rejection, Settings  # noqa: E402
 from policies.evaluate import Denied, TeamUsage, evaluate  # noqa: E402
 from policies.model import Team  # noqa: E402
 
@@ -949,7 +949,7 @@ def checkout_env(root: Path) -> dict[str, str]:
 
 def imports_from(root: Path) -> str:
     out = subprocess.run(
-        [sys.executable, "-c", "import broker.placement as p; print(p.__file__)"],
+        [sys.executable, "-c", "import broker.placement.optimizer as p; print(p.__file__)"],
         cwd=root, env=checkout_env(root), capture_output=True, text=True, check=True)
     return out.stdout.strip()
 
@@ -1144,7 +1144,7 @@ def part_d(args: argparse.Namespace) -> None:
                 ("this checkout", ROOT, ""),
                 ("this, heuristic only", ROOT, "placement: {exact_max_batch: 0}\n")]
             for name, root, extra in checkouts:
-                print(f"   {name}: {root} (broker.placement from {imports_from(root)})"
+                print(f"   {name}: {root} (broker.placement.optimizer from {imports_from(root)})"
                       + (f"; config + {extra.strip()}" if extra else ""))
             asyncio.run(part_d_async(args, checkouts, workdir))
     finally:
@@ -1216,7 +1216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {load()}; "
           f"snapshot {inst_mod.DATA_DIR}; sources: " + ", ".join(
               f"{name} {hashlib.sha1((ROOT / name).read_bytes()).hexdigest()[:10]}"
-              for name in ("broker/placement.py", "broker/solver.py")))
+              for name in ("broker/placement/optimizer.py", "broker/placement/solver.py")))
     started = time.perf_counter()
     if "a" in parts:
         part_a(args)

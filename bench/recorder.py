@@ -11,7 +11,7 @@ the event loop is timed separately.
 
 Then: bytes per row (database size after a checkpoint / rows), the disk writes that
 recording caused (WAL and checkpoints), the export rate of `HistoryReader.rows`, how fast
-the daemon's hazard estimates warm from the spot rows at start (`broker.hazard`), and the
+the daemon's hazard estimates warm from the spot rows at start (`broker.market.hazard`), and the
 duration of each bounded pruning step when everything before the latest snapshot goes.
 
 The simulated market moves every signal of every pool on every poll (on-demand
@@ -39,10 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from adapters.sim import SimAdapter  # noqa: E402
-from broker.hazard import HazardEstimator  # noqa: E402
-from broker.model import Market, utcnow  # noqa: E402
-from broker.pool import PoolChange, ResourcePool  # noqa: E402
-from broker.recorder import (  # noqa: E402
+from broker.market.hazard import HazardEstimator  # noqa: E402
+from broker.market.pool import PoolChange, ResourcePool  # noqa: E402
+from broker.market.recorder import (  # noqa: E402
     SNAPSHOT,
     SNAPSHOT_CHUNK_ROWS,
     HistoryReader,
@@ -51,7 +50,8 @@ from broker.recorder import (  # noqa: E402
     start_pruning,
     write_snapshot_chunk,
 )
-from broker.store import StateStore  # noqa: E402
+from broker.model import Market, utcnow  # noqa: E402
+from broker.state.store import StateStore  # noqa: E402
 
 
 def _write_bytes() -> int:

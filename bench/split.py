@@ -28,9 +28,9 @@ SCRIPT = Path(__file__).resolve()
 sys.path[:0] = [str(SCRIPT.parent.parent)]
 
 from adapters.sim import SimAdapter  # noqa: E402
+from broker.market.pool import ResourcePool  # noqa: E402
 from broker.model import PlaceRequest  # noqa: E402
-from broker.placement import Ask, Decision, solve  # noqa: E402
-from broker.pool import ResourcePool  # noqa: E402
+from broker.placement.optimizer import Ask, Decision, solve  # noqa: E402
 from policies.model import Policy  # noqa: E402
 
 T0 = datetime(2026, 11, 30, 12, tzinfo=UTC)

@@ -72,9 +72,9 @@ from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from broker import files
+from broker.daemon import files
+from broker.daemon.mqtturl import parse_mqtt_url
 from broker.model import SCHEDULER_ID, LeaseState, Placement, parse_iso
-from broker.mqtturl import parse_mqtt_url
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -899,7 +899,7 @@ class BrokerClient:
     async def _publish(self, client: aiomqtt.Client, topic: str, payload: bytes,
                        props: Properties | None) -> bool:
         """QoS 1, never retained; True once the server acknowledged it. (asyncio.timeout,
-        not aiomqtt's own, for the reason in `broker.bus.Bus._publish`.)"""
+        not aiomqtt's own, for the reason in `broker.edges.bus.Bus._publish`.)"""
         try:
             async with asyncio.timeout(10):
                 await client.publish(topic, payload, qos=1, retain=False,

@@ -355,7 +355,7 @@ class PlaceRequest:
 
     @classmethod
     def from_json(cls, scheduler: str, r: dict[str, Any]) -> PlaceRequest:
-        """Rebuild a request `to_json` wrote (trusted input; see broker.requests for
+        """Rebuild a request `to_json` wrote (trusted input; see broker.wire.validation for
         validating what schedulers send)."""
         return cls(
             scheduler=scheduler,

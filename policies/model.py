@@ -109,7 +109,7 @@ class Scoring(_Strict):
     `restart_hours`, which weighs an expensive GPU's interruptions more)."""
     hazard_half_life_hours: float = Field(default=6.0, ge=0, le=24 * 30)
     """Score a spot pool with the interruption rate and availability expected over a
-    job from its history (`broker.hazard`: moving averages with this half-life, blended
+    job from its history (`broker.market.hazard`: moving averages with this half-life, blended
     with the current values), not only the last poll's. 0: the last poll's."""
 
 

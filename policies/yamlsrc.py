@@ -17,7 +17,7 @@ from typing import Annotated, Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from broker import files
+from broker.daemon import files
 
 Loc = tuple[str | int, ...]
 
@@ -32,9 +32,9 @@ class Problem:
 
     def __str__(self) -> str:
         """`FILE:LINE:COL: key: message`, with the control characters of all of it
-        escaped (`broker.stdio.printable`): the file name, a key and the text a message
+        escaped (`broker.output.stdio.printable`): the file name, a key and the text a message
         quotes come from the user, and a terminal must not act on them."""
-        from broker.stdio import printable
+        from broker.output.stdio import printable
 
         where = self.file
         if self.line is not None:

@@ -3,7 +3,7 @@
 ``check(topic, payload)`` says what is wrong with a message on one of the daemon's topics
 (``<prefix>/status``, ``/events/...``, ``/leases/...``, ``/capacity/...``,
 ``/replies/...``), or ``None``: it is not a daemon topic, or the message follows the
-contract. Each topic has its schema of ``docs/schemas/`` (``broker.contract``), closed to
+contract. Each topic has its schema of ``docs/schemas/`` (``broker.wire.contract``), closed to
 keys the contract does not name (``strict=True``): a field the daemon sends that the
 contract does not know fails the test as much as a missing or mistyped one. Requests are
 not checked (tests send invalid ones on purpose).
@@ -32,7 +32,7 @@ from typing import Any
 import jsonschema
 from jsonschema.exceptions import best_match
 
-from broker import contract, payloads
+from broker.wire import contract, payloads
 
 _ROUTES = (
     ("status", re.compile(r"^(?P<prefix>.+?)/status$")),

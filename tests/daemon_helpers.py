@@ -10,7 +10,8 @@ from typing import Any
 from mqtt_helpers import Mosquitto
 
 from adapters.sim import SimAdapter
-from broker.config import (
+from broker.daemon.assembly import Daemon
+from broker.daemon.config import (
     CloudsConfig,
     Config,
     HttpConfig,
@@ -19,7 +20,6 @@ from broker.config import (
     SimConfig,
     StateConfig,
 )
-from broker.daemon import Daemon
 
 PREFIX = "gpubroker/v1"
 

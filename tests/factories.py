@@ -13,9 +13,9 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from broker.market.pool import ResourcePool, SliceId
 from broker.model import Market, Offer, Placement, PlaceRequest, PoolKey, Target
-from broker.pool import ResourcePool, SliceId
-from broker.store import OutboxRow
+from broker.state.store import OutboxRow
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 SLICE: SliceId = ("sim", "aws:us-east-1")

@@ -590,7 +590,7 @@ class ContractViolation(AssertionError):
         super().__init__(
             f"{len(errors)} message(s) received by {client_id} break the published "
             "contract (docs/contract.md; the schemas in docs/schemas/ are generated from "
-            "broker/payloads.py by `python -m broker.contract`):\n" + "\n".join(errors))
+            "broker/wire/payloads.py by `python -m broker.wire.contract`):\n" + "\n".join(errors))
 
 
 # What the ``probe_factory`` fixture yields: ``await probe_factory(topics, **MqttProbe kw)``.

@@ -20,9 +20,9 @@ import pytest
 from contract_check import problem
 from pydantic import BaseModel
 
-from broker import contract, payloads
-from broker.cli import _parser
-from broker.config import CloudsConfig, Config, parse_config
+from broker.cli.main import _parser
+from broker.daemon.config import CloudsConfig, Config, parse_config
+from broker.wire import contract, payloads
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -119,7 +119,7 @@ def test_every_command_is_documented() -> None:
 
 
 def test_every_http_endpoint_is_documented() -> None:
-    from broker.http import build_app
+    from broker.edges.http import build_app
 
     text = section(8)
     app = build_app(object())  # type: ignore[arg-type]

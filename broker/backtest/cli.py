@@ -11,8 +11,8 @@ from typing import Any, TextIO
 
 from broker.backtest import STRATEGIES
 from broker.backtest.market import MAX_SPAN_DAYS, PrivateSite
-from broker.stdio import printable, stdout_to_stderr
-from broker.trace import MAX_GPUS, MAX_INTERRUPTION_RATE, MAX_PRICE_PER_HOUR
+from broker.market.traces import MAX_GPUS, MAX_INTERRUPTION_RATE, MAX_PRICE_PER_HOUR
+from broker.output.stdio import printable, stdout_to_stderr
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 MAX_SEEDS = 100
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912, PLR0915
             cmp.check_chart()
         except cmp.ChartUnavailable as exc:
             problems.append(f"--chart: {exc}")
-    from broker.cli import _why, output_problem
+    from broker.cli.main import _why, output_problem
 
     for flag, path in (("--json-out", args.json_out), ("--chart", args.chart),
                        ("--save-market", args.save_market),
@@ -301,7 +301,7 @@ def private_site(args: argparse.Namespace) -> tuple[PrivateSite | None, list[str
     import math
 
     from broker.model import GPU_MODELS
-    from broker.requests import unknown_gpu
+    from broker.wire.validation import unknown_gpu
 
     problems = []
     others = (("--private-gpu", args.private_gpu),
@@ -346,7 +346,7 @@ def private_site(args: argparse.Namespace) -> tuple[PrivateSite | None, list[str
 
 def _say(err: TextIO, text: str) -> None:
     """One line on stderr, `gpubroker: …`, its control characters escaped: the messages
-    quote file names and values from the user's files (`broker.stdio.printable`)."""
+    quote file names and values from the user's files (`broker.output.stdio.printable`)."""
     print(f"gpubroker: {printable(text)}", file=err)
 
 

@@ -2,7 +2,7 @@
 
 The run uses the daemon's own parts: a real `ResourcePool` fed slice by slice from the
 market trace (its clock is the simulated one; offers never go stale, since a trace row
-holds until the pool's next row), a real `LeaseBook`, `broker.failover`'s triggers
+holds until the pool's next row), a real `LeaseBook`, `broker.leasing.failover`'s triggers
 (`from_pool_change`, `held_back`) and the strategy's placement and failover code. No
 sleeping, no MQTT, no asyncio.
 
@@ -12,7 +12,7 @@ it through its own `StrategyView`, whose holdings and cool-downs live in a `Reso
 of its own, and has its own lease book, jobs and events. Strategies share nothing else,
 so each run is what it would be alone. A strategy whose policy keeps pool history
 (`scoring.hazard_half_life_hours` > 0: gpubroker's; the baselines' is 0) scores spot
-pools with a `broker.hazard.HazardEstimator` on its view, fed by the market pool as each
+pools with a `broker.market.hazard.HazardEstimator` on its view, fed by the market pool as each
 step's rows land (as the daemon's is fed by its polls): it knows no row after the
 simulated present. Events, in time order (and in this order at one instant):
 
@@ -80,12 +80,13 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from broker import failover
 from broker.backtest.market import HazardSchedule, MarketTrace, SliceId
 from broker.backtest.strategies import Strategy, rid
 from broker.backtest.workload import Arrival, Workload
-from broker.hazard import HazardEstimator
-from broker.leases import LeaseBook
+from broker.leasing import failover
+from broker.leasing.book import LeaseBook
+from broker.market.hazard import HazardEstimator
+from broker.market.pool import PoolChange, ResourcePool
 from broker.model import (
     FailoverReason,
     Lease,
@@ -97,8 +98,7 @@ from broker.model import (
     PoolKey,
     RejectCode,
 )
-from broker.placement import Ask, Decision, Rejection
-from broker.pool import PoolChange, ResourcePool
+from broker.placement.optimizer import Ask, Decision, Rejection
 from policies.evaluate import Denied, evaluate
 from policies.model import Policy
 

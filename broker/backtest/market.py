@@ -1,6 +1,6 @@
 """The market a backtest replays: a trace grouped into steps, and the interruption draws.
 
-A market comes from a trace file (`broker.trace.read_trace`: rows ordered by time, each
+A market comes from a trace file (`broker.market.traces.read_trace`: rows ordered by time, each
 a pool's full state from its `t` until that pool's next row, or `gone`) or is generated
 from the simulated market (`adapters.sim.SimAdapter`, list prices from the real price
 snapshot) on a simulated clock: one poll of every region per step, only changes kept.
@@ -63,9 +63,16 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from broker.market.traces import (
+    TraceError,
+    TraceRow,
+    read_trace,
+    trace_format,
+    write_csv,
+    write_jsonl,
+)
 from broker.model import GPU_MODELS, Market, Offer, PoolKey, Target
-from broker.stdio import printable
-from broker.trace import TraceError, TraceRow, read_trace, trace_format, write_csv, write_jsonl
+from broker.output.stdio import printable
 
 SIM_START = datetime(2026, 11, 30, tzinfo=UTC)
 """Where a generated market's clock starts (fixed, so that runs repeat exactly)."""

@@ -7,8 +7,8 @@ cool-down. They differ only in which feasible offer they choose, first and on fa
 
 * `on_demand` — every request on on-demand (a spot-only request too: this is the
   "no spot at all" reference), the cheapest price for the GPUs asked. Goes through
-  `broker.placement.place` with a policy whose scoring weights are all zero, so the
-  expected cost is the plain price; failover through `broker.failover.replacement`.
+  `broker.placement.optimizer.place` with a policy whose scoring weights are all zero, so the
+  expected cost is the plain price; failover through `broker.leasing.failover.replacement`.
 * `cheapest_spot` — spot first, the cheapest price (the way SkyPilot and dstack choose);
   on-demand when no spot offer fits. `placement.place` with the zero-weight policy, once
   with the request narrowed to spot, then (for what is left) to on-demand; failover the
@@ -48,8 +48,8 @@ from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import replace
 from datetime import datetime
 
-from broker import failover, placement
 from broker.backtest import STRATEGIES
+from broker.leasing import failover
 from broker.model import (
     Lease,
     Market,
@@ -60,7 +60,8 @@ from broker.model import (
     RejectCode,
     markets_for,
 )
-from broker.placement import Ask, Decision, Outcome, PoolView, Rejection
+from broker.placement import optimizer
+from broker.placement.optimizer import Ask, Decision, Outcome, PoolView, Rejection
 from policies.evaluate import Constraints, Denied, evaluate
 from policies.model import Policy, Scoring
 from policies.residency import Residency
@@ -118,7 +119,7 @@ class Strategy(ABC):
 
     def _placement(self, asks: Sequence[Ask], view: PoolView, now: datetime
                    ) -> list[Outcome]:
-        return placement.place(asks, view, self.policy, now=now)
+        return optimizer.place(asks, view, self.policy, now=now)
 
     def _replacement(self, lease: Lease, market: Market, view: PoolView, now: datetime
                      ) -> Outcome:
@@ -237,7 +238,8 @@ class PriceCapacity(Strategy):
 
 class Gpubroker(Strategy):
     name = "gpubroker"
-    how = "broker.placement.place with the policy; failover by broker.failover's ladder"
+    how = ("broker.placement.optimizer.place with the policy; "
+           "failover by broker.leasing.failover's ladder")
 
     def place(self, asks: Sequence[Ask], view: PoolView, now: datetime) -> list[Outcome]:
         return self._placement(asks, view, now)
@@ -273,7 +275,7 @@ def choose_price_capacity(asks: Sequence[Ask], view: PoolView, policy: Policy, *
                           now: datetime) -> list[Outcome]:
     """For each ask, the feasible offer of the highest availability level, then the
     lowest price for the GPUs asked (then the pool key). Feasibility is
-    `broker.placement`'s: acceptable model/market/cloud/region, not stale, not cooling,
+    `broker.placement.optimizer`'s: acceptable model/market/cloud/region, not stale, not cooling,
     not excluded, under the price cap, free capacity and quota (less what earlier asks of
     the batch took), within the team's remaining budget."""
     stale, cooling = view.stale_slices(now), view.cooling(now)

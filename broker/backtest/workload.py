@@ -13,7 +13,7 @@ the job saves its work; an interruption or a move loses the work since the last 
 it loses nothing) are optional, numbers >= 0; a line without them takes the backtest's
 `--startup-minutes` and `--checkpoint-minutes`. `scheduler` is the scheduler id S
 (default `backtest`). `request` is a placement request as on `P/requests/S/place` (SPEC
-§4), validated by the daemon's own `broker.requests.parse_place`, so the errors are the
+§4), validated by the daemon's own `broker.wire.validation.parse_place`, so the errors are the
 daemon's; a backtest also needs its `duration_hours` (the hours of useful work the job
 needs). Every problem is reported as `FILE:LINE: field: message`.
 
@@ -36,11 +36,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from broker import requests
 from broker.backtest.market import MAX_SPAN_DAYS, MarketTrace
+from broker.market.traces import EARLIEST, LATEST, LineError, bounded_lines, format_t, json_line
 from broker.model import GPU_MODELS, SCHEDULER_ID, PlaceRequest, parse_iso
-from broker.stdio import printable
-from broker.trace import EARLIEST, LATEST, LineError, bounded_lines, format_t, json_line
+from broker.output.stdio import printable
+from broker.wire import validation
 
 DEFAULT_SCHEDULER = "backtest"
 MAX_PROBLEMS = 20
@@ -147,8 +147,8 @@ def parse_arrival(text: str, *, market: MarketTrace  # noqa: C901, PLR0912
     body = d.get("request")
     if not isinstance(body, dict):
         raise ValueError("request: required, a placement request object (SPEC §4)")
-    req = requests.parse_place(scheduler, json.dumps(body).encode())
-    if isinstance(req, requests.Invalid):
+    req = validation.parse_place(scheduler, json.dumps(body).encode())
+    if isinstance(req, validation.Invalid):
         raise ValueError("; ".join(f"request.{e['field']}: {e['message']}" if e["field"]
                                    else f"request: {e['message']}" for e in req.errors))
     if req.max_parts > 1:
@@ -312,7 +312,7 @@ def generate_workload(n: int, *, seed: int, market: MarketTrace) -> Workload:
             body["max_price_per_gpu_hour"] = max(0.0001, round(
                 market.on_demand_ppg[gpu] * rng.uniform(0.6, 1.3), 4))
         scheduler = rng.choice(_SCHEDULERS)
-        req = requests.parse_place(scheduler, json.dumps(body).encode())
+        req = validation.parse_place(scheduler, json.dumps(body).encode())
         assert isinstance(req, PlaceRequest), req
         arrivals.append(Arrival(float(minute * 60), req))
     return Workload(f"gen:{n}:{seed}", tuple(arrivals), seed=seed)

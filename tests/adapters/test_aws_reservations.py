@@ -14,7 +14,7 @@ from fake_aws import FakeAWS, fake_aws_fixture  # noqa: F401
 from structlog.testing import capture_logs
 
 from adapters.aws.adapter import AwsAdapter, from_config
-from broker.config import AwsConfig, ReservationsConfig
+from broker.daemon.config import AwsConfig, ReservationsConfig
 from broker.model import Market, PoolKey, Target
 
 REGION = "us-east-1"

@@ -13,7 +13,7 @@ from fake_azure import FakeAzure, fake_azure_fixture  # noqa: F401
 from structlog.testing import capture_logs
 
 from adapters.azure.adapter import AzureAdapter, from_config
-from broker.config import AzureConfig, ReservationsConfig
+from broker.daemon.config import AzureConfig, ReservationsConfig
 from broker.model import Market, PoolKey, Target
 
 REGION = "eastus"

@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 
 from adapters.common import RetryPolicy
 from adapters.gcp.adapter import GcpAdapter, from_config
-from broker.config import GcpConfig, ReservationsConfig
+from broker.daemon.config import GcpConfig, ReservationsConfig
 from broker.model import Market, PoolKey, Target
 
 REGION = "us-central1"

@@ -20,10 +20,10 @@ from adapters.private.servers import (
     load_servers,
     parse_servers,
 )
-from broker.clouds import build_adapters
-from broker.config import parse_config
+from broker.daemon.config import parse_config
+from broker.market.clouds import build_adapters
+from broker.market.pool import ResourcePool
 from broker.model import Market, Offer, Placement, PoolKey, Target
-from broker.pool import ResourcePool
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 12, 10, 0, 0, tzinfo=UTC)

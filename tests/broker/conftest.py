@@ -13,7 +13,7 @@ import pytest
 from daemon_helpers import RunningDaemon, StartDaemon, daemon_config
 from mqtt_helpers import Mosquitto
 
-from broker.daemon import Daemon
+from broker.daemon.assembly import Daemon
 
 
 @pytest.fixture

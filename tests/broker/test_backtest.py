@@ -34,10 +34,10 @@ from broker.backtest.workload import (
     generate_workload,
     load_workload,
 )
+from broker.market.pool import ResourcePool
+from broker.market.traces import TraceRow
 from broker.model import Market, Offer, PlaceRequest, PoolKey
-from broker.placement import Ask, Decision
-from broker.pool import ResourcePool
-from broker.trace import TraceRow
+from broker.placement.optimizer import Ask, Decision
 from policies.model import Policy, Scoring
 
 T0 = datetime(2026, 11, 30, tzinfo=UTC)
@@ -505,7 +505,7 @@ def test_the_chart_over_seeds_puts_each_strategy_at_its_means_with_their_interva
 
 def test_gpubrokers_hazard_estimates_never_see_the_future() -> None:
     from broker.backtest.strategies import Gpubroker
-    from broker.hazard import HazardEstimator
+    from broker.market.hazard import HazardEstimator
 
     class Probe(Gpubroker):
         """gpubroker, noting the estimate of SPOT its view holds at each placement."""

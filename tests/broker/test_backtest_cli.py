@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from broker.backtest import STRATEGIES
-from broker.cli import main
+from broker.cli.main import main
 
 
 def gpubroker(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -23,7 +23,7 @@ def gpubroker(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
 
 def in_process(capsys: pytest.CaptureFixture[str], *args: str
                ) -> subprocess.CompletedProcess[str]:
-    """The same command through `broker.cli.main`, in this process (faster)."""
+    """The same command through `broker.cli.main.main`, in this process (faster)."""
     code = main(list(args))
     out = capsys.readouterr()
     return subprocess.CompletedProcess(list(args), code, out.out, out.err)

@@ -26,9 +26,9 @@ from broker.backtest.market import (
     with_private,
 )
 from broker.backtest.workload import Arrival, Workload
-from broker.cli import main
+from broker.cli.main import main
+from broker.market.traces import TraceRow
 from broker.model import Market, PlaceRequest, PoolKey
-from broker.trace import TraceRow
 from policies.model import Policy
 
 T0 = datetime(2026, 11, 30, tzinfo=UTC)

@@ -13,7 +13,7 @@ import pytest
 
 from broker.backtest import STRATEGIES
 from broker.backtest.compare import t_interval
-from broker.cli import main
+from broker.cli.main import main
 
 SINGLE_SEED_KEYS = ["market", "workload", "settings", "policy", "strategies"]
 

@@ -14,8 +14,8 @@ from broker.backtest import compare as cmp
 from broker.backtest.engine import Settings
 from broker.backtest.market import load_market, read_market, relabel_zones, zone_permutation
 from broker.backtest.workload import generate_workload
-from broker.cli import main
-from broker.trace import TraceRow, read_trace
+from broker.cli.main import main
+from broker.market.traces import TraceRow, read_trace
 from policies.model import Policy
 
 TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"

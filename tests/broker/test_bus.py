@@ -22,11 +22,11 @@ import structlog.testing
 from daemon_helpers import PREFIX, StartDaemon
 from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, payload_json
 
-from broker.bus import CONNECT_MARGIN, CONNECT_MIN, Bus, _describe, _only, make_client
-from broker.config import MqttConfig
-from broker.daemon import _quiet_closed_socket_callbacks
-from broker.events import Topics
-from broker.store import OutboxRow, StateStore
+from broker.daemon.assembly import _quiet_closed_socket_callbacks
+from broker.daemon.config import MqttConfig
+from broker.edges.bus import CONNECT_MARGIN, CONNECT_MIN, Bus, _describe, _only, make_client
+from broker.state.store import OutboxRow, StateStore
+from broker.wire.messages import Topics
 
 S = "sched-1"
 EVENTS = f"{PREFIX}/events/{S}/"
@@ -299,7 +299,7 @@ async def test_an_acknowledgement_after_a_cancelled_call_is_not_an_error(
 
 class Lead:
     """A leadership that holds until `deadline` (time.monotonic()): what the daemon
-    hands the bus from broker.ha, `valid()` and the time left."""
+    hands the bus from broker.state.leadership, `valid()` and the time left."""
 
     def __init__(self, seconds: float) -> None:
         self.deadline = time.monotonic() + seconds

@@ -26,11 +26,11 @@ from daemon_helpers import (
 )
 from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, payload_json
 
-from broker.bus import RECEIVE_MAXIMUM, Bus, _drop
-from broker.config import MqttConfig
-from broker.core import REPEATED, Command
-from broker.events import Topics
-from broker.store import StateStore, StoreFailed
+from broker.daemon.config import MqttConfig
+from broker.edges.bus import RECEIVE_MAXIMUM, Bus, _drop
+from broker.leasing.authority import REPEATED, Command
+from broker.state.store import StateStore, StoreFailed
+from broker.wire.messages import Topics
 
 S = "sched-1"
 PLACE = f"{PREFIX}/requests/{S}/place"

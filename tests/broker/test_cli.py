@@ -201,7 +201,7 @@ def test_usage_error_exits_2() -> None:
 
 def test_runs_without_any_cloud_sdk_installed(tmp_path: Path) -> None:
     """The daemon's modules import no cloud SDK unless that cloud is configured."""
-    code = ("import sys, broker.daemon, broker.cli, adapters.sim; "
+    code = ("import sys, broker.daemon.assembly, broker.cli.main, adapters.sim; "
             "print(sorted(m for m in ('boto3','google.cloud','azure','alibabacloud_ecs20140526')"
             " if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -212,7 +212,7 @@ def test_runs_without_any_cloud_sdk_installed(tmp_path: Path) -> None:
 def test_example_config_and_policy_are_valid() -> None:
     root = Path(__file__).resolve().parents[2]
     assert gpubroker("policy", "check", str(root / "deploy/policy.example.yaml")).returncode == 0
-    from broker.config import load_config
+    from broker.daemon.config import load_config
 
     cfg = load_config(root / "deploy/config.example.yaml")
     assert cfg.clouds.sim is not None and cfg.site == "lab-1"
@@ -247,9 +247,9 @@ def test_policy_explain_breaks_down_the_choice(tmp_path: Path) -> None:
 
 async def test_policy_diff_shows_what_a_new_policy_would_move(tmp_path: Path) -> None:
     from adapters.sim import SimAdapter
-    from broker.leases import LeaseBook
+    from broker.leasing.book import LeaseBook
     from broker.model import Market, Placement, PlaceRequest, utcnow
-    from broker.store import StateStore
+    from broker.state.store import StateStore
 
     config = write_config(tmp_path)
     sim = SimAdapter(seed=3, regions_per_cloud=1, zones_per_region=2)

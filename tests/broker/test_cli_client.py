@@ -23,8 +23,8 @@ from daemon_helpers import RunningDaemon, StartDaemon, daemon_config
 from mqtt_helpers import Mosquitto, free_port
 
 from broker.client import BrokerClient
-from broker.config import HttpConfig
-from broker.daemon import Daemon
+from broker.daemon.assembly import Daemon
+from broker.daemon.config import HttpConfig
 from broker.model import LeaseState
 
 ROOT = Path(__file__).resolve().parents[2]

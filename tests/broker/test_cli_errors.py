@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from broker.cli import _parser
+from broker.cli.main import _parser
 
 POLICY = Path(__file__).resolve().parents[2] / "deploy" / "policy.example.yaml"
 SMALL_SIM = "clouds: {sim: {seed: 3, regions_per_cloud: 1, zones_per_region: 2}}\n"

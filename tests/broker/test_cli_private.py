@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.cli import main
+from broker.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 

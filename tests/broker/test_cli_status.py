@@ -1,5 +1,6 @@
 """`gpubroker status`: the site's leader and nodes, read from a real PostgreSQL database
-that `broker.ha.Leadership` objects of two nodes wrote, by the command run as a process.
+that `broker.state.leadership.Leadership` objects of two nodes wrote, by the command run as a
+process.
 
 The nodes here never run a daemon: each `Leadership` claims or stands by as the daemon's
 would, on the database of the `pg_url` fixture (a fresh one per test)."""
@@ -21,8 +22,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from broker.ha import Leadership
-from broker.pgstore import PgStateStore
+from broker.state.leadership import Leadership
+from broker.state.pgstore import PgStateStore
 
 SITE = "lab-1"
 

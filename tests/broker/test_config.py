@@ -1,4 +1,4 @@
-"""Tests of the daemon configuration (`broker/config.py`)."""
+"""Tests of the daemon configuration (`broker/daemon/config.py`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, get_args
 
 import pytest
 
-from broker.config import Config, SourceError, load_config, parse_config
+from broker.daemon.config import Config, SourceError, load_config, parse_config
 
 
 def cfg(text: str) -> Config:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.config import Config, SourceError, parse_config
+from broker.daemon.config import Config, SourceError, parse_config
 
 
 def cfg(text: str) -> Config:

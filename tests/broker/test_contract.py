@@ -1,12 +1,12 @@
-"""The generated contract (`broker/contract.py`): up to date, valid, and saying what the
+"""The generated contract (`broker/wire/contract.py`): up to date, valid, and saying what the
 daemon accepts.
 
-* `docs/schemas/` and `docs/asyncapi.yaml` are what `python -m broker.contract` writes
+* `docs/schemas/` and `docs/asyncapi.yaml` are what `python -m broker.wire.contract` writes
   now: a change to a payload type without regenerating fails here, naming the command.
 * Every schema is a valid JSON Schema draft 2020-12 with its `$schema` and `$id`.
 * `docs/asyncapi.yaml` validates against the AsyncAPI 3.0.0 JSON Schema (vendored with its
   provenance in tests/fixtures/asyncapi/), and its own references fit together.
-* The request schemas accept what the daemon's validation (`broker.requests`) accepts.
+* The request schemas accept what the daemon's validation (`broker.wire.validation`) accepts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import yaml
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
-from broker import contract, payloads, requests
+from broker.wire import contract, payloads, validation
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 ASYNCAPI_SCHEMAS = Path(__file__).resolve().parents[1] / "fixtures" / "asyncapi"
@@ -30,8 +30,8 @@ ASYNCAPI_SCHEMAS = Path(__file__).resolve().parents[1] / "fixtures" / "asyncapi"
 
 def test_the_generated_files_are_up_to_date() -> None:
     stale = list(contract.differences(DOCS))
-    assert not stale, ("docs/ is not what broker/payloads.py generates; run "
-                       "`python -m broker.contract` and commit the result:\n"
+    assert not stale, ("docs/ is not what broker/wire/payloads.py generates; run "
+                       "`python -m broker.wire.contract` and commit the result:\n"
                        + "\n".join(stale))
 
 
@@ -48,7 +48,7 @@ def test_check_names_each_stale_file_and_the_command(tmp_path: Path,
     err = capsys.readouterr().err
     assert "status.schema.json: differs" in err and '"up"' in err
     assert "asyncapi.yaml: missing" in err and "old.schema.json: no longer generated" in err
-    assert "run: python -m broker.contract" in err
+    assert "run: python -m broker.wire.contract" in err
     assert contract.main(["--docs", str(tmp_path)]) == 0
     assert not (tmp_path / "schemas" / "old.schema.json").exists()
     assert list(contract.differences(tmp_path)) == []
@@ -211,15 +211,15 @@ LEASE_CASES = [{"lease_id": "L-1"}, {"lease_id": "L-1", "extra": 1}, {"lease_id"
 
 
 @pytest.mark.parametrize(("name", "parse", "doc"), [
-    *[("request.place", lambda b: requests.parse_place("s", b), d) for d in PLACE_CASES],
-    *[("request.report", requests.parse_report, d) for d in REPORT_CASES],
-    *[("request.renew", requests.parse_lease_ref, d) for d in LEASE_CASES],
-    *[("request.release", requests.parse_lease_ref, d) for d in LEASE_CASES],
+    *[("request.place", lambda b: validation.parse_place("s", b), d) for d in PLACE_CASES],
+    *[("request.report", validation.parse_report, d) for d in REPORT_CASES],
+    *[("request.renew", validation.parse_lease_ref, d) for d in LEASE_CASES],
+    *[("request.release", validation.parse_lease_ref, d) for d in LEASE_CASES],
 ])
 def test_a_request_schema_accepts_what_the_daemon_accepts(name: str, parse: Any,
                                                           doc: Any) -> None:
     # Not among the cases: `8.0` for an integer, which JSON Schema counts as one and the
     # daemon does not (docs/contract.md §4 says to write integers without a fraction).
     schema = json.loads((DOCS / "schemas" / f"{name}.schema.json").read_text())
-    accepted = not isinstance(parse(json.dumps(doc).encode()), requests.Invalid)
+    accepted = not isinstance(parse(json.dumps(doc).encode()), validation.Invalid)
     assert jsonschema.Draft202012Validator(schema).is_valid(doc) == accepted

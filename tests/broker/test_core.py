@@ -12,12 +12,12 @@ import pytest
 from daemon_helpers import BIG_LABELS, fill_up
 from factories import SLICE, Clock, Sink, offer, pool_of, request
 
-from broker.core import Broker, Command
-from broker.events import Envelopes, Messages, Topics
-from broker.leases import LeaseBook
+from broker.leasing.authority import Broker, Command
+from broker.leasing.book import LeaseBook
+from broker.market.pool import ResourcePool
 from broker.model import CapacitySignal, FailoverReason, PoolKey, SignalKind
-from broker.pool import ResourcePool
-from broker.store import StateStore, StoreFailed
+from broker.state.store import StateStore, StoreFailed
+from broker.wire.messages import Envelopes, Messages, Topics
 from policies.model import Policy
 
 
@@ -83,7 +83,7 @@ def _placement(o: Any) -> Any:
 
 
 async def test_a_discretionary_move_with_nowhere_to_go_leaves_the_lease(setup: Any) -> None:
-    from broker import failover
+    from broker.leasing import failover
 
     broker, clock, sink = setup
     only = broker.pool.by_gpu("H100-80GB")
@@ -114,7 +114,7 @@ async def test_a_discretionary_move_with_nowhere_to_go_leaves_the_lease(setup: A
 async def test_a_failed_lease_releases_its_instances_once(setup: Any) -> None:
     """Two leases on one pool; one fails over with nowhere to go: the pool still holds
     the other's instance (it was released twice, so the pool looked free)."""
-    from broker import failover
+    from broker.leasing import failover
 
     broker, clock, _ = setup
     only = broker.pool.by_gpu("H100-80GB")
@@ -134,7 +134,7 @@ async def test_a_failed_lease_releases_its_instances_once(setup: Any) -> None:
 def _place_cmd(request_id: str, **fields: Any) -> Any:
     import json
 
-    from broker.core import Command
+    from broker.leasing.authority import Command
 
     body = {"request_id": request_id, "gpu": ["H100-80GB"], "gpus": 8, **fields}
     return Command("sched-a", "place", json.dumps(body).encode(), "p/requests/sched-a/place")
@@ -190,7 +190,7 @@ async def test_a_backlog_found_at_start_is_answered_in_small_batches_first(
     the first decisions come at once; each next batch may be twice as large."""
     import asyncio
 
-    from broker.core import FIRST_BATCH
+    from broker.leasing.authority import FIRST_BATCH
 
     broker, _, _ = setup
     observed: list[Any] = []
@@ -306,7 +306,7 @@ async def test_a_lease_has_at_most_one_failover_waiting(setup: Any) -> None:
 async def test_failovers_are_taken_in_order_of_first_arrival(setup: Any) -> None:
     import asyncio
 
-    from broker import failover
+    from broker.leasing import failover
 
     broker, _, _ = setup
     await broker.handle([_place_cmd("r1")])
@@ -342,7 +342,7 @@ async def test_failovers_are_taken_in_order_of_first_arrival(setup: Any) -> None
 
 async def test_the_anti_flap_record_keeps_the_window_and_goes_with_the_lease(
         setup: Any) -> None:
-    from broker import failover
+    from broker.leasing import failover
 
     broker, clock, _ = setup
     await broker.handle([_place_cmd("r1")])
@@ -426,13 +426,14 @@ async def test_a_large_batch_is_solved_in_a_thread_while_the_loop_runs(
     import asyncio
     import threading
 
-    from broker import core, placement
+    from broker.leasing import authority
+    from broker.placement import optimizer
 
     broker, _, _ = setup
     loop = asyncio.get_running_loop()
     started = asyncio.Event()
     loop_ran = threading.Event()
-    real_solve = placement.solve
+    real_solve = optimizer.solve
     solved_in: list[str] = []
 
     def solve(*args: Any, **kwargs: Any) -> Any:
@@ -442,8 +443,8 @@ async def test_a_large_batch_is_solved_in_a_thread_while_the_loop_runs(
             raise AssertionError("the event loop did not run while the batch was solved")
         return real_solve(*args, **kwargs)
 
-    monkeypatch.setattr(placement, "solve", solve)
-    n = core.THREAD_MIN_BATCH
+    monkeypatch.setattr(optimizer, "solve", solve)
+    n = authority.THREAD_MIN_BATCH
     handling = asyncio.create_task(broker.handle([_place_cmd(f"r{i}") for i in range(n)]))
     async with asyncio.timeout(10):
         await started.wait()  # the loop runs while the batch is being solved
@@ -461,28 +462,28 @@ async def test_a_snapshot_places_as_the_pool_does() -> None:
     and a change of the pool after the snapshot does not reach it."""
     from factories import T0
 
-    from broker import placement
     from broker.model import PlaceRequest
+    from broker.placement import optimizer
 
     offers = [offer(f"us-east-1{z}", price=10.0 + i, capacity=2)
               for i, z in enumerate("abcdef")]
     offers += [offer(f"us-west-2{z}", region="us-west-2", gpu="A100-80GB", price=8.0 + i,
                      market="on_demand") for i, z in enumerate("abc")]
     pool = pool_of(offers, clock=Clock(), stale_after_seconds=300)
-    asks = [placement.Ask(PlaceRequest.from_json("s", {
+    asks = [optimizer.Ask(PlaceRequest.from_json("s", {
         "request_id": f"r{i}", "gpu": ["H100-80GB", "A100-80GB"], "gpus": 8 * (1 + i % 2)}))
         for i in range(12)]
     policy = Policy()
-    direct = placement.place(asks, pool, policy, now=T0)
-    snap = placement.Snapshot(pool, T0)
-    costs = placement.CostIndex(pool, policy).frozen()
+    direct = optimizer.place(asks, pool, policy, now=T0)
+    snap = optimizer.Snapshot(pool, T0)
+    costs = optimizer.CostIndex(pool, policy).frozen()
     pool.replace(SLICE, [])  # every offer gone from the pool, not from the snapshot
-    on_snapshot = placement.place(asks, snap, policy, now=T0)
-    by_cost = placement.solve(asks, snap, policy, now=T0, costs=costs).outcomes
+    on_snapshot = optimizer.place(asks, snap, policy, now=T0)
+    by_cost = optimizer.solve(asks, snap, policy, now=T0, costs=costs).outcomes
     for outcomes in (on_snapshot, by_cost):
         assert [getattr(o, "placement", None) for o in outcomes] == \
             [getattr(o, "placement", None) for o in direct]
-    assert any(isinstance(o, placement.Decision) for o in direct)
+    assert any(isinstance(o, optimizer.Decision) for o in direct)
 
 
 # --- the stored keys: new requests are not looked up in the store ----------------------
@@ -493,7 +494,7 @@ async def test_new_requests_skip_the_store_and_old_ones_still_get_their_lease(
     """Once the stored keys are read, a request the store has no lease for is decided
     without a lookup; one whose lease the lease book forgot (ended long ago) is still
     looked up and answered with that lease."""
-    from broker.leases import LeaseBook
+    from broker.leasing.book import LeaseBook
 
     broker, _, _ = setup
     await broker.handle([_place_cmd("old")])
@@ -526,7 +527,7 @@ async def test_new_requests_skip_the_store_and_old_ones_still_get_their_lease(
 def _release_cmd(lease_id: str) -> Any:
     import json
 
-    from broker.core import Command
+    from broker.leasing.authority import Command
 
     return Command("sched-a", "release", json.dumps({"lease_id": lease_id}).encode(),
                    "p/requests/sched-a/release")
@@ -540,8 +541,8 @@ async def test_a_renewal_queued_before_the_first_poll_renews_an_overdue_lease(
     import asyncio
     import json
 
-    from broker.core import Command
-    from broker.leases import LeaseBook
+    from broker.leasing.authority import Command
+    from broker.leasing.book import LeaseBook
     from broker.model import LeaseState
 
     broker, clock, _ = setup
@@ -579,15 +580,15 @@ async def test_a_renewal_queued_before_the_first_poll_renews_an_overdue_lease(
 async def test_the_milp_gets_its_share_of_the_cpu_and_no_more(setup: Any) -> None:
     """A token bucket of solve time: spent, it refuses the MILP until it has refilled
     at MILP_SHARE of a second per second (the heuristic answers meanwhile)."""
-    from broker import core
+    from broker.leasing import authority
 
     broker, _, _ = setup
     assert broker._milp_allowed()
-    broker._milp_budget = -core.MILP_SHARE * 3600  # an hour's worth spent
+    broker._milp_budget = -authority.MILP_SHARE * 3600  # an hour's worth spent
     assert not broker._milp_allowed()
     broker._milp_refilled -= 3601  # an hour and a second later
     assert broker._milp_allowed()
-    assert broker._milp_budget <= core.MILP_BURST_SECONDS
+    assert broker._milp_budget <= authority.MILP_BURST_SECONDS
 
 
 # --- a command is done once its outcome is committed (#26) -----------------------------

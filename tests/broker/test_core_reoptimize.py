@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from factories import SLICE, Clock, Sink, offer, pool_of, request
 
-from broker.core import Broker
-from broker.events import Envelopes, Messages, Topics
-from broker.leases import LeaseBook
+from broker.leasing.authority import Broker
+from broker.leasing.book import LeaseBook
 from broker.model import FailoverReason, Lease, LeaseState, Offer, Placement
-from broker.store import StateStore
+from broker.state.store import StateStore
+from broker.wire.messages import Envelopes, Messages, Topics
 from policies.model import Failover, Policy
 
 LEASED = offer("us-east-1a", price=30.0)

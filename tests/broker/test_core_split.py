@@ -12,12 +12,12 @@ import pytest
 from contract_check import check
 from factories import Clock, Sink, offer, pool_of
 
-from broker import failover
-from broker.core import Broker, Command
-from broker.events import Envelopes, Messages, Topics
-from broker.leases import LeaseBook
+from broker.leasing import failover
+from broker.leasing.authority import Broker, Command
+from broker.leasing.book import LeaseBook
 from broker.model import FailoverReason, LeaseState
-from broker.store import StateStore
+from broker.state.store import StateStore
+from broker.wire.messages import Envelopes, Messages, Topics
 from policies.model import Policy
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from daemon_helpers import PREFIX, StartDaemon, daemon_config
 from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, payload_json, publish_properties
 
-from broker.daemon import Daemon
+from broker.daemon.assembly import Daemon
 from broker.model import PoolKey
 
 S = "sched-1"

@@ -21,9 +21,9 @@ from daemon_helpers import (
 )
 from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, free_port, payload_json
 
-from broker.config import Config, HttpConfig
-from broker.core import REPEATED
-from broker.store import StoreFailed
+from broker.daemon.config import Config, HttpConfig
+from broker.leasing.authority import REPEATED
+from broker.state.store import StoreFailed
 
 S = "sched-1"
 TOKEN = "tok-3e9a"

@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 from mqtt_helpers import Mosquitto, MqttProbe, free_port, payload_json
 
-from broker.cli import main
-from broker.demo import gpus, normalise_mqtt_url, parse_options
+from broker.cli.demo import gpus, normalise_mqtt_url, parse_options
+from broker.cli.main import main
 from broker.model import Market, Placement, PoolKey
 
 PLACED = re.compile(r"^\d\d:\d\d:\d\d PLACED +(job-\d+) +(.*?)  (L-[0-9a-f]{10})$")

@@ -1,4 +1,4 @@
-"""Tests of topics and the CloudEvents envelope (`broker/events.py`)."""
+"""Tests of topics and the CloudEvents envelope (`broker/wire/messages.py`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from factories import T0, Clock, offer, placement, request
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from broker.events import (
+from broker.leasing.book import LeaseBook
+from broker.model import Event, Lease, LeaseState, parse_iso
+from broker.wire.messages import (
     Envelopes,
     Messages,
     Topics,
@@ -22,8 +24,6 @@ from broker.events import (
     lease_subject,
     request_subject,
 )
-from broker.leases import LeaseBook
-from broker.model import Event, Lease, LeaseState, parse_iso
 
 # See tests/broker/test_placement_properties.py: keeps a failing example readable.
 with contextlib.suppress(ImportError), warnings.catch_warnings():
@@ -265,7 +265,7 @@ def test_dumps_writes_what_the_standard_library_writes_and_survives_what_orjson_
     surrogate and an integer beyond 64 bits, which orjson refuses, still encode."""
     import json
 
-    from broker.events import dumps
+    from broker.wire.messages import dumps
 
     doc = {"a": 1, "b": [1.5, 0.1, 123456789.125, None, True], "c": "é ☃ \u2028",
            "d": {"nested": "x" * 300}}

@@ -1,4 +1,4 @@
-"""Tests of the failover triggers (`broker/failover.py`), on a real pool and lease book."""
+"""Tests of the failover triggers (`broker/leasing/failover.py`), on a real pool and lease book."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from factories import SLICE, T0, Clock, key, offer, placement, pool_of, request
 
-from broker import failover
-from broker.failover import Trigger, from_pool_change, from_signal
-from broker.leases import LeaseBook
+from broker.leasing import failover
+from broker.leasing.book import LeaseBook
+from broker.leasing.failover import Trigger, from_pool_change, from_signal
 from broker.model import (
     CapacitySignal,
     FailoverReason,
@@ -220,7 +220,7 @@ def test_ladder_goes_step_by_step_and_skips_impossible_steps() -> None:
 
 
 def test_replacement_takes_the_first_ladder_step_that_places() -> None:
-    from broker.placement import Decision
+    from broker.placement.optimizer import Decision
 
     p = _ladder_policy("failover:\n  ladder: [same_region_spot, on_demand, other_cloud]\n")
     leaving = offer("us-east-1a", price=10.0)

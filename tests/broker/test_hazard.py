@@ -1,4 +1,4 @@
-"""Tests of the hazard estimator (`broker/hazard.py`) on synthetic pool histories whose
+"""Tests of the hazard estimator (`broker/market/hazard.py`) on synthetic pool histories whose
 long-run levels are known."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import random
 import pytest
 from factories import key, offer
 
-from broker.hazard import HazardEstimator
+from broker.market.hazard import HazardEstimator
+from broker.market.pool import ResourcePool
 from broker.model import Market
-from broker.pool import ResourcePool
 
 HOUR = 3600.0
 STEP = 600.0  # one poll every ten minutes
@@ -195,7 +195,7 @@ def test_it_is_fed_by_a_pools_changes_spot_only() -> None:
 def test_a_view_over_another_horizon_answers_as_over_does() -> None:
     """`at(h)` answers `over(key, h)` as of the last refresh, and for a pool just fed, as
     of then; views made late start from the pools' history like the estimator's own."""
-    from broker.hazard import HORIZONS, horizon_bucket
+    from broker.market.hazard import HORIZONS, horizon_bucket
 
     rng = random.Random(9)
     h = HazardEstimator(half_life_hours=6.0, refresh_seconds=1800.0)

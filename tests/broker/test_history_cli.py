@@ -18,11 +18,11 @@ import yaml
 from daemon_helpers import StartDaemon
 from factories import Clock, offer
 
+from broker.market.pool import ResourcePool, SliceId
+from broker.market.recorder import MarketRecorder
+from broker.market.traces import TraceRow, format_t, read_trace
 from broker.model import Offer, utcnow
-from broker.pool import ResourcePool, SliceId
-from broker.recorder import MarketRecorder
-from broker.store import StateStore
-from broker.trace import TraceRow, format_t, read_trace
+from broker.state.store import StateStore
 
 AWS: SliceId = ("sim", "aws:us-east-1")
 GCP: SliceId = ("sim", "gcp:us-central1")

@@ -14,15 +14,17 @@ from daemon_helpers import PREFIX, RunningDaemon, StartDaemon, daemon_config
 from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, free_port, payload_json
 from structlog.testing import capture_logs
 
-from broker import core, placement, requests
-from broker.config import HttpConfig
-from broker.daemon import Daemon
-from broker.ratelimit import Every
+from broker.daemon.assembly import Daemon
+from broker.daemon.config import HttpConfig
+from broker.leasing import authority
+from broker.output.ratelimit import Every
+from broker.placement import optimizer
+from broker.wire import validation
 
 NASTY = Path(__file__).parent.parent / "fixtures" / "nasty"
 CORPUS = sorted(p for p in NASTY.iterdir() if p.suffix in (".bad", ".ok"))
 EVENTS = f"{PREFIX}/events/"
-INTERNAL = core.INTERNAL["message"]
+INTERNAL = authority.INTERNAL["message"]
 
 
 def valid(request_id: str) -> dict[str, Any]:
@@ -102,7 +104,7 @@ async def test_a_bug_in_one_command_is_answered_and_the_batch_goes_on(
     rd = await start_daemon()
     probe = await probe_factory([f"{EVENTS}#"])
     broker = rd.daemon.broker
-    parse_place = requests.parse_place
+    parse_place = validation.parse_place
     lease_verb = broker._lease_verb
 
     def parse_with_a_bug(scheduler: str, payload: bytes) -> Any:
@@ -110,22 +112,22 @@ async def test_a_bug_in_one_command_is_answered_and_the_batch_goes_on(
             raise RuntimeError("a bug in the parser")
         return parse_place(scheduler, payload)
 
-    def lease_verb_with_a_bug(b: Any, cmd: core.Command) -> None:
+    def lease_verb_with_a_bug(b: Any, cmd: authority.Command) -> None:
         if b"boom" in cmd.payload:
             lease_verb(b, cmd)  # queues a lease.released or request.invalid ...
             raise RuntimeError("a bug after the answer was queued")  # ... then fails
         lease_verb(b, cmd)
 
-    monkeypatch.setattr(requests, "parse_place", parse_with_a_bug)
+    monkeypatch.setattr(validation, "parse_place", parse_with_a_bug)
     monkeypatch.setattr(broker, "_lease_verb", lease_verb_with_a_bug)
     mark = probe.mark()
     with capture_logs() as logs:
         # Into one batch: the loop takes whatever has queued up.
-        await broker.submit(core.Command("b-1", "place", b'{"request_id":"boom"}',
+        await broker.submit(authority.Command("b-1", "place", b'{"request_id":"boom"}',
                                          f"{PREFIX}/requests/b-1/place"))
-        await broker.submit(core.Command("b-2", "release", b'{"lease_id":"boom"}',
+        await broker.submit(authority.Command("b-2", "release", b'{"lease_id":"boom"}',
                                          f"{PREFIX}/requests/b-2/release"))
-        await broker.submit(core.Command("b-3", "place", json.dumps(valid("fine")).encode(),
+        await broker.submit(authority.Command("b-3", "place", json.dumps(valid("fine")).encode(),
                                          f"{PREFIX}/requests/b-3/place"))
         got = await answers(probe, "b-", 3, mark)
     assert got["b-3"]["type"] == "gpubroker.placement.decided.v1"
@@ -149,7 +151,7 @@ async def test_a_bug_placing_a_batch_answers_its_requests(
 
     mark = probe.mark()
     with monkeypatch.context() as m, capture_logs():
-        m.setattr(placement, "solve", solve_with_a_bug)
+        m.setattr(optimizer, "solve", solve_with_a_bug)
         await probe.publish(f"{PREFIX}/requests/p-1/place", valid("x"))
         got = await answers(probe, "p-", 1, mark)
     assert got["p-1"]["data"] == {"request_id": "x", "topic": f"{PREFIX}/requests/p-1/place",
@@ -179,7 +181,7 @@ async def test_many_errors_are_cut_short(start_daemon: StartDaemon,
                         (NASTY / "labels-2000-wrong-values.bad").read_bytes())
     msg = await probe.wait_for(f"{EVENTS}e-1/request.invalid", since=mark)
     errors = payload_json(msg)["data"]["errors"]
-    assert len(errors) == core.MAX_ERRORS
+    assert len(errors) == authority.MAX_ERRORS
     assert errors[-1] == {"field": "", "message": "and 1981 more errors"}
 
 

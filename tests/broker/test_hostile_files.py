@@ -29,8 +29,8 @@ from mqtt_helpers import Mosquitto, ProbeFactory, free_port, payload_json
 from structlog.testing import capture_logs
 
 from adapters.private.adapter import PrivateAdapter
-from broker import files
-from broker.cli import main
+from broker.cli.main import main
+from broker.daemon import files
 from policies.loader import load_policy
 
 GOOD_POLICY = "version: 1\nteams:\n  ml: {max_gpus: 8}\n"

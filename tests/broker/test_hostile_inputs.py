@@ -257,7 +257,7 @@ def test_a_hostile_argument_is_one_line_exit_2(tmp_path: Path, args: list[str],
 
 
 def test_a_yaml_key_and_file_name_are_echoed_escaped(tmp_path: Path) -> None:
-    """`policies.yamlsrc.Problem` escapes what it quotes (`broker.stdio.printable`)."""
+    """`policies.yamlsrc.Problem` escapes what it quotes (`broker.output.stdio.printable`)."""
     policy = tmp_path / "p\x1b[2J.yaml"
     policy.write_text('"\\e[31mred": 1\nversion: 1\n')
     out, _ = gpubroker("policy", "check", policy)
@@ -266,7 +266,7 @@ def test_a_yaml_key_and_file_name_are_echoed_escaped(tmp_path: Path) -> None:
 
 
 def test_printable_escapes_controls_only() -> None:
-    from broker.stdio import printable
+    from broker.output.stdio import printable
 
     assert printable("a\x1b[31m\n\t\x7f\x9b\\x1b é ✓") == "a\\x1b[31m\\n\\t\\x7f\\x9b\\x1b é ✓"
     assert printable("x" * 300, 10) == "xxxxxxxxxx…(300 chars)"

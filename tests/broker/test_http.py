@@ -18,8 +18,8 @@ from daemon_helpers import RunningDaemon, daemon_config
 from mqtt_helpers import Mosquitto, ProbeFactory, free_port, payload_json
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.config import HttpConfig
-from broker.daemon import Daemon
+from broker.daemon.assembly import Daemon
+from broker.daemon.config import HttpConfig
 
 TOKEN = "tok-5f1c2d"
 

@@ -15,10 +15,10 @@ import pytest
 from daemon_helpers import PREFIX, StartDaemon
 from mqtt_helpers import ProbeFactory, payload_json
 
-from broker.config import CloudsConfig, PrivateConfig, SimConfig
-from broker.core import Command
+from broker.daemon.config import CloudsConfig, PrivateConfig, SimConfig
+from broker.leasing.authority import Command
 from broker.model import Market
-from broker.placement import BatchResult
+from broker.placement.optimizer import BatchResult
 
 S = "hybrid"
 EVENTS = f"{PREFIX}/events/{S}/"

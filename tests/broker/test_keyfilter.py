@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from broker.keyfilter import KeyFilter
+from broker.state.keyfilter import KeyFilter
 
 
 def test_every_added_key_may_be_held_and_few_others_are() -> None:

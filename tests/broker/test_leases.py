@@ -1,4 +1,4 @@
-"""Tests of the lease book (`broker/leases.py`)."""
+"""Tests of the lease book (`broker/leasing/book.py`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from factories import T0, offer, placement, request
 
-from broker.leases import LeaseBook, LeaseError
+from broker.leasing.book import LeaseBook, LeaseError
 from broker.model import Lease, LeaseState, Placement
 
 A = placement(offer("us-east-1a"))

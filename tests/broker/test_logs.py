@@ -14,7 +14,7 @@ import pytest
 import yaml
 from mqtt_helpers import Mosquitto, ProbeFactory, free_port, payload_json
 
-from broker.logs import redact
+from broker.output.logs import redact
 
 SECRETS = {"mqtt": "mqtt-pw-7a4e1f99", "token": "http-tok-2b8c0d11",
            "aws": "aws-secret-5e9f3a77"}
@@ -78,7 +78,7 @@ def test_cloud_sdk_loggers_speak_only_at_debug(capsys: pytest.CaptureFixture[str
 
     import structlog
 
-    from broker import logs
+    from broker.output import logs
 
     saved_config = structlog.get_config()
     root = logging.getLogger()

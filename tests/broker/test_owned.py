@@ -10,11 +10,12 @@ from datetime import timedelta
 import pytest
 from factories import T0, Clock, offer, owned, pool_of, request
 
-from broker import failover, placement
-from broker.leases import LeaseBook
+from broker.leasing import failover
+from broker.leasing.book import LeaseBook
+from broker.market.pool import ResourcePool
 from broker.model import FailoverReason, Lease, LeaseState, Market, Target
-from broker.placement import Ask, Decision, Rejection, solve
-from broker.pool import ResourcePool
+from broker.placement import optimizer
+from broker.placement.optimizer import Ask, Decision, Rejection, solve
 from policies.evaluate import Constraints, TeamUsage, evaluate
 from policies.loader import parse_policy
 from policies.model import Policy
@@ -22,12 +23,12 @@ from policies.model import Policy
 POLICY = Policy()
 
 
-def decided(out: placement.Outcome) -> Decision:
+def decided(out: optimizer.Outcome) -> Decision:
     assert isinstance(out, Decision), out
     return out
 
 
-def place(pool: ResourcePool, *reqs: object, policy: Policy = POLICY) -> list[placement.Outcome]:
+def place(pool: ResourcePool, *reqs: object, policy: Policy = POLICY) -> list[optimizer.Outcome]:
     asks = []
     for r in reqs:
         c = evaluate(policy, r, None, None, pool.owned_gpus)  # type: ignore[arg-type]

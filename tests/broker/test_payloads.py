@@ -1,4 +1,4 @@
-"""The payload types (`broker/payloads.py`) describe what the code builds.
+"""The payload types (`broker/wire/payloads.py`) describe what the code builds.
 
 The broker is driven through every event kind, in-process on a real pool, lease book and
 SQLite store, and every message it hands to the bus is checked against the published
@@ -22,12 +22,11 @@ import pytest
 from contract_check import check, problem, route
 from factories import Clock, offer, pool_of
 
-from broker import capacity, payloads
-from broker.bus import Bus
-from broker.config import MqttConfig
-from broker.core import Broker, Command
-from broker.events import Envelopes, Messages, Topics
-from broker.leases import LeaseBook
+from broker.daemon.config import MqttConfig
+from broker.edges.bus import Bus
+from broker.leasing.authority import Broker, Command
+from broker.leasing.book import LeaseBook
+from broker.market import capacity
 from broker.model import (
     CLOUDS,
     CapacitySignal,
@@ -37,7 +36,9 @@ from broker.model import (
     RejectCode,
     SignalKind,
 )
-from broker.store import StateStore
+from broker.state.store import StateStore
+from broker.wire import payloads
+from broker.wire.messages import Envelopes, Messages, Topics
 from policies.model import Policy
 from policies.yamlsrc import Problem
 

@@ -1,5 +1,5 @@
-"""PostgreSQL's own tests of the state store (`broker/pgstore.py`) and of the election
-(`broker/ha.py`), on the local server, a fresh database per test: migrations, sites,
+"""PostgreSQL's own tests of the state store (`broker/state/pgstore.py`) and of the election
+(`broker/state/leadership.py`), on the local server, a fresh database per test: migrations, sites,
 fencing, a lost server, two nodes of one site. The tests every engine passes are in
 test_store.py.
 
@@ -24,12 +24,12 @@ import pytest
 from factories import T0, offer, placement, request
 from structlog.testing import capture_logs
 
-from broker import ha
-from broker.ha import Leadership, site_status
-from broker.leases import LeaseBook
+from broker.leasing.book import LeaseBook
 from broker.model import Lease, LeaseState
-from broker.pgstore import _MIGRATE_LOCK, PgDb, PgStateStore, connect, migrate
-from broker.store import SCHEMA_VERSION, Deposed, OutboxRow, StoreFailed, _lease_row
+from broker.state import leadership
+from broker.state.leadership import Leadership, site_status
+from broker.state.pgstore import _MIGRATE_LOCK, PgDb, PgStateStore, connect, migrate
+from broker.state.store import SCHEMA_VERSION, Deposed, OutboxRow, StoreFailed, _lease_row
 
 SITE = "site-a"
 TABLES = {"meta", "leases", "outbox", "market_pools", "market_changes", "market_snapshots",
@@ -50,7 +50,7 @@ def sql(url: str, query: str, args: Any = None) -> list[tuple[Any, ...]]:
 
 def lead(url: str, epoch: int, node: str, *, expires_in: float = 3600,
          boot: str = "boot") -> None:
-    """Make `node` the site's leader at `epoch` (what broker.ha's claim writes)."""
+    """Make `node` the site's leader at `epoch` (what broker.state.leadership's claim writes)."""
     sql(url, "INSERT INTO leadership VALUES (%s, %s, %s, %s, now()) ON CONFLICT (site) DO "
              "UPDATE SET epoch = excluded.epoch, node = excluded.node, "
              "boot_id = excluded.boot_id", (SITE, epoch, node, boot))
@@ -92,7 +92,7 @@ async def store(pg_url: str) -> AsyncIterator[PgStateStore]:
         await s.close()
 
 
-# --- migrations --------------------------------------------------------------------------
+# --- migrations -----------------------------------------------------------------------------------
 
 
 async def test_an_empty_database_is_migrated(pg_url: str) -> None:
@@ -225,7 +225,7 @@ async def test_another_sites_database_is_refused(store: PgStateStore, pg_url: st
     await until(lambda: sessions(pg_url) == 1, "only the fixture's store's session left")
 
 
-# Schema 2 as release 2 made it (broker/pgstore.py before the lease parts): each
+# Schema 2 as release 2 made it (broker/state/pgstore.py before the lease parts): each
 # request's key unique, under the constraint name PostgreSQL gave it.
 _SCHEMA_2 = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -359,7 +359,7 @@ async def test_a_schema_2_database_is_migrated_keeps_its_leases_and_takes_parts(
         await s.close()
 
 
-# --- statements --------------------------------------------------------------------------
+# --- statements -----------------------------------------------------------------------------------
 
 
 async def test_statements_are_passed_as_written(store: PgStateStore) -> None:
@@ -372,7 +372,7 @@ async def test_statements_are_passed_as_written(store: PgStateStore) -> None:
     assert await store.call(q) == ["100%", "5%", 1]
 
 
-# --- fencing -----------------------------------------------------------------------------
+# --- fencing --------------------------------------------------------------------------------------
 
 
 def epochs(url: str) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
@@ -484,16 +484,17 @@ async def test_a_takeover_waits_for_a_commit_in_flight(store: PgStateStore,
     try:
         assert await asyncio.to_thread(fenced.wait, 10)
         with psycopg.connect(pg_url, autocommit=True) as standby:
-            # broker.ha's claim, as a standby makes it: while the commit is in flight it
+            # broker.state.leadership's claim, as a standby makes it: while the commit is in
+            # flight it
             # cannot have the row (here it gives up after 300 ms of waiting).
             standby.execute("SET lock_timeout = '300ms'")
             with pytest.raises(psycopg.errors.LockNotAvailable):
-                await asyncio.to_thread(standby.execute, ha._CLAIM, claim_args)
+                await asyncio.to_thread(standby.execute, leadership._CLAIM, claim_args)
             assert not commit.done()
             # Once the commit is through, the claim is.
             standby.execute("SET lock_timeout = '10s'")
             claim = asyncio.ensure_future(asyncio.to_thread(
-                lambda: standby.execute(ha._CLAIM, claim_args).fetchone()))
+                lambda: standby.execute(leadership._CLAIM, claim_args).fetchone()))
             proceed.set()
             async with asyncio.timeout(10):
                 written = await commit
@@ -511,8 +512,8 @@ async def test_a_takeover_waits_for_a_commit_in_flight(store: PgStateStore,
 async def test_a_deposed_recorder_writes_nothing(store: PgStateStore, pg_url: str) -> None:
     from factories import SLICE, Clock
 
-    from broker.pool import ResourcePool
-    from broker.recorder import MarketRecorder
+    from broker.market.pool import ResourcePool
+    from broker.market.recorder import MarketRecorder
 
     lead(pg_url, 5, "n1")
     store.epoch = 5
@@ -546,7 +547,7 @@ async def test_a_deposed_recorder_writes_nothing(store: PgStateStore, pg_url: st
             await task
 
 
-# --- a lost or refusing server -----------------------------------------------------------
+# --- a lost or refusing server --------------------------------------------------------------------
 
 
 async def test_a_lost_connection_fails_reads_and_commits_but_not_acks(
@@ -620,7 +621,7 @@ async def test_a_missing_database_or_server_fails_the_open(
         f"postgresql://{u.username or 'postgres'}@127.0.0.1:{port}/{dbname(pg_url)}"
 
 
-# --- the election (broker.ha) on a real database -----------------------------------------
+# --- the election (broker.state.leadership) on a real database ------------------------------------
 
 
 class Node(Leadership):
@@ -822,9 +823,9 @@ async def test_a_stuck_event_loop_lets_the_leadership_go(
     is deposed."""
     import time
 
-    from broker import ha
+    from broker.state import leadership
 
-    monkeypatch.setattr(ha, "LOOP_STALL_SECONDS", 1.0)
+    monkeypatch.setattr(leadership, "LOOP_STALL_SECONDS", 1.0)
     async with nodes(store, 1.0, "a", "b") as (stop, (a, b)):
         a.loop_stall_seconds = 1.0
         async with asyncio.timeout(10):
@@ -850,7 +851,7 @@ async def test_a_lost_connection_is_replaced_when_asked(store: PgStateStore,
     assert await store.pending() == [row]
 
 
-# --- the election's faults (broker.ha) -----------------------------------------------
+# --- the election's faults (broker.state.leadership) ----------------------------------------------
 
 
 def term_expiry(url: str) -> datetime:
@@ -1053,7 +1054,7 @@ async def test_a_dropped_renewal_connection_is_replaced_at_once(store: PgStateSt
                 await holding
 
 
-# --- the leader's polls shared with the standbys ---------------------------------------
+# --- the leader's polls shared with the standbys --------------------------------------------------
 
 
 async def test_a_shared_poll_comes_back_as_it_was_and_only_while_fresh(

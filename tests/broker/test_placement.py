@@ -1,4 +1,4 @@
-"""Tests of the placement optimizer (`broker/placement.py`), on a real ResourcePool."""
+"""Tests of the placement optimizer (`broker/placement/optimizer.py`), on a real ResourcePool."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 from factories import SLICE, T0, Clock, offer, pool_of, request
 
 from adapters.sim import SimAdapter
+from broker.market.pool import ResourcePool
 from broker.model import Market, Offer, PlaceRequest, PoolKey, RejectCode
-from broker.placement import Ask, CostIndex, Decision, Outcome, Rejection, place, solve
-from broker.pool import ResourcePool
+from broker.placement.optimizer import Ask, CostIndex, Decision, Outcome, Rejection, place, solve
 from policies.model import Defaults, Policy, Scoring
 
 POLICY = Policy()
@@ -447,7 +447,7 @@ def test_the_cost_index_follows_the_pool_as_a_fresh_one_would(hazard: bool) -> N
     to date holds what an index built from scratch holds, in the same order; and it
     still places as a brute force does. With the hazard estimator, whose estimates
     change with the polls (and all at once at each refresh), as the daemon scores."""
-    from broker.hazard import HazardEstimator
+    from broker.market.hazard import HazardEstimator
 
     rng = random.Random(11)
     offers = random_offers(rng)
@@ -517,7 +517,7 @@ def _history(before: tuple[float, float], last: tuple[float, float], hours: floa
     at (availability, interruption rate) `before` all along and `last` at the last poll;
     `steady` (us-east-1b), 5 % dearer, at (0.85, 0.02) throughout. The pool feeds a
     hazard estimator."""
-    from broker.hazard import HazardEstimator
+    from broker.market.hazard import HazardEstimator
 
     clock = Clock(T0 - timedelta(hours=hours))
     pool = ResourcePool(stale_after_seconds=300, clock=clock)
@@ -592,7 +592,7 @@ def test_a_gang_of_many_small_instances_is_riskier_than_a_few_large_ones(batch: 
     """At one price per GPU and one interruption rate per instance, 16 GPUs as two
     8-GPU instances beat sixteen 1-GPU ones: the gang is interrupted when any of its
     instances is."""
-    from broker.placement import expected_cost
+    from broker.placement.optimizer import expected_cost
 
     small = dict(instance_type="g5.xlarge", gpu="A10G", gpus=1)
     large = dict(instance_type="g5.48xlarge", gpu="A10G", gpus=8)
@@ -615,7 +615,7 @@ def test_a_gang_of_many_small_instances_is_riskier_than_a_few_large_ones(batch: 
 
 
 def test_costs_frozen_for_a_batch_hold_its_horizons_only() -> None:
-    from broker.hazard import HORIZONS
+    from broker.market.hazard import HORIZONS
 
     pool, _, flaky, steady = _calm_now_stormy_before(hours=6)
     index = CostIndex(pool, POLICY)
@@ -644,7 +644,7 @@ def test_costs_frozen_for_a_batch_hold_its_horizons_only() -> None:
 
 
 def test_explain_shows_the_signals_expected_over_a_job() -> None:
-    from broker.placement import explain
+    from broker.placement.optimizer import explain
 
     pool, clock, _, _ = _calm_now_stormy_before()
     out = explain(Ask(request(gpus=8, market="spot")), pool, Policy(), now=clock())
@@ -662,7 +662,7 @@ def test_explain_shows_the_signals_expected_over_a_job() -> None:
 @pytest.mark.parametrize("batch", [1, 70])  # per request, and the large-batch arrays
 def test_an_interruption_cost_per_gpu_prices_interruptions_alike_for_every_model(
         batch: int) -> None:
-    from broker.placement import cost_terms, expected_cost
+    from broker.placement.optimizer import cost_terms, expected_cost
 
     # Two cheap T4 pools and two dear H100 pools; in each, the stormy one is 10 % cheaper.
     t4 = dict(instance_type="g4dn.xlarge", gpu="T4", gpus=1)

@@ -1,4 +1,4 @@
-"""Batches through `broker.placement.solve` on a real ResourcePool and real Policies: each
+"""Batches through `broker.placement.optimizer.solve` on a real ResourcePool and real Policies: each
 constraint shown binding by a case of its own, with the decision it forces and, when a
 request is rejected, the code and a detail that names the constraint.
 
@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 from factories import T0, offer, pool_of, request
 
-from broker import solver
+from broker.market.pool import ResourcePool
 from broker.model import Market, Offer, PlaceRequest, RejectCode
-from broker.placement import (
+from broker.placement import solver
+from broker.placement.optimizer import (
     Ask,
     BatchResult,
     Decision,
@@ -31,7 +32,6 @@ from broker.placement import (
     _Ranked,
     solve,
 )
-from broker.pool import ResourcePool
 from policies.evaluate import Denied, TeamUsage, evaluate
 from policies.model import (
     Clouds,

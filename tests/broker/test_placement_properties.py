@@ -1,4 +1,4 @@
-"""Properties of `broker.placement.solve` on random small pools and batches, for both
+"""Properties of `broker.placement.optimizer.solve` on random small pools and batches, for both
 solvers: whatever the pool and the policy, no decision breaks a constraint, the MILP
 is never worse than the heuristic, and an answer that says it is optimal is.
 
@@ -23,9 +23,9 @@ from factories import T0, offer, pool_of, request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from broker.market.pool import ResourcePool
 from broker.model import Market, Offer, PlaceRequest
-from broker.placement import Ask, BatchResult, Decision, Rejection, Settings, solve
-from broker.pool import ResourcePool
+from broker.placement.optimizer import Ask, BatchResult, Decision, Rejection, Settings, solve
 from policies.evaluate import Constraints, Denied, TeamUsage, evaluate
 from policies.model import Clouds, Gpus, Policy, Scoring, Team
 

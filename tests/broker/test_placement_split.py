@@ -6,7 +6,7 @@ import pytest
 from factories import T0, offer, pool_of, request
 
 from broker.model import RejectCode
-from broker.placement import SPLIT_MIN_SAVING, Ask, Decision, Rejection, place
+from broker.placement.optimizer import SPLIT_MIN_SAVING, Ask, Decision, Rejection, place
 from policies.model import Policy, Team
 
 POLICY = Policy()

@@ -10,9 +10,9 @@ from factories import offer
 
 from adapters.base import CloudAdapter
 from adapters.errors import CloudUnavailable
+from broker.market.poller import Poller
+from broker.market.pool import ResourcePool
 from broker.model import Offer
-from broker.poller import Poller
-from broker.pool import ResourcePool
 
 
 class _Garbled(CloudAdapter):

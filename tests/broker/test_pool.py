@@ -1,4 +1,4 @@
-"""Tests of the unified resource pool (`broker/pool.py`)."""
+"""Tests of the unified resource pool (`broker/market/pool.py`)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import replace
 
 from factories import SLICE, Clock, key, offer, pool_of
 
+from broker.market.pool import PoolChange, ResourcePool
 from broker.model import Market, Offer
-from broker.pool import PoolChange, ResourcePool
 
 OTHER: tuple[str, str] = ("sim", "gcp:us-central1")
 

@@ -1,4 +1,4 @@
-"""Tests of the market recorder (`broker/recorder.py`): a real ResourcePool feeding a real
+"""Tests of the market recorder (`broker/market/recorder.py`): a real ResourcePool feeding a real
 state store; the recorded rows read back through HistoryReader. The recorder's own tests
 run on both engines (an SQLite file in tmp_path, a fresh PostgreSQL database); those of
 the daemon on SQLite."""
@@ -25,13 +25,13 @@ from factories import SLICE, Clock, offer
 from mqtt_helpers import ProbeFactory, payload_json
 from structlog.testing import capture_logs
 
-from broker.config import Config, HttpConfig, StateConfig
-from broker.daemon import Daemon
+from broker.daemon.assembly import Daemon
+from broker.daemon.config import Config, HttpConfig, StateConfig
+from broker.market.pool import ResourcePool, SliceId
+from broker.market.recorder import HistoryReader, MarketRecorder, epoch, prune_step, start_pruning
+from broker.market.traces import TraceRow, format_t, read_trace
 from broker.model import Market, Offer
-from broker.pool import ResourcePool, SliceId
-from broker.recorder import HistoryReader, MarketRecorder, epoch, prune_step, start_pruning
-from broker.store import StateStore, Store
-from broker.trace import TraceRow, format_t, read_trace
+from broker.state.store import StateStore, Store
 
 GCP: SliceId = ("sim", "gcp:us-central1")
 DAY = 86400.0
@@ -48,7 +48,7 @@ Where = Path | str
 def store_at(where: Where) -> Store:
     if isinstance(where, Path):
         return StateStore(where)
-    from broker.pgstore import PgStateStore
+    from broker.state.pgstore import PgStateStore
 
     return PgStateStore(where, site="test")
 
@@ -56,7 +56,7 @@ def store_at(where: Where) -> Store:
 def reader_of(where: Where) -> HistoryReader:
     if isinstance(where, Path):
         return HistoryReader(where)
-    from broker.pgstore import PgStateStore
+    from broker.state.pgstore import PgStateStore
 
     return HistoryReader(PgStateStore(where, site="test").reader)  # as `gpubroker history`
 
@@ -604,7 +604,7 @@ async def test_a_restarted_daemon_warms_its_hazard_estimates_from_the_history(
     assert est is not None and est[0] is not None and est[1] is not None
     assert 0.4 < est[1] < 0.7 and 0.05 < est[0] < 0.11
     # Placement scores the pool with it (the offer itself says 0.95).
-    from broker.placement import signals
+    from broker.placement.optimizer import signals
 
     assert signals(calm, daemon.policy, daemon.pool.hazard) == est
 

@@ -1,4 +1,4 @@
-"""Tests of the validation of what schedulers send (`broker/requests.py`)."""
+"""Tests of the validation of what schedulers send (`broker/wire/validation.py`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from broker.events import dumps
 from broker.model import PlaceRequest
-from broker.requests import (
+from broker.wire.messages import dumps
+from broker.wire.validation import (
     MAX_DEPTH,
     MAX_PAYLOAD,
     Invalid,

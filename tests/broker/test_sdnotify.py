@@ -15,7 +15,7 @@ import pytest
 import yaml
 from mqtt_helpers import Mosquitto
 
-from broker.sdnotify import Notifier
+from broker.edges.sdnotify import Notifier
 
 
 class NotifySocket:

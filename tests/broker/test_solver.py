@@ -1,4 +1,4 @@
-"""Tests of the assignment solvers (`broker/solver.py`) against brute force.
+"""Tests of the assignment solvers (`broker/placement/solver.py`) against brute force.
 
 Small problems are solved by enumerating every assignment (each request: one of its
 options, or unplaced), checking every constraint written out here independently of the
@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from broker import solver
-from broker.solver import Group, Option, Problem, Request, Solution, Team
+from broker.placement import solver
+from broker.placement.solver import Group, Option, Problem, Request, Solution, Team
 
 TOL = 1e-6
 
@@ -51,7 +51,7 @@ def req(*options: Option, team: str | None = None, horizon: float = 1.0,
 
 def short_group(full: list[Option], listed: int) -> Group:
     """A group listing only the cheapest `listed` of `full` (sorted); `more` lists the
-    rest as `broker.placement` does: the cheapest k alive, or all under a cost."""
+    rest as `broker.placement.optimizer` does: the cheapest k alive, or all under a cost."""
 
     def more(k: int | None, below: float | None, alive: Callable[[Option], bool] | None = None
              ) -> tuple[list[Option], float]:

@@ -1,4 +1,4 @@
-"""`broker.stdio.stdout_to_stderr`: native writes to fd 1 stay out of a command's report.
+"""`broker.output.stdio.stdout_to_stderr`: native writes to fd 1 stay out of a command's report.
 Real processes, since it rewires the process's own file descriptors."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def python(code: str) -> subprocess.CompletedProcess[str]:
 def test_writes_to_fd_1_inside_go_to_stderr_and_the_report_to_stdout() -> None:
     out = python("""
         import os, sys
-        from broker.stdio import stdout_to_stderr
+        from broker.output.stdio import stdout_to_stderr
         print("before", flush=True)
         with stdout_to_stderr():
             os.write(1, b"noise from C++\\n")
@@ -32,7 +32,7 @@ def test_writes_to_fd_1_inside_go_to_stderr_and_the_report_to_stdout() -> None:
 def test_stdout_is_restored_when_the_block_raises() -> None:
     out = python("""
         import os
-        from broker.stdio import stdout_to_stderr
+        from broker.output.stdio import stdout_to_stderr
         try:
             with stdout_to_stderr():
                 os.write(1, b"noise\\n")
@@ -72,7 +72,7 @@ def test_a_native_write_during_the_backtest_stays_out_of_its_json() -> None:
                         b"tmpSolver.run();\\n")
             return real(*args, **kw)
         compare.compare = noisy
-        from broker.cli import main
+        from broker.cli.main import main
         sys.exit(main(["backtest", "--market", "sim:2h:2:1", "--workload", "gen:10",
                        "--seeds", "2", "--format", "json"]))
     """)

@@ -1,6 +1,6 @@
 """Tests of the state store on both engines: every test of the `Store` interface runs on
-SQLite (`broker/store.py`, a real file in tmp_path) and on PostgreSQL
-(`broker/pgstore.py`, a fresh database of the local server); then SQLite's own tests
+SQLite (`broker/state/store.py`, a real file in tmp_path) and on PostgreSQL
+(`broker/state/pgstore.py`, a fresh database of the local server); then SQLite's own tests
 (a full disk, a killed process, directories, migrating a schema-1 file).
 PostgreSQL's own tests (migrations, sites, fencing) are in test_pgstore.py."""
 
@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 from factories import T0, offer, owned, placement, request
 
-from broker.leases import LeaseBook
+from broker.leasing.book import LeaseBook
 from broker.model import Lease, LeaseState, Market
-from broker.store import (
+from broker.state.store import (
     SCHEMA_VERSION,
     Db,
     OutboxRow,
@@ -81,7 +81,7 @@ def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Engine:
         path = tmp_path / "state" / "state.db"
         return Engine("sqlite", lambda: StateStore(path),
                       lambda: StateStore(path, read_only=True))
-    from broker.pgstore import PgStateStore
+    from broker.state.pgstore import PgStateStore
 
     url = request.getfixturevalue("pg_url")
     return Engine("postgresql", lambda: PgStateStore(url, site="test"),
@@ -428,8 +428,8 @@ async def test_committed_state_survives_a_killed_process(tmp_path: Path) -> None
         import asyncio, os, sys
         sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
         from factories import T0, offer, owned, placement, request
-        from broker.leases import LeaseBook
-        from broker.store import OutboxRow, StateStore
+        from broker.leasing.book import LeaseBook
+        from broker.state.store import OutboxRow, StateStore
 
         async def main():
             store = StateStore(__import__("pathlib").Path({str(path)!r}))
@@ -456,7 +456,7 @@ async def test_committed_state_survives_a_killed_process(tmp_path: Path) -> None
         await store.close()
 
 
-# The schema as release 1 wrote it (broker/store.py before the leader epochs): no
+# The schema as release 1 wrote it (broker/state/store.py before the leader epochs): no
 # leader_epoch columns, meta schema '1'.
 _SCHEMA_1 = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -557,7 +557,7 @@ async def test_a_schema_1_file_is_migrated_and_keeps_its_state(tmp_path: Path) -
     assert schema(path) == schema(await new_file(tmp_path / "new.db"))
 
 
-# Schema 2 as release 2 wrote it (broker/store.py before the lease parts): schema 1 and
+# Schema 2 as release 2 wrote it (broker/state/store.py before the lease parts): schema 1 and
 # the leader epochs, each request's key unique.
 _SCHEMA_2 = _SCHEMA_1.replace("'1'", "'2'") + """
 ALTER TABLE leases ADD COLUMN leader_epoch INTEGER NOT NULL DEFAULT 0;
@@ -736,7 +736,7 @@ async def test_the_lock_dies_with_a_killed_process(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import asyncio, pathlib, sys
         sys.path.insert(0, {str(Path(__file__).parent.parent.parent)!r})
-        from broker.store import StateStore
+        from broker.state.store import StateStore
 
         async def main():
             store = StateStore(pathlib.Path({str(path)!r}))

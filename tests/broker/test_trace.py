@@ -1,4 +1,4 @@
-"""Tests of market traces (`broker/trace.py`): both encodings, gzip, validation."""
+"""Tests of market traces (`broker/market/traces.py`): both encodings, gzip, validation."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 from factories import T0, key, offer
 
-from broker.model import Market
-from broker.trace import (
+from broker.market.traces import (
     CSV_HEADER,
     TraceError,
     TraceRow,
@@ -22,6 +21,7 @@ from broker.trace import (
     write_csv,
     write_jsonl,
 )
+from broker.model import Market
 
 A = key("us-east-1a")
 B = key("us-east-1b", market=Market.ON_DEMAND)

@@ -13,8 +13,8 @@ import aiohttp
 from daemon_helpers import RunningDaemon, daemon_config
 from mqtt_helpers import Mosquitto, free_port
 
-from broker.config import HttpConfig
-from broker.daemon import Daemon
+from broker.daemon.assembly import Daemon
+from broker.daemon.config import HttpConfig
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "gpubroker.json"
 METRIC = re.compile(r"\bgpubroker_[a-z_]+\b")

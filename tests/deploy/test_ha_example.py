@@ -23,10 +23,10 @@ import psycopg
 import pytest
 import yaml
 
-from broker.config import load_config, parse_config
-from broker.ha import Leadership, site_status
-from broker.pgstore import PgStateStore
-from broker.store import OutboxRow
+from broker.daemon.config import load_config, parse_config
+from broker.state.leadership import Leadership, site_status
+from broker.state.pgstore import PgStateStore
+from broker.state.store import OutboxRow
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "config.ha.example.yaml"

@@ -56,9 +56,9 @@ from paho.mqtt.properties import Properties
 from tls_helpers import Pki, make_pki
 
 from broker.client import BrokerClient
-from broker.config import StateConfig
-from broker.daemon import Daemon
-from broker.events import Topics
+from broker.daemon.assembly import Daemon
+from broker.daemon.config import StateConfig
+from broker.wire.messages import Topics
 
 P = "gpubroker/v1"
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto"
@@ -722,7 +722,7 @@ async def stop_watching(task: asyncio.Task[None]) -> None:
 
 async def test_a_standby_follows_the_status_as_its_own_user(
         daemon: Daemon, server: DeployMosquitto, tmp_path: Path, login: Any) -> None:
-    # What a standby node runs while the leader serves (broker/daemon.py _standby_bus).
+    # What a standby node runs while the leader serves (broker/daemon/assembly.py _standby_bus).
     # As the daemon's user its connection would be the leader's client id here, ending
     # the leader's connection and discarding the site's session.
     standby = standby_of(daemon, tmp_path / "standby.db")

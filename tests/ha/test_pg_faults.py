@@ -49,10 +49,10 @@ from ha.pg_server import PgServer, server_root
 from ha.test_faults import TAKEOVER_TIMEOUT, Flow, check_site, leader_boot, settle
 from mqtt_helpers import Mosquitto, MqttProbe
 
-from broker.leases import LeaseBook
+from broker.leasing.book import LeaseBook
 from broker.model import utcnow
-from broker.pgstore import PgDb, connect, migrate
-from broker.store import _lease_row
+from broker.state.pgstore import PgDb, connect, migrate
+from broker.state.store import _lease_row
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -479,7 +479,7 @@ BOOK = 200_000
 
 def fill_book(url: str, count: int) -> float:
     """The schema, then `count` active leases of scheduler `bulk` (1-day leases, rows as
-    the daemon writes them: `broker.store._lease_row`), copied in; the seconds taken."""
+    the daemon writes them: `broker.state.store._lease_row`), copied in; the seconds taken."""
     t = time.monotonic()
     conn = connect(url)
     try:

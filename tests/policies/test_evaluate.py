@@ -7,7 +7,7 @@ import textwrap
 from factories import T0, offer, pool_of, request
 
 from broker.model import Market, RejectCode
-from broker.placement import Ask, Decision, Rejection, place
+from broker.placement.optimizer import Ask, Decision, Rejection, place
 from policies.evaluate import Constraints, Denied, TeamUsage, evaluate, forbids
 from policies.loader import parse_policy
 from policies.model import Policy

@@ -22,7 +22,7 @@ from adapters.alibaba import pricing
 from adapters.alibaba.adapter import AlibabaAdapter, Refresh, from_config
 from adapters.alibaba.sdk import ANONYMOUS_KEY_ID, NO_CREDENTIALS
 from adapters.errors import AuthFailed, CloudUnavailable, InvalidConfig, RateLimited
-from broker.config import AlibabaConfig
+from broker.daemon.config import AlibabaConfig
 from broker.model import Market, Offer, PoolKey
 
 REGION = "cn-hangzhou"

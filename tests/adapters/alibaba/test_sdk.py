@@ -170,8 +170,8 @@ def test_bad_endpoint_urls_are_invalid_config(url: str) -> None:
 
 
 def test_a_missing_sdk_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    from broker.clouds import build_adapters
-    from broker.config import parse_config
+    from broker.daemon.config import parse_config
+    from broker.market.clouds import build_adapters
 
     monkeypatch.setitem(sys.modules, "alibabacloud_ecs20140526", None)  # not installed
     with pytest.raises(SdkMissing, match=r"pip install 'gpubroker\[alibaba\]'"):

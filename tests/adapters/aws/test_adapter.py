@@ -32,7 +32,7 @@ from adapters.errors import (
     QuotaExceeded,
     RateLimited,
 )
-from broker.config import AwsConfig
+from broker.daemon.config import AwsConfig
 from broker.model import CapacitySignal, Market, Offer, PoolKey, SignalKind
 
 REGION = "us-east-1"

@@ -11,7 +11,8 @@ import pytest
 from fake_aws import FakeAWS, fake_aws_fixture  # noqa: F401
 from mqtt_helpers import Mosquitto, ProbeFactory, payload_json
 
-from broker.config import (
+from broker.daemon.assembly import Daemon
+from broker.daemon.config import (
     AwsConfig,
     CloudsConfig,
     Config,
@@ -21,7 +22,6 @@ from broker.config import (
     SimConfig,
     StateConfig,
 )
-from broker.daemon import Daemon
 from broker.model import PoolKey
 
 PREFIX = "gpubroker/v1"

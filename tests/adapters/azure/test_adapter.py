@@ -27,7 +27,7 @@ from adapters.azure import pricing
 from adapters.azure.adapter import AzureAdapter, Refresh, from_config
 from adapters.common import RetryPolicy, poll_deadline
 from adapters.errors import AuthFailed, CloudUnavailable, InvalidConfig, RateLimited
-from broker.config import AzureConfig
+from broker.daemon.config import AzureConfig
 from broker.model import Market, Offer, PoolKey
 
 REGION = "eastus"

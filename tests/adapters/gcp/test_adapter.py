@@ -31,8 +31,8 @@ from adapters.errors import (
 )
 from adapters.gcp import pricing
 from adapters.gcp.adapter import GcpAdapter, Refresh, from_config
-from broker.clouds import build_adapters
-from broker.config import GcpConfig, parse_config
+from broker.daemon.config import GcpConfig, parse_config
+from broker.market.clouds import build_adapters
 from broker.model import Market, Offer, PoolKey
 
 REGION = "us-central1"

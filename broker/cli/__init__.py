@@ -1,0 +1,1 @@
+"""The `gpubroker` command line and the demo, on top of everything else."""

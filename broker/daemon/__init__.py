@@ -1,0 +1,2 @@
+"""The daemon: its configuration, its logs, the files it reads, and the assembly that
+builds the parts and runs them."""
