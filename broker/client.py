@@ -72,9 +72,9 @@ from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from broker.daemon import files
-from broker.daemon.mqtturl import parse_mqtt_url
 from broker.model import SCHEDULER_ID, LeaseState, Placement, parse_iso
+from gpubroker_client import files
+from gpubroker_client.mqtturl import parse_mqtt_url
 
 __all__ = [
     "DEFAULT_PREFIX",

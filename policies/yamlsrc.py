@@ -17,7 +17,7 @@ from typing import Annotated, Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from broker.daemon import files
+from gpubroker_client import files
 
 Loc = tuple[str | int, ...]
 

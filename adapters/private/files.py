@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.daemon import files
+from gpubroker_client import files
 
 RACY_NS = 2_000_000_000
 """A file read less than this long after its last modification is read again at the
@@ -38,7 +38,7 @@ class WatchedFile:
         self._digest: str | None = None
 
     def read(self) -> bytes:
-        """The file's content now, read by `broker.daemon.files.read_bytes` (a regular file, at
+        """The file's content now, read by `gpubroker_client.files.read_bytes` (a regular file, at
         most `max_bytes`; raises `OSError`, `FileRefused` for a FIFO, a device or a file
         over the bound); remembered as the last content."""
         st = os.stat(self.path)

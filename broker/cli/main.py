@@ -719,7 +719,7 @@ def _status(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912
     store = PgStateStore(cfg.state.url, site=cfg.site, password_file=cfg.state.password_file,
                          leadership_seconds=cfg.state.leadership_seconds)
     if (pw := cfg.state.password_file) is not None:
-        from broker.daemon.files import read_secret
+        from gpubroker_client.files import read_secret
 
         try:
             read_secret(pw)

@@ -33,7 +33,6 @@ import structlog
 
 from adapters.base import CloudAdapter
 from adapters.errors import AdapterError
-from broker.daemon import files
 from broker.daemon.config import Config
 from broker.edges.bus import Bus, RetainedRead, make_client
 from broker.edges.http import serve
@@ -55,6 +54,7 @@ from broker.state.leadership import Leadership
 from broker.state.pgstore import PgStateStore
 from broker.state.store import Db, Deposed, StoreFailed, db_errors, store_for
 from broker.wire.messages import Envelopes, Messages, Topics, dumps
+from gpubroker_client import files
 from policies import yamlsrc
 from policies.loader import SourceError, parse_policy_bytes, policy_hash
 from policies.model import Policy

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from broker.daemon.mqtturl import parse_mqtt_url
+from gpubroker_client.mqtturl import parse_mqtt_url
 from policies import yamlsrc
 from policies.yamlsrc import SourceError
 

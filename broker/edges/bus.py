@@ -43,13 +43,13 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from broker import __version__
-from broker.daemon import files
 from broker.daemon.config import MqttConfig
 from broker.leasing.authority import OPS, Command
 from broker.model import SCHEDULER_ID, iso, utcnow
 from broker.output.ratelimit import Every
 from broker.state.store import OutboxRow, Store
 from broker.wire.messages import Topics, dumps
+from gpubroker_client import files
 
 log = structlog.get_logger("gpubroker.bus")
 

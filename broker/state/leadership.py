@@ -50,9 +50,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import structlog
 
 from broker import __version__
-from broker.daemon.files import read_secret
 from broker.model import utcnow
 from broker.state.store import Deposed, StoreFailed
+from gpubroker_client.files import read_secret
 
 if TYPE_CHECKING:
     import psycopg

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import orjson
 import structlog
 
-from broker.daemon.files import read_secret
 from broker.model import Lease, Offer, iso
 from broker.state.store import (
     _INSERT_OUTBOX,
@@ -54,6 +53,7 @@ from broker.state.store import (
 )
 from broker.state.store import _MIGRATIONS as _SQLITE_MIGRATIONS
 from broker.state.store import _SCHEMA as _SQLITE_SCHEMA
+from gpubroker_client.files import read_secret
 
 if TYPE_CHECKING:
     import psycopg

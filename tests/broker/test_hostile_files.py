@@ -30,7 +30,7 @@ from structlog.testing import capture_logs
 
 from adapters.private.adapter import PrivateAdapter
 from broker.cli.main import main
-from broker.daemon import files
+from gpubroker_client import files
 from policies.loader import load_policy
 
 GOOD_POLICY = "version: 1\nteams:\n  ml: {max_gpus: 8}\n"
