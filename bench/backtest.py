@@ -48,12 +48,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from broker.backtest import STRATEGIES
-from broker.backtest.cli import embedded_policy
 from broker.backtest.compare import (
     Comparison,
     Result,
     Seeds,
     compare,
+    embedded_policy,
     t_interval,
     write_seeds_table,
     write_table,

@@ -42,8 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from broker.backtest import STRATEGIES
-from broker.backtest.cli import embedded_policy
-from broker.backtest.compare import Comparison, Seeds, compare
+from broker.backtest.compare import Comparison, Seeds, compare, embedded_policy
 from broker.backtest.engine import Settings
 from broker.backtest.market import PrivateSite, SimSpec, simulate_market
 from broker.backtest.workload import generate_workload

@@ -9,7 +9,8 @@ lease book and failover code on a simulated clock, and compare placement strateg
     engine.py      one strategy's run: events on a simulated clock, work and money
     compare.py     every strategy on the same simulation (with a private pool: cloud
                    only and with the pool); table, JSON, PNG chart
-    cli.py         `gpubroker backtest`
+
+Its command line, `gpubroker backtest`, is broker/cli/backtest.py.
 """
 
 STRATEGIES = ("on_demand", "cheapest_spot", "price_capacity", "gpubroker")

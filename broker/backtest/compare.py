@@ -375,6 +375,18 @@ def compare(market: MarketTrace, workload: Workload, names: Sequence[str], polic
                       private, tuple(results[len(names):]))
 
 
+def embedded_policy(restart_hours: float | None = None) -> tuple[Any, str]:
+    """The policy gpubroker runs under without a file, and its name in the report: the
+    daemon's own default policy (`Policy()`: market any, the default scoring), with
+    `scoring.restart_hours` set when given."""
+    from policies.model import Policy, Scoring
+
+    if restart_hours is None:
+        return Policy(), "embedded (the daemon's default policy)"
+    return (Policy(scoring=Scoring(restart_hours=restart_hours)),
+            f"embedded (the daemon's default policy, restart_hours {restart_hours:g})")
+
+
 # --- output -----------------------------------------------------------------------------
 
 _COLUMNS = (

@@ -11,10 +11,10 @@ from typing import Any, TextIO
 
 from broker.backtest import STRATEGIES
 from broker.backtest.market import MAX_SPAN_DAYS, PrivateSite
+from broker.cli.common import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, error_line, output_problem
 from broker.market.traces import MAX_GPUS, MAX_INTERRUPTION_RATE, MAX_PRICE_PER_HOUR
 from broker.output.stdio import printable, stdout_to_stderr
 
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 MAX_SEEDS = 100
 """The most runs `--seeds` asks for: each is a whole backtest."""
 MAX_STEP_MINUTES = 1440.0
@@ -107,18 +107,6 @@ def add_parser(sub: Any) -> None:
                         "pool pays (0); the pool's fixed cost is counted in neither run")
 
 
-def embedded_policy(restart_hours: float | None = None) -> tuple[Any, str]:
-    """The policy gpubroker runs under without a file, and its name in the report: the
-    daemon's own default policy (`Policy()`: market any, the default scoring), with
-    `scoring.restart_hours` set when given."""
-    from policies.model import Policy, Scoring
-
-    if restart_hours is None:
-        return Policy(), "embedded (the daemon's default policy)"
-    return (Policy(scoring=Scoring(restart_hours=restart_hours)),
-            f"embedded (the daemon's default policy, restart_hours {restart_hours:g})")
-
-
 def _progress(err: TextIO) -> Any:
     if not err.isatty():
         return None
@@ -186,8 +174,6 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912, PLR0915
             cmp.check_chart()
         except cmp.ChartUnavailable as exc:
             problems.append(f"--chart: {exc}")
-    from broker.cli.main import _why, output_problem
-
     for flag, path in (("--json-out", args.json_out), ("--chart", args.chart),
                        ("--save-market", args.save_market),
                        ("--save-workload", args.save_workload)):
@@ -209,7 +195,7 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912, PLR0915
         policy = load_policy(args.policy)  # SourceError: gpubroker main prints it, exit 2
         policy_name = str(args.policy)
     else:
-        policy, policy_name = embedded_policy(args.restart_hours)
+        policy, policy_name = cmp.embedded_policy(args.restart_hours)
     settings = replace(settings, restart_hours=policy.scoring.restart_hours)
     show = _progress(err)
     markets: dict[Any, MarketTrace] = {}
@@ -255,7 +241,7 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912, PLR0915
                 return EXIT_USAGE
             except OSError as exc:  # writing --save-market (the checks above make it rare)
                 _clear(progress, err)
-                _say(err, f"--save-market: {_why(exc)}")
+                _say(err, f"--save-market: {error_line(exc)}")
                 return EXIT_RUNTIME
             try:
                 if args.save_workload is not None and i == 0:
@@ -271,7 +257,7 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912, PLR0915
                 return EXIT_USAGE
             except OSError as exc:  # --save-workload could not be written after all
                 _clear(progress, err)
-                _say(err, f"{_why(exc)}")
+                _say(err, f"{error_line(exc)}")
                 return EXIT_RUNTIME
     result = cmp.Seeds(tuple(runs))
     try:
@@ -289,7 +275,7 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912, PLR0915
         raise
     except OSError as exc:  # a file could not be written after all (disk full ...)
         _clear(show, err)
-        _say(err, f"{_why(exc)}")
+        _say(err, f"{error_line(exc)}")
         return EXIT_RUNTIME
     _say(err, f"{result.speed_line()}")
     return EXIT_OK

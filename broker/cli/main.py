@@ -16,14 +16,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from broker import __version__
-from broker.daemon.config import Config, SourceError, load_config
+from broker.cli.common import (
+    EXIT_OK,
+    EXIT_RUNTIME,
+    EXIT_USAGE,
+    config_at,
+    error_line,
+    gpu_typo,
+    output_problem,
+    poll_once,
+    quiet_logs,
+    usage,
+)
+from broker.daemon.config import SourceError, load_config
 from broker.output.stdio import printable
 
 if TYPE_CHECKING:
-    from broker.market.pool import ResourcePool
     from broker.model import Lease, Offer
-
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -167,15 +176,11 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--format", choices=["table", "json"], default="table",
                         help="table: for people (default); json: one object")
 
-    from broker.backtest.cli import add_parser as add_backtest_parser
+    from broker.cli.backtest import add_parser as add_backtest_parser
 
     add_backtest_parser(sub)
     _add_client_parsers(sub)
     return p
-
-
-def _config(path: Path | None) -> Config:
-    return load_config(path) if path is not None else Config()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -218,7 +223,7 @@ def _main(argv: Sequence[str] | None) -> int:  # noqa: PLR0911
         if args.command in ("place", "leases", "release"):
             return _client_command(args)
         if args.command == "backtest":
-            from broker.backtest.cli import run as run_backtest
+            from broker.cli.backtest import run as run_backtest
 
             return run_backtest(args)
         if args.command == "private":
@@ -245,7 +250,7 @@ def _run(args: argparse.Namespace) -> int:
     from broker.output import logs
     from broker.state.store import StoreFailed
 
-    cfg = _config(args.config)
+    cfg = config_at(args.config)
     logs.configure(json=True, level=logging.getLevelNamesMapping()[cfg.log_level.upper()])
     daemon = Daemon(cfg)
 
@@ -278,7 +283,7 @@ def _run(args: argparse.Namespace) -> int:
     except (OSError, ExceptionGroup) as exc:
         first = exc.exceptions[0] if isinstance(exc, ExceptionGroup) else exc
         if isinstance(first, OSError):  # `http.listen HOST:PORT: address already in use`
-            print(f"gpubroker: {_why(first)}", file=sys.stderr)
+            print(f"gpubroker: {error_line(first)}", file=sys.stderr)
             # A name that does not resolve is a mistake in the configuration; a port in
             # use may be free at the next start.
             return EXIT_USAGE if isinstance(first, socket.gaierror) else EXIT_RUNTIME
@@ -287,79 +292,24 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _poll(cfg: Config) -> tuple[ResourcePool, list[str]]:
-    """One poll of every configured cloud, as `offers`, `policy explain` and `policy diff`
-    see the market. Returns the pool and one line per problem."""
-    from broker.market.clouds import build_adapters
-    from broker.market.poller import Poller
-    from broker.market.pool import ResourcePool
-
-    adapters, problems = build_adapters(cfg)
-    errors = [f"{name}: {problem}" for name, problem in problems]
-
-    async def poll() -> ResourcePool:
-        pool = ResourcePool(stale_after_seconds=cfg.poll.stale_after_seconds)
-        poller = Poller(pool, adapters, interval_seconds=cfg.poll.interval_seconds,
-                        timeout_seconds=cfg.poll.timeout_seconds)
-        try:
-            results = await poller.poll_all()
-        finally:
-            for adapter in adapters:
-                await adapter.close()
-        errors.extend(f"poll failed: {r.slice[0]} {r.slice[1]}: {type(r.error).__name__}: "
-                      f"{r.error}" for r in results if r.error)
-        return pool
-
-    return asyncio.run(poll()), errors
-
-
-def _usage(message: str) -> int:
-    """A mistake of the user's: one line on stderr, control characters escaped (it may
-    quote a file name or a value the user gave), exit 2."""
-    print(f"gpubroker: {printable(message)}", file=sys.stderr)
-    return EXIT_USAGE
-
-
-def _quiet_logs() -> None:
-    """Logs of a command that polls: errors only, on stderr. What a poll's failures mean
-    for the command is printed by the command itself, once (`_poll`)."""
-    from broker.output import logs
-
-    logs.configure(json=False, level=logging.ERROR)
-
-
-def _typos(option: str, gpus: Sequence[str] | None) -> str | None:
-    """The first of `gpus` that no cloud can offer under that name, told before a poll:
-    a name the adapters would map onto a canonical one (`H100`, `nvidia-tesla-t4`) is
-    never a pool's name. Other names outside the canonical list wait for the poll."""
-    from adapters.gpus import canonical
-    from broker.model import GPU_MODELS
-    from broker.wire.validation import unknown_gpu
-
-    for name in gpus or ():
-        if name not in GPU_MODELS and canonical(name)[1]:
-            return f"{option}: {unknown_gpu(name, GPU_MODELS)}"
-    return None
-
-
 def _offers(args: argparse.Namespace) -> int:
     from broker.model import CLOUDS, GPU_MODELS
     from broker.wire.validation import unknown_gpu, unknown_name
 
     for name in args.cloud or ():
         if name not in CLOUDS:
-            return _usage(f"--cloud: {unknown_name('cloud', name, CLOUDS)}")
-    if typo := _typos("--gpu", args.gpu):
-        return _usage(typo)
-    cfg = _config(args.config)
-    _quiet_logs()
-    pool, errors = _poll(cfg)
+            return usage(f"--cloud: {unknown_name('cloud', name, CLOUDS)}")
+    if typo := gpu_typo("--gpu", args.gpu):
+        return usage(typo)
+    cfg = config_at(args.config)
+    quiet_logs()
+    pool, errors = poll_once(cfg)
     for e in errors:
         print(f"gpubroker: {e}", file=sys.stderr)
     known = set(GPU_MODELS) | pool.gpus()
     for name in args.gpu or ():
         if name not in known:
-            return _usage(f"--gpu: {unknown_gpu(name, known)}")
+            return usage(f"--gpu: {unknown_gpu(name, known)}")
     offers = [o for o in pool
               if (not args.gpu or o.gpu in args.gpu)
               and (not args.cloud or o.pool.cloud in args.cloud)
@@ -421,20 +371,20 @@ def _policy_explain(args: argparse.Namespace) -> int:
     # A name the daemon would take but that is most likely a typo here: a team the
     # policy does not have (the daemon gives it no limits), a cloud no adapter has.
     if req.team is not None and policy.teams and req.team not in policy.teams:
-        return _usage(f"--request: team: {validation.unknown_name('team', req.team, policy.teams)}")
+        return usage(f"--request: team: {validation.unknown_name('team', req.team, policy.teams)}")
     for name in req.clouds or ():
         if name not in CLOUDS:
-            return _usage(f"--request: clouds: {validation.unknown_name('cloud', name, CLOUDS)}")
-    if typo := _typos("--request: gpu", req.gpu):
-        return _usage(typo)
-    cfg = _config(args.config)
-    _quiet_logs()
-    pool, errors = _poll(cfg)
+            return usage(f"--request: clouds: {validation.unknown_name('cloud', name, CLOUDS)}")
+    if typo := gpu_typo("--request: gpu", req.gpu):
+        return usage(typo)
+    cfg = config_at(args.config)
+    quiet_logs()
+    pool, errors = poll_once(cfg)
     for e in errors:
         print(f"gpubroker: {e}", file=sys.stderr)
     unknown = validation.unknown_gpus(req, lambda: set(policy.extra_gpus) | pool.gpus())
     if unknown is not None:
-        return _usage(f"--request: gpu: {unknown.errors[0]['message']}")
+        return usage(f"--request: gpu: {unknown.errors[0]['message']}")
     report = explain(Ask(req), pool, policy, now=utcnow(), all_gpus=sorted(pool.gpus()))
     if args.format == "json":
         print(json.dumps(report, indent=2))
@@ -466,14 +416,15 @@ def _policy_diff(args: argparse.Namespace) -> int:
     from broker.leasing import failover
     from broker.model import LeaseState, utcnow
     from broker.placement.optimizer import Decision
-    from broker.state.store import StoreFailed, db_errors, store_for
+    from broker.state.configured import store_for
+    from broker.state.store import StoreFailed, db_errors
     from policies.evaluate import forbids
     from policies.loader import load_policy
     from policies.residency import Residency
 
     old, new = load_policy(args.old), load_policy(args.new)
-    cfg = _config(args.config)
-    _quiet_logs()
+    cfg = config_at(args.config)
+    quiet_logs()
 
     store = store_for(cfg.state, cfg.site, read_only=True)  # the daemon may be running
 
@@ -485,14 +436,14 @@ def _policy_diff(args: argparse.Namespace) -> int:
             await store.close()
 
     if not cfg.state.url and not cfg.state.path.is_file():
-        return _usage(f"no state file at {cfg.state.path}"
+        return usage(f"no state file at {cfg.state.path}"
                       + (" (a directory)" if cfg.state.path.is_dir() else ""))
     try:
         leases = asyncio.run(active())
     except db_errors(StoreFailed, RuntimeError) as err:  # not a state, or a newer one's
         what = "database" if cfg.state.url else "state file"
-        return _usage(f"{store.name}: cannot read the {what}: {str(err).strip()}")
-    pool, errors = _poll(cfg)
+        return usage(f"{store.name}: cannot read the {what}: {str(err).strip()}")
+    pool, errors = poll_once(cfg)
     for e in errors:
         print(f"gpubroker: {e}", file=sys.stderr)
     for lease in leases:
@@ -552,26 +503,6 @@ def _private_check(path: Path) -> int:
     return EXIT_OK
 
 
-def output_problem(option: str, path: Path) -> str | None:
-    """Why `path` cannot be written (a directory, or a folder that does not exist), told
-    before a long run; None when it looks writable."""
-    if path.is_dir():
-        return f"{option}: {path} is a directory"
-    folder = path.parent
-    if not folder.is_dir():
-        return f"{option}: {path}: no folder {folder}"
-    if not os.access(folder, os.W_OK):
-        return f"{option}: {path}: the folder {folder} is not writable"
-    return None
-
-
-def _why(err: BaseException) -> str:
-    """An error in one line: `FILE: reason` for a file's, else its text."""
-    if isinstance(err, OSError) and err.strerror:
-        return f"{err.filename}: {err.strerror}" if err.filename else err.strerror
-    return str(err) or type(err).__name__
-
-
 # Complex, many returns: split in the package redesign (#28).
 def _history(args: argparse.Namespace) -> int:  # noqa: C901, PLR0911, PLR0912, PLR0915
     """`gpubroker history`: the state file's market history as a trace (broker.market.traces),
@@ -591,10 +522,10 @@ def _history(args: argparse.Namespace) -> int:  # noqa: C901, PLR0911, PLR0912, 
         write_jsonl,
     )
     from broker.model import CLOUDS, GPU_MODELS, Market, PoolKey, utcnow
-    from broker.state.store import Db, db_errors, store_for
+    from broker.state.configured import store_for
+    from broker.state.store import Db, db_errors
     from broker.wire.validation import unknown_gpu, unknown_name
 
-    usage = _usage
     now = utcnow()
     when: dict[str, datetime | None] = {}
     for option, text in (("--since", args.since), ("--until", args.until)):
@@ -606,11 +537,11 @@ def _history(args: argparse.Namespace) -> int:  # noqa: C901, PLR0911, PLR0912, 
     if since is not None and until is not None and until <= since:
         return usage("--until must be later than --since")
     source: Path | Callable[[], Db]
-    if args.state is None and (cfg := _config(args.config)).state.url:
+    if args.state is None and (cfg := config_at(args.config)).state.url:
         store = store_for(cfg.state, cfg.site)
         source, name = store.reader, store.name
     else:
-        path: Path = args.state or _config(args.config).state.path
+        path: Path = args.state or config_at(args.config).state.path
         if not path.is_file():
             return usage(f"no state file at {path}" + (" (a directory)" if path.is_dir()
                                                       else ""))
@@ -672,7 +603,7 @@ def _history(args: argparse.Namespace) -> int:  # noqa: C901, PLR0911, PLR0912, 
         except BrokenPipeError:  # `gpubroker history | head`: no error (`main`)
             raise
         except db_errors(OSError) as err:
-            print(f"gpubroker: {printable(_why(err))}", file=sys.stderr)
+            print(f"gpubroker: {printable(error_line(err))}", file=sys.stderr)
             return EXIT_RUNTIME
         finally:
             rows.close()
@@ -698,7 +629,7 @@ def _status(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912
 
     from broker.model import iso
 
-    cfg = _config(args.config)
+    cfg = config_at(args.config)
     out: dict[str, Any] = {"site": cfg.site, "high_availability": bool(cfg.state.url),
                            "database": None, "leadership_seconds": None, "leader": None,
                            "epoch": 0, "claimed_by": None, "expires_in_seconds": None,
@@ -724,7 +655,7 @@ def _status(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912
         try:
             read_secret(pw)
         except OSError as err:
-            return _usage(f"{pw}: state.password_file: cannot read: {err.strerror or err}")
+            return usage(f"{pw}: state.password_file: cannot read: {err.strerror or err}")
 
     def one_line(err: BaseException) -> str:
         return " ".join(str(err).split()) or type(err).__name__
@@ -738,7 +669,7 @@ def _status(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912
                 row = conn.execute("SELECT value FROM meta WHERE key = 'site'").fetchone()
                 owner = None if row is None else str(row[0])
         if owner is not None and owner != cfg.site:
-            return _usage(f"{store.name}: state.url: the database holds the state of site "
+            return usage(f"{store.name}: state.url: the database holds the state of site "
                           f"{owner!r}, not {cfg.site!r}: each site needs a database of its own")
         if found is None or not found[0]:
             print(f"gpubroker: {store.name}: no leadership in this database yet: no daemon "
@@ -746,7 +677,7 @@ def _status(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912
             return EXIT_RUNTIME
         site = site_status(store, cfg.site)
     except RuntimeError as err:  # psycopg is not installed
-        return _usage(f"state.url: {err}")
+        return usage(f"state.url: {err}")
     except db_errors(OSError) as err:
         print(f"gpubroker: {store.name}: cannot read the site's status: {one_line(err)}",
               file=sys.stderr)
@@ -914,7 +845,7 @@ def _client_command(args: argparse.Namespace) -> int:
             return _release(args)
         return _leases(args)
     except ValueError as err:  # a bad URL, scheduler id or prefix
-        return _usage(str(err))
+        return usage(str(err))
     except BrokerError as err:  # the MQTT server or the daemon said no, or nothing
         print(f"gpubroker: {printable(err)}", file=sys.stderr)
         return EXIT_RUNTIME
