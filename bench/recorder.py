@@ -39,8 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from adapters.sim import SimAdapter  # noqa: E402
+from broker.market.changes import PoolChange  # noqa: E402
 from broker.market.hazard import HazardEstimator  # noqa: E402
-from broker.market.pool import PoolChange, ResourcePool  # noqa: E402
+from broker.market.pool import ResourcePool  # noqa: E402
 from broker.market.recorder import (  # noqa: E402
     SNAPSHOT,
     SNAPSHOT_CHUNK_ROWS,

@@ -16,23 +16,17 @@ stands in the way.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from broker.model import Market, PlaceRequest, PoolKey, RejectCode, markets_for
 from policies.model import Policy, Rule
 from policies.residency import Residency
+from policies.teams import TeamUsage, over_max_gpus
 
-
-@dataclass(frozen=True, slots=True)
-class TeamUsage:
-    """What a team's active leases hold now."""
-
-    gpus: int = 0
-    price_per_hour: float = 0.0
-    gpus_by_zone: Mapping[tuple[str, str], int] = field(default_factory=dict)
-    owned_gpus: int = 0  # on paid-for capacity (the `reserved` market)
+__all__ = ["POLICY_RULES", "Constraints", "Denied", "OfferRule", "TeamUsage", "describe",
+           "evaluate", "forbids", "matching_rule"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +88,48 @@ class Constraints:
 
     def permits(self, key: PoolKey, gpu: str) -> bool:
         """Whether a placement on `key` with GPU model `gpu` meets every constraint except
-        price and budget (those depend on the price at the time)."""
-        return (gpu in self.gpus and key.market in self.markets
-                and self.region_ok(key.cloud, key.region))
+        price and budget (those depend on the price at the time): `POLICY_RULES`
+        but the price cap."""
+        return all(r.ok(self, key, gpu, 0.0) for r in POLICY_RULES if r is not PRICE_CAP)
+
+
+@dataclass(frozen=True, slots=True)
+class OfferRule:
+    """One of the rules of where and on what a request may be placed that its verdict
+    alone decides (`broker.placement.rules` puts them in its table, in this order):
+    `ok(constraints, pool, GPU model, price per GPU-hour)`; `message`, why an offer
+    fails it; `changed`, why a lease placed there is no longer allowed (`forbids`)."""
+
+    name: str
+    code: RejectCode
+    message: str
+    ok: Callable[[Constraints, PoolKey, str, float], bool]
+    changed: Callable[[Constraints, PoolKey, str, float], str]
+
+
+def _where(c: Constraints) -> str:
+    return f"rule {c.rule!r}" if c.rule else "the policy"
+
+
+MODEL = OfferRule(
+    "model", RejectCode.NO_CAPACITY, "GPU model not acceptable",
+    lambda c, key, gpu, ppg: gpu in c.gpus,
+    lambda c, key, gpu, ppg: f"GPU {gpu} is no longer allowed")
+MARKET = OfferRule(
+    "market", RejectCode.NO_CAPACITY, "market not allowed",
+    lambda c, key, gpu, ppg: key.market in c.markets,
+    lambda c, key, gpu, ppg: f"market {key.market.value} is no longer allowed")
+REGION = OfferRule(
+    "policy_region", RejectCode.POLICY_DENIED,
+    "cloud/region/residency not allowed by the policy",
+    lambda c, key, gpu, ppg: c.region_ok(key.cloud, key.region),
+    lambda c, key, gpu, ppg: f"{key.cloud}/{key.region} is no longer allowed by {_where(c)}")
+PRICE_CAP = OfferRule(
+    "price_cap", RejectCode.OVER_PRICE_CAP, "over the price cap",
+    lambda c, key, gpu, ppg: c.cap is None or ppg <= c.cap,
+    lambda c, key, gpu, ppg: f"${ppg:.4g}/GPU-h is above the new cap ${c.cap:g}")
+POLICY_RULES = (MODEL, MARKET, REGION, PRICE_CAP)
+"""The verdict's rules of an offer, in the order they are checked."""
 
 
 def matching_rule(policy: Policy, request: PlaceRequest) -> Rule | None:
@@ -162,7 +195,7 @@ def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = No
                          else " by the policy's gpus lists"))
 
     # Team limits.
-    if team and team.max_gpus is not None and usage.gpus + request.gpus > team.max_gpus:
+    if team and over_max_gpus(team.max_gpus, usage, request.gpus):
         return Denied(RejectCode.OVER_BUDGET,
                       f"team {request.team!r} holds {usage.gpus} GPUs; {request.gpus} more "
                       f"would pass its max_gpus {team.max_gpus}")
@@ -236,15 +269,9 @@ def forbids(policy: Policy, request: PlaceRequest, key: PoolKey, gpu: str,
     verdict = evaluate(policy, request, None, resident)
     if isinstance(verdict, Denied):
         return verdict.detail
-    if gpu not in verdict.gpus:
-        return f"GPU {gpu} is no longer allowed"
-    if key.market not in verdict.markets:
-        return f"market {key.market.value} is no longer allowed"
-    if not verdict.region_ok(key.cloud, key.region):
-        where = f"rule {verdict.rule!r}" if verdict.rule else "the policy"
-        return f"{key.cloud}/{key.region} is no longer allowed by {where}"
-    if verdict.cap is not None and price_per_gpu_hour > verdict.cap:
-        return f"${price_per_gpu_hour:.4g}/GPU-h is above the new cap ${verdict.cap:g}"
+    for rule in POLICY_RULES:
+        if not rule.ok(verdict, key, gpu, price_per_gpu_hour):
+            return rule.changed(verdict, key, gpu, price_per_gpu_hour)
     return None
 
 

@@ -13,9 +13,10 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from broker.market.pool import ResourcePool, SliceId
+from broker.market.changes import SliceId
+from broker.market.pool import ResourcePool
 from broker.model import Market, Offer, Placement, PlaceRequest, PoolKey, Target
-from broker.state.store import OutboxRow
+from broker.wire.messages import OutboxRow
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 SLICE: SliceId = ("sim", "aws:us-east-1")

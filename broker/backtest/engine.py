@@ -85,8 +85,9 @@ from broker.backtest.strategies import Strategy, rid
 from broker.backtest.workload import Arrival, Workload
 from broker.leasing import failover
 from broker.leasing.book import LeaseBook
+from broker.market.changes import PoolChange
 from broker.market.hazard import HazardEstimator
-from broker.market.pool import PoolChange, ResourcePool
+from broker.market.pool import ResourcePool
 from broker.model import (
     FailoverReason,
     Lease,

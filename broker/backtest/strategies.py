@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime
 
@@ -60,7 +60,7 @@ from broker.model import (
     RejectCode,
     markets_for,
 )
-from broker.placement import optimizer
+from broker.placement import optimizer, rules
 from broker.placement.optimizer import Ask, Decision, Outcome, PoolView, Rejection
 from policies.evaluate import Constraints, Denied, evaluate
 from policies.model import Policy, Scoring
@@ -274,10 +274,11 @@ def availability_level(offer: Offer, unknown: float) -> int:
 def choose_price_capacity(asks: Sequence[Ask], view: PoolView, policy: Policy, *,
                           now: datetime) -> list[Outcome]:
     """For each ask, the feasible offer of the highest availability level, then the
-    lowest price for the GPUs asked (then the pool key). Feasibility is
-    `broker.placement.optimizer`'s: acceptable model/market/cloud/region, not stale, not cooling,
-    not excluded, under the price cap, free capacity and quota (less what earlier asks of
-    the batch took), within the team's remaining budget."""
+    lowest price for the GPUs asked (then the pool key). Feasibility is the placement
+    rules' table (`broker.placement.rules`): acceptable model/market/cloud/region, not
+    stale, not cooling, not excluded, under the price cap, free capacity and quota (less
+    what earlier asks of the batch took), the spot discount, within the team's remaining
+    budget."""
     stale, cooling = view.stale_slices(now), view.cooling(now)
     taken: Counter[PoolKey] = Counter()
     taken_gpus: Counter[PoolKey] = Counter()
@@ -291,28 +292,23 @@ def choose_price_capacity(asks: Sequence[Ask], view: PoolView, policy: Policy, *
             continue
         best: tuple[tuple[int, float, PoolKey], Offer, int] | None = None
         matching = under_cap = 0
+        probe = rules.Probe(req, c, view, policy, ask.exclude, stale, cooling, taken,
+                            taken_gpus)
         for gpu in c.gpus:
             for m in c.markets:
                 for offer in view.by_gpu(gpu, m):
-                    if not _allowed(offer, ask, c, view, stale, cooling):
+                    instances = rules.instances_for(req.gpus, offer.gpus)
+                    failed = rules.first_failing(probe, offer, instances)
+                    if failed is not None and failed in _UNMATCHED:
                         continue
                     matching += 1
-                    ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
-                    if c.cap is not None and ppg > c.cap:
+                    if failed is rules.PRICE_CAP:
                         continue
                     under_cap += 1
-                    key = offer.pool
-                    instances = -(-req.gpus // offer.gpus)
+                    if failed is not None:
+                        continue
                     price = instances * offer.price_per_hour  # type: ignore[operator]
-                    if offer.capacity is not None and \
-                            offer.capacity - view.held(key) - taken[key] < instances:
-                        continue
-                    if offer.quota_headroom is not None and \
-                            offer.quota_headroom - taken_gpus[key] < instances * offer.gpus:
-                        continue
-                    if c.budget_left is not None and price > c.budget_left:
-                        continue
-                    rank = (-availability_level(offer, unknown), price, key)
+                    rank = (-availability_level(offer, unknown), price, offer.pool)
                     if best is None or rank < best[0]:
                         best = (rank, offer, instances)
         if best is None:
@@ -329,19 +325,8 @@ def choose_price_capacity(asks: Sequence[Ask], view: PoolView, policy: Policy, *
     return out
 
 
-def _allowed(offer: Offer, ask: Ask, c: Constraints, view: PoolView,
-             stale: Collection[Hashable], cooling: Collection[PoolKey]) -> bool:
-    key = offer.pool
-    req = ask.request
-    if req.clouds and key.cloud not in req.clouds:
-        return False
-    if req.regions and key.region not in req.regions:
-        return False
-    if key in ask.exclude or key in cooling:
-        return False
-    if view.slice_of(key) in stale:
-        return False
-    return c.region_ok(key.cloud, key.region)
+_UNMATCHED = frozenset(rules.RULES[:rules.RULES.index(rules.PRICE_CAP)])
+"""The rules before the price cap: an offer failing one does not count as matching."""
 
 
 def _rejection(ask: Ask, c: Constraints, matching: int, under_cap: int) -> Rejection:

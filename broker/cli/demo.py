@@ -60,10 +60,10 @@ from broker.daemon.config import (
     SimConfig,
     StateConfig,
 )
-from broker.leasing.authority import Command
 from broker.model import LeaseState, Market, Placement, utcnow
 from broker.output import logs
 from broker.state.store import StoreFailed
+from broker.wire.commands import Command
 
 T = TypeVar("T")
 

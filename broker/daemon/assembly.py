@@ -38,21 +38,24 @@ from broker.edges.bus import Bus, RetainedRead, make_client
 from broker.edges.http import serve
 from broker.edges.metrics import Metrics, state_gauges
 from broker.edges.sdnotify import Notifier, watchdog_seconds
-from broker.leasing.authority import Broker, Command
+from broker.leasing.authority import Broker
 from broker.leasing.book import LeaseBook
 from broker.market import capacity
+from broker.market.changes import PoolChange, SliceId
 from broker.market.clouds import build_adapters
 from broker.market.hazard import HazardEstimator
 from broker.market.poller import Poller, PollResult
-from broker.market.pool import PoolChange, ResourcePool, SliceId
+from broker.market.pool import ResourcePool
 from broker.market.recorder import HistoryReader, MarketRecorder
 from broker.model import Lease, LeaseState, Market, PoolKey, utcnow
 from broker.output.logs import filter_loop_errors
 from broker.output.ratelimit import Every
 from broker.placement import solver
+from broker.state.configured import store_for
 from broker.state.leadership import Leadership
 from broker.state.pgstore import PgStateStore
-from broker.state.store import Db, Deposed, StoreFailed, db_errors, store_for
+from broker.state.store import Db, Deposed, StoreFailed, db_errors
+from broker.wire.commands import Command
 from broker.wire.messages import Envelopes, Messages, Topics, dumps
 from gpubroker_client import files
 from policies import yamlsrc
@@ -180,6 +183,12 @@ class Daemon:
     def role(self) -> str:
         """`leader` or `standby` (high availability; a single daemon always leads)."""
         return "leader" if self.leadership is None else self.leadership.role
+
+    @property
+    def takeovers(self) -> int:
+        """How many times this process took the leadership of its site (0: a single
+        daemon, which leads without an election)."""
+        return 0 if self.leadership is None else self.leadership.takeovers
 
     def _may_lead(self) -> bool:
         return self.leadership is None or self.leadership.valid()

@@ -44,19 +44,16 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from broker import __version__
 from broker.daemon.config import MqttConfig
-from broker.leasing.authority import OPS, Command
 from broker.model import SCHEDULER_ID, iso, utcnow
 from broker.output.ratelimit import Every
-from broker.state.store import OutboxRow, Store
-from broker.wire.messages import Topics, dumps
+from broker.state.store import Store
+from broker.wire.commands import OPS, Command
+from broker.wire.messages import OutboxRow, Topics, dumps
+from broker.wire.validation import MAX_PACKET
 from gpubroker_client import files
 
 log = structlog.get_logger("gpubroker.bus")
 
-MAX_PACKET = 128 * 1024
-"""The MQTT 5 Maximum Packet Size announced on connect: the server never forwards the
-daemon a larger message (SPEC §3), so one huge publish can neither wedge the session nor
-fill the daemon's memory."""
 RESTORE_WINDOW = 64
 RESTORE_YIELD_EVERY = 32
 

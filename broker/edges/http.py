@@ -53,7 +53,7 @@ import logging
 import resource
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import structlog
 from aiohttp import web
@@ -61,19 +61,66 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from broker.leasing.authority import Command
+from broker.daemon.config import Config
+from broker.edges.metrics import Metrics
+from broker.leasing.authority import Broker
+from broker.leasing.book import LeaseBook
+from broker.market.pool import ResourcePool
 from broker.model import SCHEDULER_ID, Lease, LeaseState, Market, utcnow
 from broker.output.logs import filter_loop_errors
 from broker.output.ratelimit import Every
-from broker.state.store import StoreFailed
+from broker.state.leadership import Leadership
+from broker.state.store import Store, StoreFailed
+from broker.wire.commands import Command
+from broker.wire.messages import Topics
 
-if TYPE_CHECKING:
-    from broker.daemon.assembly import Daemon
+
+class Served(Protocol):
+    """What the HTTP side reads of the daemon it serves (`broker.daemon.assembly.Daemon`
+    is one), and nothing more: its configuration and token, its role and readiness, the
+    metrics, the pool, the lease book (as committed: through the broker, or from the
+    store on a standby), the policy in force, and the broker that takes placements."""
+
+    @property
+    def cfg(self) -> Config: ...
+
+    @property
+    def http_token(self) -> bytes | None: ...
+
+    @property
+    def role(self) -> str: ...
+
+    def not_ready(self) -> list[str]: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def pool(self) -> ResourcePool: ...
+
+    @property
+    def book(self) -> LeaseBook: ...
+
+    @property
+    def broker(self) -> Broker: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def leadership(self) -> Leadership | None: ...
+
+    @property
+    def topics(self) -> Topics: ...
+
+    @property
+    def policy_digest(self) -> str | None: ...
+
 
 MAX_BODY = 64 * 1024
 LEASE_STATES = tuple(s.value for s in LeaseState)
 ANSWER_TIMEOUT = 30.0
-DAEMON = web.AppKey("daemon", object)
+SERVED: web.AppKey[Served] = web.AppKey("served")
 BACKLOG = 128
 """The listen backlog, and so the most connections asyncio accepts in one go (each a
 descriptor before anything here sees it)."""
@@ -86,8 +133,8 @@ LOG_EVERY = 60.0
 log = structlog.get_logger("gpubroker.http")
 
 
-def _daemon(request: web.Request) -> Daemon:
-    return request.app[DAEMON]  # type: ignore[return-value]
+def _served(request: web.Request) -> Served:
+    return request.app[SERVED]
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -113,7 +160,7 @@ def _bearer(request: web.Request) -> bytes | None:
         return None
 
 
-def _unauthorized(d: Daemon, request: web.Request, what: str) -> web.Response | None:
+def _unauthorized(d: Served, request: web.Request, what: str) -> web.Response | None:
     """403 without a configured token, 401 without the right one (constant-time
     comparison), None when the request may go on."""
     token = d.http_token
@@ -126,7 +173,7 @@ def _unauthorized(d: Daemon, request: web.Request, what: str) -> web.Response | 
     return None
 
 
-def _view_refused(d: Daemon, request: web.Request) -> web.Response | None:
+def _view_refused(d: Served, request: web.Request) -> web.Response | None:
     """The read-only views want the token when `http.views_need_token` says so."""
     if not d.cfg.http.views_need_token:
         return None
@@ -138,25 +185,25 @@ async def livez(_: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    reasons = _daemon(request).not_ready()
+    reasons = _served(request).not_ready()
     if reasons:
         return web.Response(text="not ready: " + "; ".join(reasons) + "\n", status=503)
     return web.Response(text="ready\n")
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(_daemon(request).metrics.registry)
+    body = generate_latest(_served(request).metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _standing_by(d: Daemon) -> web.Response | None:
+def _standing_by(d: Served) -> web.Response | None:
     """A standby serves reads of the lease book from the database, and nothing else."""
     if d.role != "standby":
         return None
     return _json({"error": f"this node is a {d.not_ready()[0]}; ask the leader"}, 503)
 
 
-async def _standby_leases(d: Daemon) -> list[Lease] | web.Response:
+async def _standby_leases(d: Served) -> list[Lease] | web.Response:
     assert d.leadership is not None
     if not d.leadership.database_ok:
         return _json({"error": "this node is a standby and cannot reach the database"}, 503)
@@ -167,7 +214,7 @@ async def _standby_leases(d: Daemon) -> list[Lease] | web.Response:
 
 
 async def offers(request: web.Request) -> web.Response:
-    d = _daemon(request)
+    d = _served(request)
     # `is None`, never `or`: a Response is a mapping, and an empty one is falsy.
     refused = _view_refused(d, request)
     if refused is None:
@@ -193,7 +240,7 @@ async def offers(request: web.Request) -> web.Response:
 
 
 async def leases(request: web.Request) -> web.Response:
-    d = _daemon(request)
+    d = _served(request)
     if (refused := _view_refused(d, request)) is not None:
         return refused
     q = request.query
@@ -218,7 +265,7 @@ async def leases(request: web.Request) -> web.Response:
 
 
 async def lease(request: web.Request) -> web.Response:
-    d = _daemon(request)
+    d = _served(request)
     if (refused := _view_refused(d, request)) is not None:
         return refused
     lease_id = request.match_info["lease_id"]
@@ -239,7 +286,7 @@ async def lease(request: web.Request) -> web.Response:
 
 
 async def policy(request: web.Request) -> web.Response:
-    d = _daemon(request)
+    d = _served(request)
     if (refused := _view_refused(d, request)) is not None:
         return refused
     return _json({"hash": d.policy_digest, "file": str(d.cfg.policy_file or ""),
@@ -248,7 +295,7 @@ async def policy(request: web.Request) -> web.Response:
 
 # Many returns: one early return per refusal before the work.
 async def place(request: web.Request) -> web.Response:  # noqa: PLR0911
-    d = _daemon(request)
+    d = _served(request)
     if (refused := _standing_by(d)) is not None:
         return refused
     if (refused := _unauthorized(d, request, "placing")) is not None:
@@ -450,9 +497,9 @@ def _quiet_accept_errors(loop: asyncio.AbstractEventLoop
     return filter_loop_errors(loop, quiet)
 
 
-def build_app(daemon: Daemon) -> web.Application:
+def build_app(served: Served) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY, middlewares=[_in_progress])
-    app[DAEMON] = daemon
+    app[SERVED] = served
     app.router.add_get("/livez", livez)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
@@ -494,9 +541,9 @@ class _Site(web.TCPSite):
             self.restore_handler = None
 
 
-async def serve(daemon: Daemon, host: str, port: int) -> web.AppRunner:
-    cfg = daemon.cfg.http
-    runner = web.AppRunner(build_app(daemon), access_log=None, handle_signals=False,
+async def serve(served: Served, host: str, port: int) -> web.AppRunner:
+    cfg = served.cfg.http
+    runner = web.AppRunner(build_app(served), access_log=None, handle_signals=False,
                            shutdown_timeout=2.0)
     await runner.setup()
     connections = _Connections(connection_limit(cfg.max_connections),

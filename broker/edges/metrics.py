@@ -20,7 +20,6 @@ from prometheus_client.registry import Collector
 from broker import __version__
 from broker.model import Market, utcnow
 from broker.placement.optimizer import BatchResult
-from broker.state.leadership import takeovers as ha_takeovers
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 _POLL_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -158,7 +157,7 @@ def state_gauges(daemon: Any) -> Iterator[Metric]:
                             "(0: standing by, or a single daemon on SQLite)",
                             value=daemon.store.epoch)
     yield CounterMetricFamily("gpubroker_takeovers", "Times this process took the "
-                              "leadership of its site", value=ha_takeovers())
+                              "leadership of its site", value=daemon.takeovers)
     yield GaugeMetricFamily("gpubroker_event_loop_lag_max_seconds",
                             "The longest the event loop has been late so far",
                             value=daemon.metrics.loop_lag_max)

@@ -50,8 +50,9 @@ import structlog
 from broker.daemon.config import PlacementConfig
 from broker.leasing import failover
 from broker.leasing.book import LeaseBook, LeaseError
+from broker.market.changes import PoolChange
 from broker.market.hazard import horizon_bucket
-from broker.market.pool import PoolChange, ResourcePool
+from broker.market.pool import ResourcePool
 from broker.model import (
     CapacitySignal,
     Event,
@@ -65,9 +66,10 @@ from broker.model import (
 )
 from broker.placement import optimizer
 from broker.state.keyfilter import KeyFilter
-from broker.state.store import OutboxRow, Store, StoreFailed, lease_keys
+from broker.state.store import Store, StoreFailed, lease_keys
 from broker.wire import validation
-from broker.wire.messages import Messages, lease_subject, request_subject
+from broker.wire.commands import OPS, VERBS, Command
+from broker.wire.messages import Messages, OutboxRow, lease_subject, request_subject
 from policies.evaluate import Denied, evaluate, forbids
 from policies.model import Policy
 from policies.residency import Residency
@@ -89,35 +91,12 @@ FIRST_BATCH = 16
 """The size of the first batch after a start; each next one may be twice as large, up to
 `placement.max_batch` (the backlog a new leader finds is answered from its head at once)."""
 
-VERBS = ("place", "renew", "release", "report")
-OPS = "_ops"  # the reserved scheduler id of operations events (P/events/_ops/...)
 REPEATED = "repeated request: the lease it already has"
 INTERNAL = {"field": "", "message": "internal error handling this request; it was not "
             "executed (the daemon logged the error)"}
 MAX_ERRORS = 20  # per request.invalid answer: an answer must stay far below a packet's limit
 RETAINED = {"field": "retain", "message": "a request published with the retain flag is "
             "never acted on; publish it without the retain flag"}
-
-
-@dataclass(frozen=True, slots=True)
-class Command:
-    """One message from a scheduler, as received (validated here, not by the bus)."""
-
-    scheduler: str
-    verb: str
-    payload: bytes
-    topic: str
-    reply: dict[str, Any] | None = None  # MQTT 5 response_topic + correlation_data
-    answer: asyncio.Future[bytes] | None = None  # an HTTP caller waiting for the answer
-    retained: bool = False  # published with the retain flag: refused, never acted on
-    received: float = field(default_factory=time.monotonic)
-    done: Callable[[], None] | None = None
-    """Called once the command's outcome is committed (its lease and events, a
-    rejection, a `request.invalid`, a repeat answered from the lease book: all in the
-    outbox), or known to need no commit. The bus acknowledges the MQTT message then, not
-    on receipt (MQTT 5): a command that is never done — the store refused the commit, the
-    daemon stopped or crashed first — is never acknowledged, and the MQTT server delivers
-    it again on the next connection."""
 
 
 @dataclass(slots=True)

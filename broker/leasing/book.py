@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from broker.model import OWNED, Lease, LeaseState, Placement, PlaceRequest, PoolKey
-from policies.evaluate import TeamUsage
+from policies.teams import TeamUsage
 
 
 def _ms(ts: datetime) -> datetime:

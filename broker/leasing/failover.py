@@ -35,7 +35,7 @@ from datetime import datetime, timedelta
 from typing import Protocol
 
 from broker.leasing.book import LeaseBook
-from broker.market.pool import PoolChange
+from broker.market.changes import PoolChange
 from broker.model import (
     CapacitySignal,
     FailoverReason,

@@ -55,10 +55,10 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
+from broker.market.changes import PoolChange
 from broker.model import Market, PoolKey
 
 if TYPE_CHECKING:
-    from broker.market.pool import PoolChange
     from broker.market.traces import TraceRow
 
 Estimate = tuple[float | None, float | None]

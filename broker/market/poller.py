@@ -19,7 +19,8 @@ import structlog
 from adapters.base import CloudAdapter
 from adapters.common import poll_deadline
 from adapters.errors import AdapterError, CloudUnavailable, RateLimited
-from broker.market.pool import PoolChange, ResourcePool, SliceId
+from broker.market.changes import PoolChange, SliceId
+from broker.market.pool import ResourcePool
 
 log = structlog.get_logger("gpubroker.poller")
 

@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from broker.market.changes import PoolChange, SliceId
 from broker.market.hazard import HazardEstimator
 from broker.model import Market, Offer, Placement, PoolKey, utcnow
 
-SliceId = tuple[str, str]
 _STALE_CACHE = timedelta(seconds=1)
 
 
@@ -36,18 +36,6 @@ def same_state(a: Offer, b: Offer) -> bool:
 
 def _order(o: Offer) -> tuple[float, PoolKey]:
     return (o.price_per_hour / o.gpus, o.pool)  # type: ignore[operator]
-"""(adapter name, region) — the unit one poll replaces."""
-
-
-@dataclass(frozen=True, slots=True)
-class PoolChange:
-    """What one poll changed. `updated` maps new and changed offers' keys to the old offer
-    (None when new); `removed` holds offers no longer offered."""
-
-    slice: SliceId
-    updated: dict[PoolKey, Offer | None]
-    removed: dict[PoolKey, Offer]
-    offers: dict[PoolKey, Offer]
 
 
 @dataclass(slots=True)

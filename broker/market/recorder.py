@@ -56,7 +56,7 @@ from typing import Any
 
 import structlog
 
-from broker.market.pool import PoolChange, SliceId
+from broker.market.changes import PoolChange, SliceId
 from broker.market.traces import TraceRow
 from broker.model import Market, Offer, PoolKey, utcnow
 from broker.state.store import Db, Store, StoreFailed, connect_sqlite, db_errors

@@ -132,11 +132,6 @@ HEARTBEAT_EVERY = 3
 reads it; a standby's name check looks back two leadership lifetimes)."""
 
 
-def takeovers() -> int:
-    """How many times this process took the leadership of its site."""
-    return _takeovers
-
-
 class Leadership:
     """This node's part in the site's election (see the module docstring)."""
 
@@ -175,6 +170,12 @@ class Leadership:
         self._holder_seen = ""  # standing by: the boot id of a holder seen alive
         self._holder_gone_since: float | None = None  # ... and since when it is gone
         _own_boots.add(boot_id)
+
+    @property
+    def takeovers(self) -> int:
+        """How many times this process took the leadership of its site (its earlier
+        daemons' terms included: a node that stepped down carries on counting)."""
+        return _takeovers
 
     def valid(self) -> bool:
         """Whether this node may act as the leader now (publish, connect as the site)."""

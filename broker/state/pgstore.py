@@ -38,21 +38,19 @@ import orjson
 import structlog
 
 from broker.model import Lease, Offer, iso
-from broker.state.store import (
-    _INSERT_OUTBOX,
-    _UPSERT_LEASE,
+from broker.state.schema import (
+    INSERT_OUTBOX,
     SCHEMA_VERSION,
-    Deposed,
-    OneThreadStore,
-    OutboxRow,
-    StoreFailed,
-    _head,
-    _lease_from,
-    _lease_row,
-    _outbox_row,
+    UPSERT_LEASE,
+    first_part,
+    lease_from,
+    lease_row,
+    outbox_row,
 )
-from broker.state.store import _MIGRATIONS as _SQLITE_MIGRATIONS
-from broker.state.store import _SCHEMA as _SQLITE_SCHEMA
+from broker.state.schema import MIGRATIONS as _SQLITE_MIGRATIONS
+from broker.state.schema import SCHEMA as _SQLITE_SCHEMA
+from broker.state.store import Deposed, OneThreadStore, StoreFailed
+from broker.wire.messages import OutboxRow
 from gpubroker_client.files import read_secret
 
 if TYPE_CHECKING:
@@ -145,11 +143,11 @@ _MIGRATE_LOCK = 0x67707562726B  # "gpubrk": the advisory lock key of migrations
 
 
 _PG_UPSERT_LEASE = (
-    _UPSERT_LEASE.replace(") VALUES (?,?,?,?,?,?,?,?) ON CONFLICT",
+    UPSERT_LEASE.replace(") VALUES (?,?,?,?,?,?,?,?) ON CONFLICT",
                           ", change) VALUES (?,?,?,?,?,?,?,?, nextval('lease_changes')) "
                           "ON CONFLICT")
     + ", change=excluded.change")
-"""`broker.state.store`'s lease upsert, numbering each write from one sequence: a standby
+"""`broker.state.schema`'s lease upsert, numbering each write from one sequence: a standby
 follows the lease book by that number (`lease_changes`). One leader writes through one
 connection, one transaction at a time, and a new leader's first write comes after its
 claim, which waits for the old leader's last commit: so what a reader sees is always
@@ -383,8 +381,8 @@ class PgStateStore(OneThreadStore[PgDb]):
         import psycopg
 
         epoch = self.epoch
-        lease_rows = [_lease_row(lease, epoch) for lease in leases]
-        outbox = [_outbox_row(r, epoch) for r in rows]
+        lease_rows = [lease_row(lease, epoch) for lease in leases]
+        outbox = [outbox_row(r, epoch) for r in rows]
 
         def tx(db: PgDb) -> list[OutboxRow]:
             conn = db.conn
@@ -399,7 +397,7 @@ class PgStateStore(OneThreadStore[PgDb]):
                         conn.cursor().executemany(_pg_sql(_PG_UPSERT_LEASE), lease_rows)
                     cur = conn.cursor()
                     if outbox:
-                        cur.executemany(_pg_sql(_INSERT_OUTBOX + " RETURNING id"), outbox,
+                        cur.executemany(_pg_sql(INSERT_OUTBOX + " RETURNING id"), outbox,
                                         returning=True)
                 if outbox:
                     while True:
@@ -519,7 +517,7 @@ class PgStateStore(OneThreadStore[PgDb]):
             else:
                 rows = db.execute("SELECT body FROM leases WHERE change > ? AND change <= ? "
                                   "ORDER BY change", (after, top))
-            return top, [_lease_from(json.loads(b)) for (b,) in rows]
+            return top, [lease_from(json.loads(b)) for (b,) in rows]
 
         return await self._read("lease book read", q)
 
@@ -536,14 +534,14 @@ class PgStateStore(OneThreadStore[PgDb]):
                 "ON l.scheduler = k.s AND l.request_id = k.r ORDER BY l.part",
                 ([k[0] for k in unique], [k[1] for k in unique]))
             for (b,) in rows:
-                lease = _lease_from(json.loads(b))
+                lease = lease_from(json.loads(b))
                 out.setdefault((lease.scheduler, lease.request_id), []).append(lease)
             return out
 
         return await self._read("lease lookup", q)
 
     async def find_lease(self, scheduler: str, request_id: str) -> Lease | None:
-        return _head(await self.find_leases([(scheduler, request_id)]), scheduler, request_id)
+        return first_part(await self.find_leases([(scheduler, request_id)]), scheduler, request_id)
 
 
 def migrate(db: PgDb, site: str) -> int:

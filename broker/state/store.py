@@ -43,119 +43,27 @@ import sqlite3
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
-from broker.model import Lease, LeaseState, Placement, PlaceRequest, iso, parse_iso
+from broker.model import Lease, iso
 from broker.state.keyfilter import KeyFilter
+from broker.state.schema import (
+    INSERT_OUTBOX,
+    MIGRATIONS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    UPSERT_LEASE,
+    first_part,
+    lease_from,
+    lease_row,
+    outbox_row,
+    statements,
+)
+from broker.wire.messages import OutboxRow
 
 T = TypeVar("T")
-
-SCHEMA_VERSION = 5
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS leases (
-    lease_id   TEXT PRIMARY KEY,
-    scheduler  TEXT NOT NULL,
-    request_id TEXT NOT NULL,
-    state      TEXT NOT NULL,
-    updated_at TEXT NOT NULL,
-    body       TEXT NOT NULL,
-    UNIQUE (scheduler, request_id)
-);
-CREATE INDEX IF NOT EXISTS leases_state ON leases (state, updated_at);
-CREATE TABLE IF NOT EXISTS outbox (
-    id       INTEGER PRIMARY KEY AUTOINCREMENT,
-    topic    TEXT NOT NULL,
-    payload  BLOB NOT NULL,
-    qos      INTEGER NOT NULL,
-    retain   INTEGER NOT NULL,
-    props    TEXT
-);
--- The market history (broker/market/recorder.py). A pool row is one pool key together with the
--- GPU model and count it was offered with. A change row is that pool's full state from
--- `t` (epoch seconds) until its next row: kind 0 a change, 1 gone, 2 part of a snapshot
--- of every live pool (complete once its `t` is in market_snapshots). Fractional signals
--- are integers scaled by 10^6 (price in micro-USD per instance-hour), which SQLite packs
--- into 3-4 bytes where a REAL takes 8; NULL is unknown. Clustered on (t, pool_id), so
--- rows are appended in time order and exports and pruning read and delete sequentially;
--- there is deliberately no per-pool index (it would cost a page write per row).
-CREATE TABLE IF NOT EXISTS market_pools (
-    id            INTEGER PRIMARY KEY,
-    cloud         TEXT NOT NULL,
-    region        TEXT NOT NULL,
-    zone          TEXT NOT NULL,
-    instance_type TEXT NOT NULL,
-    market        TEXT NOT NULL,
-    gpu           TEXT NOT NULL,
-    gpus          INTEGER NOT NULL,
-    UNIQUE (cloud, region, zone, instance_type, market, gpu, gpus)
-);
-CREATE TABLE IF NOT EXISTS market_changes (
-    t                    INTEGER NOT NULL,
-    pool_id              INTEGER NOT NULL,
-    price_e6             INTEGER,
-    availability_e6      INTEGER,
-    capacity             INTEGER,
-    interruption_rate_e6 INTEGER,
-    quota_headroom       INTEGER,
-    kind                 INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (t, pool_id)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS market_snapshots (t INTEGER PRIMARY KEY);
-"""
-
-# `_SCHEMA` is schema 1 (plus the market tables): a new file gets it and then every
-# migration, so that new and migrated files end with the same tables. A migration's
-# statements are split on ";" and run in the transaction that opens the file.
-_MIGRATIONS: dict[int, str] = {
-    # The leader's fencing epoch on every lease and outbox row (0 without high
-    # availability: one daemon, no election).
-    2: "ALTER TABLE leases ADD COLUMN leader_epoch INTEGER NOT NULL DEFAULT 0;"
-       "ALTER TABLE outbox ADD COLUMN leader_epoch INTEGER NOT NULL DEFAULT 0;",
-    # A lease's part of a split request (0: a whole request's lease; 1..n: part k, 1 the
-    # head): a split request has one row per part, so the key is unique per part. SQLite
-    # cannot change a table's UNIQUE constraint in place: the table is built anew
-    # (dropping the old one drops its index, made again).
-    3: """CREATE TABLE leases_3 (
-    lease_id     TEXT PRIMARY KEY,
-    scheduler    TEXT NOT NULL,
-    request_id   TEXT NOT NULL,
-    state        TEXT NOT NULL,
-    updated_at   TEXT NOT NULL,
-    body         TEXT NOT NULL,
-    leader_epoch INTEGER NOT NULL DEFAULT 0,
-    part         INTEGER NOT NULL DEFAULT 0,
-    UNIQUE (scheduler, request_id, part)
-);
-INSERT INTO leases_3 (lease_id, scheduler, request_id, state, updated_at, body, leader_epoch)
-    SELECT lease_id, scheduler, request_id, state, updated_at, body, leader_epoch FROM leases;
-DROP TABLE leases;
-ALTER TABLE leases_3 RENAME TO leases;
-CREATE INDEX leases_state ON leases (state, updated_at);
-""",
-    # PostgreSQL only (broker.state.pgstore): the leadership's term in a row of its own. Nothing
-    # changes in a SQLite file; the number stays the same on both engines.
-    4: "",
-    # PostgreSQL only: the leader's last poll of each slice, for the standbys.
-    5: "",
-}
-
-
-def _statements(script: str) -> Iterator[str]:
-    """The statements of an SQL script, one at a time (`;` in comments is no end)."""
-    statement = ""
-    for line in script.splitlines(keepends=True):
-        statement += line
-        if sqlite3.complete_statement(statement):
-            yield statement
-            statement = ""
-    if statement.strip():
-        raise ValueError(f"incomplete SQL statement: {statement.strip()[:80]}")
-
 
 class Db(Protocol):
     """What the market recorder needs of a connection, on either engine: statements
@@ -228,21 +136,6 @@ class Deposed(StoreFailed):
     """Another node leads the site now (a higher fencing epoch): this one's commit was
     refused, or it could not renew its leadership in time. It stops at once, publishes
     nothing more and stands by again."""
-
-
-@dataclass(frozen=True, slots=True)
-class OutboxRow:
-    """One MQTT message waiting to be acknowledged by the MQTT server.
-
-    `props` holds MQTT 5 extras (`response_topic`-style replies carry
-    `correlation_data` as hex); `id` is None until the row is committed."""
-
-    topic: str
-    payload: bytes
-    qos: int = 1
-    retain: bool = False
-    props: dict[str, Any] | None = None
-    id: int | None = None
 
 
 class Store(Protocol):
@@ -356,7 +249,7 @@ class OneThreadStore(Generic[D]):
             if ended_since is not None:
                 sql += " OR updated_at >= ?"
                 args = (iso(ended_since),)
-            return [_lease_from(json.loads(b)) for (b,) in db.execute(sql, args)]
+            return [lease_from(json.loads(b)) for (b,) in db.execute(sql, args)]
 
         return await self._read("lease read", q)
 
@@ -442,10 +335,10 @@ class StateStore(OneThreadStore[SqliteDb]):
                     raise RuntimeError(
                         f"{self.path} was written by a newer gpubroker (schema {version}, "
                         f"this one knows {SCHEMA_VERSION})")
-                for statement in _statements(_SCHEMA):
+                for statement in statements(SCHEMA):
                     db.execute(statement)
                 for v in range(version + 1, SCHEMA_VERSION + 1):
-                    for statement in filter(str.strip, _MIGRATIONS[v].split(";")):
+                    for statement in filter(str.strip, MIGRATIONS[v].split(";")):
                         db.execute(statement)
                 db.execute("INSERT INTO meta VALUES ('schema', ?) ON CONFLICT(key) DO UPDATE "
                            "SET value=excluded.value", (str(max(version, SCHEMA_VERSION)),))
@@ -484,15 +377,15 @@ class StateStore(OneThreadStore[SqliteDb]):
                      ) -> list[OutboxRow]:
         """Write lease changes and outbox rows in one transaction; return the rows with
         their ids."""
-        lease_rows = [_lease_row(lease, 0) for lease in leases]
+        lease_rows = [lease_row(lease, 0) for lease in leases]
 
         def tx(db: SqliteDb) -> list[OutboxRow]:
             out: list[OutboxRow] = []
             db.execute("BEGIN IMMEDIATE")
             try:
-                db.executemany(_UPSERT_LEASE, lease_rows)
+                db.executemany(UPSERT_LEASE, lease_rows)
                 for r in rows:
-                    cur = db.execute(_INSERT_OUTBOX, _outbox_row(r, 0))
+                    cur = db.execute(INSERT_OUTBOX, outbox_row(r, 0))
                     out.append(OutboxRow(r.topic, r.payload, r.qos, r.retain, r.props,
                                          cur.lastrowid))
                 db.execute("COMMIT")
@@ -556,14 +449,14 @@ class StateStore(OneThreadStore[SqliteDb]):
                 args = [x for k in chunk for x in k]
                 for (b,) in db.execute(f"SELECT body FROM leases WHERE {where} "
                                        "ORDER BY part", args):
-                    lease = _lease_from(json.loads(b))
+                    lease = lease_from(json.loads(b))
                     out.setdefault((lease.scheduler, lease.request_id), []).append(lease)
             return out
 
         return await self._read("lease lookup", q)
 
     async def find_lease(self, scheduler: str, request_id: str) -> Lease | None:
-        return _head(await self.find_leases([(scheduler, request_id)]), scheduler, request_id)
+        return first_part(await self.find_leases([(scheduler, request_id)]), scheduler, request_id)
 
 
 def _schema_version(db: SqliteDb) -> int:
@@ -575,23 +468,6 @@ def _schema_version(db: SqliteDb) -> int:
     return 1 if row is None else int(row[0])
 
 
-def _head(found: dict[tuple[str, str], list[Lease]], scheduler: str, request_id: str
-          ) -> Lease | None:
-    """A request's lease, or its split's head, of what `find_leases` found: the lowest
-    part (0 or 1)."""
-    parts = found.get((scheduler, request_id))
-    return parts[0] if parts else None
-
-
-_UPSERT_LEASE = (
-    "INSERT INTO leases (lease_id, scheduler, request_id, state, updated_at, body, "
-    "leader_epoch, part) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (lease_id) DO UPDATE SET "
-    "state=excluded.state, updated_at=excluded.updated_at, body=excluded.body, "
-    "leader_epoch=excluded.leader_epoch, part=excluded.part")
-_INSERT_OUTBOX = ("INSERT INTO outbox (topic, payload, qos, retain, props, leader_epoch) "
-                  "VALUES (?,?,?,?,?,?)")
-
-
 def _end_failed(db: SqliteDb) -> None:
     """Roll back a transaction that failed, if SQLite has not already (SQLITE_FULL,
     SQLITE_IOERR ... roll back by themselves): a second ROLLBACK would fail and hide the
@@ -599,48 +475,3 @@ def _end_failed(db: SqliteDb) -> None:
     if db.in_transaction:
         with contextlib.suppress(sqlite3.Error):
             db.execute("ROLLBACK")
-
-
-def _lease_row(lease: Lease, epoch: int) -> tuple[str, str, str, str, str, str, int, int]:
-    body = lease.to_json()
-    body["request"] = lease.request.to_json()
-    return (lease.lease_id, lease.scheduler, lease.request_id, lease.state.value,
-            iso(lease.updated_at), json.dumps(body, separators=(",", ":")), epoch,
-            lease.part)
-
-
-def _outbox_row(r: OutboxRow, epoch: int) -> tuple[str, bytes, int, int, str | None, int]:
-    return (r.topic, r.payload, r.qos, int(r.retain),
-            json.dumps(r.props) if r.props else None, epoch)
-
-
-def _lease_from(d: dict[str, Any]) -> Lease:
-    request = PlaceRequest.from_json(d["scheduler"], d["request"])
-    return Lease(
-        lease_id=d["lease_id"],
-        scheduler=d["scheduler"],
-        request_id=d["request_id"],
-        request=request,
-        placement=Placement.from_json(d["placement"]),
-        epoch=d["epoch"],
-        state=LeaseState(d["state"]),
-        created_at=parse_iso(d["created_at"]),
-        expires_at=parse_iso(d["expires_at"]),
-        lease_seconds=d["lease_seconds"],
-        max_price_per_gpu_hour=d["max_price_per_gpu_hour"],
-        updated_at=parse_iso(d["updated_at"]),
-        part=d.get("part", 0),
-        parts=tuple(d.get("parts", ())),
-    )
-
-
-def store_for(state: Any, site: str, *, read_only: bool = False) -> Store:
-    """The store the configuration's `state` section names: PostgreSQL when `url` is
-    set (high availability), else the SQLite file at `path`. `read_only`: for commands
-    that only read, next to a running daemon (SQLite: no lock taken, no schema change)."""
-    if state.url:
-        from broker.state.pgstore import PgStateStore
-
-        return PgStateStore(state.url, site=site, password_file=state.password_file,
-                            leadership_seconds=state.leadership_seconds)
-    return StateStore(state.path, synchronous=state.synchronous, read_only=read_only)

@@ -35,9 +35,8 @@ import yaml
 from pydantic import TypeAdapter
 
 from broker import __version__
-from broker.edges.bus import MAX_PACKET
 from broker.wire import payloads
-from broker.wire.validation import MAX_PAYLOAD
+from broker.wire.validation import MAX_PACKET, MAX_PAYLOAD
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
 ID_PREFIX = "urn:gpubroker:v1:schema:"
@@ -46,7 +45,7 @@ web; they refer to nothing outside themselves."""
 PREFIX = "gpubroker/v1"
 """The default topic prefix `P` (config `mqtt.topic_prefix`); AsyncAPI addresses use it."""
 SCHEMA_FORMAT = "application/schema+json;version=draft-2020-12"
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 @dataclass(frozen=True, slots=True)

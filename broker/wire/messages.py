@@ -12,13 +12,28 @@ import json
 import re
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import orjson
 
 from broker.model import Event, Lease, LeaseState, iso, utcnow
-from broker.state.store import OutboxRow
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """One MQTT message waiting to be acknowledged by the MQTT server.
+
+    `props` holds MQTT 5 extras (`response_topic`-style replies carry
+    `correlation_data` as hex); `id` is None until the row is committed."""
+
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = False
+    props: dict[str, Any] | None = None
+    id: int | None = None
 
 
 def dumps(obj: Any) -> bytes:

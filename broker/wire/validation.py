@@ -116,6 +116,10 @@ class Report:
 
 MAX_PAYLOAD = 64 * 1024
 """Largest request accepted, in bytes (SPEC §3); larger ones are answered "too large"."""
+MAX_PACKET = 128 * 1024
+"""The MQTT 5 Maximum Packet Size announced on connect: the server never forwards the
+daemon a larger message (SPEC §3), so one huge publish can neither wedge the session nor
+fill the daemon's memory."""
 MAX_DEPTH = 32
 """Deepest nesting of arrays and objects accepted (a valid request needs 2)."""
 MAX_DIGITS = 64

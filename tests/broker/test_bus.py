@@ -25,8 +25,8 @@ from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, payload_json
 from broker.daemon.assembly import _quiet_closed_socket_callbacks
 from broker.daemon.config import MqttConfig
 from broker.edges.bus import CONNECT_MARGIN, CONNECT_MIN, Bus, _describe, _only, make_client
-from broker.state.store import OutboxRow, StateStore
-from broker.wire.messages import Topics
+from broker.state.store import StateStore
+from broker.wire.messages import OutboxRow, Topics
 
 S = "sched-1"
 EVENTS = f"{PREFIX}/events/{S}/"

@@ -28,8 +28,9 @@ from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, payload_json
 
 from broker.daemon.config import MqttConfig
 from broker.edges.bus import RECEIVE_MAXIMUM, Bus, _drop
-from broker.leasing.authority import REPEATED, Command
+from broker.leasing.authority import REPEATED
 from broker.state.store import StateStore, StoreFailed
+from broker.wire.commands import Command
 from broker.wire.messages import Topics
 
 S = "sched-1"

@@ -12,11 +12,12 @@ import pytest
 from daemon_helpers import BIG_LABELS, fill_up
 from factories import SLICE, Clock, Sink, offer, pool_of, request
 
-from broker.leasing.authority import Broker, Command
+from broker.leasing.authority import Broker
 from broker.leasing.book import LeaseBook
 from broker.market.pool import ResourcePool
 from broker.model import CapacitySignal, FailoverReason, PoolKey, SignalKind
 from broker.state.store import StateStore, StoreFailed
+from broker.wire.commands import Command
 from broker.wire.messages import Envelopes, Messages, Topics
 from policies.model import Policy
 
@@ -134,7 +135,7 @@ async def test_a_failed_lease_releases_its_instances_once(setup: Any) -> None:
 def _place_cmd(request_id: str, **fields: Any) -> Any:
     import json
 
-    from broker.leasing.authority import Command
+    from broker.wire.commands import Command
 
     body = {"request_id": request_id, "gpu": ["H100-80GB"], "gpus": 8, **fields}
     return Command("sched-a", "place", json.dumps(body).encode(), "p/requests/sched-a/place")
@@ -527,7 +528,7 @@ async def test_new_requests_skip_the_store_and_old_ones_still_get_their_lease(
 def _release_cmd(lease_id: str) -> Any:
     import json
 
-    from broker.leasing.authority import Command
+    from broker.wire.commands import Command
 
     return Command("sched-a", "release", json.dumps({"lease_id": lease_id}).encode(),
                    "p/requests/sched-a/release")
@@ -541,9 +542,9 @@ async def test_a_renewal_queued_before_the_first_poll_renews_an_overdue_lease(
     import asyncio
     import json
 
-    from broker.leasing.authority import Command
     from broker.leasing.book import LeaseBook
     from broker.model import LeaseState
+    from broker.wire.commands import Command
 
     broker, clock, _ = setup
     await broker.handle([_place_cmd("r1")])

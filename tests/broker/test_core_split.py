@@ -13,10 +13,11 @@ from contract_check import check
 from factories import Clock, Sink, offer, pool_of
 
 from broker.leasing import failover
-from broker.leasing.authority import Broker, Command
+from broker.leasing.authority import Broker
 from broker.leasing.book import LeaseBook
 from broker.model import FailoverReason, LeaseState
 from broker.state.store import StateStore
+from broker.wire.commands import Command
 from broker.wire.messages import Envelopes, Messages, Topics
 from policies.model import Policy
 

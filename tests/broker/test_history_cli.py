@@ -18,7 +18,8 @@ import yaml
 from daemon_helpers import StartDaemon
 from factories import Clock, offer
 
-from broker.market.pool import ResourcePool, SliceId
+from broker.market.changes import SliceId
+from broker.market.pool import ResourcePool
 from broker.market.recorder import MarketRecorder
 from broker.market.traces import TraceRow, format_t, read_trace
 from broker.model import Offer, utcnow

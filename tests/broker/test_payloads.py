@@ -24,7 +24,7 @@ from factories import Clock, offer, pool_of
 
 from broker.daemon.config import MqttConfig
 from broker.edges.bus import Bus
-from broker.leasing.authority import Broker, Command
+from broker.leasing.authority import Broker
 from broker.leasing.book import LeaseBook
 from broker.market import capacity
 from broker.model import (
@@ -38,6 +38,7 @@ from broker.model import (
 )
 from broker.state.store import StateStore
 from broker.wire import payloads
+from broker.wire.commands import Command
 from broker.wire.messages import Envelopes, Messages, Topics
 from policies.model import Policy
 from policies.yamlsrc import Problem

@@ -29,7 +29,9 @@ from broker.model import Lease, LeaseState
 from broker.state import leadership
 from broker.state.leadership import Leadership, site_status
 from broker.state.pgstore import _MIGRATE_LOCK, PgDb, PgStateStore, connect, migrate
-from broker.state.store import SCHEMA_VERSION, Deposed, OutboxRow, StoreFailed, _lease_row
+from broker.state.schema import SCHEMA_VERSION, lease_row
+from broker.state.store import Deposed, StoreFailed
+from broker.wire.messages import OutboxRow
 
 SITE = "site-a"
 TABLES = {"meta", "leases", "outbox", "market_pools", "market_changes", "market_snapshots",
@@ -311,7 +313,7 @@ async def test_a_schema_2_database_is_migrated_keeps_its_leases_and_takes_parts(
         conn.execute(_SCHEMA_2)
         for le, epoch in ((kept, 4), (ended, 5)):
             conn.execute("INSERT INTO leases VALUES (%s,%s,%s,%s,%s,%s,%s)",
-                         _lease_row(le, epoch)[:7])
+                         lease_row(le, epoch)[:7])
         conn.execute("INSERT INTO outbox (topic, payload, qos, retain, leader_epoch) "
                      "VALUES ('t/old', '\\x01', 1, 1, 4)")
     assert ("leases_scheduler_request_id_key", "UNIQUE (scheduler, request_id)") in \

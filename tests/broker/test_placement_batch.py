@@ -21,15 +21,15 @@ from factories import T0, offer, pool_of, request
 from broker.market.pool import ResourcePool
 from broker.model import Market, Offer, PlaceRequest, RejectCode
 from broker.placement import solver
+from broker.placement.arrays import Ranked
 from broker.placement.optimizer import (
     Ask,
     BatchResult,
+    CandidateBuilder,
     Decision,
     Outcome,
     Rejection,
     Settings,
-    _Builder,
-    _Ranked,
     solve,
 )
 from policies.evaluate import Denied, TeamUsage, evaluate
@@ -181,7 +181,10 @@ def test_team_budget_binds_across_the_batch(settings: Settings) -> None:
     r = run([with_usage(request("r1", team="ml"), policy, usage)], pool, policy, settings)
     no = rejected(r.outcomes[0])
     assert no.code is RejectCode.OVER_BUDGET
-    assert "budget_per_hour ($20.00/h left)" in no.detail
+    # The budget alone stands in the way (nothing else of the team's is in the batch):
+    # the rejection says so, not that other placements of the batch took it.
+    assert "has $20.00/h left of its budget_per_hour" in no.detail
+    assert "other placements" not in no.detail
 
 
 def test_a_budget_rejection_in_a_batch_says_what_the_batch_left() -> None:
@@ -509,7 +512,7 @@ def test_an_offer_used_up_is_skipped_by_every_group_while_the_greedy_phase_runs(
     # without a look. Once resources may be freed again, they look again; and so does
     # a new greedy phase, which starts from what is free then.
     offers = [offer(f"us-east-1{z}", price=10.0 + i, capacity=1) for i, z in enumerate("abcd")]
-    builder = _Builder(pool_of(offers), POLICY, T0, 1, indexed=True)
+    builder = CandidateBuilder(pool_of(offers), POLICY, T0, 1, indexed=True)
     reqs = []
     for n in range(4):
         req = request(f"r{n}", max_price_per_gpu_hour=2.0 + n / 10)
@@ -518,11 +521,9 @@ def test_an_offer_used_up_is_skipped_by_every_group_while_the_greedy_phase_runs(
         r, _ = builder.request(Ask(req), c)
         assert r is not None
         reqs.append(r)
-    p = solver.Problem(reqs, builder.limits, builder.teams)
-    builder.problem = p
+    p = solver.AssignmentProblem(reqs, builder.limits, builder.teams)
     st = solver.State(p)
     st.left[("pool", offers[0].pool)] = st.left[("pool", offers[1].pool)] = 0
-    p.live = st.left
     looked: list[str] = []
 
     def alive(o: solver.Option) -> bool:
@@ -532,21 +533,21 @@ def test_an_offer_used_up_is_skipped_by_every_group_while_the_greedy_phase_runs(
     def zones(g: solver.Group) -> list[str]:
         return [o.ref[0].pool.zone for o in g.options]
 
-    assert reqs[0].group.grow(k=1, alive=alive)
+    live = solver.Shrinking(st.left, alive)  # as the greedy phase reads the lists
+    assert reqs[0].group.grow(k=1, alive=live)
     assert looked == ["us-east-1b", "us-east-1c"]
     assert zones(reqs[0].group) == ["us-east-1a", "us-east-1c"]
     looked.clear()
-    assert reqs[1].group.grow(k=1, alive=alive)
+    assert reqs[1].group.grow(k=1, alive=live)
     assert looked == ["us-east-1c"]
     assert zones(reqs[1].group) == ["us-east-1a", "us-east-1c"]
-    p.live = None
-    looked.clear()
+    looked.clear()  # resources may be freed: a plain filter
     assert reqs[2].group.grow(k=1, alive=alive)
     assert looked == ["us-east-1b", "us-east-1c"]
     st = solver.State(p)  # b free again (`alive` reads this state from here on)
-    p.live = st.left
+    live = solver.Shrinking(st.left, alive)
     looked.clear()
-    assert reqs[3].group.grow(k=1, alive=alive)
+    assert reqs[3].group.grow(k=1, alive=live)
     assert looked == ["us-east-1b"]
     # The LP lists every option again, those dropped as used up too.
     reqs[1].group.unfilter()
@@ -558,7 +559,7 @@ def test_a_group_reads_its_candidates_in_cost_order_a_growing_part_at_a_time() -
     cost = [float(rng.randrange(40)) for _ in range(1000)]  # many ties
     price = [rng.uniform(1, 100) for _ in cost]
     n = len(cost)
-    ranked = _Ranked([], [], [np.zeros(n, dtype=np.int64)], [np.arange(n)],
+    ranked = Ranked([], [], [np.zeros(n, dtype=np.int64)], [np.arange(n)],
                      [np.ones(n, dtype=np.int64)], [np.array(cost)], [np.array(price)],
                      [np.arange(n)], head=8)
     got: list[int] = []

@@ -6,7 +6,8 @@ from dataclasses import replace
 
 from factories import SLICE, Clock, key, offer, pool_of
 
-from broker.market.pool import PoolChange, ResourcePool
+from broker.market.changes import PoolChange
+from broker.market.pool import ResourcePool
 from broker.model import Market, Offer
 
 OTHER: tuple[str, str] = ("sim", "gcp:us-central1")

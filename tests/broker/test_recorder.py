@@ -27,7 +27,8 @@ from structlog.testing import capture_logs
 
 from broker.daemon.assembly import Daemon
 from broker.daemon.config import Config, HttpConfig, StateConfig
-from broker.market.pool import ResourcePool, SliceId
+from broker.market.changes import SliceId
+from broker.market.pool import ResourcePool
 from broker.market.recorder import HistoryReader, MarketRecorder, epoch, prune_step, start_pruning
 from broker.market.traces import TraceRow, format_t, read_trace
 from broker.model import Market, Offer

@@ -23,18 +23,17 @@ from factories import T0, offer, owned, placement, request
 
 from broker.leasing.book import LeaseBook
 from broker.model import Lease, LeaseState, Market
+from broker.state.schema import SCHEMA_VERSION, lease_row
 from broker.state.store import (
-    SCHEMA_VERSION,
     Db,
-    OutboxRow,
     StateInUse,
     StateStore,
     Store,
     StoreFailed,
-    _lease_row,
     db_errors,
     lease_keys,
 )
+from broker.wire.messages import OutboxRow
 
 
 def lease(request_id: str = "r1", *, scheduler: str = "sched-a", at: float = 0,
@@ -429,7 +428,8 @@ async def test_committed_state_survives_a_killed_process(tmp_path: Path) -> None
         sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
         from factories import T0, offer, owned, placement, request
         from broker.leasing.book import LeaseBook
-        from broker.state.store import OutboxRow, StateStore
+        from broker.state.store import StateStore
+        from broker.wire.messages import OutboxRow
 
         async def main():
             store = StateStore(__import__("pathlib").Path({str(path)!r}))
@@ -519,7 +519,7 @@ async def test_a_schema_1_file_is_migrated_and_keeps_its_state(tmp_path: Path) -
     db = sqlite3.connect(path)
     db.executescript(_SCHEMA_1)
     with db:
-        db.execute("INSERT INTO leases VALUES (?,?,?,?,?,?)", _lease_row(kept, 0)[:6])
+        db.execute("INSERT INTO leases VALUES (?,?,?,?,?,?)", lease_row(kept, 0)[:6])
         db.execute("INSERT INTO outbox (topic, payload, qos, retain, props) "
                    "VALUES ('t/old', x'01', 1, 1, NULL)")
         db.execute("INSERT INTO market_snapshots VALUES (1700000000)")
@@ -590,7 +590,7 @@ async def test_a_schema_2_file_is_migrated_keeps_its_leases_and_takes_parts(
     db.executescript(_SCHEMA_2)
     with db:
         db.executemany("INSERT INTO leases VALUES (?,?,?,?,?,?,?)",
-                       [_lease_row(kept, 4)[:7], _lease_row(ended, 5)[:7]])
+                       [lease_row(kept, 4)[:7], lease_row(ended, 5)[:7]])
         db.execute("INSERT INTO outbox (topic, payload, qos, retain, props, leader_epoch) "
                    "VALUES ('t/old', x'01', 1, 1, NULL, 4)")
     db.close()

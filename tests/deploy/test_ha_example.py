@@ -26,7 +26,7 @@ import yaml
 from broker.daemon.config import load_config, parse_config
 from broker.state.leadership import Leadership, site_status
 from broker.state.pgstore import PgStateStore
-from broker.state.store import OutboxRow
+from broker.wire.messages import OutboxRow
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "config.ha.example.yaml"

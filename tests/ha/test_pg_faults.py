@@ -52,7 +52,7 @@ from mqtt_helpers import Mosquitto, MqttProbe
 from broker.leasing.book import LeaseBook
 from broker.model import utcnow
 from broker.state.pgstore import PgDb, connect, migrate
-from broker.state.store import _lease_row
+from broker.state.schema import lease_row
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -479,7 +479,7 @@ BOOK = 200_000
 
 def fill_book(url: str, count: int) -> float:
     """The schema, then `count` active leases of scheduler `bulk` (1-day leases, rows as
-    the daemon writes them: `broker.state.store._lease_row`), copied in; the seconds taken."""
+    the daemon writes them: `broker.state.schema.lease_row`), copied in; the seconds taken."""
     t = time.monotonic()
     conn = connect(url)
     try:
@@ -487,7 +487,7 @@ def fill_book(url: str, count: int) -> float:
         now = utcnow()
         template = LeaseBook().create(request("bulk-0", "T4", 1), placement(offer(), 1),
                                       lease_seconds=86_400, cap=1.0, now=now)
-        row = _lease_row(template, 1)
+        row = lease_row(template, 1)
         body = json.loads(row[5])
         out = io.StringIO()
         for i in range(count):

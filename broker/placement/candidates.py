@@ -1,0 +1,416 @@
+"""A batch's candidates: `CandidateBuilder` turns asks into the solver's requests — each
+request's options, cheapest expected cost per hour first (`broker.placement.cost`), among
+the offers that pass the rules (`broker.placement.rules`); the resources the options use
+and the teams' limits.
+
+Requests asking for the same thing share one list, read further only when its options run
+out. Small batches walk the pool's price index per request (`broker.placement.walk`); large
+ones (`index_min_batch`) filter each GPU model's offers as arrays by the rules' masks,
+once per batch (`broker.placement.arrays`), and while the solver places, an offer one list
+finds used up is skipped by every other list as it grows."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Hashable, Iterator
+from datetime import datetime
+from typing import Any
+
+from broker.market.hazard import DEFAULT_HORIZON, Hazard, horizon_bucket
+from broker.model import OWNED, Market, Offer, PlaceRequest, PoolKey
+from broker.placement import rules
+from broker.placement.arrays import Ranked, Source
+from broker.placement.cost import by_horizon, expected_cost, hazard_over, idle_cost
+from broker.placement.outcomes import Ask, Scan
+from broker.placement.problem import Alive, Group, Option, Request, Shrinking
+from broker.placement.residual import State
+from broker.placement.rules import OfferArrays, Probe
+from broker.placement.view import Costs, PoolView
+from broker.placement.walk import walk
+from policies.evaluate import Constraints
+from policies.model import Policy
+from policies.teams import Team
+
+ALTERNATIVES = 3
+PENALTY = 100  # leaving a request unplaced costs this many times its cheapest option
+PENALTY_FLOOR_PER_GPU_HOUR = 1.0
+
+_Sized = tuple[Any, Any, Any, list[Option | None]]
+
+
+class CandidateBuilder:
+    """Turns asks into the solver's requests: lists each request's options (shared by
+    requests that ask for the same thing), the resources they use and the teams'
+    limits."""
+
+    def __init__(self, view: PoolView, policy: Policy, now: datetime, k: int,
+                 indexed: bool = False, costs: Costs | None = None) -> None:
+        self.view = view
+        self.indexed = indexed
+        self.costs = costs
+        self._index: dict[tuple[str, Market], OfferArrays] = {}
+        self._masks: dict[Hashable, Any] = {}
+        self._sizes: dict[tuple[str, Market, int, float], _Sized] = {}
+        # Large batches: per offer of `_index`, the instances it may still have room
+        # for while the solver places (see `Source`); inf: not known to be short.
+        self.room: Any = None
+        self._room_of: dict[Hashable, float] | None = None  # the `Shrinking.left` it is for
+        self.policy = policy
+        self.k = k
+        self.stale = view.stale_slices(now)
+        self.cooling = view.cooling(now)
+        self.limits: dict[Hashable, float] = {}
+        self.teams: dict[str, Team] = {}
+        self._groups: dict[Hashable, tuple[Group, Scan]] = {}
+        self._options: dict[tuple[PoolKey, int, int, float], Option] = {}
+        self._rules: list[str | None] = []
+        # Spot risk is scored over each request's own horizon when an estimator is used;
+        # otherwise every horizon scores alike and all share one.
+        self._by_horizon = by_horizon(view.hazard, policy)
+        self._hazards: dict[float, Hazard | None] = {}
+
+    def horizon(self, req: PlaceRequest) -> float:
+        """The horizon (hours) the request's spot risk is scored over."""
+        return horizon_bucket(req.duration_hours) if self._by_horizon else DEFAULT_HORIZON
+
+    def hazard(self, h: float) -> Hazard | None:
+        """The estimates over `h` hours (the view's estimator when it scores alike)."""
+        try:
+            return self._hazards[h]
+        except KeyError:
+            got = self._hazards[h] = hazard_over(self.view.hazard, self.policy, h)
+            return got
+
+    def rule_of(self, n: int) -> str | None:
+        return self._rules[n]
+
+    def probe(self, ask: Ask, c: Constraints) -> Probe:
+        """The request as the rules read it, against this batch's view."""
+        return Probe(ask.request, c, self.view, self.policy, ask.exclude, self.stale,
+                     self.cooling)
+
+    def request(self, ask: Ask, c: Constraints) -> tuple[Request | None, Scan]:
+        req = ask.request
+        h = self.horizon(req)
+        sig = (req.gpus, c.gpus, c.markets, c.cap, c.clouds, c.deny_clouds, c.regions,
+               c.deny_regions, c.residency, req.clouds, req.regions, ask.exclude, h)
+        got = self._groups.get(sig)
+        if got is None and self.indexed:
+            probe = self.probe(ask, c)
+            source = Source(self, self._ranked(probe, h), req.gpus, h)
+            group = Group([], 0.0, source.more)
+            source.group = group
+            group.options, group.upto = source.more(self.k, None, None)
+            scan = Scan() if group.options else self._scan(probe)
+            got = self._groups[sig] = (group, scan)
+        if got is None:
+            options, upto, scan = self._walk(ask, c, self.k, None, h=h)
+
+            def more(k: int | None, below: float | None, alive: Alive | None,
+                     ask: Ask = ask, c: Constraints = c
+                     ) -> tuple[list[Option], float]:
+                found, upto, _ = self._walk(ask, c, k, below, alive, h=h)
+                return found, upto
+
+            got = self._groups[sig] = (Group(options, upto, more), scan)
+        group, scan = got
+        if not group.options:
+            return None, scan
+        horizon = req.duration_hours or 1.0
+        extra = None
+        s = self.policy.scoring
+        if s.spread_weight and c.zone_share:
+            # The soft spread term makes the order the request's own: its own group.
+            weight, shares = s.spread_weight, c.zone_share
+
+            def extra(o: Option) -> float:
+                return o.price * weight * shares.get((o.cloud, o.zone), 0.0)
+
+            def key(o: Option) -> float:
+                return o.cost_per_hour + extra(o)
+
+            shared = group
+
+            def own_more(k: int | None, below: float | None, alive: Alive | None
+                         ) -> tuple[list[Option], float]:
+                shared.grow(k=k, below=below, alive=alive)
+                return sorted(shared.options, key=key), shared.upto
+
+            group = Group(sorted(group.options, key=key), group.upto,
+                                 None if group.complete else own_more)
+            # An unlisted option costs at least `upto` before the spread term: list
+            # until none could beat the best listed one with it.
+            while not group.complete and group.options and \
+                    group.upto <= key(group.options[0]) and \
+                    group.grow(below=key(group.options[0])):
+                pass
+        if c.team is not None:
+            self._team(c)
+        self._rules.append(c.rule)
+        best = min(o.cost_per_hour for o in group.options[:ALTERNATIVES + 1])
+        if best <= 0:
+            # Paid-for capacity may cost nothing: then the penalty is that of the
+            # cheapest option that costs something, and never below $1 per GPU-hour.
+            best = max(min((o.cost_per_hour for o in group.options if o.cost_per_hour > 0),
+                           default=0.0), PENALTY_FLOOR_PER_GPU_HOUR * req.gpus)
+        return Request(group=group, horizon=horizon, penalty=PENALTY * horizon * best,
+                              team=c.team, extra=extra, min_gpus=req.gpus), scan
+
+    def team_of(self, c: Constraints) -> None:
+        """Count the verdict's team in the batch's limits (a request with options does
+        this as it is listed)."""
+        if c.team is not None:
+            self._team(c)
+
+    def split(self, ask: Ask, c: Constraints, st: State
+              ) -> list[tuple[Option, int]] | None:
+        """The request in up to `max_parts` parts, each one pool's option and the GPUs
+        of the request it covers, taken from `st` (given back if it does not fit; None).
+        """
+        req = ask.request
+        h = self.horizon(req)
+        offers = list(self._eligible(ask, c))
+        parts: list[tuple[Option, int]] = []
+        left = req.gpus
+        while left > 0 and len(parts) < req.max_parts:
+            # Each part covers at least an even share of what is left over the parts
+            # still allowed; a spot part's cost per GPU grows with its instances (a
+            # gang's risk), an on-demand one's does not: the fewest and the most
+            # instances are the candidates, and the cheaper per GPU wins (the larger
+            # on a tie).
+            share = -(-left // (req.max_parts - len(parts)))
+            best: tuple[float, int, Option, int] | None = None
+            for offer in offers:
+                if any(o.ref[0].pool == offer.pool for o, _ in parts):
+                    continue  # one part per pool: a part is one lease of one pool
+                want = -(-left // offer.gpus)
+                fit = st.room(self.option(offer, 1, min(left, offer.gpus), h))
+                most = int(min(want, fit))
+                for n in {-(-share // offer.gpus), most}:
+                    if n < 1 or n > most:
+                        continue
+                    covers = min(left, n * offer.gpus)
+                    o = self.option(offer, n, covers, h)
+                    if not st.allows(c.team, o):
+                        continue
+                    rank = (o.cost_per_hour / covers, -covers)
+                    if best is None or rank < best[:2]:
+                        best = (*rank, o, covers)
+            if best is None:
+                break
+            _, _, o, covers = best
+            st.use(c.team, o)
+            parts.append((o, covers))
+            left -= covers
+        if left > 0:
+            for o, _ in parts:
+                st.use(c.team, o, -1)
+            return None
+        return parts
+
+    def _eligible(self, ask: Ask, c: Constraints) -> Iterator[Offer]:
+        """Every fresh offer the request may use, whatever its free capacity: those that
+        pass the rules that do not depend on the instances (`rules.ELIGIBLE`)."""
+        probe = self.probe(ask, c)
+        for gpu in c.gpus:
+            for m in c.markets:
+                for _, offer, _, _ in self._plain(gpu, m):
+                    if rules.first_failing(probe, offer, 1, rules.ELIGIBLE) is None:
+                        yield offer
+
+    def _team(self, c: Constraints) -> None:
+        if c.team is None or c.team in self.teams:
+            return
+        by_cloud: Counter[str] = Counter()
+        for (cloud, _), n in c.gpus_by_zone.items():
+            by_cloud[cloud] += n
+        self.teams[c.team] = Team(
+            gpus_left=c.gpus_left, budget_left=c.budget_left,
+            zone_share=c.max_zone_share, cloud_share=c.max_cloud_share,
+            grace=c.spread_grace, total=c.team_gpus, by_zone=dict(c.gpus_by_zone),
+            by_cloud=dict(by_cloud), owned_left=c.owned_left)
+
+    def option(self, offer: Offer, instances: int, need: int, h: float) -> Option:
+        """The option of `instances` of the offer for `need` GPUs (made once), and the
+        limits of the resources it uses."""
+        key = offer.pool
+        got = self._options.get((key, instances, need, h))
+        if got is not None:
+            return got
+        if self.costs is not None:
+            offer = self.view.get(key) or offer  # the newest reading of the same state
+        uses: list[tuple[Hashable, float]] = []
+        if offer.capacity is not None:
+            self.limits.setdefault(("pool", key), offer.capacity - self.view.held(key))
+            uses.append((("pool", key), instances))
+        quota = rules.quota_use(offer, instances)
+        if quota is not None:
+            qkey, amount, have = quota
+            # The first offer of a group sets its limit (members differ only by rounding
+            # vCPUs to whole instances); a limit never changes once the solver has it.
+            self.limits.setdefault(qkey, have)
+            uses.append((qkey, amount))
+        price = instances * offer.price_per_hour  # type: ignore[operator]
+        cost = expected_cost(offer, instances, self.policy, hazard=self.hazard(h))
+        if self.policy.scoring.idle_gpu_weight:
+            paid = instances * offer.gpus
+            cost += idle_cost(self.policy, paid, need, price / paid)
+        o = Option(cost, tuple(uses), instances * offer.gpus, price, key.cloud,
+                          key.zone, (offer, instances),
+                          instances * offer.gpus if key.market is OWNED else 0)
+        self._options[(key, instances, need, h)] = o
+        return o
+
+    def _arrays(self, gpu: str, m: Market) -> OfferArrays:
+        got = self._index.get((gpu, m))
+        if got is None:
+            import numpy as np
+
+            got = self._index[(gpu, m)] = OfferArrays.of(
+                self._plain(gpu, m), self.policy, self.view)
+            # Its offers' slots in `room`, after those of the arrays made before.
+            before = self.room if self.room is not None else np.zeros(0)
+            got.base = len(before)
+            self.room = np.concatenate([before, np.full(len(got.offers), np.inf)])
+        return got
+
+    def _listed(self, gpu: str, m: Market, arr: OfferArrays, p: Probe, need: int,
+                inst: Any) -> Any:
+        """Per offer of `arr`: whether it passes the rules a batch's lists filter by
+        (`rules.LISTED`), for `need` GPUs; shared by the batch's requests whose rules
+        read the same (one policy, so one residency table)."""
+        key = (gpu, m, need, *(r.key(p) for r in rules.LISTED))
+        got = self._masks.get(key)
+        if got is None:
+            masks = [r.mask(p, arr, inst) for r in rules.LISTED]
+            got = masks[0]
+            for x in masks[1:]:
+                got = got & x
+            self._masks[key] = got
+        return got
+
+    def _ranked(self, p: Probe, h: float) -> Ranked:
+        """The request's candidates over every acceptable model and market (large
+        batches): filtered by the rules' masks and costed at once on the batch's offer
+        arrays; `Source` makes options of them, cheapest expected cost per hour first,
+        as they are read."""
+        import numpy as np
+
+        need, c = p.request.gpus, p.c
+        arrays: list[OfferArrays] = []
+        made: list[list[Option | None]] = []
+        parts: list[Any] = []
+        rows: list[Any] = []
+        insts: list[Any] = []
+        costs: list[Any] = []
+        prices: list[Any] = []
+        slots: list[Any] = []
+        for gpu in c.gpus:
+            for m in c.markets:
+                arr = self._arrays(gpu, m)
+                if not arr.offers:
+                    continue
+                inst, cost, price, options = self._sized(gpu, m, arr, need, h)
+                idx = np.flatnonzero(self._listed(gpu, m, arr, p, need, inst))
+                parts.append(np.full(len(idx), len(arrays)))
+                arrays.append(arr)
+                made.append(options)
+                rows.append(idx)
+                insts.append(inst[idx])
+                costs.append(cost[idx])
+                prices.append(price[idx])
+                slots.append(arr.base + idx)
+        return Ranked(arrays, made, parts, rows, insts, costs, prices, slots,
+                      head=4 * self.k)
+
+    def _sized(self, gpu: str, m: Market, arr: OfferArrays, need: int, h: float) -> _Sized:
+        """Per offer of `arr`, for `need` GPUs: the instances, their expected cost and
+        price per hour, and the option once made; shared by the batch's requests for as
+        many GPUs."""
+        got = self._sizes.get((gpu, m, need, h))
+        if got is None:
+            inst = rules.instances_for(need, arr.gpus)
+            paid = inst * arr.gpus
+            eff, gang = arr.eff(h, self.policy, self.hazard(h))
+            cost = paid * (eff + (inst - 1) * gang)
+            if self.policy.scoring.idle_gpu_weight:
+                cost = cost + idle_cost(self.policy, paid, need, arr.ppg)
+            got = self._sizes[(gpu, m, need, h)] = (inst, cost, paid * arr.ppg,
+                                                 [None] * len(arr.offers))
+        return got
+
+    def _scan(self, p: Probe) -> Scan:
+        """What the candidates of a request that has none say about why (large batches):
+        the first rule each offer fails (`rules.first_failing_masks`)."""
+        import numpy as np
+
+        scan = Scan()
+        table = (*rules.WHERE, rules.POLICY_REGION, rules.PRICE_CAP)
+        region, cap = len(rules.WHERE), len(rules.WHERE) + 1
+        for gpu in p.c.gpus:
+            for m in p.c.markets:
+                arr = self._arrays(gpu, m)
+                if not arr.offers:
+                    continue
+                failing = rules.first_failing_masks(p, arr, 1, table)
+                matching = failing > region
+                scan.policy_excluded += int(np.count_nonzero(failing == region))
+                scan.matching += int(np.count_nonzero(matching))
+                if matching.any():
+                    scan.cheapest_ppg = min(scan.cheapest_ppg, float(arr.ppg[matching].min()))
+                scan.under_cap += int(np.count_nonzero(failing > cap))
+        return scan
+
+    def live_room(self, alive: Alive | None) -> Any:
+        """`room` while the solver's resources only shrink (its greedy phase, when the
+        lists are read with a `Shrinking` filter): what it found used up stays used up.
+        None otherwise. Each greedy phase (its own `Shrinking.left`) starts from a clean
+        `room`."""
+        if not isinstance(alive, Shrinking) or self.room is None:
+            return None
+        if alive.left is not self._room_of:
+            self.room[:] = math.inf
+            self._room_of = alive.left
+        return self.room
+
+    def used_up(self, slot: int, o: Option, alive: Alive) -> None:
+        """Record, while resources only shrink, that the offer in `room` slot `slot` has
+        room for fewer instances than `o` takes: how many its pool and quota have left."""
+        assert isinstance(alive, Shrinking)
+        live, limits = alive.left, self.limits
+        n = o.ref[1]
+        room = math.inf
+        for key, amount in o.uses:
+            left = live.get(key)
+            if left is None:
+                left = limits.get(key)
+            if left is not None and amount > 0:
+                room = min(room, left * n / amount)
+        if room < self.room[slot]:
+            self.room[slot] = room
+
+    def _walk(self, ask: Ask, c: Constraints, k: int | None, limit: float | None,
+              alive: Alive | None = None, *, h: float) -> tuple[list[Option], float, Scan]:
+        """The request's options by walking the offer lists (`broker.placement.walk`)."""
+        return walk(self, self.probe(ask, c), k, limit, alive, h)
+
+    def _plain(self, gpu: str, m: Market) -> Iterator[tuple[float, Offer, float, int | None]]:
+        view, stale, cooling = self.view, self.stale, self.cooling
+        for offer in view.by_gpu(gpu, m):
+            key = offer.pool
+            if (cooling and key in cooling) or (stale and view.slice_of(key) in stale):
+                continue
+            ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
+            yield ppg, offer, ppg, None  # free instances: computed where needed
+
+    def _by_cost(self, gpu: str, m: Market, h: float
+                 ) -> Iterator[tuple[float, Offer, float, int | None]]:
+        """`_plain` in order of `unit_cost` (from the `CostIndex`), which is the bound."""
+        assert self.costs is not None
+        view, stale, cooling = self.view, self.stale, self.cooling
+        for u, key, offer in self.costs.sorted(gpu, m, h):
+            if (cooling and key in cooling) or (stale and view.slice_of(key) in stale):
+                continue
+            yield u, offer, offer.price_per_hour / offer.gpus, None  # type: ignore[operator]
+

@@ -1,0 +1,227 @@
+"""What placement reads of the market: the `PoolView` protocol, a `Snapshot` of it for a
+worker thread, and the offers in order of their cost per GPU (`CostIndex`)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Iterable, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Protocol
+
+from broker.market.hazard import DEFAULT_HORIZON, Hazard, HazardEstimator, horizon_bucket
+from broker.model import Market, Offer, PlaceRequest, PoolKey
+from broker.placement.cost import by_horizon, hazard_over, unit_cost
+from policies.model import Policy
+
+if TYPE_CHECKING:
+    from broker.market.pool import ResourcePool
+
+
+class PoolView(Protocol):
+    def by_gpu(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
+        """Priced offers of `gpu` in `market`, cheapest per GPU-hour first."""
+
+    def stale_slices(self, now: datetime) -> Collection[Hashable]:
+        """Slices (as `slice_of` names them) whose offers must not be placed on."""
+
+    def slice_of(self, key: PoolKey) -> Hashable | None: ...
+
+    def cooling(self, now: datetime) -> Collection[PoolKey]:
+        """Pools that take no new placements now."""
+
+    def held(self, key: PoolKey) -> int:
+        """Instances of `key` the broker's leases already hold."""
+
+    def get(self, key: PoolKey) -> Offer | None: ...
+
+    @property
+    def hazard(self) -> HazardEstimator | None:
+        """Spot pools' interruption rate and availability expected over a job, from their
+        history (None: none kept; the offers' own signals are used)."""
+
+
+class Snapshot:
+    """A `PoolView` frozen at one moment, for placing in a worker thread while the event
+    loop goes on changing the pool: every GPU's sorted offer lists (copies of the lists,
+    not of the offers, which are immutable), the stale slices and cooling pools at `now`,
+    and the instances held. Offers looked up by key (`get`, `slice_of`) and the hazard
+    estimator are read live: single lookups, each consistent on its own."""
+
+    def __init__(self, pool: ResourcePool, now: datetime) -> None:
+        self._pool = pool
+        self._lists: dict[tuple[str, Market | None], list[Offer]] = {}
+        for gpu in pool.gpus():
+            for market in (None, *Market):
+                self._lists[(gpu, market)] = list(pool.by_gpu(gpu, market))
+        self._stale = frozenset(pool.stale_slices(now))
+        self._cooling = frozenset(pool.cooling(now))
+        self._held = {key: pool.held(key) for key in pool.held_pools()}
+        self._hazard = pool.hazard
+
+    def by_gpu(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
+        return self._lists.get((gpu, market), ())
+
+    def stale_slices(self, now: datetime) -> Collection[Hashable]:
+        return self._stale
+
+    def slice_of(self, key: PoolKey) -> Hashable | None:
+        return self._pool.slice_of(key)
+
+    def cooling(self, now: datetime) -> Collection[PoolKey]:
+        return self._cooling
+
+    def held(self, key: PoolKey) -> int:
+        return self._held.get(key, 0)
+
+    def get(self, key: PoolKey) -> Offer | None:
+        return self._pool.get(key)
+
+    @property
+    def hazard(self) -> HazardEstimator | None:
+        return self._hazard
+
+
+def _first_two(entry: tuple[float, PoolKey, Offer]) -> tuple[float, PoolKey]:
+    return entry[0], entry[1]
+
+
+_Where = tuple[str, Market, float]  # (GPU model, market, horizon hours)
+
+
+class CostIndex:
+    """The pool's priced offers per (GPU model, market, horizon) in order of `unit_cost`,
+    for placing on the event loop: a request's walk can stop as soon as the next offer's
+    cost per GPU times the GPUs it asks for exceeds the options it has, which in order
+    of price alone can take hundreds of offers more (prices alike, risks not). The
+    horizon is a request's (`broker.market.hazard.horizon_bucket`): spot risk is scored over
+    it, so a list is kept per horizon asked for (at most `broker.market.hazard.HORIZONS`).
+
+    Built per list on first use, then kept up to date from the pool's changes: an offer
+    that changed or went (and with it the hazard estimate of its pool, which changes
+    only with such a change) is placed again; a `refresh` of the hazard estimator, or
+    another estimator, rebuilds every list. One policy's scoring: a new policy needs a
+    new index. The offers are read from the pool when walked (the newest reading)."""
+
+    def __init__(self, pool: ResourcePool, policy: Policy) -> None:
+        self.pool = pool
+        self.policy = policy
+        self._lists: dict[_Where, list[tuple[float, PoolKey, Offer]]] = {}
+        self._placed: dict[PoolKey, list[tuple[float, _Where]]] = {}
+        self._dirty: set[PoolKey] = set()
+        self._hazard_seen: tuple[int, int] = (0, -1)
+        self.close = pool.subscribe(self._observe)
+        """Stop following the pool (the index is not used any more)."""
+
+    def _observe(self, change: Any) -> None:
+        if self._lists:
+            self._dirty.update(change.updated)
+            self._dirty.update(change.removed)
+
+    def _hazard(self, horizon: float) -> Hazard | None:
+        return hazard_over(self.pool.hazard, self.policy, horizon)
+
+    def _horizon(self, horizon: float) -> float:
+        """Every horizon scores alike without an estimator in use: one list for all."""
+        return horizon if by_horizon(self.pool.hazard, self.policy) else DEFAULT_HORIZON
+
+    def sorted(self, gpu: str, market: Market, horizon: float = DEFAULT_HORIZON
+               ) -> list[tuple[float, PoolKey, Offer]]:
+        """(unit cost, pool key, offer) of the priced offers of `gpu` in `market`,
+        scored over `horizon` hours, cheapest first, as of now (an offer re-read
+        unchanged since may be newer in the pool: `ResourcePool.get`)."""
+        hazard = self.pool.hazard
+        seen = (id(hazard), hazard.refreshes if hazard is not None else 0)
+        if seen != self._hazard_seen:
+            self._lists.clear()
+            self._placed.clear()
+            self._dirty.clear()
+            self._hazard_seen = seen
+        if self._dirty:
+            self._place_again()
+        where = (gpu, market, self._horizon(horizon))
+        got = self._lists.get(where)
+        if got is None:
+            policy, hz = self.policy, self._hazard(where[2])
+            got = sorted(((unit_cost(o, policy, hz), o.pool, o)
+                          for o in self.pool.by_gpu(gpu, market)), key=_first_two)
+            self._lists[where] = got
+            placed = self._placed
+            for u, key, _ in got:
+                placed.setdefault(key, []).append((u, where))
+        return got
+
+    def covers(self, horizon: float) -> bool:
+        """Every horizon's list is made when first asked for."""
+        return True
+
+    def frozen(self, horizons: Iterable[float] = (DEFAULT_HORIZON,)) -> FrozenCosts:
+        """Every list for these horizons, up to date now, copied: for a batch placed in a
+        worker thread on a `Snapshot` while the pool and this index go on changing (on
+        the loop)."""
+        want = sorted({self._horizon(h) for h in horizons})
+        for h in want:
+            self._hazard(h)  # an estimator's view is made here, on the loop, not in a thread
+        for gpu in self.pool.gpus():
+            for market in Market:
+                for h in want:
+                    self.sorted(gpu, market, h)
+        return FrozenCosts(self.policy, {k: list(v) for k, v in self._lists.items()
+                                         if k[2] in want},
+                           normalise=not by_horizon(self.pool.hazard, self.policy))
+
+    def _place_again(self) -> None:
+        import bisect
+
+        dirty, self._dirty = self._dirty, set()
+        lists, placed = self._lists, self._placed
+        horizons = {w[2] for w in lists}
+        for key in dirty:
+            for u, where in placed.pop(key, ()):
+                entries = lists[where]
+                i = bisect.bisect_left(entries, (u, key), key=_first_two)
+                if i < len(entries) and entries[i][1] == key:
+                    del entries[i]
+            offer = self.pool.get(key)
+            if offer is None or offer.price_per_hour is None or offer.gpus <= 0:
+                continue
+            for h in horizons:
+                where = (offer.gpu, key.market, h)
+                entries_or_none = lists.get(where)
+                if entries_or_none is None:
+                    continue  # that list is built when first asked for
+                u = unit_cost(offer, self.policy, self._hazard(h))
+                bisect.insort(entries_or_none, (u, key, offer), key=_first_two)
+                placed.setdefault(key, []).append((u, where))
+
+
+class FrozenCosts:
+    """A `CostIndex` as it was at one moment (`CostIndex.frozen`), for the horizons it
+    was frozen for (`normalise`: every horizon scores alike, one list serves all)."""
+
+    def __init__(self, policy: Policy, lists: dict[_Where, list[tuple[float, PoolKey, Offer]]],
+                 normalise: bool = False) -> None:
+        self.policy = policy
+        self._lists = lists
+        self._normalise = normalise
+        self._horizons = {w[2] for w in lists}
+
+    def covers(self, horizon: float) -> bool:
+        """Whether lists for `horizon` were frozen."""
+        return self._normalise or not self._horizons or horizon in self._horizons
+
+    def sorted(self, gpu: str, market: Market, horizon: float = DEFAULT_HORIZON
+               ) -> list[tuple[float, PoolKey, Offer]]:
+        if self._normalise:
+            horizon = DEFAULT_HORIZON
+        elif self._horizons and horizon not in self._horizons:
+            raise KeyError(f"costs frozen for horizons {sorted(self._horizons)}, "
+                           f"not {horizon:g} h")
+        return self._lists.get((gpu, market, horizon), [])
+
+
+Costs = CostIndex | FrozenCosts
+
+
+def hazard_for(view: PoolView, policy: Policy, request: PlaceRequest) -> Hazard | None:
+    """The hazard estimates a request is scored with: the view's, over the request's own
+    horizon (`broker.market.hazard.horizon_bucket` of its `duration_hours`)."""
+    return hazard_over(view.hazard, policy, horizon_bucket(request.duration_hours))

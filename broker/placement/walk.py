@@ -1,0 +1,155 @@
+"""A request's options by walking the pool's offer lists (small batches): the offers that
+pass the rules (`broker.placement.rules`), cheapest expected cost per hour first, stopping
+as soon as no offer further on can make the list."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterator
+from typing import Protocol
+
+from broker.market.hazard import Hazard
+from broker.model import Market, Offer
+from broker.placement import rules
+from broker.placement.cost import expected_cost, idle_cost
+from broker.placement.outcomes import Scan
+from broker.placement.problem import Alive, Option
+from broker.placement.rules import Probe
+from broker.placement.view import Costs
+
+Entries = Iterator[tuple[float, Offer, float, int | None]]
+"""(bound, offer, price per GPU-hour, _) in order of the bound: the offer's price per
+GPU-hour, or its `unit_cost`; no option of an offer further on costs less per GPU."""
+
+
+class Walker(Protocol):
+    """What the walk needs of the builder it lists options for."""
+
+    costs: Costs | None
+
+    def hazard(self, h: float) -> Hazard | None: ...
+
+    def option(self, offer: Offer, instances: int, need: int, h: float) -> Option: ...
+
+    def _plain(self, gpu: str, m: Market) -> Entries: ...
+
+    def _by_cost(self, gpu: str, m: Market, h: float) -> Entries: ...
+
+
+class _Found:
+    """The options a walk keeps: the best `keep` (a heap), or all of them up to `limit`
+    per hour; `cut` once it left one out."""
+
+    def __init__(self, keep: int | None, limit: float | None) -> None:
+        self.keep, self.limit = keep, limit
+        self.heap: list[tuple[float, int, Option]] = []
+        self.found: list[Option] = []
+        self.tiebreak = 0
+        self.cut = False
+
+    def full(self, cost: float) -> bool:
+        """Whether an option costing `cost` per hour or more cannot make the list."""
+        if self.keep is not None:
+            return len(self.heap) == self.keep and cost > -self.heap[0][0]
+        return self.limit is not None and cost > self.limit
+
+    def beaten(self, cost: float) -> bool:
+        """Whether the best `keep` all cost at most `cost`."""
+        return self.keep is not None and len(self.heap) == self.keep and \
+            cost >= -self.heap[0][0]
+
+    def add(self, o: Option) -> None:
+        cost = o.cost_per_hour
+        if self.limit is not None:
+            if cost <= self.limit:
+                self.found.append(o)
+            else:
+                self.cut = True
+            return
+        self.tiebreak += 1
+        assert self.keep is not None
+        if len(self.heap) < self.keep:
+            heapq.heappush(self.heap, (-cost, -self.tiebreak, o))
+        elif cost < -self.heap[0][0]:
+            heapq.heapreplace(self.heap, (-cost, -self.tiebreak, o))
+            self.cut = True
+
+    def result(self) -> tuple[list[Option], float]:
+        if self.limit is not None:
+            self.found.sort(key=lambda o: o.cost_per_hour)
+            return self.found, (self.limit if self.cut else math.inf)
+        best = [o for _, _, o in sorted(self.heap, reverse=True)]
+        return best, (best[-1].cost_per_hour if self.cut and best else math.inf)
+
+
+_PASS, _SKIP, _DEARER = 0, 1, 2
+
+
+def _judge(p: Probe, offer: Offer, ppg: float, scan: Scan) -> int:
+    """The rules up to the price cap (`rules.WHERE`, `policy_region`, `price_cap`), counted
+    in `scan` as `broker.placement.outcomes.reject` reads them."""
+    for rule in rules.WHERE:
+        if not rule.check(p, offer, 1):
+            return _SKIP
+    if not rules.POLICY_REGION.check(p, offer, 1):
+        scan.policy_excluded += 1
+        return _SKIP
+    scan.matching += 1
+    if ppg < scan.cheapest_ppg:
+        scan.cheapest_ppg = ppg
+    if not rules.PRICE_CAP.check(p, offer, 1):
+        return _DEARER
+    scan.under_cap += 1
+    return _PASS
+
+
+def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive | None,
+         h: float) -> tuple[list[Option], float, Scan]:
+    """The request's options, cheapest expected cost per hour first: the best `k`, or all
+    of them up to `limit` per hour; the cost per hour below which the list holds every
+    option (inf: it holds them all); and what the walk saw. The offer lists are fresh
+    (`rules.FRESH`) and of the verdict's models and markets (`rules.MODEL`,
+    `rules.MARKET`)."""
+    scan = Scan()
+    out = _Found(k if limit is None else None, limit)
+    # In order of price when there is a price cap (the walk ends at the cap), else in
+    # order of cost when the index is there (it ends once no option can make the list).
+    by_price = b.costs is None or p.c.cap is not None or not b.costs.covers(h)
+    for gpu in p.c.gpus:
+        for m in p.c.markets:
+            _walk_list(b, p, b._plain(gpu, m) if by_price else b._by_cost(gpu, m, h),
+                       by_price, out, scan, alive, h)
+    return (*out.result(), scan)
+
+
+def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Found,
+               scan: Scan, alive: Alive | None, h: float) -> None:
+    need = p.request.gpus
+    policy, hazard = p.policy, b.hazard(h)
+    for bound, offer, ppg, _ in entries:
+        judged = _judge(p, offer, ppg, scan)
+        if judged == _SKIP:
+            continue
+        if judged == _DEARER:
+            if by_price:
+                break  # sorted by price per GPU-hour: the rest are dearer
+            continue
+        # Any later offer costs at least need × its bound: stop when that cannot make
+        # the list.
+        if out.full(need * bound):
+            out.cut = True
+            break
+        instances = rules.instances_for(need, offer.gpus)
+        if rules.first_failing(p, offer, instances, rules.FIT) is not None:
+            continue
+        # The cost first: most offers walked never make the list.
+        cost = expected_cost(offer, instances, policy, hazard=hazard)
+        if policy.scoring.idle_gpu_weight:
+            cost += idle_cost(policy, instances * offer.gpus, need, ppg)
+        if out.beaten(cost):
+            continue
+        o = b.option(offer, instances, need, h)
+        if alive is not None and not alive(o):
+            continue
+        out.add(o)
