@@ -62,8 +62,9 @@ import _instances as inst_mod  # noqa: E402
 import latency  # noqa: E402
 from _instances import Instance, group_quotas, instance, pool_from  # noqa: E402
 
-from broker import placement, solver  # noqa: E402
 from broker.model import Offer, PoolKey  # noqa: E402
+from broker.placement import optimizer as placement  # noqa: E402
+from broker.placement import solver  # noqa: E402
 from broker.placement.optimizer import Ask, BatchResult, Decision, Outcome, Rejection, Settings  # noqa: E402
 from policies.evaluate import Denied, TeamUsage, evaluate  # noqa: E402
 from policies.model import Team  # noqa: E402
