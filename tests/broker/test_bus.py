@@ -22,7 +22,7 @@ import structlog.testing
 from daemon_helpers import PREFIX, StartDaemon
 from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, payload_json
 
-from broker.daemon.assembly import _quiet_closed_socket_callbacks
+from broker.daemon.assembly.process import quiet_closed_socket_callbacks
 from broker.daemon.config import MqttConfig
 from broker.edges.bus import CONNECT_MARGIN, CONNECT_MIN, Bus, _describe, _only, make_client
 from broker.state.store import StateStore
@@ -262,7 +262,7 @@ async def test_a_socket_watch_on_a_closed_connection_is_not_logged_as_an_error()
     before = loop.get_exception_handler()
     loop.set_exception_handler(lambda _, context: seen.append(context))
     try:
-        _quiet_closed_socket_callbacks(loop)
+        quiet_closed_socket_callbacks(loop)
         handler = loop.get_exception_handler()
         assert handler is not None
         closed = OSError(errno.EBADF, "Bad file descriptor")
