@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 from mqtt_helpers import Mosquitto, MqttProbe, free_port, payload_json
 
-from broker.cli.demo import gpus, normalise_mqtt_url, parse_options
+from broker.cli.demo import normalise_mqtt_url, parse_options
+from broker.cli.demo_report import gpus
 from broker.cli.main import main
 from broker.model import Market, Placement, PoolKey
 
