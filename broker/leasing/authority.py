@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -49,9 +47,12 @@ import structlog
 
 from broker.daemon.config import PlacementConfig
 from broker.leasing import failover
-from broker.leasing.book import LeaseBook, LeaseError
+from broker.leasing.batch import INTERNAL, REPEATED, RETAINED, Batch
+from broker.leasing.book import LeaseBook
+from broker.leasing.moves import Moves
+from broker.leasing.placing import MILP_BURST_SECONDS, Placing
+from broker.leasing.verbs import Observer, Verbs
 from broker.market.changes import PoolChange
-from broker.market.hazard import horizon_bucket
 from broker.market.pool import ResourcePool
 from broker.model import (
     CapacitySignal,
@@ -61,7 +62,6 @@ from broker.model import (
     LeaseState,
     PlaceRequest,
     PoolKey,
-    iso,
     utcnow,
 )
 from broker.placement import optimizer
@@ -69,19 +69,12 @@ from broker.state.keyfilter import KeyFilter
 from broker.state.store import Store, StoreFailed, lease_keys
 from broker.wire import validation
 from broker.wire.commands import OPS, VERBS, Command
-from broker.wire.messages import Messages, OutboxRow, lease_subject, request_subject
-from policies.evaluate import Denied, evaluate, forbids
+from broker.wire.messages import Messages, OutboxRow
+from policies.evaluate import forbids
 from policies.model import Policy
 from policies.residency import Residency
 
 EXPIRY_HOLD_SECONDS = 30.0
-MILP_SHARE = 0.1
-"""The share of the CPU the MILP may take over time (see `Broker._milp_allowed`)."""
-MILP_BURST_SECONDS = 1.0
-THREAD_MIN_BATCH = 1024
-"""Batches of this many requests or more are solved in a worker thread (see `_place`),
-and so is every batch that may go to the MILP."""
-
 log = structlog.get_logger("gpubroker.broker")
 
 BURST = 8
@@ -91,30 +84,11 @@ FIRST_BATCH = 16
 """The size of the first batch after a start; each next one may be twice as large, up to
 `placement.max_batch` (the backlog a new leader finds is answered from its head at once)."""
 
-REPEATED = "repeated request: the lease it already has"
-INTERNAL = {"field": "", "message": "internal error handling this request; it was not "
-            "executed (the daemon logged the error)"}
-MAX_ERRORS = 20  # per request.invalid answer: an answer must stay far below a packet's limit
-RETAINED = {"field": "retain", "message": "a request published with the retain flag is "
-            "never acted on; publish it without the retain flag"}
-
-
-@dataclass(slots=True)
-class _Batch:
-    """What one turn of the request loop changes, committed in one transaction."""
-
-    leases: dict[str, Lease] = field(default_factory=dict)
-    rows: list[OutboxRow] = field(default_factory=list)
-    answered: dict[tuple[str, str], Lease] = field(default_factory=dict)
-    answers: list[tuple[Command, bytes]] = field(default_factory=list)
-    decided: list[tuple[Command, str]] = field(default_factory=list)  # place verbs answered
-
 
 Publish = Callable[[Sequence[OutboxRow]], None]
-Observer = Callable[[str, dict[str, Any]], None]
 
 
-class Broker:
+class Broker(Placing, Verbs, Moves):
     # Many arguments: the daemon's wiring, keyword-only; regrouped in the package redesign (#28).
     def __init__(self, *, pool: ResourcePool, book: LeaseBook, store: Store,  # noqa: PLR0913
                  messages: Messages, policy: Policy, publish: Publish,
@@ -317,80 +291,7 @@ class Broker:
             self.check_health()
             await self.check_reoptimize_async()
 
-    def _reoptimize_chunk(self, limit: int) -> list[Lease]:
-        if self.policy.failover.reoptimize_min_saving is None:
-            return []
-        active = sorted(self.book.active(), key=lambda le: le.lease_id)
-        if not active:
-            return []
-        start = self._reopt_next % len(active)
-        chunk = (active[start:] + active[:start])[:limit]
-        self._reopt_next = start + len(chunk)
-        return chunk
-
-    def check_reoptimize(self, limit: int = 500) -> list[failover.Trigger]:
-        """Look at up to `limit` active leases (the next ones in turn) for a placement
-        that saves at least `reoptimize_min_saving`; queue their moves."""
-        chunk = self._reoptimize_chunk(limit)
-        if not chunk:
-            return []
-        triggers = failover.reoptimize(chunk, self.pool, self.policy, self._resident_now(),
-                                       self._clock())
-        for t in triggers:
-            self._trigger(t)
-        return triggers
-
-    async def check_reoptimize_async(self, limit: int = 500) -> list[failover.Trigger]:
-        """`check_reoptimize` in a worker thread, on a snapshot of the pool (a pass of
-        hundreds of leases would hold the event loop for a long time); the moves are
-        queued on the loop, and each is judged again when its turn comes."""
-        chunk = self._reoptimize_chunk(limit)
-        if not chunk:
-            return []
-        now = self._clock()
-        triggers = await asyncio.to_thread(
-            failover.reoptimize, chunk, optimizer.Snapshot(self.pool, now), self.policy,
-            self._resident_now(), now)
-        for t in triggers:
-            self._trigger(t)
-        return triggers
-
-    def check_health(self) -> list[failover.Trigger]:
-        now = self._clock()
-        stale = self.pool.stale_slices(now)
-        grace = self.pool.in_grace(now)
-        triggers = []
-        for key in self.book.leased_pools():
-            slice_id = self.pool.slice_of(key)
-            if slice_id is not None and slice_id not in stale:
-                continue
-            if slice_id is None and grace:
-                continue  # not polled yet since the start: unknown, not unhealthy
-            for le in self.book.on_pool(key):
-                triggers.append(failover.Trigger(
-                    le.lease_id, le.epoch, FailoverReason.CLOUD_UNHEALTHY,
-                    f"{key.cloud} {key.region} has had no good poll for over "
-                    f"{self.pool.stale_after.total_seconds():g}s"))
-        for t in triggers:
-            self._trigger(t)
-        return triggers
-
     # --- policy --------------------------------------------------------------------
-
-    def _resident_now(self) -> Residency:
-        """The residency tags: the policy's, and those from `region_tags`."""
-        extra: dict[str, list[str]] = {}
-        for source in self.region_tags:
-            for tag, regions in source().items():
-                extra.setdefault(tag, []).extend(regions)
-        policy, was = self._resident_for
-        if policy is not self.policy or was != extra:
-            merged = {t: list(r) for t, r in self.policy.residency.tags.items()}
-            for tag, regions in extra.items():
-                merged.setdefault(tag, []).extend(regions)
-            self._resident_of = Residency(merged)
-            self._resident_for = (self.policy, extra)
-        return self._resident_of
 
     async def apply_policy(self, policy: Policy, digest: str, source: str) -> int:
         """Swap in a validated policy, publish `policy.applied`, and fail over the leases
@@ -405,7 +306,7 @@ class Broker:
                 if why:
                     triggers.append(failover.Trigger(lease.lease_id, lease.epoch,
                                                      FailoverReason.POLICY_CHANGED, why))
-            b = _Batch()
+            b = Batch()
             self._emit(b, Event("policy.applied", OPS, {
                 "hash": digest, "file": source, "rules": len(policy.rules),
                 "teams": len(policy.teams), "leases_to_move": len(triggers)}, "policy"))
@@ -422,7 +323,7 @@ class Broker:
         for p in problems:
             log.error("policy rejected; the running policy stays", problem=str(p))
         async with self._changing():
-            b = _Batch()
+            b = Batch()
             self._emit(b, Event("policy.rejected", OPS, {"file": source, "errors": errors},
                                 "policy"))
             await self._commit(b)
@@ -430,7 +331,7 @@ class Broker:
     async def expire_due(self) -> list[Lease]:
         async with self._changing():
             now = self._clock()
-            b = _Batch()
+            b = Batch()
             for lease in self.book.due(now):
                 ended = self.book.end(lease.lease_id, LeaseState.EXPIRED, now)
                 self._ended(b, ended, "lease.expired", {"lease_id": ended.lease_id})
@@ -439,10 +340,9 @@ class Broker:
 
     # --- requests --------------------------------------------------------------------
 
-    # Complex: split in the package redesign (#28).
-    async def handle(self, batch: Sequence[Command]) -> None:  # noqa: C901, PLR0912
+    async def handle(self, batch: Sequence[Command]) -> None:
         async with self._changing():
-            b = _Batch()
+            b = Batch()
             parsed = {i: self._parse_place(cmd)
                       for i, cmd in enumerate(batch) if cmd.verb == "place"}
             await self._recall([p for p in parsed.values() if isinstance(p, PlaceRequest)])
@@ -455,21 +355,7 @@ class Broker:
                     continue
                 with self._guard(b, cmd, getattr(parsed.get(i), "request_id", None)):
                     if cmd.verb == "place":
-                        req = parsed[i]
-                        if isinstance(req, validation.Invalid):
-                            self._invalid(b, cmd, req.request_id, req.errors)
-                            continue
-                        key = (req.scheduler, req.request_id)
-                        lease = self.book.find(*key)
-                        if lease is not None:
-                            self._decided(b, lease, cmd, REPEATED, ())
-                        elif (unknown := validation.unknown_gpus(req, self._known_gpus)
-                              ) is not None:
-                            self._invalid(b, cmd, req.request_id, unknown.errors)
-                        elif key in asks:  # repeated within this batch: placed once
-                            repeats.append((cmd, req))
-                        else:
-                            asks[key] = (cmd, req)
+                        self._sort_place(b, cmd, parsed[i], asks, repeats)
                     elif cmd.verb in ("renew", "release"):
                         self._lease_verb(b, cmd)
                     elif cmd.verb == "report":
@@ -486,18 +372,7 @@ class Broker:
                 # answered (below, with the repeats of the same requests).
                 log.exception("internal error placing a batch; its undecided requests "
                               "answered request.invalid", requests=len(asks))
-            for key, (cmd, req) in asks.items():
-                if key not in b.answered and key not in rejected:
-                    self._invalid(b, cmd, req.request_id, [INTERNAL])
-            for cmd, req in repeats:
-                key = (req.scheduler, req.request_id)
-                with self._guard(b, cmd, req.request_id):
-                    if key in rejected:
-                        self._rejected(b, cmd, req, rejected[key])
-                    elif key in b.answered:
-                        self._decided(b, b.answered[key], cmd, REPEATED, ())
-                    else:
-                        self._invalid(b, cmd, req.request_id, [INTERNAL])
+            self._answer_the_rest(b, asks, repeats, rejected)
             await self._commit(b)
             # Committed (or nothing to commit): every command of the batch is answered in
             # the outbox, so its MQTT message may be acknowledged. A commit that raised
@@ -506,21 +381,47 @@ class Broker:
                 if cmd.done is not None:
                     cmd.done()
 
-    def _known_gpus(self) -> set[str]:
-        """GPU models a request may name besides the canonical ones: the policy's
-        `extra_gpus` and every model in the pool now (requests.unknown_gpus)."""
-        return set(self.policy.extra_gpus) | self.pool.gpus()
+    def _sort_place(self, b: Batch, cmd: Command, req: PlaceRequest | validation.Invalid,
+                    asks: dict[tuple[str, str], tuple[Command, PlaceRequest]],
+                    repeats: list[tuple[Command, PlaceRequest]]) -> None:
+        """A `place` request of the batch: answered at once (invalid, a repeat of a lease
+        the book has, an unknown GPU), or added to the batch's asks (a second one for
+        the same request to `repeats`: placed once, answered after)."""
+        if isinstance(req, validation.Invalid):
+            self._invalid(b, cmd, req.request_id, req.errors)
+            return
+        key = (req.scheduler, req.request_id)
+        lease = self.book.find(*key)
+        if lease is not None:
+            self._decided(b, lease, cmd, REPEATED, ())
+        elif (unknown := validation.unknown_gpus(req, self._known_gpus)) is not None:
+            self._invalid(b, cmd, req.request_id, unknown.errors)
+        elif key in asks:  # repeated within this batch: placed once
+            repeats.append((cmd, req))
+        else:
+            asks[key] = (cmd, req)
 
-    def _parse_place(self, cmd: Command) -> PlaceRequest | validation.Invalid:
-        try:
-            return validation.parse_place(cmd.scheduler, cmd.payload)
-        except Exception:
-            log.exception("internal error parsing a request; answered request.invalid",
-                          scheduler=cmd.scheduler, topic=cmd.topic, size=len(cmd.payload))
-            return validation.Invalid([INTERNAL])
+    def _answer_the_rest(self, b: Batch,
+                         asks: dict[tuple[str, str], tuple[Command, PlaceRequest]],
+                         repeats: list[tuple[Command, PlaceRequest]],
+                         rejected: dict[tuple[str, str], optimizer.Rejection]) -> None:
+        """After placing: the asks placement did not answer (an internal error), and the
+        repeats within the batch, as their first was answered."""
+        for key, (cmd, req) in asks.items():
+            if key not in b.answered and key not in rejected:
+                self._invalid(b, cmd, req.request_id, [INTERNAL])
+        for cmd, req in repeats:
+            key = (req.scheduler, req.request_id)
+            with self._guard(b, cmd, req.request_id):
+                if key in rejected:
+                    self._rejected(b, cmd, req, rejected[key])
+                elif key in b.answered:
+                    self._decided(b, b.answered[key], cmd, REPEATED, ())
+                else:
+                    self._invalid(b, cmd, req.request_id, [INTERNAL])
 
     @contextlib.contextmanager
-    def _guard(self, b: _Batch, cmd: Command, request_id: str | None) -> Iterator[None]:
+    def _guard(self, b: Batch, cmd: Command, request_id: str | None) -> Iterator[None]:
         """The last resort around one command: if handling it raises (a bug), what it
         had queued is dropped, it is answered `request.invalid`, and the batch goes on.
         Cancellation passes; the commit is not guarded here."""
@@ -538,299 +439,7 @@ class Broker:
                 log.exception("could not answer a request after an internal error",
                               scheduler=cmd.scheduler, topic=cmd.topic)
 
-    async def _recall(self, reqs: Sequence[PlaceRequest]) -> None:
-        """Bring leases of these requests that ended long ago back from the store, in one
-        query, so that a repeated request gets its lease whatever its age."""
-        known = self.stored_keys
-        if known is not None and known.full:
-            log.warning("more leases than the key filter was sized for: every new request "
-                        "is looked up in the store until the next start",
-                        capacity=known.capacity)
-            known = self.stored_keys = None
-        unknown = list(dict.fromkeys(
-            (r.scheduler, r.request_id) for r in reqs
-            if ((head := self.book.find(r.scheduler, r.request_id)) is None
-                or self.book.siblings(head) is None)  # a part forgotten before its head
-            and (known is None or known.may_hold(r.scheduler, r.request_id))))
-        if not unknown:
-            return
-        for parts in (await self.store.find_leases(unknown)).values():
-            for lease in parts:
-                self.book.remember(lease)
-
-    async def _place(self, b: _Batch, asks: Sequence[tuple[Command, PlaceRequest]],
-                     rejected: dict[tuple[str, str], optimizer.Rejection]) -> None:
-        """Place a batch together: each ask is judged by the policy against its team's
-        usage before the batch; the optimizer keeps the batch within the teams' limits."""
-        now = self._clock()
-        todo: list[tuple[Command, PlaceRequest, optimizer.Ask]] = []
-        for cmd, req in asks:
-            verdict = evaluate(self.policy, req, self.book.team_usage(req.team),
-                               self._resident_now(), self.pool.owned_gpus)
-            if isinstance(verdict, Denied):
-                outcome = optimizer.Rejection(optimizer.Ask(req), verdict.code,
-                                              verdict.detail)
-                rejected[(req.scheduler, req.request_id)] = outcome
-                self._rejected(b, cmd, req, outcome)
-                continue
-            todo.append((cmd, req, optimizer.Ask(req, constraints=verdict)))
-        if not todo:
-            return
-        # The MILP only with time to spare: while requests wait, the heuristic answers,
-        # and the MILP takes at most its share of the CPU.
-        settings = self.settings if self._requests.empty() and self._milp_allowed() else \
-            dataclasses.replace(self.settings, exact_max_batch=0)
-        batch = [a for _, _, a in todo]
-        milp = 1 < len(batch) <= settings.exact_max_batch and settings.exact_time_limit > 0
-        if not milp and len(batch) < THREAD_MIN_BATCH:
-            result = optimizer.solve(batch, self.pool, self.policy, now=now,
-                                     retry_after_seconds=self._retry_after, settings=settings,
-                                     costs=self._cost_index())
-        else:
-            # A large batch (the MILP, or thousands of requests) is solved in a worker
-            # thread on a snapshot of the pool, so the event loop keeps serving MQTT,
-            # polls and HTTP meanwhile; the lock keeps every other change out until the
-            # outcome is committed, here, on the loop.
-            view = optimizer.Snapshot(self.pool, now)
-            costs = self._cost_index().frozen(
-                {horizon_bucket(a.request.duration_hours) for a in batch})
-            result = await asyncio.to_thread(
-                optimizer.solve, batch, view, self.policy, now=now,
-                retry_after_seconds=self._retry_after, settings=settings, costs=costs)
-        self.last_batch = result
-        if settings.exact_max_batch and settings.exact_time_limit > 0:
-            self._milp_budget -= result.seconds  # what the solve took, MILP or not
-        for (cmd, req, ask), out in zip(todo, result.outcomes, strict=True):
-            if isinstance(out, optimizer.Rejection):
-                rejected[(req.scheduler, req.request_id)] = out
-                self._rejected(b, cmd, req, out)
-                continue
-            c = ask.constraints
-            assert c is not None
-            # The pool holds each placement's instances and names the reservations or
-            # servers it launches into, before the lease records it.
-            if out.parts:
-                parts = tuple((self.pool.take(p), gpus) for p, gpus in out.parts)
-                made = self.book.create_split(req, parts, lease_seconds=c.lease_seconds,
-                                              cap=c.cap, now=now)
-            else:
-                made = [self.book.create(req, self.pool.take(out.placement),
-                                         lease_seconds=c.lease_seconds, cap=c.cap, now=now)]
-            lease = made[0]
-            self._note_key(lease)
-            b.answered[(req.scheduler, req.request_id)] = lease
-            self._decided(b, lease, cmd, out.reason, out.alternatives, made)
-            self._expiry_changed.set()
-        for observe in self.batch_observers:
-            observe(result)
-
-    def _milp_allowed(self) -> bool:
-        """Whether a batch may go to the MILP now: a token bucket of solve time that
-        refills at MILP_SHARE of a second per second. Under a steady stream the queue
-        empties often, and each small batch sent to the MILP (up to its time limit) took
-        the CPU the next requests needed; now the MILP gets its share and the rest of
-        the time the heuristic answers."""
-        now = time.monotonic()
-        self._milp_budget = min(MILP_BURST_SECONDS, self._milp_budget
-                                + (now - self._milp_refilled) * MILP_SHARE)
-        self._milp_refilled = now
-        return self._milp_budget > 0
-
-    def _note_key(self, lease: Lease) -> None:
-        if self.stored_keys is not None:
-            self.stored_keys.add(lease.scheduler, lease.request_id)
-        elif self._created_keys is not None:
-            self._created_keys.append((lease.scheduler, lease.request_id))
-
-    def _cost_index(self) -> optimizer.CostIndex:
-        """The pool's offers in order of expected cost under the policy in force."""
-        costs = self._costs
-        if costs is None or costs.policy is not self.policy:
-            if costs is not None:
-                costs.close()
-            costs = self._costs = optimizer.CostIndex(self.pool, self.policy)
-        return costs
-
-    def _rejected(self, b: _Batch, cmd: Command, req: PlaceRequest,
-                  outcome: optimizer.Rejection) -> None:
-        data: dict[str, Any] = {"request_id": req.request_id, "code": outcome.code.value,
-                                "detail": outcome.detail}
-        if outcome.retry_after_seconds is not None:
-            data["retry_after_seconds"] = outcome.retry_after_seconds
-        self._emit(b, Event("placement.rejected", req.scheduler, data,
-                            request_subject(req.request_id), req.request_id), cmd)
-
-    def _decided(self, b: _Batch, lease: Lease, cmd: Command | None, reason: str,
-                 alternatives: Sequence[Any], parts: Sequence[Lease] | None = None) -> None:
-        """`placement.decided` for `lease`; for a split request's head, with `parts`:
-        every part's lease as it is now (the book's, when not given)."""
-        if lease.parts and parts is None:
-            parts = self.book.siblings(lease)
-        data: dict[str, Any] = {
-            "request_id": lease.request_id,
-            "lease_id": lease.lease_id,
-            "epoch": lease.epoch,
-            "placement": lease.placement.to_json(),
-            "expires_at": iso(lease.expires_at),
-            "reason": reason,
-            "alternatives": [a.to_json() for a in alternatives],
-        }
-        if lease.state is not LeaseState.ACTIVE:
-            data["state"] = lease.state.value
-        if lease.parts and parts:
-            data["parts"] = [part_json(p) for p in parts]
-        b.leases[lease.lease_id] = lease
-        self._emit(b, Event("placement.decided", lease.scheduler, data,
-                            lease_subject(lease.lease_id), lease.request_id),
-                   cmd)
-        for part in parts or (lease,):
-            b.leases[part.lease_id] = part
-            b.rows.append(self.messages.lease_state(part))
-
-    def _lease_verb(self, b: _Batch, cmd: Command) -> None:
-        parsed = validation.parse_lease_ref(cmd.payload)
-        if isinstance(parsed, validation.Invalid):
-            self._invalid(b, cmd, None, parsed.errors)
-            return
-        now = self._clock()
-        try:
-            if cmd.verb == "renew":
-                lease = self.book.renew(parsed.lease_id, cmd.scheduler, now)
-                b.leases[lease.lease_id] = lease
-                self._emit(b, Event("lease.renewed", cmd.scheduler, {
-                    "lease_id": lease.lease_id, "epoch": lease.epoch,
-                    "expires_at": iso(lease.expires_at)}, lease_subject(lease.lease_id),
-                    lease.request_id), cmd)
-                b.rows.append(self.messages.lease_state(lease))
-                self._expiry_changed.set()
-            else:
-                lease = self.book.end(parsed.lease_id, LeaseState.RELEASED, now, cmd.scheduler)
-                self._ended(b, lease, "lease.released", {"lease_id": lease.lease_id},
-                            cmd)
-        except LeaseError as exc:
-            self._lease_error(b, cmd, parsed.lease_id, exc)
-
-    def _lease_error(self, b: _Batch, cmd: Command, lease_id: str, exc: LeaseError) -> None:
-        """A verb on a lease that has ended repeats how it ended; on one the scheduler
-        does not have, it is an invalid request."""
-        lease = self.book.get(lease_id)
-        if lease is not None and lease.scheduler == cmd.scheduler and \
-                lease.state is not LeaseState.ACTIVE:
-            kind = {LeaseState.RELEASED: "lease.released", LeaseState.EXPIRED: "lease.expired",
-                    LeaseState.FAILED: "lease.failed"}[lease.state]
-            data: dict[str, Any] = {"lease_id": lease_id}
-            if lease.state is LeaseState.FAILED:
-                data.update(reason="ended", detail="the lease had already failed")
-            self._emit(b, Event(kind, cmd.scheduler, data, lease_subject(lease_id),
-                                lease.request_id), cmd)
-            return
-        self._invalid(b, cmd, None, [{"field": "lease_id", "message": str(exc)}])
-
-    async def _report(self, b: _Batch, cmd: Command) -> None:
-        parsed = validation.parse_report(cmd.payload)
-        if isinstance(parsed, validation.Invalid):
-            self._invalid(b, cmd, None, parsed.errors)
-            return
-        lease = self.book.get(parsed.lease_id)
-        if lease is None or lease.scheduler != cmd.scheduler or \
-                lease.state is not LeaseState.ACTIVE:
-            self._lease_error(b, cmd, parsed.lease_id,
-                              LeaseError(f"no active lease {parsed.lease_id!r}"))
-            return
-        detail = f"scheduler reported {parsed.kind}"
-        if parsed.detail:
-            detail += f": {parsed.detail}"
-        if parsed.kind == "launch_failed" and self.on_launch_failed is not None:
-            self.on_launch_failed(lease.placement.pool, parsed.detail or "")
-        trigger = failover.Trigger(lease.lease_id, lease.epoch, FailoverReason.REPORTED,
-                                   detail, cool_down=True)
-        self._fail_over_into(b, trigger, cmd)
-
-    def _invalid(self, b: _Batch, cmd: Command, request_id: str | None,
-                 errors: list[dict[str, str]]) -> None:
-        if len(errors) > MAX_ERRORS:
-            errors = [*errors[:MAX_ERRORS - 1], {
-                "field": "", "message": f"and {len(errors) - MAX_ERRORS + 1} more errors"}]
-        # Fields and messages can quote what was sent (a key, a verb): keep them short.
-        errors = [{"field": e["field"][:200], "message": e["message"][:500]} for e in errors]
-        data: dict[str, Any] = {"errors": errors, "topic": cmd.topic}
-        if request_id is not None:
-            data = {"request_id": request_id, **data}
-        log.info("request invalid", scheduler=cmd.scheduler, topic=cmd.topic, errors=errors)
-        self._emit(b, Event("request.invalid", cmd.scheduler, data,
-                            request_subject(request_id), request_id), cmd)
-
-    # --- failover --------------------------------------------------------------------
-
-    async def _fail_over(self, trigger: failover.Trigger) -> None:
-        b = _Batch()
-        self._fail_over_into(b, trigger)
-        await self._commit(b)
-
-    def _fail_over_into(self, b: _Batch, trigger: failover.Trigger,
-                        cmd: Command | None = None) -> None:
-        """Move the trigger's lease, or end it when nothing else fits. `cmd`: the
-        scheduler's `report` this answers (its MQTT 5 ResponseTopic gets the event too)."""
-        now = self._clock()
-        step = failover.step(
-            trigger, book=self.book, pool=self.pool, policy=self.policy, moves=self._moves,
-            now=now, find=lambda lease: failover.replacement(lease, self.pool, self.policy,
-                                                             self._resident_now(), now))
-        lease, old, outcome = step.lease, step.old, step.outcome
-        if step.kind == "held_back":
-            assert lease is not None
-            log.info("failover held back", lease_id=lease.lease_id,
-                     reason=trigger.reason.value, why=step.why)
-        elif step.kind == "moved":
-            assert lease is not None and old is not None
-            b.leases[lease.lease_id] = lease
-            self._emit(b, Event("lease.failover", lease.scheduler, {
-                "lease_id": lease.lease_id, "epoch": lease.epoch, "from": old.to_json(),
-                "to": lease.placement.to_json(), "reason": trigger.reason.value,
-                "detail": trigger.detail}, lease_subject(lease.lease_id), lease.request_id),
-                cmd)
-            b.rows.append(self.messages.lease_state(lease))
-            log.info("lease failed over", lease_id=lease.lease_id, epoch=lease.epoch,
-                     reason=trigger.reason.value, to=str(lease.placement.pool),
-                     latency_ms=_ms(now, trigger.received_at))
-        elif step.kind == "stays" and trigger.reason is not FailoverReason.REOPTIMIZED:
-            assert lease is not None
-            log.info("failover found nowhere to go; lease stays", lease_id=lease.lease_id,
-                     reason=trigger.reason.value, detail=getattr(outcome, "detail", ""))
-        elif step.kind == "failed":
-            assert lease is not None and isinstance(outcome, optimizer.Rejection)
-            # The step has released the lease's instances already.
-            self._ended(b, lease, "lease.failed", {
-                "lease_id": lease.lease_id, "reason": trigger.reason.value,
-                "detail": f"{trigger.detail}; no other placement: {outcome.detail}"}, cmd,
-                released=True)
-            log.warning("lease failed", lease_id=lease.lease_id, reason=trigger.reason.value,
-                        detail=outcome.detail)
-
     # --- plumbing --------------------------------------------------------------------
-
-    def _ended(self, b: _Batch, lease: Lease, kind: str, data: dict[str, Any],
-               cmd: Command | None = None, *, released: bool = False) -> None:
-        """Publish the end of `lease`; release its instances unless `released`."""
-        if not released:
-            self.pool.give_back(lease.placement)
-        self._moves.pop(lease.lease_id, None)
-        b.leases[lease.lease_id] = lease
-        self._emit(b, Event(kind, lease.scheduler, data, lease_subject(lease.lease_id),
-                            lease.request_id), cmd)
-        b.rows.append(self.messages.lease_state(lease))
-
-    def _emit(self, b: _Batch, event: Event, cmd: Command | None = None) -> None:
-        """Queue the event's messages; the answer to `cmd` also goes to its MQTT 5
-        ResponseTopic and to an HTTP caller waiting for it."""
-        rows = self.messages.event(event, cmd.reply if cmd else None)
-        b.rows.extend(rows)
-        if cmd is not None and cmd.answer is not None:
-            b.answers.append((cmd, rows[0].payload))
-        if cmd is not None and cmd.verb == "place":
-            b.decided.append((cmd, event.kind))
-        for observe in self.observers:
-            observe(event.kind, event.data)
 
     @contextlib.asynccontextmanager
     async def _changing(self) -> AsyncIterator[None]:
@@ -852,7 +461,7 @@ class Broker:
         if self.failed is not None:
             raise self.failed
 
-    async def _commit(self, b: _Batch) -> None:
+    async def _commit(self, b: Batch) -> None:
         if self.failed is not None:
             raise self.failed
         if not b.leases and not b.rows:
@@ -890,21 +499,7 @@ class Broker:
             _refuse(cmd, self.failed)
 
 
-def part_json(lease: Lease) -> dict[str, Any]:
-    """One part of a split request in its `placement.decided` (`parts`)."""
-    d: dict[str, Any] = {"lease_id": lease.lease_id, "part": lease.part, "epoch": lease.epoch,
-                         "gpus": lease.request.gpus, "placement": lease.placement.to_json(),
-                         "expires_at": iso(lease.expires_at)}
-    if lease.state is not LeaseState.ACTIVE:
-        d["state"] = lease.state.value
-    return d
-
-
 def _refuse(cmd: Command, exc: StoreFailed) -> None:
     """Answer a waiting HTTP caller with the store's failure (503, not executed)."""
     if cmd.answer is not None and not cmd.answer.done():
         cmd.answer.set_exception(exc)
-
-
-def _ms(now: datetime, then: datetime | None) -> float | None:
-    return None if then is None else round((now - then).total_seconds() * 1000, 1)

@@ -427,7 +427,7 @@ async def test_a_large_batch_is_solved_in_a_thread_while_the_loop_runs(
     import asyncio
     import threading
 
-    from broker.leasing import authority
+    from broker.leasing import placing
     from broker.placement import optimizer
 
     broker, _, _ = setup
@@ -445,7 +445,7 @@ async def test_a_large_batch_is_solved_in_a_thread_while_the_loop_runs(
         return real_solve(*args, **kwargs)
 
     monkeypatch.setattr(optimizer, "solve", solve)
-    n = authority.THREAD_MIN_BATCH
+    n = placing.THREAD_MIN_BATCH
     handling = asyncio.create_task(broker.handle([_place_cmd(f"r{i}") for i in range(n)]))
     async with asyncio.timeout(10):
         await started.wait()  # the loop runs while the batch is being solved
@@ -581,15 +581,15 @@ async def test_a_renewal_queued_before_the_first_poll_renews_an_overdue_lease(
 async def test_the_milp_gets_its_share_of_the_cpu_and_no_more(setup: Any) -> None:
     """A token bucket of solve time: spent, it refuses the MILP until it has refilled
     at MILP_SHARE of a second per second (the heuristic answers meanwhile)."""
-    from broker.leasing import authority
+    from broker.leasing import placing
 
     broker, _, _ = setup
     assert broker._milp_allowed()
-    broker._milp_budget = -authority.MILP_SHARE * 3600  # an hour's worth spent
+    broker._milp_budget = -placing.MILP_SHARE * 3600  # an hour's worth spent
     assert not broker._milp_allowed()
     broker._milp_refilled -= 3601  # an hour and a second later
     assert broker._milp_allowed()
-    assert broker._milp_budget <= authority.MILP_BURST_SECONDS
+    assert broker._milp_budget <= placing.MILP_BURST_SECONDS
 
 
 # --- a command is done once its outcome is committed (#26) -----------------------------

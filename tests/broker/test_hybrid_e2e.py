@@ -16,9 +16,9 @@ from daemon_helpers import PREFIX, StartDaemon
 from mqtt_helpers import ProbeFactory, payload_json
 
 from broker.daemon.config import CloudsConfig, PrivateConfig, SimConfig
-from broker.leasing.authority import Command
 from broker.model import Market
 from broker.placement.optimizer import BatchResult
+from broker.wire.commands import Command
 
 S = "hybrid"
 EVENTS = f"{PREFIX}/events/{S}/"
