@@ -209,7 +209,8 @@ class _LP:
     per (request, option), one 'unplaced' per request, one 'batch GPUs' per team with a
     spread limit."""
 
-    # Complex: split in the package redesign (#28).
+    # Complex: one pass over every (request, option) writes all of its rows (assignment,
+    # resources, the team's limits and spread); split, the passes would disagree on order.
     def __init__(self, p: AssignmentProblem) -> None:  # noqa: C901, PLR0915
         import numpy as np
 
