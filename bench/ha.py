@@ -87,7 +87,7 @@ from helpers import (  # noqa: E402  (tests/ha/helpers.py)
 from mqtt_helpers import Mosquitto, MqttProbe, free_port  # noqa: E402
 from pg_helpers import ADMIN_URL, fresh_database  # noqa: E402
 
-from broker.client import BrokerClient, BrokerError  # noqa: E402
+from gpubroker_client import BrokerClient, BrokerError  # noqa: E402
 
 DECISIONS = ("placement.decided", "placement.rejected")
 ANSWERED = ("decided", "rejected")

@@ -1,21 +1,30 @@
 """The shared vocabulary of gpubroker.
 
-Everything here is a plain, frozen value. This module imports nothing of the project, so
+Everything here is a plain, frozen value. This module imports nothing of the daemon, so
 adapters and policies may depend on it without pulling in the daemon.
+
+The part of the vocabulary the schedulers' client also speaks (`SCHEDULER_ID`, `Market`,
+`LeaseState`, `PoolKey`, `Placement`, `iso`, `parse_iso`) is defined once, in
+`gpubroker_client.model`, and re-exported here, so `from broker.model import Placement`
+and the like keep working across the daemon. The client never imports this module.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-SCHEDULER_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+from gpubroker_client.model import SCHEDULER_ID as SCHEDULER_ID
+from gpubroker_client.model import LeaseState as LeaseState
+from gpubroker_client.model import Market as Market
+from gpubroker_client.model import Placement as Placement
+from gpubroker_client.model import PoolKey as PoolKey
+from gpubroker_client.model import iso as iso
+from gpubroker_client.model import parse_iso as parse_iso
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +62,6 @@ CLOUDS = ("aws", "gcp", "azure", "alibaba", "private")
 """`private`: the company's own GPU servers, declared by the ops team (adapters.private)."""
 
 
-class Market(StrEnum):
-    SPOT = "spot"
-    ON_DEMAND = "on_demand"
-    RESERVED = "reserved"  # paid-for capacity: a cloud reservation, or a private server
-
-
 OWNED = Market.RESERVED
 """The market of capacity already paid for: cloud capacity reservations and private
 servers. It is never interrupted, and priced at the margin."""
@@ -73,13 +76,6 @@ def markets_for(choice: str) -> frozenset[Market]:
     if choice == "reserved":
         return frozenset({Market.RESERVED})
     return frozenset({Market(choice), Market.RESERVED})
-
-
-class LeaseState(StrEnum):
-    ACTIVE = "active"
-    RELEASED = "released"
-    EXPIRED = "expired"
-    FAILED = "failed"
 
 
 class FailoverReason(StrEnum):
@@ -102,46 +98,6 @@ class RejectCode(StrEnum):
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-@functools.lru_cache(maxsize=4096)
-def iso(ts: datetime) -> str:
-    """RFC 3339 in UTC with millisecond precision and a `Z`, as every payload uses.
-    Cached: the same few timestamps (a poll's, a lease's) are written many times."""
-    return ts.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def parse_iso(text: str) -> datetime:
-    return datetime.fromisoformat(text.replace("Z", "+00:00"))
-
-
-class PoolKey(NamedTuple):
-    """One place capacity comes from.
-
-    A named tuple rather than a dataclass: pool keys are hashed on every lookup of the
-    placement hot path, and a tuple's hash is computed in C."""
-
-    cloud: str
-    region: str
-    zone: str
-    instance_type: str
-    market: Market
-
-    def __str__(self) -> str:
-        return f"{self.cloud}/{self.zone}/{self.instance_type}/{self.market.value}"
-
-    def to_json(self) -> dict[str, str]:
-        return {
-            "cloud": self.cloud,
-            "region": self.region,
-            "zone": self.zone,
-            "instance_type": self.instance_type,
-            "market": self.market.value,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> PoolKey:
-        return cls(d["cloud"], d["region"], d["zone"], d["instance_type"], Market(d["market"]))
 
 
 class Target(NamedTuple):
@@ -250,66 +206,6 @@ class Offer:
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 6)
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where a lease's GPUs are: one pool, `instances` instances of it. On paid-for
-    capacity, `targets` says which reservations or servers, as (id, instances)."""
-
-    pool: PoolKey
-    instances: int
-    gpu: str
-    gpus: int  # per instance
-    price_per_hour: float  # the whole placement
-    price_observed_at: datetime
-    targets: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def total_gpus(self) -> int:
-        return self.instances * self.gpus
-
-    @property
-    def price_per_gpu_hour(self) -> float:
-        return self.price_per_hour / self.total_gpus
-
-    @classmethod
-    def of(cls, offer: Offer, instances: int) -> Placement:
-        assert offer.price_per_hour is not None
-        return cls(
-            pool=offer.pool,
-            instances=instances,
-            gpu=offer.gpu,
-            gpus=offer.gpus,
-            price_per_hour=offer.price_per_hour * instances,
-            price_observed_at=offer.observed_at,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **self.pool.to_json(),
-            "instances": self.instances,
-            "gpu": self.gpu,
-            "gpus": self.gpus,
-            "total_gpus": self.total_gpus,
-            "price_per_hour": round(self.price_per_hour, 6),
-            "price_per_gpu_hour": round(self.price_per_gpu_hour, 6),
-            "price_observed_at": iso(self.price_observed_at),
-            **({"targets": [{"id": t, "instances": n} for t, n in self.targets]}
-               if self.targets else {}),
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Placement:
-        return cls(
-            pool=PoolKey.from_json(d),
-            instances=int(d["instances"]),
-            gpu=d["gpu"],
-            gpus=int(d["gpus"]),
-            price_per_hour=float(d["price_per_hour"]),
-            price_observed_at=parse_iso(d["price_observed_at"]),
-            targets=tuple((str(t["id"]), int(t["instances"])) for t in d.get("targets", ())),
-        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""A tiny scheduler on gpubroker's client (`broker.client`).
+"""A tiny scheduler on gpubroker's client (`gpubroker_client`).
 
 It places a few jobs, keeps their leases alive, "restarts" a job wherever the broker
 moves it after a failover, and releases every lease on the way out (Ctrl-C, SIGTERM,
@@ -23,16 +23,16 @@ import sys
 import uuid
 from typing import Any
 
-from broker.client import (
+from gpubroker_client import (
     DEFAULT_PREFIX,
     BrokerClient,
     BrokerError,
     InvalidRequest,
     Lease,
     LeaseEvent,
+    Placement,
     Rejected,
 )
-from broker.model import Placement
 
 JOBS: dict[str, dict[str, Any]] = {
     "pretrain": {"gpu": ["H100-80GB", "A100-80GB"], "gpus": 8, "market": "spot"},

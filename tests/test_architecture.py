@@ -18,6 +18,7 @@ a copy of the code with a violation put in, and must fail there.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -78,21 +79,46 @@ def test_import_contracts_are_kept() -> None:
     assert f"Contracts: {len(ids)} kept, 0 broken." in report, report
 
 
-def test_the_clients_contract_names_every_other_part_of_broker() -> None:
-    """`broker.client` may import only `broker.model`, `gpubroker_client.mqtturl` and
-    `gpubroker_client.files` of the project. import-linter has no "only" for a module's
-    imports, so the contract forbids the others by name; a package or module added to
-    broker/ must be added there too, or the client could import it unnoticed."""
-    allowed = {"broker.client", "broker.model", "broker.daemon"}
+def _requirement_names(requirements: list[str]) -> list[str]:
+    return [re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in requirements]
+
+
+def test_the_clients_contract_forbids_every_dependency_of_the_daemon_but_aiomqtt() -> None:
+    """`gpubroker_client` imports nothing of broker, adapters or policies and, of the
+    daemon's dependencies, aiomqtt alone: its own distribution (client/pyproject.toml)
+    depends on nothing else. import-linter has no "only" for a package's imports, so the
+    contract forbids the others by name; a dependency added to pyproject.toml must be
+    added there too, or the client could import it unnoticed."""
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        daemon_deps = tomllib.load(f)["project"]["dependencies"]
+    with (ROOT / "client" / "pyproject.toml").open("rb") as f:
+        client_deps = tomllib.load(f)["project"]["dependencies"]
+    assert _requirement_names(client_deps) == ["aiomqtt"]
+    # the same bounds in both distributions
+    assert client_deps == [d for d in daemon_deps if _requirement_names([d]) == ["aiomqtt"]]
+    import_names = {"pyyaml": "yaml"}
+    imported = {import_names.get(n, n.replace("-", "_")) for n in _requirement_names(daemon_deps)}
+    forbidden = set(_contract("client-light")["forbidden_modules"])
+    assert imported - {"aiomqtt"} - forbidden == set(), "add these to the client-light contract"
+    assert {"broker", "adapters", "policies"} <= forbidden
+
+
+def test_the_daemon_side_is_kept_from_every_module_of_the_client() -> None:
+    """Of `gpubroker_client`, the daemon's side imports only the modules it shares with
+    the client (model, files, mqtturl): never the client's `Lease` or `LeaseEnded`, which
+    share their names with `broker.model.Lease` and `broker.wire.payloads.LeaseEnded`.
+    A module added to either must be added to the contract."""
+    contract = _contract("daemon-not-client")
+    shared = {"__init__", "model", "files", "mqtturl"}
+    client = {f"gpubroker_client.{p.stem}"
+              for p in (ROOT / "client" / "gpubroker_client").glob("*.py")
+              if p.stem not in shared}
+    assert set(contract["forbidden_modules"]) == client
     parts = {f"broker.{p.stem}" for p in (ROOT / "broker").glob("*.py")
              if p.name != "__init__.py"}
     parts |= {f"broker.{p.parent.name}" for p in (ROOT / "broker").glob("*/__init__.py")}
-    daemon = {f"broker.daemon.{p.stem}" for p in (ROOT / "broker" / "daemon").glob("*.py")
-              if p.name != "__init__.py"}
-    forbidden = set(_contract("client-light")["forbidden_modules"])
-    assert parts - allowed - forbidden == set(), "add these to the client-light contract"
-    assert daemon - {"gpubroker_client.mqtturl", "gpubroker_client.files"} <= forbidden
-    assert {"adapters", "policies"} <= forbidden
+    users = {"broker.cli", "broker.client"}  # the command line, the one-release alias
+    assert set(contract["source_modules"]) == parts - users | {"adapters", "policies"}
 
 
 @pytest.fixture(scope="module")
@@ -121,10 +147,19 @@ def inject(tree_copy: Path) -> Iterator[Path]:
      "broker.model -> broker.state.store"),
     ("model-alone", "broker/model.py", "import policies.model",
      "broker.model -> policies.model"),
-    ("client-light", "broker/client.py", "from broker.daemon import config",
-     "broker.client -> broker.daemon.config"),
-    # indirectly: through the vocabulary the client does import
-    ("client-light", "broker/model.py", "import numpy", "broker.model -> numpy"),
+    ("client-light", "client/gpubroker_client/session.py", "from broker.daemon import config",
+     "gpubroker_client.session -> broker.daemon.config"),
+    ("client-light", "client/gpubroker_client/lease.py", "from broker.model import Lease",
+     "gpubroker_client.lease -> broker.model"),
+    ("client-light", "client/gpubroker_client/model.py", "import numpy",
+     "gpubroker_client.model -> numpy"),
+    ("daemon-not-client", "broker/leasing/book.py", "from gpubroker_client.lease import Lease",
+     "broker.leasing.book -> gpubroker_client.lease"),
+    # indirectly: through the package, which imports the whole client
+    ("daemon-not-client", "policies/evaluate.py", "import gpubroker_client",
+     "policies.evaluate -> gpubroker_client"),
+    ("layers", "client/gpubroker_client/files.py", "from broker.output import logs",
+     "gpubroker_client.files -> broker.output.logs"),
     ("layers", "adapters/sim.py", "from broker.daemon.assembly import Daemon",
      "adapters.sim -> broker.daemon.assembly"),
     ("layers", "policies/evaluate.py", "from broker.placement.optimizer import explain",

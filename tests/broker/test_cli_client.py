@@ -22,10 +22,10 @@ import yaml
 from daemon_helpers import RunningDaemon, StartDaemon, daemon_config
 from mqtt_helpers import Mosquitto, free_port
 
-from broker.client import BrokerClient
 from broker.daemon.assembly import Daemon
 from broker.daemon.config import HttpConfig
 from broker.model import LeaseState
+from gpubroker_client import BrokerClient
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "GPUBROKER_SCHEDULER": ""}

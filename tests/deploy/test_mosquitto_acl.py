@@ -55,10 +55,10 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from tls_helpers import Pki, make_pki
 
-from broker.client import BrokerClient
 from broker.daemon.assembly import Daemon
 from broker.daemon.config import StateConfig
 from broker.wire.messages import Topics
+from gpubroker_client import BrokerClient
 
 P = "gpubroker/v1"
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto"

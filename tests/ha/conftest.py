@@ -10,7 +10,7 @@ import pytest
 from ha.helpers import PREFIX, SCHEDULER, HaSite, Scheduler
 from mqtt_helpers import Mosquitto, MqttProbe
 
-from broker.client import BrokerClient
+from gpubroker_client import BrokerClient
 
 
 @pytest.fixture

@@ -52,7 +52,7 @@ import aiohttp
 import yaml
 from mqtt_helpers import Mosquitto, MqttProbe, free_port
 
-from broker.client import BrokerClient, BrokerError, PlacementTimeout, Rejected
+from gpubroker_client import BrokerClient, BrokerError, PlacementTimeout, Rejected
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
