@@ -24,12 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import logging
 import math
 import random
-import socket
-import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -44,13 +40,24 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from broker import __version__
 from broker.daemon.config import MqttConfig
-from broker.model import SCHEDULER_ID, iso, utcnow
+from broker.edges.incoming import command_of
+from broker.edges.mqtt import (
+    RECEIVE_MAXIMUM,
+    Acks,
+    Fenced,
+    Unpublishable,
+    describe,
+    drop,
+    make_client,
+    only,
+    settle,
+    stopping,
+)
+from broker.model import iso, utcnow
 from broker.output.ratelimit import Every
 from broker.state.store import Store
-from broker.wire.commands import OPS, Command
+from broker.wire.commands import Command
 from broker.wire.messages import OutboxRow, Topics, dumps
-from broker.wire.validation import MAX_PACKET
-from gpubroker_client import files
 
 log = structlog.get_logger("gpubroker.bus")
 
@@ -76,172 +83,6 @@ the subscribers' epoch rule cover)."""
 CONNECT_MIN = 0.2
 """The least time a connect is allowed for its TCP and TLS handshakes: with less
 leadership time left, the bus waits for the next renewal before it connects."""
-RECEIVE_MAXIMUM = 1024
-"""The MQTT 5 Receive Maximum the daemon announces: the most requests (QoS 1) the server
-sends it that it has not acknowledged yet. Requests are acknowledged once committed, so
-this bounds the daemon's whole backlog; the rest waits at the MQTT server, in the
-session, where a crash or a takeover does not lose it. 1024 is four batches at the
-default `placement.max_batch` (256): enough that a batch is always filling while the one
-before is placed and committed (a small window would starve the batching and cost a
-round trip every few requests), and far below the 20,000 messages aiomqtt's queue holds.
-It replaces mosquitto's `max_inflight_messages` (default 20) for this connection."""
-INCOMING_QOS0 = 20_000
-"""At most this many QoS 0 messages wait in the client's incoming queue (more are
-dropped, as QoS 0 allows). Under manual acknowledgement QoS 1 messages are never dropped
-there: the Receive Maximum bounds them instead (see `_IncomingQueue`)."""
-
-
-class _LateAck(logging.Filter):
-    """aiomqtt logs an error with a traceback when an acknowledgement (SUBACK, UNSUBACK,
-    PUBACK) arrives for a call that was already cancelled or timed out, which happens
-    whenever a task is cancelled mid-call (a standby elected while it subscribes, a
-    shutdown). Nothing is wrong then: the record becomes a debug line without the
-    traceback."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and record.msg.startswith("Unexpected message ID"):
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            record.exc_info = record.exc_text = None
-            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
-        return True
-
-
-logging.getLogger("mqtt").addFilter(_LateAck())
-
-
-class _IncomingQueue(asyncio.Queue[aiomqtt.Message]):
-    """aiomqtt's incoming queue for a client that acknowledges by hand: unbounded for
-    QoS 1 messages (the Receive Maximum bounds those), `maxsize` for QoS 0 ones (aiomqtt
-    drops a message the queue refuses). With one bound for both, a flood of QoS 0
-    messages could make it drop a QoS 1 request, which would then never be acknowledged
-    and would hold back the acknowledgement of every later request."""
-
-    def __init__(self, maxsize: int = 0) -> None:
-        super().__init__()
-        self._qos0_limit = maxsize if maxsize > 0 else INCOMING_QOS0
-        self._qos0 = 0
-
-    def put_nowait(self, item: aiomqtt.Message) -> None:
-        if item.qos == 0:
-            if self._qos0 >= self._qos0_limit:
-                raise asyncio.QueueFull
-            self._qos0 += 1
-        super().put_nowait(item)
-
-    def get_nowait(self) -> aiomqtt.Message:
-        item = super().get_nowait()  # asyncio.Queue.get() ends in get_nowait() too
-        if item.qos == 0:
-            self._qos0 -= 1
-        return item
-
-
-def make_client(cfg: MqttConfig, client_id: str, *, will: aiomqtt.Will | None = None,
-                session: bool = True, manual_ack: bool = False,
-                receive_maximum: int = RECEIVE_MAXIMUM) -> aiomqtt.Client:
-    """An MQTT client with the configured server, credentials and TLS. `session`: a
-    persistent session (requests sent while the daemon is away wait for it), unless
-    `mqtt.session_expiry_seconds` is 0: then none is kept, on either version.
-
-    `manual_ack` (MQTT 5 only): incoming QoS 1 messages are not acknowledged on receipt,
-    the caller acknowledges each (`_Acks`), and the client announces `receive_maximum`
-    so that the server holds back what goes beyond it. On MQTT 3.1.1 it is ignored and
-    messages are acknowledged on receipt: 3.1.1 has no Receive Maximum, so only the
-    server's own settings would bound the unacknowledged messages."""
-    password = None
-    if cfg.password_file is not None:
-        password = files.read_secret(cfg.password_file)  # a regular file, at most 64 KiB
-    tls = None
-    if cfg.tls:
-        tls = ssl.create_default_context(cafile=str(cfg.ca_file) if cfg.ca_file else None)
-    props = None
-    expiry = cfg.session_expiry_seconds if session else 0
-    clean = expiry == 0
-    kwargs: dict[str, Any] = {}
-    v5 = cfg.protocol == "5"
-    manual = manual_ack and v5
-    if v5:
-        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-        props.SessionExpiryInterval = expiry
-        props.MaximumPacketSize = MAX_PACKET
-        if manual:
-            props.ReceiveMaximum = receive_maximum
-            kwargs["queue_type"] = _IncomingQueue
-        kwargs["clean_start"] = clean
-    else:
-        kwargs["clean_session"] = clean
-    client = aiomqtt.Client(
-        cfg.host, cfg.port, identifier=client_id, username=cfg.username,
-        password=password, tls_context=tls,
-        protocol=aiomqtt.ProtocolVersion.V5 if v5 else aiomqtt.ProtocolVersion.V311,
-        will=will, keepalive=30, timeout=10, properties=props, max_inflight_messages=256,
-        max_queued_incoming_messages=20_000,
-        # Small MQTT packets must not wait for Nagle's algorithm and delayed ACKs
-        # (about 40 ms each way otherwise).
-        socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], **kwargs)
-    if manual:
-        # aiomqtt 2.5 has no switch for it; its paho client has.
-        client._client.manual_ack_set(True)
-    return client
-
-
-class _Receipt:
-    __slots__ = ("done", "mid")
-
-    def __init__(self, mid: int) -> None:
-        self.mid = mid
-        self.done = False
-
-
-class _Acks:
-    """The PUBACKs of one connection under manual acknowledgement. Each QoS 1 message
-    gets a receipt when it is taken from the client; its `done` marks it, and every done
-    receipt at the head of the line is acknowledged, so PUBACKs go out in the order the
-    PUBLISH packets came, as MQTT 5 §4.6 requires: an acknowledgement waits for every
-    earlier message of the connection. Once the connection is gone (`close`) nothing is
-    acknowledged any more: the server delivers those messages again on the session's
-    next connection, and the broker answers a repeated request from its lease book."""
-
-    def __init__(self, client: aiomqtt.Client) -> None:
-        self._paho = client._client
-        self._line: deque[_Receipt] = deque()
-        self._open = True
-
-    @property
-    def waiting(self) -> int:
-        """Messages taken and not acknowledged yet."""
-        return len(self._line)
-
-    def take(self, message: aiomqtt.Message) -> Callable[[], None] | None:
-        """The `done` of one message; None for QoS 0 (no PUBACK). QoS 2 does not come:
-        the subscription is QoS 1."""
-        if message.qos != 1:
-            return None
-        receipt = _Receipt(message.mid)
-        self._line.append(receipt)
-        return functools.partial(self._done, receipt)
-
-    def _done(self, receipt: _Receipt) -> None:
-        receipt.done = True
-        line = self._line
-        while self._open and line and line[0].done:
-            # On a connection lost meanwhile paho sends nothing (it returns an error
-            # code): the message comes again on the next connection.
-            self._paho.ack(line.popleft().mid, 1)
-
-    def close(self) -> None:
-        self._open = False
-        self._line.clear()
-
-
-class Fenced(aiomqtt.MqttError):
-    """This node no longer leads its site: it must not publish (broker.state.leadership)."""
-
-
-class Unpublishable(Exception):
-    """A message no MQTT server would take (a bad topic, a payload over the limit): an
-    error of the message, not of the session."""
-
-
 class Bus:
     # Many arguments: the daemon's wiring, keyword-only; regrouped in the package redesign (#28).
     def __init__(self, cfg: MqttConfig, topics: Topics, store: Store, *, client_id: str,  # noqa: PLR0913
@@ -288,7 +129,7 @@ class Bus:
         self.last_ack = time.monotonic()
         self.v5 = cfg.protocol == "5"
         self._dropped = Every(30.0)  # one warning per 30 s about invalid scheduler ids
-        self._acks: _Acks | None = None  # this connection's PUBACKs (MQTT 5)
+        self._acks: Acks | None = None  # this connection's PUBACKs (MQTT 5)
         self.received = 0
         """Request messages taken from the MQTT server so far, over every connection."""
 
@@ -391,7 +232,7 @@ class Bus:
                 try:
                     await self._connection()
                 except Exception as exc:  # any session failure means: reconnect
-                    if _stopping():
+                    if stopping():
                         raise asyncio.CancelledError from exc
                     self._client = None
                     was = self.connected.is_set()
@@ -412,12 +253,12 @@ class Bus:
             await self._flush_acks()
 
     def _log_failure(self, exc: Exception, *, was: bool, first: bool) -> None:
-        if _only(exc, (Fenced,)):
+        if only(exc, (Fenced,)):
             if first:
-                log.info("mqtt closed: this node does not lead the site", error=_describe(exc))
+                log.info("mqtt closed: this node does not lead the site", error=describe(exc))
             return
-        expected = _only(exc, (aiomqtt.MqttError, OSError))
-        detail = _describe(exc)
+        expected = only(exc, (aiomqtt.MqttError, OSError))
+        detail = describe(exc)
         if not expected:
             # Not a network or protocol failure: a bug. Reconnecting keeps the daemon
             # serving; the traceback says where to look.
@@ -444,7 +285,7 @@ class Bus:
                 raise Fenced("connected to the MQTT server after the leadership lapsed")
             leading = True
             self._client = client
-            if _stopping():
+            if stopping():
                 # Cancelled while connecting, and aiomqtt's `asyncio.wait_for` swallowed
                 # it (CPython gh-86296): the session would run on, and the stop wait
                 # for it for good.
@@ -472,11 +313,11 @@ class Bus:
         retained `offline` (an error, not an orderly stop) — drop the socket without a
         DISCONNECT so the server sends the will. Never raises; bounded in time."""
         if not clean:
-            _drop(client)
+            drop(client)
         with contextlib.suppress(Exception, TimeoutError):
             async with asyncio.timeout(2.0):
                 await client.__aexit__(None, None, None)
-        _settle(client)
+        settle(client)
 
     async def _session(self, client: aiomqtt.Client) -> None:
         options = None
@@ -500,7 +341,7 @@ class Bus:
         self.connected.set()
         log.info("mqtt connected", url=self.cfg.url, outbox=len(self._pending),
                  protocol=self.cfg.protocol)
-        acks = self._acks = _Acks(client) if self.v5 else None
+        acks = self._acks = Acks(client) if self.v5 else None
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._send(client))
@@ -633,7 +474,7 @@ class Bus:
             batch, self._acked = self._acked[:ACK_BATCH], self._acked[ACK_BATCH:]
             await self.store.ack(batch)
 
-    async def _receive(self, client: aiomqtt.Client, acks: _Acks | None = None) -> None:
+    async def _receive(self, client: aiomqtt.Client, acks: Acks | None = None) -> None:
         """Turn each request message into a `Command` for the broker. With `acks` (MQTT
         5) a message is acknowledged when its command is done; one dropped here, without
         a command, is done at once, or it would hold back every later acknowledgement."""
@@ -642,52 +483,13 @@ class Bus:
                 continue  # shutting down: not acknowledged, so the next boot gets it
             self.received += 1
             done = acks.take(message) if acks is not None else None
-            command = self._command(message, done)
+            command = command_of(message, self.topics, v5=self.v5, dropped=self._dropped,
+                                 done=done)
             if command is None:
                 if done is not None:
                     done()
                 continue
             await self._on_command(command)
-
-    def _command(self, message: aiomqtt.Message,
-                 done: Callable[[], None] | None) -> Command | None:
-        """The command a request message carries; None for one dropped unanswered."""
-        topic = str(message.topic)
-        if message.retain and not self.v5:
-            # MQTT 3.1.1 marks only the replay on subscribe (a persistent session's
-            # subscription is not re-made, so that is rare); ignore it.
-            log.info("ignored retained request", topic=topic)
-            return None
-        parsed = self.topics.parse_request(topic)
-        if parsed is None:
-            return None
-        scheduler, verb = parsed
-        if not SCHEDULER_ID.match(scheduler) or scheduler == OPS:
-            if dropped := self._dropped.hit():
-                log.warning("request from an invalid or reserved scheduler id dropped",
-                            topic=topic, dropped=dropped)
-            return None
-        payload = message.payload
-        if not isinstance(payload, bytes | bytearray):
-            payload = str(payload or "").encode()
-        reply = None
-        response_topic = getattr(message.properties, "ResponseTopic", None)
-        if response_topic:
-            # The reply is published with the daemon's rights, so it may only go where
-            # the scheduler itself could read: P/replies/S/... Anything else would let
-            # one scheduler write into another's events or leases.
-            if self.topics.may_reply(scheduler, str(response_topic)):
-                correlation = getattr(message.properties, "CorrelationData", b"")
-                reply = {"response_topic": str(response_topic),
-                         "correlation_data": bytes(correlation).hex()}
-            else:
-                log.warning("ResponseTopic outside the scheduler's replies tree ignored",
-                            scheduler=scheduler, response_topic=str(response_topic),
-                            allowed=self.topics.replies(scheduler) + "/#")
-        # On MQTT 5 a retained request keeps its flag (Retain-As-Published): the broker
-        # answers it request.invalid and does not act on it.
-        return Command(scheduler, verb, bytes(payload), topic, reply,
-                       retained=bool(message.retain), done=done)
 
     # --- direct (non-durable) publishing ----------------------------------------------
 
@@ -726,54 +528,3 @@ class Bus:
             await self._publish(client, self.topics.status, self._status("offline"),
                                 retain=True, timeout=timeout)
             self._farewell = True
-
-
-def _stopping() -> bool:
-    """Whether the current task was asked to stop (a cancellation is pending or being
-    handled): then a session error raised on the way out must not start a reconnect."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
-def _only(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
-    """Whether `exc`, or every leaf of it when it is an exception group (nested to any
-    depth), is one of `kinds`."""
-    if isinstance(exc, BaseExceptionGroup):
-        return all(_only(e, kinds) for e in exc.exceptions)
-    return isinstance(exc, kinds)
-
-
-def _describe(exc: BaseException) -> str:
-    """One line for the log: the first leaf of an exception group, and how many more."""
-    leaves: list[BaseException] = []
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if isinstance(e, BaseExceptionGroup):
-            todo.extend(reversed(e.exceptions))
-        else:
-            leaves.append(e)
-    if not leaves:
-        return type(exc).__name__
-    first = f"{type(leaves[0]).__name__}: {leaves[0]}"
-    return first if len(leaves) == 1 else f"{first} (and {len(leaves) - 1} more)"
-
-
-def _drop(client: aiomqtt.Client) -> None:
-    """Cut the connection without an MQTT DISCONNECT: the server then publishes the
-    will (`offline`), as it would after a crash. aiomqtt has no public way to leave
-    without a DISCONNECT, hence the reach into its paho client."""
-    paho = getattr(client, "_client", None)
-    sock = paho.socket() if paho is not None else None
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-
-
-def _settle(client: aiomqtt.Client) -> None:
-    """Mark an unexpected-disconnection error as seen. aiomqtt stores it in a future
-    that nobody awaits when the session already ended for another reason, and asyncio
-    would log "Future exception was never retrieved" for it."""
-    fut = getattr(client, "_disconnected", None)
-    if isinstance(fut, asyncio.Future) and fut.done() and not fut.cancelled():
-        fut.exception()

@@ -24,7 +24,8 @@ from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, payload_json
 
 from broker.daemon.assembly.process import quiet_closed_socket_callbacks
 from broker.daemon.config import MqttConfig
-from broker.edges.bus import CONNECT_MARGIN, CONNECT_MIN, Bus, _describe, _only, make_client
+from broker.edges.bus import CONNECT_MARGIN, CONNECT_MIN, Bus
+from broker.edges.mqtt import describe, make_client, only
 from broker.state.store import StateStore
 from broker.wire.messages import OutboxRow, Topics
 
@@ -45,11 +46,11 @@ def answered(msg: aiomqtt.Message) -> bool:
 def test_exception_groups_of_any_depth_count_as_session_failures() -> None:
     lost = aiomqtt.MqttCodeError(4, "The client is not currently connected")
     nested = ExceptionGroup("tg", [ExceptionGroup("send", [lost, lost]), OSError("reset")])
-    assert _only(nested, (aiomqtt.MqttError, OSError))
-    assert not _only(ExceptionGroup("tg", [lost, ValueError("bug")]),
+    assert only(nested, (aiomqtt.MqttError, OSError))
+    assert not only(ExceptionGroup("tg", [lost, ValueError("bug")]),
                      (aiomqtt.MqttError, OSError))
-    assert _describe(nested) == f"MqttCodeError: {lost} (and 2 more)"
-    assert _describe(OSError("reset")) == "OSError: reset"
+    assert describe(nested) == f"MqttCodeError: {lost} (and 2 more)"
+    assert describe(OSError("reset")) == "OSError: reset"
 
 
 async def test_the_daemon_rides_out_server_kills_under_load(

@@ -15,7 +15,7 @@ import structlog
 
 from adapters.base import CloudAdapter
 from broker.daemon.config import Config
-from broker.edges.bus import make_client
+from broker.edges.mqtt import make_client
 from broker.edges.sdnotify import Notifier, watchdog_seconds
 from broker.leasing.book import LeaseBook
 from broker.market.changes import SliceId
