@@ -132,7 +132,7 @@ def test_the_unit_runs_the_daemon_as_the_install_guide_says() -> None:
     assert one("RestrictAddressFamilies") == "AF_UNIX AF_INET AF_INET6"
     # Open files: above systemd's default soft limit (1024), and above what the daemon
     # keeps for its HTTP connections at most (broker/edges/http.py) with its own reserve.
-    from broker.edges import http
+    from broker.edges import listener as http
     nofile = int(one("LimitNOFILE"))
     assert nofile > 1024
     assert nofile >= http.MAX_DEFAULT_CONNECTIONS + http.RESERVED_FDS + http.BACKLOG
