@@ -28,9 +28,9 @@ from pathlib import Path
 
 from broker.cli.demo_mqtt import host_port
 from broker.cli.demo_play import EXIT_INTERRUPTED, EXIT_USAGE, Demo, Options
-from broker.client import parse_mqtt_url
 from broker.daemon.config import MqttConfig
 from broker.output import logs
+from gpubroker_client import parse_mqtt_url
 
 
 def parse_options(*, duration: str | float | None, mqtt_url: str | None,

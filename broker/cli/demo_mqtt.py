@@ -13,7 +13,7 @@ from typing import Any
 
 import aiomqtt
 
-from broker.client import parse_mqtt_url
+from gpubroker_client import parse_mqtt_url
 
 SWEEP_TIMEOUT = 3.0
 

@@ -21,19 +21,6 @@ from typing import Any, Literal, TypeVar, cast
 
 from broker.cli.demo_mqtt import DemoError, free_port, host_port, mqtt_server, one_line, sweep
 from broker.cli.demo_report import LEGEND, MqttLines, Tally, plural, short_id, summary, where
-from broker.client import (
-    BrokerClient,
-    BrokerError,
-    BrokerUnavailable,
-    InvalidRequest,
-    Lease,
-    LeaseEnded,
-    LeaseEvent,
-    PlacementTimeout,
-    Rejected,
-    RequestTimeout,
-    parse_mqtt_url,
-)
 from broker.daemon.assembly import Daemon
 from broker.daemon.config import (
     CloudsConfig,
@@ -47,6 +34,19 @@ from broker.daemon.config import (
 from broker.model import LeaseState, Market, Placement, utcnow
 from broker.state.store import StoreFailed
 from broker.wire.commands import Command
+from gpubroker_client import (
+    BrokerClient,
+    BrokerError,
+    BrokerUnavailable,
+    InvalidRequest,
+    Lease,
+    LeaseEnded,
+    LeaseEvent,
+    PlacementTimeout,
+    Rejected,
+    RequestTimeout,
+    parse_mqtt_url,
+)
 
 T = TypeVar("T")
 
