@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -118,28 +118,76 @@ def _progress(err: TextIO) -> Any:
     return show
 
 
-# Complex: split in the package redesign (#28).
-def run(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912, PLR0915
+def run(args: argparse.Namespace) -> int:
+    """`gpubroker backtest`: every problem with the options at once (exit 2), then each
+    seed's run, then the report."""
     from broker.backtest import compare as cmp
     from broker.backtest.engine import Settings
-    from broker.backtest.market import (
-        MarketError,
-        MarketTrace,
-        load_market,
-        parse_sim_spec,
-        save_market,
-    )
-    from broker.backtest.workload import WorkloadError, load_or_generate, save_workload
     from policies.loader import load_policy
 
     err = sys.stderr
     names = [n.strip() for n in args.strategy.split(",") if n.strip()]
+    private, problems = _problems(args, names)
+    if problems:
+        for p in problems:
+            _say(err, f"{p}")
+        return EXIT_USAGE
+
+    settings = Settings(step_seconds=args.step_minutes * 60.0,
+                        max_wait_hours=args.max_wait_hours,
+                        default_interruption_rate=args.default_interruption_rate,
+                        startup_minutes=args.startup_minutes,
+                        checkpoint_minutes=args.checkpoint_minutes)
+    if args.policy is not None:
+        policy = load_policy(args.policy)  # SourceError: gpubroker main prints it, exit 2
+        policy_name = str(args.policy)
+    else:
+        policy, policy_name = cmp.embedded_policy(args.restart_hours)
+    settings = replace(settings, restart_hours=policy.scoring.restart_hours)
+    show = _progress(err)
+    replay = _Replay(args, names, policy, policy_name, settings, private, show, err)
+    runs: list[cmp.Comparison] = []
+    # While the backtest computes, native code (HiGHS) writing to fd 1 must not get
+    # into the report: fd 1 points at stderr until the report is written.
+    with stdout_to_stderr():
+        for i in range(args.seeds):
+            outcome = replay.seed(i)
+            if isinstance(outcome, int):
+                return outcome
+            runs.append(outcome)
+    return _report(args, cmp.Seeds(tuple(runs)), show, err)
+
+
+def _problems(args: argparse.Namespace, names: list[str]
+              ) -> tuple[PrivateSite | None, list[str]]:
+    """The private pool the options ask for, and every problem with the options, in the
+    order of the help."""
+    from broker.backtest import compare as cmp
+
     problems = [f"--strategy: unknown strategy {n!r}; expected {', '.join(STRATEGIES)}"
                 for n in names if n not in STRATEGIES]
     if not names:
         problems.append("--strategy: name at least one strategy")
     if len(set(names)) != len(names):
         problems.append("--strategy: a strategy is named twice")
+    problems += _range_problems(args)
+    if args.chart is not None:
+        try:
+            cmp.check_chart()
+        except cmp.ChartUnavailable as exc:
+            problems.append(f"--chart: {exc}")
+    for flag, path in (("--json-out", args.json_out), ("--chart", args.chart),
+                       ("--save-market", args.save_market),
+                       ("--save-workload", args.save_workload)):
+        if path is not None and (problem := output_problem(flag, path)):
+            problems.append(problem)
+    private, bad = private_site(args)
+    return private, problems + bad
+
+
+def _range_problems(args: argparse.Namespace) -> list[str]:
+    """The numbers out of their range, and --seeds > 1 without scipy."""
+    problems: list[str] = []
     hours, minutes = MAX_SPAN_DAYS * 24.0, MAX_SPAN_DAYS * 1440.0
     for flag, value, low, high in (
             ("--restart-hours", 0.0 if args.restart_hours is None else args.restart_hours,
@@ -169,97 +217,96 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912, PLR0915
         except ModuleNotFoundError:
             problems.append("--seeds: the confidence intervals need scipy: pip install "
                             "'gpubroker[report]'")
-    if args.chart is not None:
-        try:
-            cmp.check_chart()
-        except cmp.ChartUnavailable as exc:
-            problems.append(f"--chart: {exc}")
-    for flag, path in (("--json-out", args.json_out), ("--chart", args.chart),
-                       ("--save-market", args.save_market),
-                       ("--save-workload", args.save_workload)):
-        if path is not None and (problem := output_problem(flag, path)):
-            problems.append(problem)
-    private, bad = private_site(args)
-    problems += bad
-    if problems:
-        for p in problems:
-            _say(err, f"{p}")
-        return EXIT_USAGE
+    return problems
 
-    settings = Settings(step_seconds=args.step_minutes * 60.0,
-                        max_wait_hours=args.max_wait_hours,
-                        default_interruption_rate=args.default_interruption_rate,
-                        startup_minutes=args.startup_minutes,
-                        checkpoint_minutes=args.checkpoint_minutes)
-    if args.policy is not None:
-        policy = load_policy(args.policy)  # SourceError: gpubroker main prints it, exit 2
-        policy_name = str(args.policy)
-    else:
-        policy, policy_name = cmp.embedded_policy(args.restart_hours)
-    settings = replace(settings, restart_hours=policy.scoring.restart_hours)
-    show = _progress(err)
-    markets: dict[Any, MarketTrace] = {}
-    runs: list[cmp.Comparison] = []
-    # While the backtest computes, native code (HiGHS) writing to fd 1 must not get
-    # into the report: fd 1 points at stderr until the report is written.
-    with stdout_to_stderr():
-        for i in range(args.seeds):
-            # run i: each seed not given explicitly is --seed + i
-            seeds = {n: args.seed + i if getattr(args, f"{n}_seed") is None
-                     else getattr(args, f"{n}_seed") for n in ("market", "workload", "draw")}
-            progress = show if show is None or args.seeds == 1 else \
-                (lambda text, i=i: show(f"seed {i + 1}/{args.seeds}: {text}"))
-            try:
-                spec = parse_sim_spec(args.market, default_seed=seeds["market"])
-                same = str(spec) if spec is not None else \
-                    None if args.keep_zone_labels else seeds["market"]
-                market = markets.get(same)
-                if market is None:
-                    market = markets[same] = load_market(
-                        args.market, seed=seeds["market"], step_seconds=settings.step_seconds,
-                        progress=progress, keep_zone_labels=args.keep_zone_labels)
-                if args.save_market is not None and i == 0:
-                    n = save_market(market, args.save_market)
-                    _clear(progress, err)
-                    _say(err, f"wrote {n} market rows to {args.save_market}")
-                workload = load_or_generate(args.workload, seed=seeds["workload"], market=market)
-                if private is not None and i == 0 and not any(
-                        private.gpu in a.request.gpu for a in workload.arrivals):
-                    _clear(progress, err)
-                    _say(err, f"note: no request of the workload asks for "
-                          f"{private.gpu}: the private pool stays idle")
-                run_settings = replace(settings, seed=seeds["draw"], market_seed=market.seed,
-                                       workload_seed=workload.seed)
-            except MarketError as exc:
+
+@dataclass
+class _Replay:
+    """The runs of one backtest, a seed at a time; a market already loaded for the same
+    seed (or file) is replayed again, not loaded again."""
+
+    args: argparse.Namespace
+    names: list[str]
+    policy: Any
+    policy_name: str
+    settings: Any
+    private: PrivateSite | None
+    show: Any
+    err: TextIO
+    markets: dict[Any, Any] = field(default_factory=dict)
+
+    def seed(self, i: int) -> Any:
+        """Run `i`'s comparison (broker.backtest.compare.Comparison), or the exit code
+        of what stopped it (an int)."""
+        from broker.backtest import compare as cmp
+        from broker.backtest.market import MarketError, load_market, parse_sim_spec, save_market
+        from broker.backtest.workload import WorkloadError, load_or_generate, save_workload
+
+        args, err, show, settings, private = (self.args, self.err, self.show, self.settings,
+                                              self.private)
+        markets, names, policy, policy_name = (self.markets, self.names, self.policy,
+                                               self.policy_name)
+        # run i: each seed not given explicitly is --seed + i
+        seeds = {n: args.seed + i if getattr(args, f"{n}_seed") is None
+                 else getattr(args, f"{n}_seed") for n in ("market", "workload", "draw")}
+        progress = show if show is None or args.seeds == 1 else \
+            (lambda text, i=i: show(f"seed {i + 1}/{args.seeds}: {text}"))
+        try:
+            spec = parse_sim_spec(args.market, default_seed=seeds["market"])
+            same = str(spec) if spec is not None else \
+                None if args.keep_zone_labels else seeds["market"]
+            market = markets.get(same)
+            if market is None:
+                market = markets[same] = load_market(
+                    args.market, seed=seeds["market"], step_seconds=settings.step_seconds,
+                    progress=progress, keep_zone_labels=args.keep_zone_labels)
+            if args.save_market is not None and i == 0:
+                n = save_market(market, args.save_market)
                 _clear(progress, err)
-                _say(err, f"{exc}")
-                return EXIT_USAGE
-            except WorkloadError as exc:
+                _say(err, f"wrote {n} market rows to {args.save_market}")
+            workload = load_or_generate(args.workload, seed=seeds["workload"], market=market)
+            if private is not None and i == 0 and not any(
+                    private.gpu in a.request.gpu for a in workload.arrivals):
                 _clear(progress, err)
-                for p in exc.problems:
-                    _say(err, f"{p}")
-                return EXIT_USAGE
-            except OSError as exc:  # writing --save-market (the checks above make it rare)
-                _clear(progress, err)
-                _say(err, f"--save-market: {error_line(exc)}")
-                return EXIT_RUNTIME
-            try:
-                if args.save_workload is not None and i == 0:
-                    save_workload(workload, args.save_workload, market=market)
-                    _say(err, f"wrote {len(workload.arrivals)} requests to "
-                          f"{args.save_workload}")
-                runs.append(cmp.compare(market, workload, names, policy, run_settings,
-                                        policy_name=policy_name, progress=progress,
-                                        private=private))
-            except MarketError as exc:  # the trace has the private pool's key already
-                _clear(progress, err)
-                _say(err, f"--private-gpus: {exc}")
-                return EXIT_USAGE
-            except OSError as exc:  # --save-workload could not be written after all
-                _clear(progress, err)
-                _say(err, f"{error_line(exc)}")
-                return EXIT_RUNTIME
-    result = cmp.Seeds(tuple(runs))
+                _say(err, f"note: no request of the workload asks for "
+                      f"{private.gpu}: the private pool stays idle")
+            run_settings = replace(settings, seed=seeds["draw"], market_seed=market.seed,
+                                   workload_seed=workload.seed)
+        except MarketError as exc:
+            _clear(progress, err)
+            _say(err, f"{exc}")
+            return EXIT_USAGE
+        except WorkloadError as exc:
+            _clear(progress, err)
+            for p in exc.problems:
+                _say(err, f"{p}")
+            return EXIT_USAGE
+        except OSError as exc:  # writing --save-market (the checks above make it rare)
+            _clear(progress, err)
+            _say(err, f"--save-market: {error_line(exc)}")
+            return EXIT_RUNTIME
+        try:
+            if args.save_workload is not None and i == 0:
+                save_workload(workload, args.save_workload, market=market)
+                _say(err, f"wrote {len(workload.arrivals)} requests to "
+                      f"{args.save_workload}")
+            return cmp.compare(market, workload, names, policy, run_settings,
+                               policy_name=policy_name, progress=progress,
+                               private=private)
+        except MarketError as exc:  # the trace has the private pool's key already
+            _clear(progress, err)
+            _say(err, f"--private-gpus: {exc}")
+            return EXIT_USAGE
+        except OSError as exc:  # --save-workload could not be written after all
+            _clear(progress, err)
+            _say(err, f"{error_line(exc)}")
+            return EXIT_RUNTIME
+
+
+def _report(args: argparse.Namespace, result: Any, show: Any, err: TextIO) -> int:
+    """The report on stdout (table or JSON), --json-out and --chart; the speed on stderr."""
+    from broker.backtest import compare as cmp
+
     try:
         _clear(show, err)
         report = result.dumps()

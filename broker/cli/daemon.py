@@ -9,9 +9,13 @@ import json
 import logging
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker.cli.common import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, config_at, error_line, usage
+
+if TYPE_CHECKING:
+    from broker.daemon.config import Config
+    from broker.state.sitestatus import SiteStatus
 
 
 def run_daemon(args: argparse.Namespace) -> int:
@@ -63,15 +67,12 @@ def run_daemon(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# Complex: split in the package redesign (#28).
-def show_status(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912
+def show_status(args: argparse.Namespace) -> int:
     """`gpubroker status`: the site's leadership and nodes as its PostgreSQL database has
     them (broker.state.leadership). A SQLite state is a single daemon: said so, exit 0.
     A database that
     cannot be reached or read: one line, exit 1; another site's database, an unreadable
     password file or no psycopg: exit 2, as the daemon would."""
-    from datetime import UTC
-
     from broker.model import iso
 
     cfg = config_at(args.config)
@@ -88,8 +89,8 @@ def show_status(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912
                   "daemon, no high availability (set state.url to run several)")
         return EXIT_OK
 
-    from broker.state.leadership import site_status
     from broker.state.pgstore import PgStateStore
+    from broker.state.sitestatus import site_status
     from broker.state.store import db_errors
 
     store = PgStateStore(cfg.state.url, site=cfg.site, password_file=cfg.state.password_file,
@@ -142,7 +143,15 @@ def show_status(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912
         print(json.dumps(out, indent=2))
         return EXIT_OK
 
-    print(f"site {cfg.site} on {store.name} (leadership_seconds "
+    _print_site(cfg, store.name, site, valid=valid)
+    return EXIT_OK
+
+
+def _print_site(cfg: Config, database: str, site: SiteStatus, *, valid: bool) -> None:
+    """The site's leadership and nodes, for people."""
+    from datetime import UTC
+
+    print(f"site {cfg.site} on {database} (leadership_seconds "
           f"{cfg.state.leadership_seconds:g})")
     if site.leader is None:
         print("leader: none yet: no node has led this site")
@@ -168,7 +177,6 @@ def show_status(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912
         print(f"node {n.node}: not seen for {_ago(n.seen_seconds_ago)}: stopped, or cut off "
               "from the database")
     print(f"{len(site.nodes)} node{'s' if len(site.nodes) != 1 else ''}")
-    return EXIT_OK
 
 
 def _ago(seconds: float) -> str:

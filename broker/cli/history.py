@@ -5,75 +5,49 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from broker.cli.common import EXIT_OK, EXIT_RUNTIME, config_at, error_line, output_problem, usage
 from broker.output.stdio import printable
 
-
-# Complex, many returns: split in the package redesign (#28).
-def export_history(args: argparse.Namespace) -> int:  # noqa: C901, PLR0911, PLR0912, PLR0915
-    """`gpubroker history`: the state file's market history as a trace (broker.market.traces),
-    streamed in time order; a one-line summary on stderr at the end."""
-    import gzip
-    from collections.abc import Callable, Generator, Iterator
+if TYPE_CHECKING:
+    from collections.abc import Callable
     from datetime import datetime
 
     from broker.market.recorder import HistoryReader
-    from broker.market.traces import (
-        TraceError,
-        TraceRow,
-        format_t,
-        parse_when,
-        trace_format,
-        write_csv,
-        write_jsonl,
-    )
-    from broker.model import CLOUDS, GPU_MODELS, Market, PoolKey, utcnow
-    from broker.state.configured import store_for
-    from broker.state.store import Db, db_errors
-    from broker.wire.validation import unknown_gpu, unknown_name
+    from broker.state.store import Db
 
-    now = utcnow()
-    when: dict[str, datetime | None] = {}
-    for option, text in (("--since", args.since), ("--until", args.until)):
-        try:
-            when[option] = parse_when(text, now) if text else None
-        except ValueError as err:
-            return usage(f"{option}: {err}")
-    since, until = when["--since"], when["--until"]
-    if since is not None and until is not None and until <= since:
-        return usage("--until must be later than --since")
-    source: Path | Callable[[], Db]
-    if args.state is None and (cfg := config_at(args.config)).state.url:
-        store = store_for(cfg.state, cfg.site)
-        source, name = store.reader, store.name
-    else:
-        path: Path = args.state or config_at(args.config).state.path
-        if not path.is_file():
-            return usage(f"no state file at {path}" + (" (a directory)" if path.is_dir()
-                                                      else ""))
-        source, name = path, str(path)
+
+def export_history(args: argparse.Namespace) -> int:
+    """`gpubroker history`: the state file's market history as a trace (broker.market.traces),
+    streamed in time order; a one-line summary on stderr at the end."""
+    import gzip
+    from collections.abc import Generator, Iterator
+
+    from broker.market.recorder import HistoryReader
+    from broker.market.traces import TraceRow, write_csv, write_jsonl
+    from broker.model import Market, PoolKey, utcnow
+    from broker.state.store import db_errors
+
+    window = _window(args, utcnow())
+    if isinstance(window, str):
+        return usage(window)
+    since, until = window
+    found = _source(args)
+    if isinstance(found, str):
+        return usage(found)
+    source, name = found
     if args.output is not None and (problem := output_problem("--output", args.output)):
         return usage(problem)
-    fmt = args.format
-    if fmt is None:
-        try:
-            fmt = trace_format(args.output)[0] if args.output else "jsonl"
-        except TraceError:
-            fmt = "jsonl"
+    fmt = _format(args)
     try:
         reader = HistoryReader(source)
     except db_errors() as err:
         what = "state file" if isinstance(source, Path) else "database"
         return usage(f"{name}: cannot read the {what}: {str(err).strip()}")
     with reader:
-        gpus, clouds = set(GPU_MODELS) | reader.names("gpu"), set(CLOUDS) | reader.names("cloud")
-        for name in args.gpu or ():
-            if name not in gpus:
-                return usage(f"--gpu: {unknown_gpu(name, gpus)}")
-        for name in args.cloud or ():
-            if name not in clouds:
-                return usage(f"--cloud: {unknown_name('cloud', name, clouds)}")
+        if problem := _unknown_names(args, reader):
+            return usage(problem)
         pruned = reader.pruned_before()
         pools: set[PoolKey] = set()
         span: list[datetime] = []  # the first and the last row's time
@@ -114,12 +88,82 @@ def export_history(args: argparse.Namespace) -> int:  # noqa: C901, PLR0911, PLR
             return EXIT_RUNTIME
         finally:
             rows.close()
-    summary = f"exported {n} changes of {len(pools)} pools"
+    summary = _summary(n, len(pools), span, present=reader.present, name=name,
+                       pruned=pruned, since=since)
+    print(printable(summary), file=sys.stderr)
+    return EXIT_OK
+
+
+def _summary(n: int, pools: int, span: list[datetime], *, present: bool, name: str,
+             pruned: datetime | None, since: datetime | None) -> str:
+    """The line on stderr at the end: what was exported, and why it may be less than
+    asked for."""
+    from broker.market.traces import format_t
+
+    summary = f"exported {n} changes of {pools} pools"
     if span:
         summary += f" from {format_t(span[0])} to {format_t(span[-1])}"
-    if not reader.present:
+    if not present:
         summary += f" ({name} holds no market history)"
     elif pruned is not None and since is not None and since < pruned:
         summary += f" (history before {format_t(pruned)} is pruned: it starts there)"
-    print(printable(summary), file=sys.stderr)
-    return EXIT_OK
+    return summary
+
+
+def _window(args: argparse.Namespace, now: datetime) -> tuple[datetime | None,
+                                                               datetime | None] | str:
+    """--since and --until as times (None: not given), or what is wrong with them."""
+    from broker.market.traces import parse_when
+
+    when: dict[str, datetime | None] = {}
+    for option, text in (("--since", args.since), ("--until", args.until)):
+        try:
+            when[option] = parse_when(text, now) if text else None
+        except ValueError as err:
+            return f"{option}: {err}"
+    since, until = when["--since"], when["--until"]
+    if since is not None and until is not None and until <= since:
+        return "--until must be later than --since"
+    return since, until
+
+
+def _source(args: argparse.Namespace) -> tuple[Path | Callable[[], Db], str] | str:
+    """Where the history is read (the state file, or the database of state.url) and its
+    name in messages; or why there is none."""
+    from broker.state.configured import store_for
+
+    if args.state is None and (cfg := config_at(args.config)).state.url:
+        store = store_for(cfg.state, cfg.site)
+        return store.reader, store.name
+    path: Path = args.state or config_at(args.config).state.path
+    if not path.is_file():
+        return f"no state file at {path}" + (" (a directory)" if path.is_dir() else "")
+    return path, str(path)
+
+
+def _format(args: argparse.Namespace) -> str:
+    """--format, else from --output's name, else jsonl."""
+    from broker.market.traces import TraceError, trace_format
+
+    if args.format is not None:
+        return str(args.format)
+    try:
+        return trace_format(args.output)[0] if args.output else "jsonl"
+    except TraceError:
+        return "jsonl"
+
+
+def _unknown_names(args: argparse.Namespace, reader: HistoryReader) -> str | None:
+    """The first --gpu or --cloud name neither canonical nor recorded, told with the
+    nearest one."""
+    from broker.model import CLOUDS, GPU_MODELS
+    from broker.wire.validation import unknown_gpu, unknown_name
+
+    gpus, clouds = set(GPU_MODELS) | reader.names("gpu"), set(CLOUDS) | reader.names("cloud")
+    for name in args.gpu or ():
+        if name not in gpus:
+            return f"--gpu: {unknown_gpu(name, gpus)}"
+    for name in args.cloud or ():
+        if name not in clouds:
+            return f"--cloud: {unknown_name('cloud', name, clouds)}"
+    return None

@@ -14,11 +14,14 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker.cli.common import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, usage
 from broker.daemon.config import load_config
 from broker.output.stdio import printable
+
+if TYPE_CHECKING:
+    import gpubroker_client as client
 
 MAX_TIMEOUT_SECONDS = 86400.0
 """The longest `--timeout`: a day."""
@@ -122,7 +125,7 @@ def add_parsers(sub: Any) -> None:
 
 
 def client_command(args: argparse.Namespace) -> int:
-    from broker.client import BrokerError
+    from gpubroker_client import BrokerError
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("gpubroker: %(message)s"))
@@ -147,7 +150,7 @@ def _client_settings(args: argparse.Namespace, scheduler: str | None) -> dict[st
     """BrokerClient arguments from --config, --mqtt and --topic-prefix."""
     import os
 
-    from broker.client import DEFAULT_PREFIX
+    from gpubroker_client import DEFAULT_PREFIX
 
     cfg = load_config(args.config) if args.config is not None else None
     mqtt = cfg.mqtt if cfg is not None else None
@@ -166,12 +169,10 @@ def _client_settings(args: argparse.Namespace, scheduler: str | None) -> dict[st
     return settings
 
 
-# Complex: split in the package redesign (#28).
-def _place(args: argparse.Namespace) -> int:  # noqa: C901
+def _place(args: argparse.Namespace) -> int:
     import uuid
 
-    from broker import client
-    from broker.client import BrokerClient, InvalidRequest, PlacementTimeout, Rejected
+    from gpubroker_client import BrokerClient, InvalidRequest, PlacementTimeout, Rejected
 
     labels: dict[str, str] = {}
     for item in args.label or ():
@@ -217,6 +218,12 @@ def _place(args: argparse.Namespace) -> int:  # noqa: C901
     if args.format == "json":
         print(json.dumps(dict(lease.decided), separators=(",", ":")))
         return EXIT_OK
+    _print_placed(lease)
+    return EXIT_OK
+
+
+def _print_placed(lease: client.Lease) -> None:
+    """The lease (each part of a split one), for people."""
     if len(lease.parts) > 1:
         print(f"request {lease.request_id} split into {len(lease.parts)} leases, one per "
               f"pool; each is renewed and released on its own")
@@ -240,7 +247,6 @@ def _place(args: argparse.Namespace) -> int:  # noqa: C901
                 ("why", lease.reason if n == 0 else "")):
             if value:
                 print(f"  {name + ':':9}{value}")
-    return EXIT_OK
 
 
 def _instances(instances: int, gpus: int, gpu: str) -> str:
@@ -265,8 +271,8 @@ def _expiry(expires_at: str, active: bool = True, *, short: bool = False) -> str
 
 
 def _release(args: argparse.Namespace) -> int:
-    from broker.client import BrokerClient, InvalidRequest
     from broker.model import LeaseState
+    from gpubroker_client import BrokerClient, InvalidRequest
 
     settings = _client_settings(args, args.scheduler)
 
@@ -369,7 +375,7 @@ def _print_leases(rows: Sequence[dict[str, Any]], fmt: str) -> None:
 def _leases_mqtt(args: argparse.Namespace) -> int:
     import signal
 
-    from broker.client import BrokerClient, LeaseChange
+    from gpubroker_client import BrokerClient, LeaseChange
 
     settings = _client_settings(args, None)
     settings["scheduler"] = None  # read only: a lease watch
