@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from broker.model import Placement
+from broker.placement import solver
 from broker.placement.arrays import Source as _Source
 from broker.placement.candidates import (
     ALTERNATIVES,
@@ -58,8 +59,6 @@ from broker.placement.cost import (
     unit_cost,
 )
 from broker.placement.explain import explain
-from broker.placement.heuristic import heuristic
-from broker.placement.milp import exact
 from broker.placement.outcomes import (
     Ask,
     Decision,
@@ -199,11 +198,12 @@ def _solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime
         return BatchResult([o for o in outcomes if o is not None], "none", 0.0, 0.0, True,
                            0.0)
     problem = AssignmentProblem(requests, builder.limits, builder.teams)
-    sol = heuristic(problem, chains=len(problem.requests) <= settings.chain_max_batch,
+    # Through the solver module: the bench times `solver.heuristic` from outside.
+    sol = solver.heuristic(problem, chains=len(problem.requests) <= settings.chain_max_batch,
                            deadline=deadline)
     left = min(settings.exact_time_limit, deadline - time.perf_counter())
     if not sol.optimal and len(requests) <= settings.exact_max_batch and left > 0:
-        sol = exact(problem, time_limit=left, incumbent=sol)
+        sol = solver.exact(problem, time_limit=left, incumbent=sol)
     note = (f"batch of {len(requests)} placed by {sol.solver}"
             + (", optimal" if sol.optimal else f", within {sol.gap:.2%} of optimal"))
     why = why_unplaced(problem, sol.choice) if None in sol.choice else {}
