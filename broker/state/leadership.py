@@ -43,14 +43,13 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import structlog
 
 from broker import __version__
 from broker.model import utcnow
+from broker.state.pgdb import connect
 from broker.state.store import Deposed, StoreFailed
 from gpubroker_client.files import read_secret
 
@@ -382,8 +381,6 @@ class Leadership:
     def _renewal_connection(self) -> psycopg.Connection[Any]:
         """The renewing thread's connection, with every timeout inside the renewal period:
         a dropped connection is found out, and replaced, before the term lapses."""
-        from broker.state.pgstore import connect
-
         ms = self._lock_ms()
         return connect(self.store.url, password_file=self.store.password_file,
                        application=f"gpubroker-renewal {self.boot_id}",
@@ -530,38 +527,3 @@ class Leadership:
             log.error("another daemon of this site uses the same node name: give each "
                       "its own `node`", node=self.node, other_boot_id=other[0],
                       other_role=other[1])
-
-
-@dataclass(frozen=True, slots=True)
-class NodeInfo:
-    node: str
-    role: str
-    epoch: int
-    boot_id: str
-    version: str
-    started_at: datetime
-    seen_seconds_ago: float
-
-
-@dataclass(frozen=True, slots=True)
-class SiteStatus:
-    site: str
-    leader: str | None
-    epoch: int
-    expires_in_seconds: float | None
-    nodes: list[NodeInfo]
-
-
-def site_status(store: PgStateStore, site: str) -> SiteStatus:
-    """The site's leadership and nodes as the database has them (blocking)."""
-    with store.connect() as conn:
-        row = conn.execute("SELECT l.node, l.epoch, EXTRACT(EPOCH FROM t.expires_at - now()) "
-                           "FROM leadership l JOIN leadership_term t USING (site) "
-                           "WHERE l.site = %s", (site,)).fetchone()
-        nodes = [NodeInfo(n, role, int(e), boot, ver, started, float(ago))
-                 for n, role, e, boot, ver, started, ago in conn.execute(
-                     "SELECT node, role, epoch, boot_id, version, started_at, "
-                     "EXTRACT(EPOCH FROM now() - seen_at) FROM nodes ORDER BY node")]
-    if row is None:
-        return SiteStatus(site, None, 0, None, nodes)
-    return SiteStatus(site, row[0], int(row[1]), float(row[2]), nodes)

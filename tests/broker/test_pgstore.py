@@ -27,9 +27,11 @@ from structlog.testing import capture_logs
 from broker.leasing.book import LeaseBook
 from broker.model import Lease, LeaseState
 from broker.state import leadership
-from broker.state.leadership import Leadership, site_status
-from broker.state.pgstore import _MIGRATE_LOCK, PgDb, PgStateStore, connect, migrate
+from broker.state.leadership import Leadership
+from broker.state.pgdb import MIGRATE_LOCK, PgDb, connect, migrate
+from broker.state.pgstore import PgStateStore
 from broker.state.schema import SCHEMA_VERSION, lease_row
+from broker.state.sitestatus import site_status
 from broker.state.store import Deposed, StoreFailed
 from broker.wire.messages import OutboxRow
 
@@ -146,11 +148,11 @@ def migrations_held(url: str) -> Iterator[None]:
     """Hold the migrations' advisory lock until the block ends, so that whatever starts
     inside it waits, and then races."""
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("SELECT pg_advisory_lock(%s)", (_MIGRATE_LOCK,))
+        conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATE_LOCK,))
         try:
             yield
         finally:
-            conn.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATE_LOCK,))
+            conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATE_LOCK,))
 
 
 async def test_two_migrations_at_once_apply_the_schema_once(pg_url: str) -> None:

@@ -24,8 +24,9 @@ import pytest
 import yaml
 
 from broker.daemon.config import load_config, parse_config
-from broker.state.leadership import Leadership, site_status
+from broker.state.leadership import Leadership
 from broker.state.pgstore import PgStateStore
+from broker.state.sitestatus import site_status
 from broker.wire.messages import OutboxRow
 
 ROOT = Path(__file__).resolve().parents[2]

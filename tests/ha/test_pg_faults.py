@@ -51,7 +51,7 @@ from mqtt_helpers import Mosquitto, MqttProbe
 
 from broker.leasing.book import LeaseBook
 from broker.model import utcnow
-from broker.state.pgstore import PgDb, connect, migrate
+from broker.state.pgdb import PgDb, connect, migrate
 from broker.state.schema import lease_row
 
 pytestmark = pytest.mark.timeout(90)
