@@ -84,7 +84,7 @@ CONNECT_MIN = 0.2
 """The least time a connect is allowed for its TCP and TLS handshakes: with less
 leadership time left, the bus waits for the next renewal before it connects."""
 class Bus:
-    # Many arguments: the daemon's wiring, keyword-only; regrouped in the package redesign (#28).
+    # Many arguments: the daemon's wiring, keyword-only (each a part or a setting of its own).
     def __init__(self, cfg: MqttConfig, topics: Topics, store: Store, *, client_id: str,  # noqa: PLR0913
                  boot_id: str, on_command: Callable[[Command], Awaitable[None]],
                  retained: RetainedSource | None = None, node: str = "",

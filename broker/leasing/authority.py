@@ -89,7 +89,7 @@ Publish = Callable[[Sequence[OutboxRow]], None]
 
 
 class Broker(Placing, Verbs, Moves):
-    # Many arguments: the daemon's wiring, keyword-only; regrouped in the package redesign (#28).
+    # Many arguments: the daemon's wiring, keyword-only (each a part or a setting of its own).
     def __init__(self, *, pool: ResourcePool, book: LeaseBook, store: Store,  # noqa: PLR0913
                  messages: Messages, policy: Policy, publish: Publish,
                  retry_after_seconds: float, clock: Callable[[], datetime] = utcnow,
