@@ -55,11 +55,12 @@ from broker.backtest.compare import (
     compare,
     embedded_policy,
     t_interval,
-    write_seeds_table,
-    write_table,
 )
-from broker.backtest.engine import Settings, simulate
-from broker.backtest.market import SimSpec, hazard_schedule, load_market, simulate_market
+from broker.backtest.draws import hazard_schedule
+from broker.backtest.engine import simulate
+from broker.backtest.ledger import Settings
+from broker.backtest.market import SimSpec, load_market, simulate_market
+from broker.backtest.report import write_seeds_table, write_table
 from broker.backtest.strategies import Strategy, build
 from broker.backtest.workload import generate_workload
 from policies.loader import load_policy

@@ -43,8 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from broker.backtest import STRATEGIES
 from broker.backtest.compare import Comparison, Seeds, compare, embedded_policy
-from broker.backtest.engine import Settings
-from broker.backtest.market import PrivateSite, SimSpec, simulate_market
+from broker.backtest.ledger import Settings
+from broker.backtest.market import SimSpec, simulate_market
+from broker.backtest.private import PrivateSite
 from broker.backtest.workload import generate_workload
 from broker.output.stdio import stdout_to_stderr
 

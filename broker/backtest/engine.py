@@ -24,7 +24,7 @@ simulated present. Events, in time order (and in this order at one instant):
    better is free. A pool's capacity falling below what leases hold moves nothing:
    `capacity` is the cloud's estimate of *free* instances, and running instances are
    lost only by the events named here.
-2. **interruption** (`market.hazard_schedule`, the same draws for every strategy): a
+2. **interruption** (`draws.hazard_schedule`, the same draws for every strategy): a
    pool-wide draw interrupts every lease on its pool; each lease on a spot pool also
    meets its own draw per step, keyed on (draw seed, pool, step, job), which interrupts
    a lease of n instances at the chance that any of them is reclaimed. The draws follow
@@ -61,7 +61,7 @@ start-up not finished then counts as lost).
 
 **Hidden pools.** `simulate` may hide pools from a strategy's run (`hidden`): its view
 lists no offer of them and knows none by key, as if the market had none. A private pool
-(`market.with_private`) hidden from one run of a strategy and shown to another compares
+(`private.with_private`) hidden from one run of a strategy and shown to another compares
 the two on one market pool, in the same lockstep, with the same requests and draws: the
 run that does not see it is the run of the market without it. A run tallies what it holds
 on paid-for capacity (market `reserved`) per pool: the GPU-hours its leases hold there
@@ -74,15 +74,16 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter
-from collections.abc import Callable, Collection, Hashable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from broker.backtest.market import HazardSchedule, MarketTrace, SliceId
+from broker.backtest.draws import HazardSchedule
+from broker.backtest.ledger import NEVER_STALE, Job, Settings, StrategyView, Tally
+from broker.backtest.market import MarketTrace, SliceId
 from broker.backtest.strategies import Strategy, rid
-from broker.backtest.workload import Arrival, Workload
+from broker.backtest.workload import Workload
 from broker.leasing import failover
 from broker.leasing.book import LeaseBook
 from broker.market.changes import PoolChange
@@ -95,7 +96,6 @@ from broker.model import (
     Market,
     Offer,
     Placement,
-    PlaceRequest,
     PoolKey,
     RejectCode,
 )
@@ -103,165 +103,11 @@ from broker.placement.optimizer import Ask, Decision, Rejection
 from policies.evaluate import Denied, evaluate
 from policies.model import Policy
 
-NEVER_STALE = 100 * 365 * 86400.0  # a trace row holds until its pool's next row
 _INTERRUPT, _COMPLETE, _PLACE = range(3)
 _INVOLUNTARY = frozenset({FailoverReason.INTERRUPTED, FailoverReason.CAPACITY_LOST,
                           FailoverReason.REPORTED})
 
 DayProgress = Callable[[int, int], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    seed: int = 7
-    """The interruption draws' seed (`--draw-seed`)."""
-    step_seconds: float = 600.0
-    restart_hours: float = 0.5
-    """What the embedded policy's optimizer assumes a restart costs; not used here."""
-    max_wait_hours: float = 24.0
-    default_interruption_rate: float = 0.05
-    startup_minutes: float = 10.0
-    """Start-up of a job without its own (boot, image pull, checkpoint load)."""
-    checkpoint_minutes: float = 30.0
-    """Checkpoint interval of a job without its own (0: never loses work)."""
-    market_seed: int | None = None
-    """The generated market's seed, for the report (None: read from a file)."""
-    workload_seed: int | None = None
-    """The generated workload's seed, for the report (None: read from a file)."""
-
-    @property
-    def draw_seed(self) -> int:
-        return self.seed
-
-    def to_json(self) -> dict[str, Any]:
-        return {"seed": self.seed, "market_seed": self.market_seed,
-                "workload_seed": self.workload_seed, "draw_seed": self.seed,
-                "step_minutes": self.step_seconds / 60,
-                "restart_hours": self.restart_hours, "max_wait_hours": self.max_wait_hours,
-                "default_interruption_rate": self.default_interruption_rate,
-                "startup_minutes": self.startup_minutes,
-                "checkpoint_minutes": self.checkpoint_minutes}
-
-
-@dataclass(slots=True, eq=False)
-class _Job:
-    index: int
-    arrival: Arrival
-    req: PlaceRequest  # as the strategy asks for it
-    need: float  # hours of work
-    startup: float = 0.0  # seconds of start-up after each placement
-    checkpoint: float = 0.0  # hours of work between checkpoints (0: continuous)
-    leases: int = 0
-    lease_id: str | None = None
-    placement: Placement | None = None
-    work: float = 0.0  # hours of work kept, before the current start
-    started: float = 0.0  # seconds: the current start (placement or restart)
-    ready: float = 0.0  # seconds: the current start-up's end (work from then on)
-    armed: int = -1  # the last step whose lease draw was made for this placement
-    paid_since: float = 0.0
-    rate: float = 0.0  # USD per hour of the current placement
-    version: int = 0
-    first_placed: float | None = None
-    lost_at: float | None = None  # lost its placement then, waiting for another
-    last_code: str = "none"
-    done: bool = False
-
-    @property
-    def gpus(self) -> int:
-        return self.req.gpus
-
-
-@dataclass(slots=True)
-class Tally:
-    """What one strategy's run added up."""
-
-    cost: float = 0.0
-    useful_gpu_hours: float = 0.0
-    lost_gpu_hours: float = 0.0
-    """Start-ups and work lost to moves (see the module docstring)."""
-    startup_gpu_hours: float = 0.0
-    """The start-ups' part of `lost_gpu_hours`."""
-    idle_gpu_hours: float = 0.0
-    spot_gpu_hours: float = 0.0
-    paid_gpu_hours: float = 0.0
-    interrupted: int = 0
-    capacity_lost: int = 0
-    failovers: Counter[str] = field(default_factory=Counter)
-    failovers_nowhere: int = 0
-    requests: int = 0
-    placed: int = 0
-    completed: int = 0
-    running_at_end: int = 0
-    waiting_at_end: int = 0
-    abandoned: int = 0
-    never_placed: Counter[str] = field(default_factory=Counter)
-    waits: list[float] = field(default_factory=list)  # hours to first placement
-    hours_without_placement: float = 0.0  # after losing one
-    losses: list[tuple[float, str, PoolKey]] = field(default_factory=list)
-    """Every involuntary loss of a placement: (seconds, reason, pool), in time order."""
-    reserved_gpu_hours: dict[PoolKey, float] = field(default_factory=dict)
-    """Per pool of paid-for capacity (market `reserved`): the GPU-hours leases held."""
-    reserved_asked_gpu_hours: dict[PoolKey, float] = field(default_factory=dict)
-    """Of `reserved_gpu_hours`, the GPUs the jobs asked for, times the hours."""
-    reserved_cost: dict[PoolKey, float] = field(default_factory=dict)
-    """Per pool of paid-for capacity: what the leases there paid (their marginal price)."""
-
-
-class StrategyView:
-    """One strategy's `placement.PoolView`: the market's offers from the shared pool, but
-    those of the `hidden` pools; the strategy's own holdings and cool-downs from a
-    `ResourcePool` that holds no offers."""
-
-    def __init__(self, market: ResourcePool, clock: Callable[[], datetime],
-                 hazard: HazardEstimator | None = None,
-                 hidden: Collection[PoolKey] = ()) -> None:
-        self.market = market
-        self.own = ResourcePool(stale_after_seconds=NEVER_STALE, clock=clock)
-        self.hazard = hazard
-        self.hidden = frozenset(hidden)
-        self._hidden_markets = frozenset(k.market for k in self.hidden)
-
-    def by_gpu(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
-        offers = self.market.by_gpu(gpu, market)
-        if self.hidden and (market is None or market in self._hidden_markets):
-            return [o for o in offers if o.pool not in self.hidden]
-        return offers
-
-    @property
-    def owned_gpus(self) -> int:
-        """The paid-for GPUs this view shows (the market's, but the hidden pools')."""
-        hidden = sum(o.owned_gpus for k in self.hidden if (o := self.market.get(k)))
-        return self.market.owned_gpus - hidden
-
-    def stale_slices(self, now: datetime) -> Collection[Hashable]:
-        return self.market.stale_slices(now)
-
-    def slice_of(self, key: PoolKey) -> Hashable | None:
-        return self.market.slice_of(key)
-
-    def get(self, key: PoolKey) -> Offer | None:
-        return None if key in self.hidden else self.market.get(key)
-
-    def held(self, key: PoolKey) -> int:
-        return self.own.held(key)
-
-    def cooling(self, now: datetime) -> Collection[PoolKey]:
-        return self.own.cooling(now)
-
-    def hold(self, key: PoolKey, instances: int) -> None:
-        self.own.hold(key, instances)
-
-    def unhold(self, key: PoolKey, instances: int) -> None:
-        self.own.unhold(key, instances)
-
-    def take(self, placement: Placement) -> Placement:
-        return self.own.take(placement)
-
-    def give_back(self, placement: Placement) -> None:
-        self.own.give_back(placement)
-
-    def cool_down(self, key: PoolKey, seconds: float) -> None:
-        self.own.cool_down(key, seconds)
 
 
 def simulate(market: MarketTrace, workload: Workload, strategies: Sequence[Strategy],
@@ -340,17 +186,17 @@ class Run:
         self.book = LeaseBook()
         self.tally = Tally(requests=len(workload.arrivals))
         self.schedule = schedule
-        self._jobs: list[_Job] = [
-            _Job(i, a, strategy.adapt(a.request), a.duration_hours,
+        self._jobs: list[Job] = [
+            Job(i, a, strategy.adapt(a.request), a.duration_hours,
                  60.0 * (settings.startup_minutes if a.startup_minutes is None
                          else a.startup_minutes),
                  (settings.checkpoint_minutes if a.checkpoint_minutes is None
                   else a.checkpoint_minutes) / 60.0)
             for i, a in enumerate(workload.arrivals)]
-        self._spot: dict[int, _Job] = {}  # jobs on a spot placement, by index
-        self._by_lease: dict[str, _Job] = {}
+        self._spot: dict[int, Job] = {}  # jobs on a spot placement, by index
+        self._by_lease: dict[str, Job] = {}
         self._moves: dict[str, list[datetime]] = {}
-        self._queue: list[_Job] = []  # waiting for a placement
+        self._queue: list[Job] = []  # waiting for a placement
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         for at, key in schedule.pool_hits:
@@ -423,7 +269,7 @@ class Run:
                 self.policy.failover))
         self._handle(t, triggers)
 
-    def _on(self, key: PoolKey) -> list[_Job]:
+    def _on(self, key: PoolKey) -> list[Job]:
         """The jobs holding `key`, in a fixed order (the book keeps a set)."""
         return sorted((self._by_lease[le.lease_id] for le in self.book.on_pool(key)),
                       key=lambda j: j.index)
@@ -449,7 +295,7 @@ class Run:
                                              cool_down=True))
         self._handle(t, triggers)
 
-    def _arm(self, job: _Job, t: float, k: int) -> None:
+    def _arm(self, job: Job, t: float, k: int) -> None:
         """Make job's lease draw of step k (once per placement and step): an
         interruption event if it hits at or after `t`."""
         if job.armed == k:
@@ -499,7 +345,7 @@ class Run:
 
     # --- jobs ------------------------------------------------------------------------
 
-    def _pay(self, job: _Job, t: float) -> None:
+    def _pay(self, job: Job, t: float) -> None:
         p = job.placement
         assert p is not None
         hours = (t - job.paid_since) / 3600.0
@@ -520,7 +366,7 @@ class Run:
                 tally.reserved_asked_gpu_hours.get(key, 0.0) + job.gpus * hours
             tally.reserved_cost[key] = tally.reserved_cost.get(key, 0.0) + job.rate * hours
 
-    def _start(self, job: _Job, t: float, placement: Placement) -> None:
+    def _start(self, job: Job, t: float, placement: Placement) -> None:
         job.placement = placement
         job.started = job.paid_since = t
         job.ready = t + job.startup
@@ -532,7 +378,7 @@ class Run:
             job.armed = -1
             self._arm(job, t, math.floor(t / self.settings.step_seconds + 1e-9))
 
-    def _stop(self, job: _Job, t: float, *, restart: bool) -> None:
+    def _stop(self, job: Job, t: float, *, restart: bool) -> None:
         """The job stops working on its placement at `t`: pay up to `t`; the start-up
         is lost; on a restart, so is the work since the last checkpoint."""
         self._pay(job, t)
@@ -547,7 +393,7 @@ class Run:
         self.tally.startup_gpu_hours += startup * job.gpus
         job.version += 1  # its completion, if scheduled, is void
 
-    def _complete(self, t: float, job: _Job) -> None:
+    def _complete(self, t: float, job: Job) -> None:
         assert job.lease_id is not None and job.placement is not None
         self._stop(job, t, restart=False)
         job.work = job.need
@@ -559,9 +405,9 @@ class Run:
 
     # --- placement -------------------------------------------------------------------
 
-    def _place(self, t: float, arrivals: list[_Job], tick: bool) -> None:
+    def _place(self, t: float, arrivals: list[Job], tick: bool) -> None:
         limit = self.settings.max_wait_hours * 3600.0
-        batch: list[_Job] = []
+        batch: list[Job] = []
         if tick:
             k = round(t / self.settings.step_seconds)
             for job in list(self._spot.values()):
@@ -580,7 +426,7 @@ class Run:
         if tick:
             self._reoptimize(t)
 
-    def _place_batch(self, t: float, batch: list[_Job]) -> None:
+    def _place_batch(self, t: float, batch: list[Job]) -> None:
         now = self.now
         asks: list[Ask] = []
         verdicts = {}
@@ -625,7 +471,7 @@ class Run:
         self._handle(t, failover.reoptimize(active, self.pool, self.policy,
                                             self.strategy.resident, self.now))
 
-    def _adopt(self, job: _Job, lease: Lease, t: float) -> None:
+    def _adopt(self, job: Job, lease: Lease, t: float) -> None:
         job.leases += 1
         job.lease_id = lease.lease_id
         self._by_lease[lease.lease_id] = job
@@ -638,11 +484,11 @@ class Run:
             job.lost_at = None
         self._start(job, t, lease.placement)
 
-    def _never(self, job: _Job) -> None:
+    def _never(self, job: Job) -> None:
         job.done = True
         self.tally.never_placed[job.last_code] += 1
 
-    def _abandon(self, job: _Job, t: float) -> None:
+    def _abandon(self, job: Job, t: float) -> None:
         assert job.lost_at is not None
         job.done = True
         self.tally.abandoned += 1

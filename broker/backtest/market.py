@@ -47,18 +47,18 @@ availability 1 and no interruption rate, the same from the market's start to its
 is never drawn: `hazard_schedule` draws spot pools only (pool-wide hits and the rates a
 lease's own draw reads), so the market with the pool has the draws of the market without
 it. Its price is the marginal price a lease on it pays (`--private-price`, per GPU-hour).
+
+The draws are in draws.py, the private pool in private.py.
 """
 
 from __future__ import annotations
 
-import bisect
 import gzip
-import hashlib
 import math
 import random
 import re
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -71,7 +71,7 @@ from broker.market.traces import (
     write_csv,
     write_jsonl,
 )
-from broker.model import GPU_MODELS, Market, Offer, PoolKey, Target
+from broker.model import GPU_MODELS, Market, Offer, PoolKey
 from broker.output.stdio import printable
 
 SIM_START = datetime(2026, 11, 30, tzinfo=UTC)
@@ -344,78 +344,6 @@ def save_market(market: MarketTrace, path: Path) -> int:
         return write(market.trace_rows(), f)
 
 
-# --- a private pool ----------------------------------------------------------------------
-
-PRIVATE_SLICE: SliceId = ("private", "onprem")
-
-
-@dataclass(frozen=True, slots=True)
-class PrivateSite:
-    """`--private-gpus N` of GPU model `gpu`, `per_server` to a server, at `price` USD per
-    GPU-hour (the marginal price a lease on them pays; the servers' fixed cost is not
-    counted anywhere)."""
-
-    gpus: int
-    gpu: str = "A100-80GB"
-    per_server: int = 8
-    price: float = 0.0
-    slices: int = 1
-    """Leases a server may hold at once, each of `per_server` / `slices` GPUs (the
-    daemon's `slices` of a private group); 1: a server goes whole to one lease."""
-
-    @property
-    def servers(self) -> int:
-        return -(-self.gpus // self.per_server)
-
-    @property
-    def owned_gpus(self) -> int:
-        """The GPUs the servers have: `gpus` rounded up to whole servers."""
-        return self.servers * self.per_server
-
-    @property
-    def key(self) -> PoolKey:
-        return PoolKey("private", "onprem", "onprem", f"{self.gpu}-server", Market.RESERVED)
-
-    def targets(self) -> tuple[Target, ...]:
-        width = len(str(self.servers))
-        n = self.slices
-        return tuple(Target(f"onprem-{i + 1:0{width}d}", n, n) for i in range(self.servers))
-
-    def offer(self, at: datetime) -> Offer:
-        model = GPU_MODELS.get(self.gpu)
-        gpus = self.per_server // self.slices
-        return Offer(pool=self.key, gpu=self.gpu, gpus=gpus,
-                     gpu_memory_gb=model.memory_gb if model else None, vcpus=None,
-                     memory_gb=None, price_per_hour=self.price * gpus,
-                     observed_at=at, availability=1.0, capacity=self.servers * self.slices,
-                     interruption_rate=None, targets=self.targets())
-
-    def to_json(self) -> dict[str, Any]:
-        return {"gpus": self.gpus, "gpu": self.gpu, "gpus_per_server": self.per_server,
-                "slices": self.slices,
-                "servers": self.servers, "owned_gpus": self.owned_gpus,
-                "price_per_gpu_hour": self.price, "pool": self.key.to_json()}
-
-
-def with_private(market: MarketTrace, site: PrivateSite) -> MarketTrace:
-    """`market` with the private pool `site` offered from its start to its end (one row
-    at the start, in a slice of its own; see the module docstring). The spot pools, their
-    rows and their truth are `market`'s, so its draws are too."""
-    if any(k == site.key for s in market.steps for _, ch in s.slices for k, _ in ch):
-        raise MarketError(f"{market.source}: the market already has the pool {site.key}")
-    change: tuple[SliceId, tuple[Change, ...]] = (PRIVATE_SLICE,
-                                                  ((site.key, site.offer(market.start)),))
-    steps = list(market.steps)
-    if steps and steps[0].at == 0:
-        steps[0] = Step(0.0, (*steps[0].slices, change))
-    else:
-        steps.insert(0, Step(0.0, (change,)))
-    gpu_pools = dict(market.gpu_pools)
-    gpu_pools[site.gpu] = gpu_pools.get(site.gpu, 0) + 1
-    return replace(market, steps=tuple(steps), rows=market.rows + 1,
-                   pools=market.pools + 1, gpu_pools=dict(sorted(gpu_pools.items())))
-
-
 # --- the simulated market ---------------------------------------------------------------
 
 _SIM_SPEC = re.compile(r"^sim:(\d+(?:\.\d+)?)([dhm])(?::(-?\d+))?(?::(\d+))?$")
@@ -545,155 +473,3 @@ def load_market(text: str, *, seed: int, step_seconds: float,
         return simulate_market(spec, step_seconds=step_seconds, progress=progress)
     return read_market(Path(text), step_seconds=step_seconds,
                        relabel_seed=None if keep_zone_labels else seed)
-
-
-# --- interruption draws -----------------------------------------------------------------
-
-def _pool_hash(seed: int, key: PoolKey) -> Any:
-    text = f"{seed}\x1f{key.cloud}\x1f{key.region}\x1f{key.zone}\x1f{key.instance_type}" \
-           f"\x1f{key.market.value}\x1f"
-    return hashlib.blake2b(text.encode(), digest_size=16)
-
-
-def _draw(prefix: Any, k: int) -> tuple[float, float]:
-    h = prefix.copy()
-    h.update(str(k).encode())
-    d = h.digest()
-    return (int.from_bytes(d[:8], "big") / 2.0**64, int.from_bytes(d[8:], "big") / 2.0**64)
-
-
-def uniforms(seed: int, key: PoolKey, k: int) -> tuple[float, float]:
-    """Two uniforms in [0, 1) for pool `key` in step `k`: a stable hash (BLAKE2b) of the
-    three, the same in every process, for every strategy and in any order of asking."""
-    return _draw(_pool_hash(seed, key), k)
-
-
-POOL_WIDE_SHARE = 0.25
-"""The share of a spot pool's hazard that is pool-wide (a capacity reclaim hitting every
-lease on the pool at once); the rest strikes each instance on its own."""
-
-
-def _lease_draw(prefix: Any, k: int, job: int) -> tuple[float, float]:
-    h = prefix.copy()
-    h.update(f"{k}\x1f{job}".encode())
-    d = h.digest()
-    return (int.from_bytes(d[:8], "big") / 2.0**64, int.from_bytes(d[8:], "big") / 2.0**64)
-
-
-def lease_uniforms(seed: int, key: PoolKey, k: int, job: int) -> tuple[float, float]:
-    """Two uniforms in [0, 1) for job `job`'s lease on pool `key` in step `k`: a stable
-    hash of the four, independent of the pool-wide draw `uniforms(seed, key, k)`."""
-    return _lease_draw(_pool_hash(seed, key), k, job)
-
-
-@dataclass(slots=True)
-class HazardSchedule:
-    """The interruption draws of a market (see the module docstring): the pool-wide
-    hits, and what a lease meets (`lease_hit`). Pure functions of the market and the
-    seed: the same for every strategy, in any order of asking."""
-
-    seed: int
-    step_seconds: float
-    pool_hits: list[tuple[float, PoolKey]]
-    """Every pool-wide (instant, spot pool) interruption, in time order."""
-    rates: dict[PoolKey, tuple[list[int], list[float]]]
-    """Per spot pool: the steps from which its rate changed, and the rate (per hour)."""
-    hidden: bool
-    """The rates are the market's hidden truth (else the rows' observed rates)."""
-    pool_wide_share: float = POOL_WIDE_SHARE
-    _prefixes: dict[PoolKey, Any] = field(default_factory=dict)
-
-    def __iter__(self) -> Iterator[tuple[float, PoolKey]]:
-        return iter(self.pool_hits)
-
-    def rate(self, key: PoolKey, k: int) -> float:
-        """The pool's interruption rate (per hour, one instance) in step k; 0 when it
-        is no spot pool offered then."""
-        found = self.rates.get(key)
-        if found is None:
-            return 0.0
-        steps, rates = found
-        i = bisect.bisect_right(steps, k) - 1
-        return rates[i] if i >= 0 else 0.0
-
-    def lease_hit(self, key: PoolKey, k: int, job: int, instances: int) -> float | None:
-        """When, in seconds from the start, a lease of `instances` instances held by job
-        `job` on `key` is interrupted in step k by its own draw; None if it is not."""
-        rate = self.rate(key, k)
-        if rate <= 0:
-            return None
-        prefix = self._prefixes.get(key)
-        if prefix is None:
-            prefix = self._prefixes[key] = _pool_hash(self.seed, key)
-        u, v = _lease_draw(prefix, k, job)
-        share = 1.0 - self.pool_wide_share
-        if u < -math.expm1(-share * rate * instances * self.step_seconds / 3600.0):
-            return (k + v) * self.step_seconds
-        return None
-
-
-# Complex: split in the package redesign (#28).
-def hazard_schedule(market: MarketTrace, *, seed: int, step_seconds: float,  # noqa: C901, PLR0912
-                    default_rate: float, pool_wide_share: float = POOL_WIDE_SHARE
-                    ) -> HazardSchedule:
-    """The interruption draws of `market` (see the module docstring): the hidden truth's
-    rates when the market has it, else the rows' (`default_rate` for a spot row without
-    one). The same for every strategy by construction."""
-    pool_hits: list[tuple[float, PoolKey]] = []
-    spot: dict[PoolKey, float] = {}
-    prefixes: dict[PoolKey, Any] = {}
-    rates: dict[PoolKey, tuple[list[int], list[float]]] = {}
-    truth = market.truth
-    cursor: dict[PoolKey, int] = {}
-    gone: list[PoolKey] = []
-    steps = market.steps
-    i = 0
-    hours = step_seconds / 3600.0
-    ticks = max(1, math.ceil(market.seconds / step_seconds - 1e-9))
-    for k in range(ticks):
-        t_k = k * step_seconds
-        while i < len(steps) and steps[i].at <= t_k:
-            for _, changes in steps[i].slices:
-                for key, offer in changes:
-                    if key.market is not Market.SPOT:
-                        continue
-                    if offer is None:
-                        if spot.pop(key, None) is not None:
-                            gone.append(key)
-                    else:
-                        rate = offer.interruption_rate
-                        spot[key] = default_rate if rate is None else rate
-            i += 1
-        for key in gone:  # not offered from this step on: no rate
-            if key not in spot and (seen := rates.get(key)) is not None and seen[1][-1]:
-                seen[0].append(k)
-                seen[1].append(0.0)
-        gone.clear()
-        hits = []
-        for key, observed in spot.items():
-            rate = observed
-            if truth is not None and (known := truth.get(key)) is not None:
-                times, values = known
-                j = cursor.get(key, 0)
-                while j + 1 < len(times) and times[j + 1] <= t_k:
-                    j += 1
-                cursor[key] = j
-                rate = values[j]
-            seen = rates.get(key)
-            if seen is None:
-                rates[key] = ([k], [rate])
-            elif seen[1][-1] != rate:
-                seen[0].append(k)
-                seen[1].append(rate)
-            if rate <= 0:
-                continue
-            prefix = prefixes.get(key)
-            if prefix is None:
-                prefix = prefixes[key] = _pool_hash(seed, key)
-            u, v = _draw(prefix, k)
-            if u < -math.expm1(-pool_wide_share * rate * hours):
-                hits.append((t_k + v * step_seconds, key))
-        hits.sort()
-        pool_hits.extend(hits)
-    return HazardSchedule(seed, step_seconds, pool_hits, rates, truth is not None,
-                          pool_wide_share, prefixes)

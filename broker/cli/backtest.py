@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from broker.backtest import STRATEGIES
-from broker.backtest.market import MAX_SPAN_DAYS, PrivateSite
+from broker.backtest.market import MAX_SPAN_DAYS
+from broker.backtest.private import PrivateSite
 from broker.cli.common import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, error_line, output_problem
 from broker.market.traces import MAX_GPUS, MAX_INTERRUPTION_RATE, MAX_PRICE_PER_HOUR
 from broker.output.stdio import printable, stdout_to_stderr
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     """`gpubroker backtest`: every problem with the options at once (exit 2), then each
     seed's run, then the report."""
     from broker.backtest import compare as cmp
-    from broker.backtest.engine import Settings
+    from broker.backtest.ledger import Settings
     from policies.loader import load_policy
 
     err = sys.stderr
@@ -162,7 +163,7 @@ def _problems(args: argparse.Namespace, names: list[str]
               ) -> tuple[PrivateSite | None, list[str]]:
     """The private pool the options ask for, and every problem with the options, in the
     order of the help."""
-    from broker.backtest import compare as cmp
+    from broker.backtest import chart
 
     problems = [f"--strategy: unknown strategy {n!r}; expected {', '.join(STRATEGIES)}"
                 for n in names if n not in STRATEGIES]
@@ -173,8 +174,8 @@ def _problems(args: argparse.Namespace, names: list[str]
     problems += _range_problems(args)
     if args.chart is not None:
         try:
-            cmp.check_chart()
-        except cmp.ChartUnavailable as exc:
+            chart.check_chart()
+        except chart.ChartUnavailable as exc:
             problems.append(f"--chart: {exc}")
     for flag, path in (("--json-out", args.json_out), ("--chart", args.chart),
                        ("--save-market", args.save_market),
@@ -305,7 +306,8 @@ class _Replay:
 
 def _report(args: argparse.Namespace, result: Any, show: Any, err: TextIO) -> int:
     """The report on stdout (table or JSON), --json-out and --chart; the speed on stderr."""
-    from broker.backtest import compare as cmp
+    from broker.backtest import chart
+    from broker.backtest.report import write_seeds_table
 
     try:
         _clear(show, err)
@@ -315,9 +317,9 @@ def _report(args: argparse.Namespace, result: Any, show: Any, err: TextIO) -> in
         if args.format == "json":
             sys.stdout.write(report)
         else:
-            cmp.write_seeds_table(result, sys.stdout)
+            write_seeds_table(result, sys.stdout)
         if args.chart is not None:
-            cmp.write_chart(result, args.chart)
+            chart.write_chart(result, args.chart)
     except BrokenPipeError:  # stdout's reader has gone: `gpubroker main` ends quietly
         raise
     except OSError as exc:  # a file could not be written after all (disk full ...)

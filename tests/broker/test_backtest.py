@@ -13,19 +13,21 @@ from typing import Any
 
 import pytest
 
+from broker.backtest import chart as charts
 from broker.backtest import compare as cmp
-from broker.backtest.engine import Settings, Tally, simulate
+from broker.backtest.draws import hazard_schedule, uniforms
+from broker.backtest.engine import simulate
+from broker.backtest.ledger import Settings, Tally
 from broker.backtest.market import (
     MarketError,
     MarketTrace,
     from_rows,
-    hazard_schedule,
     offer_of,
     parse_sim_spec,
     read_market,
     save_market,
-    uniforms,
 )
+from broker.backtest.report import write_table
 from broker.backtest.strategies import STRATEGIES, build, choose_price_capacity
 from broker.backtest.workload import (
     Arrival,
@@ -49,7 +51,8 @@ def key(zone: str = "us-east-1a", market: str = "on_demand",
     return PoolKey("aws", "us-east-1", zone, instance_type, Market(market))
 
 
-def row(hours: float, pool: PoolKey, *, price: float | None = 1.0, gpus: int = 1,
+# Many arguments: a trace row's fields, each a keyword with the usual value.
+def row(hours: float, pool: PoolKey, *, price: float | None = 1.0, gpus: int = 1,  # noqa: PLR0913
         gpu: str = "L4", availability: float | None = 0.9, capacity: int | None = 10,
         rate: float | None = 0.0, gone: bool = False) -> TraceRow:
     t = T0 + timedelta(hours=hours)
@@ -450,7 +453,7 @@ def test_a_comparison_reports_table_and_json() -> None:
                             s["total_cost"] / s["useful_gpu_hours"], rel_tol=1e-5)
     assert "simulated hours per second" in c.speed_line()
     out = io.StringIO()
-    cmp.write_table(c, out)
+    write_table(c, out)
     text = out.getvalue()
     assert "$/USEFUL GPU-H" in text and all(n in text for n in STRATEGIES)
 
@@ -465,17 +468,17 @@ def test_the_chart_names_unplaced_requests_and_separates_coinciding_points(
                     Settings(step_seconds=STEP))
     twin = cmp.Result("gpubroker twin", "the same figures", c.results[-1].tally)
     c = dataclasses.replace(c, results=(*c.results, twin))
-    points, unplotted = cmp._points(c)
+    points, unplotted = charts._points(c)
     assert [p.name for p in points] == [*STRATEGIES, "gpubroker twin"] and unplotted == []
     for p, r in zip(points, c.results, strict=True):
         d = r.metrics()
         assert f"{d['never_placed']} of {d['requests']} requests never placed" in p.legend
     assert len({p.style for p in points}) == len(points)  # a marker and colour each
-    [shared] = [[p.name for p in g] for g in cmp._coinciding(points)
+    [shared] = [[p.name for p in g] for g in charts._coinciding(points)
                 if any(p.name == "gpubroker twin" for p in g)]
     assert "gpubroker" in shared  # drawn inside one another, labelled together
     path = tmp_path / "chart.png"
-    cmp.write_chart(c, path)
+    charts.write_chart(c, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -487,7 +490,7 @@ def test_the_chart_over_seeds_puts_each_strategy_at_its_means_with_their_interva
     runs = tuple(cmp.compare(m, w, STRATEGIES, policy, Settings(step_seconds=STEP, seed=s))
                  for s in (1, 2, 3))
     seeds = cmp.Seeds(runs)
-    points, unplotted = cmp._seed_points(seeds)
+    points, unplotted = charts._seed_points(seeds)
     assert [p.name for p in points] == list(STRATEGIES) and unplotted == []
     for i, p in enumerate(points):
         figures = [c.results[i].metrics() for c in runs]
@@ -499,7 +502,7 @@ def test_the_chart_over_seeds_puts_each_strategy_at_its_means_with_their_interva
         assert "±" in p.legend and "unplaced on average" in p.legend
     assert any(p.xerr for p in points)  # the draws differ between seeds
     path = tmp_path / "seeds.png"
-    cmp.write_chart(seeds, path)
+    charts.write_chart(seeds, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -16,15 +16,10 @@ import pytest
 
 from broker.backtest import STRATEGIES
 from broker.backtest import compare as cmp
-from broker.backtest.engine import Settings
-from broker.backtest.market import (
-    MarketTrace,
-    PrivateSite,
-    from_rows,
-    hazard_schedule,
-    save_market,
-    with_private,
-)
+from broker.backtest.draws import hazard_schedule
+from broker.backtest.ledger import Settings
+from broker.backtest.market import MarketTrace, from_rows, save_market
+from broker.backtest.private import PrivateSite, with_private
 from broker.backtest.workload import Arrival, Workload
 from broker.cli.main import main
 from broker.market.traces import TraceRow

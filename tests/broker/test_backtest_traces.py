@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from broker.backtest import compare as cmp
-from broker.backtest.engine import Settings
+from broker.backtest.ledger import Settings
 from broker.backtest.market import load_market, read_market, relabel_zones, zone_permutation
 from broker.backtest.workload import generate_workload
 from broker.cli.main import main
