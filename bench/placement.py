@@ -65,16 +65,23 @@ from _instances import Instance, group_quotas, instance, pool_from  # noqa: E402
 from broker.model import Offer, PoolKey  # noqa: E402
 from broker.placement import optimizer as placement  # noqa: E402
 from broker.placement import solver  # noqa: E402
-from broker.placement.optimizer import Ask, BatchResult, Decision, Outcome, Rejection, Settings  # noqa: E402
+from broker.placement.optimizer import (  # noqa: E402
+    Ask,
+    BatchResult,
+    BatchSettings,
+    Decision,
+    Outcome,
+    Rejection,
+)
 from policies.evaluate import Denied, TeamUsage, evaluate  # noqa: E402
 from policies.model import Team  # noqa: E402
 
 SKELETON = "63725ca"  # the commit before the optimizer
-HEURISTIC = Settings(exact_max_batch=0)
+HEURISTIC = BatchSettings(exact_max_batch=0)
 
 
-def milp_settings(seconds: float) -> Settings:
-    return Settings(exact_max_batch=10**9, exact_time_limit=seconds)
+def milp_settings(seconds: float) -> BatchSettings:
+    return BatchSettings(exact_max_batch=10**9, exact_time_limit=seconds)
 
 
 def load() -> str:
@@ -111,18 +118,18 @@ def horizon(outcome: Outcome) -> float:
 
 @dataclass
 class Built:
-    """The solver's Problem for a batch, built as placement.solve builds it (through its
-    private `_Builder`: a bench may use a private helper), and what it took."""
+    """The solver's problem for a batch, built as placement.solve builds it (through its
+    `CandidateBuilder`), and what it took."""
 
-    problem: solver.Problem
+    problem: solver.AssignmentProblem
     request_ids: list[str]  # problem request n -> request id
     rejected: int  # asks rejected before the solver (policy, or no option at all)
     evaluate_s: float
     build_s: float
 
 
-def build(inst: Instance, settings: Settings = HEURISTIC) -> Built:
-    builder = placement._Builder(inst.pool, inst.policy, inst.now, settings.candidates,
+def build(inst: Instance, settings: BatchSettings = HEURISTIC) -> Built:
+    builder = placement.CandidateBuilder(inst.pool, inst.policy, inst.now, settings.candidates,
                                  indexed=len(inst.requests) >= settings.index_min_batch)
     verdicts = []
     t0 = time.perf_counter()
@@ -142,12 +149,12 @@ def build(inst: Instance, settings: Settings = HEURISTIC) -> Built:
         requests.append(req)
         ids.append(ask.request.request_id)
     t2 = time.perf_counter()
-    problem = solver.Problem(requests, builder.limits, builder.teams)
+    problem = solver.AssignmentProblem(requests, builder.limits, builder.teams)
     builder.problem = problem
     return Built(problem, ids, rejected, t1 - t0, t2 - t1)
 
 
-def heuristic_as_solve(p: solver.Problem) -> solver.Solution:
+def heuristic_as_solve(p: solver.AssignmentProblem) -> solver.Solution:
     """`solver.heuristic` as `placement.solve` runs it on a batch of this size."""
     return solver.heuristic(p, chains=len(p.requests) <= HEURISTIC.chain_max_batch)
 
@@ -291,7 +298,7 @@ class Answer:
     cpu: float = math.nan  # CPU time of this process (the machine may be shared)
 
 
-def batch(inst: Instance, settings: Settings, name: str) -> Answer:
+def batch(inst: Instance, settings: BatchSettings, name: str) -> Answer:
     asks = [Ask(r) for r in inst.requests]
     c, t = time.process_time(), time.perf_counter()
     res = placement.solve(asks, inst.pool, inst.policy, now=inst.now, settings=settings)
@@ -484,7 +491,7 @@ class Bound:
     how: str
 
 
-def lp_bound(p: solver.Problem, *, time_limit: float, max_rounds: int = 100,
+def lp_bound(p: solver.AssignmentProblem, *, time_limit: float, max_rounds: int = 100,
              incumbent: solver.Solution | None = None) -> Bound:
     """The LP relaxation's optimum by column generation, a lower bound on every answer:
     the first half of `solver.exact`, through its private `_LP` and `_price_out` (a
@@ -536,7 +543,7 @@ class _Rows:
         return k
 
 
-def _entries(p: solver.Problem, r: solver.Request, o: solver.Option
+def _entries(p: solver.AssignmentProblem, r: solver.Request, o: solver.Option
              ) -> list[tuple[Any, float, float, float]]:
     """The rows an option's column has, as (row key, row low, row high, coefficient),
     in the solver's MILP formulation (`solver._LP`): its resources, its team's GPUs,
@@ -568,7 +575,7 @@ def _entries(p: solver.Problem, r: solver.Request, o: solver.Option
     return out
 
 
-def class_lp_bound(p: solver.Problem, *, time_limit: float, first: int = 8,
+def class_lp_bound(p: solver.AssignmentProblem, *, time_limit: float, first: int = 8,
                    per_round: int = 20, max_rounds: int = 60,
                    progress: Callable[[str], None] | None = None) -> Bound:
     """A lower bound on every answer, from the bench's own LP: requests that are alike
@@ -720,7 +727,7 @@ def class_lp_bound(p: solver.Problem, *, time_limit: float, first: int = 8,
                  f"requests)")
 
 
-def bound(args: argparse.Namespace, p: solver.Problem, sol: solver.Solution,
+def bound(args: argparse.Namespace, p: solver.AssignmentProblem, sol: solver.Solution,
           progress: Callable[[str], None] | None = None) -> Bound:
     if args.bound == "solver":
         return lp_bound(p, time_limit=args.lp_seconds, incumbent=sol)
@@ -766,7 +773,7 @@ def part_b(args: argparse.Namespace, parts: set[str]) -> None:
             ablation(args)
 
 
-def report_gap(indent: str, sol: solver.Solution, b: Bound, p: solver.Problem) -> None:
+def report_gap(indent: str, sol: solver.Solution, b: Bound, p: solver.AssignmentProblem) -> None:
     unplaced = [i for i, o in enumerate(sol.choice) if o is None]
     pen = sum(p.requests[i].penalty for i in unplaced)
     trivial = solver.trivial_bound(p)
@@ -794,11 +801,12 @@ def phase_timers() -> Iterator[dict[str, float]]:
     spent: dict[str, float] = defaultdict(float)
     inside: list[str] = []
     saved: list[tuple[Any, str, str]] = [
-        (placement, "constraints_for", "evaluate"), (placement._Builder, "request", "lists"),
+        (placement, "constraints_for", "evaluate"),
+        (placement.CandidateBuilder, "request", "lists"),
         (solver, "heuristic", "heuristic")]
     # Listing more options for the solver: whichever of these the builder has.
     saved += [(obj, name, "more") for obj, name in (
-        (getattr(placement, "_Source", None), "more"), (placement._Builder, "_walk"))
+        (getattr(placement, "_Source", None), "more"), (placement.CandidateBuilder, "_walk"))
         if obj is not None and hasattr(obj, name)]
     originals = [getattr(obj, name) for obj, name, _ in saved]
 
@@ -828,7 +836,7 @@ def phase_timers() -> Iterator[dict[str, float]]:
 
 def part_c(inst: Instance, runs: int) -> None:
     print("   c. time splits of placement.solve (heuristic): evaluate = the policy's verdict "
-          "per request; candidate lists = placement._Builder.request; solver = "
+          "per request; candidate lists = placement.CandidateBuilder.request; solver = "
           "solver.heuristic, of which growing lists = the builder listing more options "
           "for it; decisions+rest = outcomes, reasons, why unplaced")
     rows = [("run", "evaluate s", "candidate lists s", "solver s", "of which growing lists s",
@@ -945,12 +953,14 @@ class CheckoutDaemon(latency.Daemon):
 
 
 def checkout_env(root: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(root)}
+    """The checkout's packages first: its broker, and its client library where it has one."""
+    paths = [str(root)] + [str(root / "client")] * (root / "client").is_dir()
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def imports_from(root: Path) -> str:
     out = subprocess.run(
-        [sys.executable, "-c", "import broker.placement.optimizer as p; print(p.__file__)"],
+        [sys.executable, "-c", "import broker; print(broker.__file__)"],
         cwd=root, env=checkout_env(root), capture_output=True, text=True, check=True)
     return out.stdout.strip()
 
@@ -1145,7 +1155,7 @@ def part_d(args: argparse.Namespace) -> None:
                 ("this checkout", ROOT, ""),
                 ("this, heuristic only", ROOT, "placement: {exact_max_batch: 0}\n")]
             for name, root, extra in checkouts:
-                print(f"   {name}: {root} (broker.placement.optimizer from {imports_from(root)})"
+                print(f"   {name}: {root} (broker from {imports_from(root)})"
                       + (f"; config + {extra.strip()}" if extra else ""))
             asyncio.run(part_d_async(args, checkouts, workdir))
     finally:

@@ -105,7 +105,7 @@ class Broker(Placing, Verbs, Moves):
         batching = batching or PlacementConfig()
         self._window = batching.batch_window_ms / 1000
         self._max_batch = batching.max_batch
-        self.settings = optimizer.Settings(exact_max_batch=batching.exact_max_batch,
+        self.settings = optimizer.BatchSettings(exact_max_batch=batching.exact_max_batch,
                                            exact_time_limit=batching.exact_time_limit_seconds,
                                            budget_seconds=batching.solve_budget_seconds)
         self.last_batch: optimizer.BatchResult | None = None

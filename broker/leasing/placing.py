@@ -53,7 +53,7 @@ class Placing:
         store: Store
         messages: Messages
         policy: Policy
-        settings: optimizer.Settings
+        settings: optimizer.BatchSettings
         last_batch: optimizer.BatchResult | None
         batch_observers: list[Callable[[optimizer.BatchResult], None]]
         decision_latency: Callable[[float], None] | None

@@ -80,14 +80,11 @@ from policies.residency import Residency
 __all__ = [
     "ALTERNATIVES", "PENALTY", "PENALTY_FLOOR_PER_GPU_HOUR", "SPLIT_MIN_SAVING", "Ask",
     "BatchResult", "BatchSettings", "CandidateBuilder", "CostIndex", "Costs", "Decision",
-    "FrozenCosts", "Outcome", "PoolView", "Rejection", "Settings", "Snapshot", "_Builder",
+    "FrozenCosts", "Outcome", "PoolView", "Rejection", "Snapshot",
     "_Source", "by_horizon", "constraints_for", "cost_terms", "expected_cost", "explain",
     "hazard_for", "hazard_over", "option_cost", "place", "signals", "solve",
     "spot_discount_ok", "unit_cost",
 ]
-
-_Builder = CandidateBuilder
-"""The name bench/placement.py reaches the builder by."""
 
 SPLIT_MIN_SAVING = 0.05
 """A request that one pool can take is split across pools only when that saves at least
@@ -127,10 +124,6 @@ class BatchResult:
         if self.bound <= 0:
             return 0.0
         return max(0.0, (self.objective - self.bound) / self.bound)
-
-
-Settings = BatchSettings
-"""The name `broker.leasing.authority` and the benches use for `BatchSettings`."""
 
 
 def place(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,

@@ -50,12 +50,9 @@ from broker.placement.problem import (
 from broker.placement.residual import State, trivial_bound, why_unplaced
 from policies.teams import Team
 
-Problem = AssignmentProblem
-"""The name the bench and older callers use for `AssignmentProblem`."""
-
 __all__ = [
     "EPS", "PRICE_STEP", "_LP", "Alive", "AssignmentProblem", "Group", "More", "Option",
-    "Problem", "Request", "Shrinking", "Solution", "State", "Team", "_improve", "_make_room",
+    "Request", "Shrinking", "Solution", "State", "Team", "_improve", "_make_room",
     "_price_out", "_team_swaps", "exact", "heuristic", "preload", "trivial_bound",
     "why_unplaced",
 ]

@@ -25,11 +25,11 @@ from broker.placement.arrays import Ranked
 from broker.placement.optimizer import (
     Ask,
     BatchResult,
+    BatchSettings,
     CandidateBuilder,
     Decision,
     Outcome,
     Rejection,
-    Settings,
     solve,
 )
 from policies.evaluate import Denied, TeamUsage, evaluate
@@ -46,13 +46,13 @@ from policies.model import (
 )
 
 POLICY = Policy()
-HEURISTIC = Settings(exact_max_batch=0)
-MILP = Settings(exact_max_batch=1000, exact_time_limit=5)
+HEURISTIC = BatchSettings(exact_max_batch=0)
+MILP = BatchSettings(exact_max_batch=1000, exact_time_limit=5)
 BOTH = pytest.mark.parametrize("settings", [HEURISTIC, MILP], ids=["heuristic", "milp"])
 
 
 def run(reqs: Sequence[PlaceRequest | Ask], pool: ResourcePool, policy: Policy = POLICY,
-        settings: Settings = MILP) -> BatchResult:
+        settings: BatchSettings = MILP) -> BatchResult:
     asks = [r if isinstance(r, Ask) else Ask(r) for r in reqs]
     result = solve(asks, pool, policy, now=T0, settings=settings)
     assert [o.ask for o in result.outcomes] == asks  # one outcome per ask, in order
@@ -92,7 +92,7 @@ def in_group(o: Offer, group: str, units: int) -> Offer:
 
 @BOTH
 def test_pool_capacity_less_what_the_broker_holds_binds_across_the_batch(
-        settings: Settings) -> None:
+        settings: BatchSettings) -> None:
     cheap = offer("us-east-1a", price=20.0, capacity=2)
     dear = offer("us-east-1b", price=30.0)
     pool = pool_of([cheap, dear])
@@ -113,7 +113,7 @@ def test_pool_capacity_less_what_the_broker_holds_binds_across_the_batch(
 
 
 @BOTH
-def test_quota_headroom_of_one_pool_binds_across_the_batch(settings: Settings) -> None:
+def test_quota_headroom_of_one_pool_binds_across_the_batch(settings: BatchSettings) -> None:
     tight = offer("us-east-1a", price=20.0, quota_headroom=8)  # one 8-GPU instance
     roomy = offer("us-east-1b", price=30.0, quota_headroom=64)
     r = run([request("r1"), request("r2")], pool_of([tight, roomy]), settings=settings)
@@ -125,7 +125,7 @@ def test_quota_headroom_of_one_pool_binds_across_the_batch(settings: Settings) -
 
 
 @BOTH
-def test_a_quota_group_shared_by_two_pools_binds_across_both(settings: Settings) -> None:
+def test_a_quota_group_shared_by_two_pools_binds_across_both(settings: BatchSettings) -> None:
     # Two zones draw on one regional quota of 192 vCPUs: one p5 (192 vCPUs) in all.
     group = "aws:us-east-1:P:spot"
     a = in_group(offer("us-east-1a", price=20.0, quota_headroom=8), group, 192)
@@ -148,7 +148,7 @@ def test_a_quota_group_shared_by_two_pools_binds_across_both(settings: Settings)
 
 
 @BOTH
-def test_team_max_gpus_binds_across_the_batch(settings: Settings) -> None:
+def test_team_max_gpus_binds_across_the_batch(settings: BatchSettings) -> None:
     policy = Policy(teams={"ml": Team(max_gpus=16)})
     pool = pool_of([offer("us-east-1a", price=20.0)])
     # Each alone fits.
@@ -168,7 +168,7 @@ def test_team_max_gpus_binds_across_the_batch(settings: Settings) -> None:
 
 
 @BOTH
-def test_team_budget_binds_across_the_batch(settings: Settings) -> None:
+def test_team_budget_binds_across_the_batch(settings: BatchSettings) -> None:
     policy = Policy(teams={"ml": Team(budget_per_hour=50.0)})
     pool = pool_of([offer("us-east-1a", price=24.0)])
     r = run([request(f"r{i}", team="ml") for i in (1, 2, 3)], pool, policy, settings)
@@ -195,7 +195,7 @@ def test_a_budget_rejection_in_a_batch_says_what_the_batch_left() -> None:
 
 
 @BOTH
-def test_spread_limit_per_zone_with_grace(settings: Settings) -> None:
+def test_spread_limit_per_zone_with_grace(settings: BatchSettings) -> None:
     # Half the team's GPUs per zone, plus 8 GPUs of grace: of 24 GPUs, 20 in one zone.
     policy = Policy(teams={"ml": Team(max_zone_share=0.5, spread_grace_gpus=8)})
     a = offer("us-east-1a", price=20.0)
@@ -220,7 +220,7 @@ def test_spread_limit_per_zone_with_grace(settings: Settings) -> None:
 
 
 @BOTH
-def test_spread_limit_per_cloud_with_grace(settings: Settings) -> None:
+def test_spread_limit_per_cloud_with_grace(settings: BatchSettings) -> None:
     policy = Policy(teams={"ml": Team(max_cloud_share=0.5, spread_grace_gpus=8)})
     a = offer("us-east-1a", price=20.0)
     b = offer("us-east-1b", price=21.0)
@@ -242,7 +242,7 @@ def test_spread_limit_per_cloud_with_grace(settings: Settings) -> None:
 
 @BOTH
 def test_price_cap_binds_and_the_capped_request_gets_the_pool_under_it(
-        settings: Settings) -> None:
+        settings: BatchSettings) -> None:
     under = offer("us-east-1a", price=20.0, capacity=1)  # $2.5/GPU-h
     over = offer("us-east-1b", price=24.0)  # $3/GPU-h
     pool = pool_of([under, over])
@@ -323,7 +323,7 @@ def test_clouds_regions_and_residency() -> None:
 
 
 @BOTH
-def test_a_gang_takes_all_its_instances_in_one_pool(settings: Settings) -> None:
+def test_a_gang_takes_all_its_instances_in_one_pool(settings: BatchSettings) -> None:
     # 16 GPUs = two 8-GPU instances, never one in a and one in b.
     a = offer("us-east-1a", price=20.0, capacity=1)
     b = offer("us-east-1b", price=20.0, capacity=1)
@@ -369,7 +369,7 @@ def test_idle_gpus_cost_only_when_the_policy_weighs_them() -> None:
 
 @BOTH
 def test_interruption_and_availability_make_a_dearer_pool_the_better_one(
-        settings: Settings) -> None:
+        settings: BatchSettings) -> None:
     risky = offer("us-east-1a", market="spot", price=20.0, capacity=1,
                   interruption_rate=1.0)  # 20 × (1 + 0.5 h × 1.0) = 30
     scarce = offer("us-east-1b", market="spot", price=22.0, capacity=1,
@@ -394,7 +394,7 @@ def test_interruption_and_availability_make_a_dearer_pool_the_better_one(
 
 
 @BOTH
-def test_arrival_order_breaks_exact_ties(settings: Settings) -> None:
+def test_arrival_order_breaks_exact_ties(settings: BatchSettings) -> None:
     cheap = offer("us-east-1a", price=20.0, capacity=1)
     dear = offer("us-east-1b", price=30.0)
     pool = pool_of([cheap, dear])
@@ -407,7 +407,7 @@ def test_arrival_order_breaks_exact_ties(settings: Settings) -> None:
 
 @BOTH
 def test_a_batch_gives_the_contested_pool_to_the_request_that_needs_it_more(
-        settings: Settings) -> None:
+        settings: BatchSettings) -> None:
     """The regret case: both want H100 in a (one instance left). `flexible` also takes
     A100 in b for a dollar more; `fixed` only H100, whose next pool is dear. First come,
     first served would give a to `flexible` (20 + 40); the batch gives it to `fixed`
@@ -431,7 +431,7 @@ def test_a_batch_gives_the_contested_pool_to_the_request_that_needs_it_more(
 
 
 @BOTH
-def test_longer_requests_weigh_more_in_the_batch(settings: Settings) -> None:
+def test_longer_requests_weigh_more_in_the_batch(settings: BatchSettings) -> None:
     # Two requests, one cheap pool: the one that runs ten hours saves ten times more
     # there, so it gets it even though it arrives second.
     cheap = offer("us-east-1a", price=20.0, capacity=1)
@@ -602,7 +602,7 @@ def test_a_spent_solve_budget_places_the_heuristic_answer_without_the_milp() -> 
     reqs = [request("r0"), request("r1")]
     proven = run(reqs, pool, settings=MILP)
     assert proven.optimal
-    spent = Settings(exact_max_batch=1000, exact_time_limit=5, budget_seconds=1e-9)
+    spent = BatchSettings(exact_max_batch=1000, exact_time_limit=5, budget_seconds=1e-9)
     r = run(reqs, pool, settings=spent)
     assert r.solver == "heuristic" and not r.optimal
     assert sorted(zones(r)) == ["us-east-1a", "us-east-1b"]
