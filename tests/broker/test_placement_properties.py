@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from broker.market.pool import ResourcePool
 from broker.model import Market, Offer, PlaceRequest
-from broker.placement.optimizer import Ask, BatchResult, Decision, Rejection, Settings, solve
+from broker.placement.optimizer import Ask, BatchResult, BatchSettings, Decision, Rejection, solve
 from policies.evaluate import Constraints, Denied, TeamUsage, evaluate
 from policies.model import Clouds, Gpus, Policy, Scoring, Team
 
@@ -37,8 +37,8 @@ with contextlib.suppress(ImportError), warnings.catch_warnings():
     import hypothesis.extra._patching  # noqa: F401
 
 TOL = 1e-6
-HEURISTIC = Settings(exact_max_batch=0)
-MILP = Settings(exact_max_batch=1000, exact_time_limit=5)
+HEURISTIC = BatchSettings(exact_max_batch=0)
+MILP = BatchSettings(exact_max_batch=1000, exact_time_limit=5)
 FAST = settings(max_examples=60, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 

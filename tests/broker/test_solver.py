@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from broker.placement import solver
-from broker.placement.solver import Group, Option, Problem, Request, Solution, Team
+from broker.placement.solver import AssignmentProblem, Group, Option, Request, Solution, Team
 
 TOL = 1e-6
 
@@ -66,7 +66,7 @@ def short_group(full: list[Option], listed: int) -> Group:
 # --- brute force -----------------------------------------------------------------------
 
 
-def violations(p: Problem, choice: Sequence[Option | None]) -> list[str]:
+def violations(p: AssignmentProblem, choice: Sequence[Option | None]) -> list[str]:
     """Every constraint the assignment breaks, from the problem's definition."""
     out: list[str] = []
     assert len(choice) == len(p.requests)
@@ -109,12 +109,12 @@ def violations(p: Problem, choice: Sequence[Option | None]) -> list[str]:
     return out
 
 
-def objective(p: Problem, choice: Sequence[Option | None]) -> float:
+def objective(p: AssignmentProblem, choice: Sequence[Option | None]) -> float:
     return sum(r.penalty if o is None else r.cost(o)
                for r, o in zip(p.requests, choice, strict=True))
 
 
-def brute_force(p: Problem) -> tuple[float, list[Option | None]]:
+def brute_force(p: AssignmentProblem) -> tuple[float, list[Option | None]]:
     """The optimum by enumeration. Resources, team GPUs and budget only grow as
     requests are placed, so a branch that passes one is cut at once; the spread limit
     (a share of the total after the batch) is checked on full assignments."""
@@ -168,7 +168,7 @@ def brute_force(p: Problem) -> tuple[float, list[Option | None]]:
     return best
 
 
-def check_solution(p: Problem, sol: Solution, *, bound: bool = True) -> None:
+def check_solution(p: AssignmentProblem, sol: Solution, *, bound: bool = True) -> None:
     assert violations(p, sol.choice) == []
     assert sol.objective == pytest.approx(objective(p, sol.choice), abs=TOL)
     if bound:
@@ -178,11 +178,11 @@ def check_solution(p: Problem, sol: Solution, *, bound: bool = True) -> None:
 # --- the cases greedy gets wrong --------------------------------------------------------
 
 
-def regret_problem() -> Problem:
+def regret_problem() -> AssignmentProblem:
     """Two requests want pool A (one instance left). r0, first in line, has a cheap
     second choice B; r1's second choice C is dear. One at a time in arrival order gives
     A to r0 and C to r1 (10 + 30); the optimum gives A to r1 and B to r0 (11 + 10)."""
-    return Problem(
+    return AssignmentProblem(
         [req(opt(10, ("A", 1)), opt(11, ("B", 1))),
          req(opt(10, ("A", 1)), opt(30, ("C", 1)))],
         limits={"A": 1, "B": 1, "C": 1})
@@ -204,7 +204,7 @@ def test_regret_ordering_finds_the_optimum_greedy_in_arrival_order_misses() -> N
 
 def test_heuristic_reports_optimal_only_when_it_meets_the_trivial_bound() -> None:
     # No contention: everyone gets the cheapest option, proven by the bound.
-    p = Problem([req(opt(10, ("A", 1))), req(opt(12, ("B", 1)))], limits={"A": 1, "B": 1})
+    p = AssignmentProblem([req(opt(10, ("A", 1))), req(opt(12, ("B", 1)))], limits={"A": 1, "B": 1})
     h = solver.heuristic(p)
     assert h.optimal and h.objective == pytest.approx(22) and h.bound == pytest.approx(22)
     assert h.gap == 0.0
@@ -218,7 +218,7 @@ def test_heuristic_reports_optimal_only_when_it_meets_the_trivial_bound() -> Non
 def test_a_request_with_nowhere_else_to_go_gets_the_contested_pool() -> None:
     # r0 arrives first and A is its cheapest, but r1's only option is A: leaving r1 out
     # costs its penalty (1000), far more than r0's move to B (+2).
-    p = Problem([req(opt(10, ("A", 1)), opt(12, ("B", 1))),
+    p = AssignmentProblem([req(opt(10, ("A", 1)), opt(12, ("B", 1))),
                  req(opt(50, ("A", 1)), penalty=1000)], limits={"A": 1, "B": 1})
     want, _ = brute_force(p)
     for sol in (solver.heuristic(p), solver.exact(p)):
@@ -232,7 +232,7 @@ def test_spread_shares_are_of_the_teams_gpus_after_the_batch() -> None:
     # only go in if another goes elsewhere in the same batch. Two requests in two zones
     # hold half each. One at a time can never start; the MILP places both.
     team = Team(zone_share=0.5, grace=0)
-    p = Problem([req(opt(10, zone="a", gpus=4), opt(11, zone="b", gpus=4), team="t"),
+    p = AssignmentProblem([req(opt(10, zone="a", gpus=4), opt(11, zone="b", gpus=4), team="t"),
                  req(opt(10, zone="a", gpus=4), opt(11, zone="b", gpus=4), team="t")],
                 limits={}, teams={"t": team})
     want, choice = brute_force(p)
@@ -248,7 +248,7 @@ def test_spread_shares_are_of_the_teams_gpus_after_the_batch() -> None:
 
 def test_spread_grace_lets_a_small_team_sit_in_one_zone() -> None:
     team = Team(zone_share=0.5, grace=8, total=0)
-    p = Problem([req(opt(10, zone="a", gpus=4), opt(15, zone="b", gpus=4), team="t"),
+    p = AssignmentProblem([req(opt(10, zone="a", gpus=4), opt(15, zone="b", gpus=4), team="t"),
                  req(opt(10, zone="a", gpus=4), opt(15, zone="b", gpus=4), team="t"),
                  req(opt(10, zone="a", gpus=4), opt(15, zone="b", gpus=4), team="t")],
                 limits={}, teams={"t": team})
@@ -270,11 +270,12 @@ def test_spread_grace_lets_a_small_team_sit_in_one_zone() -> None:
 
 def test_team_gpus_and_budget_bind_across_the_batch() -> None:
     both = [opt(10, gpus=8, price=10), opt(10, gpus=8, price=10), opt(10, gpus=8, price=10)]
-    p = Problem([req(o, team="t") for o in both], limits={}, teams={"t": Team(gpus_left=16)})
+    p = AssignmentProblem([req(o, team="t") for o in both],
+                          limits={}, teams={"t": Team(gpus_left=16)})
     for sol in (solver.heuristic(p), solver.exact(p)):
         check_solution(p, sol)
         assert [o is not None for o in sol.choice] == [True, True, False]  # arrival order
-    p = Problem([req(o, team="t") for o in both], limits={},
+    p = AssignmentProblem([req(o, team="t") for o in both], limits={},
                 teams={"t": Team(budget_left=25.0)})
     for sol in (solver.heuristic(p), solver.exact(p)):
         check_solution(p, sol)
@@ -283,7 +284,7 @@ def test_team_gpus_and_budget_bind_across_the_batch() -> None:
 
 def test_a_shared_resource_counts_every_user() -> None:
     # A quota group of 10 units: options in two pools count against it.
-    p = Problem([req(opt(10, ("A", 1), ("q", 6)), opt(40, ("C", 1))),
+    p = AssignmentProblem([req(opt(10, ("A", 1), ("q", 6)), opt(40, ("C", 1))),
                  req(opt(11, ("B", 1), ("q", 6)), opt(20, ("C", 1)))],
                 limits={"A": 5, "B": 5, "C": 5, "q": 10})
     want, _ = brute_force(p)
@@ -298,21 +299,21 @@ def test_a_shared_resource_counts_every_user() -> None:
 
 def test_why_unplaced_names_what_binds() -> None:
     a = opt(10, ("A", 1))
-    p = Problem([req(a), req(a)], limits={"A": 1})
+    p = AssignmentProblem([req(a), req(a)], limits={"A": 1})
     assert solver.why_unplaced(p, [a, None]) == {1: ("resource", "A")}
     g = opt(10, gpus=8)
-    p = Problem([req(g, team="t"), req(g, team="t")], limits={},
+    p = AssignmentProblem([req(g, team="t"), req(g, team="t")], limits={},
                 teams={"t": Team(gpus_left=8)})
     assert solver.why_unplaced(p, [g, None]) == {1: ("team_gpus", 0)}  # GPUs left
-    p = Problem([req(g, team="t"), req(g, team="t")], limits={},
+    p = AssignmentProblem([req(g, team="t"), req(g, team="t")], limits={},
                 teams={"t": Team(budget_left=15.0)})
     assert solver.why_unplaced(p, [g, None]) == {1: ("team_budget", 5.0)}  # $/h left
-    p = Problem([req(g, team="t"), req(g, team="t")], limits={},
+    p = AssignmentProblem([req(g, team="t"), req(g, team="t")], limits={},
                 teams={"t": Team(zone_share=0.5, grace=4)})
     assert solver.why_unplaced(p, [g, None]) == {1: ("spread", "t")}
     # Nothing binds: only the penalty kept it out (a solver's choice, not a limit); a
     # request without options is not explained.
-    p = Problem([req(g), Request(Group([]), 1.0, 1.0)], limits={})
+    p = AssignmentProblem([req(g), Request(Group([]), 1.0, 1.0)], limits={})
     assert solver.why_unplaced(p, [None, None]) == {0: ("penalty", None)}
     # Placed requests are not explained.
     assert solver.why_unplaced(p, [g, None]) == {}
@@ -337,7 +338,7 @@ class Spec:
     teams: dict[str, tuple[float | None, float | None, float | None, float | None, int,
                            dict[int, int]]]
 
-    def build(self, listed: int | None = None) -> Problem:
+    def build(self, listed: int | None = None) -> AssignmentProblem:
         """The problem; with `listed`, each group lists only its cheapest `listed`
         options and `more` gives the rest (column generation)."""
         reqs: list[Request] = []
@@ -358,7 +359,7 @@ class Spec:
                 by_cloud[cloud] += n
             teams[name] = Team(gl, bl, zs, cs, grace, sum(by_zone.values()), by_zone,
                                dict(by_cloud))
-        return Problem(reqs, dict(self.limits), teams)
+        return AssignmentProblem(reqs, dict(self.limits), teams)
 
 
 RESOURCES = ["p0", "p1", "p2", "q"]
@@ -461,7 +462,7 @@ def test_column_generation_finds_options_beyond_the_listed_ones(spec: Spec) -> N
 def test_brute_force_checker_catches_each_violation() -> None:
     """The checker the tests lean on does see every kind of violation."""
     a = opt(10, ("A", 2), gpus=8, price=10, zone="a")
-    p = Problem([req(a, team="t"), req(a, team="t")], limits={"A": 3},
+    p = AssignmentProblem([req(a, team="t"), req(a, team="t")], limits={"A": 3},
                 teams={"t": Team(gpus_left=8, budget_left=15, zone_share=0.5,
                                  cloud_share=0.5, grace=0)})
     found = " | ".join(violations(p, [a, a]))
@@ -475,7 +476,7 @@ def test_brute_force_checker_catches_each_violation() -> None:
 
 
 def test_a_team_already_over_its_share_does_not_spoil_the_milp_for_the_batch() -> None:
-    p = Problem([req(opt(10, zone="a", gpus=4), opt(11, zone="b", gpus=4), team="u"),
+    p = AssignmentProblem([req(opt(10, zone="a", gpus=4), opt(11, zone="b", gpus=4), team="u"),
                  req(opt(10, zone="a", gpus=4), opt(11, zone="b", gpus=4), team="u"),
                  req(opt(5, zone="x", gpus=8), opt(9, zone="y", gpus=8), team="t")],
                 limits={},
@@ -493,7 +494,7 @@ def test_the_heuristic_bound_stays_below_its_objective_when_a_shared_group_grows
     # Two requests share a group listing only A (one left); B and C are listed later.
     full = [opt(5, ("A", 1)), opt(6, ("B", 1)), opt(7, ("C", 1))]
     group = short_group(full, 1)
-    p = Problem([Request(group, 1.0, 100.0), Request(group, 1.0, 100.0)],
+    p = AssignmentProblem([Request(group, 1.0, 100.0), Request(group, 1.0, 100.0)],
                 limits={"A": 1, "B": 1, "C": 1})
     h = solver.heuristic(p)
     assert h.objective == pytest.approx(11)
@@ -509,7 +510,7 @@ def test_a_group_grows_when_its_source_leaves_out_the_listed_options_used_up() -
     # greedy phase places (no improvement rounds to make up for it).
     full = [opt(5, ("A", 1)), opt(6, ("B", 1)), opt(7, ("C", 1))]
     group = short_group(full, 2)
-    p = Problem([Request(group, 1.0, 100.0) for _ in range(3)],
+    p = AssignmentProblem([Request(group, 1.0, 100.0) for _ in range(3)],
                 limits={"A": 1, "B": 1, "C": 1})
     h = solver.heuristic(p, improve_rounds=0)
     assert [o.uses[0][0] if o else None for o in h.choice] == ["A", "B", "C"]
@@ -534,7 +535,7 @@ def test_a_team_short_of_budget_for_every_unlisted_option_lists_no_more() -> Non
 
     group.more = counted
     teams = {"t": Team(budget_left=15.0)}
-    p = Problem([Request(group, 1.0, 100.0), Request(group, 1.0, 100.0, team="t")],
+    p = AssignmentProblem([Request(group, 1.0, 100.0), Request(group, 1.0, 100.0, team="t")],
                 limits={"A": 1, "B": 1, "C": 1}, teams=teams)
     h = solver.heuristic(p)
     check_solution(p, h)
@@ -542,7 +543,7 @@ def test_a_team_short_of_budget_for_every_unlisted_option_lists_no_more() -> Non
     assert not asked
     # Without the floor, the same answer after listing everything.
     group = short_group(full, 1)
-    p = Problem([Request(group, 1.0, 100.0), Request(group, 1.0, 100.0, team="t")],
+    p = AssignmentProblem([Request(group, 1.0, 100.0), Request(group, 1.0, 100.0, team="t")],
                 limits={"A": 1, "B": 1, "C": 1}, teams=teams)
     assert solver.heuristic(p).objective == pytest.approx(h.objective)
     assert group.complete
@@ -567,7 +568,7 @@ def test_a_team_short_of_budget_takes_the_cheap_pools_before_teams_without_limit
     # has no limit and loses only 0.5 by going to D. By regret alone `other` (regret
     # 0.5) would take A before t's requests (regret 0), and t could place only one.
     ab = [opt(10, ("A", 1)), opt(10, ("B", 1)), opt(15, ("C", 1))]
-    p = Problem([req(opt(10, ("A", 1)), opt(10.5, ("D", 1)), penalty=1000),
+    p = AssignmentProblem([req(opt(10, ("A", 1)), opt(10.5, ("D", 1)), penalty=1000),
                  *(req(*ab, team="t", penalty=1000) for _ in range(3))],
                 limits={"A": 1, "B": 1, "C": 3, "D": 1}, teams={"t": Team(budget_left=20)})
     want, _ = brute_force(p)
@@ -582,7 +583,7 @@ def test_a_team_short_of_budget_takes_the_cheap_pools_before_teams_without_limit
 def test_a_team_swap_gives_its_gpus_to_the_request_worth_most_per_gpu() -> None:
     # The team may hold 8 more GPUs; two 4-GPU requests worth 50 each hold them, an
     # 8-GPU request worth 1000 is left out: a swap places it instead.
-    p = Problem([req(opt(10, gpus=4), team="t", penalty=50),
+    p = AssignmentProblem([req(opt(10, gpus=4), team="t", penalty=50),
                  req(opt(10, gpus=4), team="t", penalty=50),
                  req(opt(20, gpus=8), team="t", penalty=1000)],
                 limits={}, teams={"t": Team(gpus_left=8)})
@@ -613,7 +614,7 @@ def test_making_room_moves_every_request_in_the_way() -> None:
     # C for 1 more each; the unplaced request needs both instances of A.
     small = [req(opt(10, ("A", 1)), opt(11, ("B", 1))), req(opt(10, ("A", 1)), opt(11, ("C", 1)))]
     big = req(opt(30, ("A", 2)), penalty=1000)
-    p = Problem([*small, big], limits={"A": 2, "B": 1, "C": 1})
+    p = AssignmentProblem([*small, big], limits={"A": 2, "B": 1, "C": 1})
     st = solver.State(p)
     for i in (0, 1):
         st.take(i, p.requests[i].options[0])
@@ -634,16 +635,16 @@ def test_making_room_moves_every_request_in_the_way() -> None:
 def test_the_trivial_bound_counts_only_options_that_fit_on_their_own() -> None:
     # A's last instance is gone before the batch: the lone request's best is B, and
     # the heuristic can say so without the LP (the daemon then skips the MILP).
-    p = Problem([req(opt(10, ("A", 1)), opt(12, ("B", 1)))], limits={"A": 0, "B": 1})
+    p = AssignmentProblem([req(opt(10, ("A", 1)), opt(12, ("B", 1)))], limits={"A": 0, "B": 1})
     h = solver.heuristic(p)
     assert h.objective == pytest.approx(12) and h.bound == pytest.approx(12) and h.optimal
     # A team whose budget rules out the cheapest option: the same.
-    p = Problem([req(opt(10, price=30), opt(12, price=20), team="t")], limits={},
+    p = AssignmentProblem([req(opt(10, price=30), opt(12, price=20), team="t")], limits={},
                 teams={"t": Team(budget_left=25)})
     h = solver.heuristic(p)
     assert h.objective == pytest.approx(12) and h.optimal
     # Two requests: contention is not counted, so nothing is proven.
-    p = Problem([req(opt(10, ("A", 1)), opt(12, ("B", 1))),
+    p = AssignmentProblem([req(opt(10, ("A", 1)), opt(12, ("B", 1))),
                  req(opt(10, ("A", 1)), opt(12, ("B", 1)))], limits={"A": 1, "B": 1})
     h = solver.heuristic(p)
     assert h.bound == pytest.approx(20) and h.objective == pytest.approx(22)
@@ -654,7 +655,7 @@ def test_a_team_short_of_budget_takes_the_lower_price_when_it_places_more() -> N
     # A costs 10 (price 10), B costs 10.5 but its price is 6 (a cheaper machine whose
     # expected cost carries more risk). With 20/h, A places two requests, B three.
     opts = [opt(10, ("A", 1), price=10), opt(10.5, ("B", 1), price=6)]
-    p = Problem([req(*opts, team="t", penalty=1000) for _ in range(3)],
+    p = AssignmentProblem([req(*opts, team="t", penalty=1000) for _ in range(3)],
                 limits={"A": 3, "B": 3}, teams={"t": Team(budget_left=20)})
     want, _ = brute_force(p)
     assert want == pytest.approx(3 * 10.5)
@@ -668,7 +669,7 @@ def test_a_team_short_of_budget_takes_the_lower_price_when_it_places_more() -> N
 def test_a_request_takes_a_cheaper_pool_by_moving_its_holder_on(chains: bool) -> None:
     # r0 sits in B (12) because r1 holds A's one instance; r1 loses 0.5 by moving to C,
     # r0 gains 2 by taking A.
-    p = Problem([req(opt(10, ("A", 1)), opt(12, ("B", 1))),
+    p = AssignmentProblem([req(opt(10, ("A", 1)), opt(12, ("B", 1))),
                  req(opt(10, ("A", 1)), opt(10.5, ("C", 1)))],
                 limits={"A": 1, "B": 1, "C": 1})
     st = solver.State(p)
