@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.model import Market, PlaceRequest, PoolKey, RejectCode, markets_for
-from policies.model import Policy, Rule
+from policies.model import Policy, Rule, Team
 from policies.residency import Residency
 from policies.teams import TeamUsage, over_max_gpus
 
@@ -148,39 +148,31 @@ def matching_rule(policy: Policy, request: PlaceRequest) -> Rule | None:
     return None
 
 
-# Complex: split in the package redesign (#28).
-def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = None,  # noqa: C901, PLR0912
-             resident: Residency | None = None, owned_gpus: int = 0) -> Constraints | Denied:
-    """The request's constraints under the policy, or why it is denied. `usage`: what
-    the request's team holds; `owned_gpus`: the paid-for GPUs there are (for the team's
-    `private_share`)."""
-    usage = usage or TeamUsage()
-    resident = resident or Residency(policy.residency.tags)
-    rule = matching_rule(policy, request)
-    why = f"rule {rule.name!r}" if rule else "policy"
-    if rule is not None and rule.deny is not None:
-        return Denied(RejectCode.POLICY_DENIED, f"rule {rule.name!r}: {rule.deny}")
-    req = rule.require if rule else None
-
-    # Markets: the request's (or the default), narrowed by the rule and the team.
+def _markets(policy: Policy, request: PlaceRequest, rule: Rule | None,
+             team: Team | None) -> set[Market] | Denied:
+    """The markets: the request's (or the default), narrowed by the rule and the team.
+    Paid-for capacity (`reserved`) rides along with spot and on-demand wherever they are
+    allowed; it never stands in for the market a request asked for: a request for spot
+    from a team allowed on-demand only is denied, not sent to reserved capacity."""
     market = request.market or policy.defaults.market
-    # Paid-for capacity (`reserved`) rides along with spot and on-demand wherever they
-    # are allowed; it never stands in for the market a request asked for: a request for
-    # spot from a team allowed on-demand only is denied, not sent to reserved capacity.
     markets = set(markets_for(market))
     asked = set(markets) if market in ("any", "reserved") else {Market(market)}
-    team = policy.teams.get(request.team) if request.team else None
+    req = rule.require if rule else None
     if req and req.market:
         markets &= markets_for(req.market)
     if team and team.markets is not None:
         markets &= {m for name in team.markets for m in markets_for(name)}
     if not markets & asked:
+        why = f"rule {rule.name!r}" if rule else "policy"
         return Denied(RejectCode.POLICY_DENIED,
                       f"market {market!r} is not allowed for this request ({why}"
                       + (f", team {request.team!r} markets {team.markets}" if team else "")
                       + ")")
+    return markets
 
-    # GPU models: asked for, plus equivalents, minus what is not allowed.
+
+def _gpus(policy: Policy, request: PlaceRequest, team: Team | None) -> list[str] | Denied:
+    """The GPU models: asked for, plus equivalents, minus what is not allowed."""
     wanted: list[str] = []
     for g in request.gpu:
         for candidate in (g, *policy.gpus.equivalent.get(g, ())):
@@ -193,27 +185,42 @@ def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = No
                       f"GPU {'/'.join(request.gpu)} is not allowed"
                       + (f" for team {request.team!r}" if team and team.gpus is not None
                          else " by the policy's gpus lists"))
+    return gpus
 
-    # Team limits.
+
+def _team_room(request: PlaceRequest, team: Team | None,
+               usage: TeamUsage) -> float | Denied | None:
+    """The team's limits: denied when it is at its max_gpus or budget; else the budget
+    left per hour (None: no budget)."""
     if team and over_max_gpus(team.max_gpus, usage, request.gpus):
         return Denied(RejectCode.OVER_BUDGET,
                       f"team {request.team!r} holds {usage.gpus} GPUs; {request.gpus} more "
                       f"would pass its max_gpus {team.max_gpus}")
-    budget_left = None
-    if team and team.budget_per_hour is not None:
-        budget_left = team.budget_per_hour - usage.price_per_hour
-        if budget_left <= 0:
-            return Denied(RejectCode.OVER_BUDGET,
-                          f"team {request.team!r} spends ${usage.price_per_hour:.2f}/h of its "
-                          f"${team.budget_per_hour:g}/h budget_per_hour")
+    if team is None or team.budget_per_hour is None:
+        return None
+    budget_left = team.budget_per_hour - usage.price_per_hour
+    if budget_left <= 0:
+        return Denied(RejectCode.OVER_BUDGET,
+                      f"team {request.team!r} spends ${usage.price_per_hour:.2f}/h of its "
+                      f"${team.budget_per_hour:g}/h budget_per_hour")
+    return budget_left
 
-    # Where: request ∩ top-level lists ∩ team ∩ rule.
+
+_Places = tuple[set[str] | None, set[str] | None, tuple[frozenset[str], ...]]
+
+
+def _places(policy: Policy, request: PlaceRequest, rule: Rule | None,
+           team: Team | None) -> _Places | Denied:
+    """Where: the clouds (request ∩ top-level lists ∩ team ∩ rule), the regions, and the
+    residency requirements (the team's, the rule's: a region needs one tag of each)."""
+    req = rule.require if rule else None
     clouds: set[str] | None = set(request.clouds) if request.clouds else None
     for extra in ((policy.clouds.allow or None), (team.clouds if team else None),
                   (req.clouds if req else None)):
         if extra:
             clouds = set(extra) if clouds is None else clouds & set(extra)
     if clouds is not None and not clouds - set(policy.clouds.deny):
+        why = f"rule {rule.name!r}" if rule else "policy"
         return Denied(RejectCode.POLICY_DENIED, f"no cloud is left for this request ({why}, "
                       "the team's clouds and the policy's clouds lists)")
     regions: set[str] | None = set(request.regions) if request.regions else None
@@ -224,11 +231,37 @@ def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = No
         if not regions:
             return Denied(RejectCode.POLICY_DENIED,
                           "none of the requested regions is in the policy's regions.allow")
-    # Each residency requirement (the team's, the rule's) must hold: a region needs one
-    # tag of each list.
     residency = tuple(frozenset(tags) for tags in ((team.residency if team else None),
                                                    (req.residency if req else None)) if tags)
+    return clouds, regions, residency
 
+
+def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = None,
+             resident: Residency | None = None, owned_gpus: int = 0) -> Constraints | Denied:
+    """The request's constraints under the policy, or why it is denied. `usage`: what
+    the request's team holds; `owned_gpus`: the paid-for GPUs there are (for the team's
+    `private_share`). The steps, in order: the matching rule's deny, the markets, the GPU
+    models, the team's limits, then where (clouds, regions, residency)."""
+    usage = usage or TeamUsage()
+    resident = resident or Residency(policy.residency.tags)
+    rule = matching_rule(policy, request)
+    if rule is not None and rule.deny is not None:
+        return Denied(RejectCode.POLICY_DENIED, f"rule {rule.name!r}: {rule.deny}")
+    req = rule.require if rule else None
+    team = policy.teams.get(request.team) if request.team else None
+    markets = _markets(policy, request, rule, team)
+    if isinstance(markets, Denied):
+        return markets
+    gpus = _gpus(policy, request, team)
+    if isinstance(gpus, Denied):
+        return gpus
+    budget_left = _team_room(request, team, usage)
+    if isinstance(budget_left, Denied):
+        return budget_left
+    where = _places(policy, request, rule, team)
+    if isinstance(where, Denied):
+        return where
+    clouds, regions, residency = where
     # The request's own cap replaces the policy's default; a rule's cap always holds.
     own_cap = (request.max_price_per_gpu_hour if request.max_price_per_gpu_hour is not None
                else policy.defaults.max_price_per_gpu_hour)

@@ -1,12 +1,12 @@
 """A team's limits, written once: what its active leases hold (`TeamUsage`), and what it
-may still take in a batch (`Team`): GPUs (`max_gpus`), dollars per hour
+may still take in a batch (`TeamRoom`): GPUs (`max_gpus`), dollars per hour
 (`budget_per_hour`), paid-for GPUs (`private_share`) and how its GPUs spread over zones
 and clouds (`max_zone_share`, `max_cloud_share`, `spread_grace_gpus`).
 
 `policies.evaluate` denies a request its team's GPUs cannot take and gives the rest of the
 limits to the optimizer; the solver (`broker.placement`) counts placements against them
-with `Team.binding`, `Team.count` and `Team.spread_allows`, in its heuristic, its MILP
-rows (`Team.rows`) and its explanation of a request left unplaced."""
+with `TeamRoom.binding`, `TeamRoom.count` and `TeamRoom.spread_allows`, in its heuristic, its MILP
+rows (`TeamRoom.rows`) and its explanation of a request left unplaced."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class TeamUsage:
 
 
 @dataclass(slots=True)
-class Team:
+class TeamRoom:
     """What a team may still take in this batch. Shares are of the team's GPUs after the
     batch; `grace` GPUs may sit in one zone or cloud whatever the share."""
 
@@ -52,8 +52,8 @@ class Team:
         return self.gpus_left is not None or self.budget_left is not None \
             or self.owned_left is not None
 
-    def copy(self) -> Team:
-        return Team(self.gpus_left, self.budget_left, self.zone_share, self.cloud_share,
+    def copy(self) -> TeamRoom:
+        return TeamRoom(self.gpus_left, self.budget_left, self.zone_share, self.cloud_share,
                     self.grace, self.total, dict(self.by_zone), dict(self.by_cloud),
                     self.owned_left)
 
@@ -135,4 +135,4 @@ class Team:
 def over_max_gpus(max_gpus: int | None, usage: TeamUsage, gpus: int) -> bool:
     """Whether `gpus` more GPUs would pass the team's `max_gpus` (a request alone)."""
     return max_gpus is not None and \
-        Team(gpus_left=max_gpus - usage.gpus).binding(gpus) is not None
+        TeamRoom(gpus_left=max_gpus - usage.gpus).binding(gpus) is not None

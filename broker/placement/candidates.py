@@ -30,7 +30,7 @@ from broker.placement.view import Costs, PoolView
 from broker.placement.walk import walk
 from policies.evaluate import Constraints
 from policies.model import Policy
-from policies.teams import Team
+from policies.teams import TeamRoom
 
 ALTERNATIVES = 3
 PENALTY = 100  # leaving a request unplaced costs this many times its cheapest option
@@ -61,7 +61,7 @@ class CandidateBuilder:
         self.stale = view.stale_slices(now)
         self.cooling = view.cooling(now)
         self.limits: dict[Hashable, float] = {}
-        self.teams: dict[str, Team] = {}
+        self.teams: dict[str, TeamRoom] = {}
         self._groups: dict[Hashable, tuple[Group, Scan]] = {}
         self._options: dict[tuple[PoolKey, int, int, float], Option] = {}
         self._rules: list[str | None] = []
@@ -225,7 +225,7 @@ class CandidateBuilder:
         by_cloud: Counter[str] = Counter()
         for (cloud, _), n in c.gpus_by_zone.items():
             by_cloud[cloud] += n
-        self.teams[c.team] = Team(
+        self.teams[c.team] = TeamRoom(
             gpus_left=c.gpus_left, budget_left=c.budget_left,
             zone_share=c.max_zone_share, cloud_share=c.max_cloud_share,
             grace=c.spread_grace, total=c.team_gpus, by_zone=dict(c.gpus_by_zone),

@@ -1,7 +1,7 @@
 """The assignment problem a batch of placement requests is: each request takes one of its
 options (a pool and a number of instances) or stays unplaced; options use up shared
 resources (a pool's free instances, a quota group's headroom) and their team's limits
-(`policies.teams.Team`). `broker.placement.solver` tells the whole story."""
+(`policies.teams.TeamRoom`). `broker.placement.solver` tells the whole story."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-from policies.teams import EPS, Team
+from policies.teams import EPS, TeamRoom
 
 __all__ = ["EPS", "Alive", "AssignmentProblem", "Group", "More", "Option", "Request",
-           "Shrinking", "Solution", "Team"]
+           "Shrinking", "Solution", "TeamRoom"]
 
 @dataclass(frozen=True, slots=True)
 class Option:
@@ -141,7 +141,7 @@ class AssignmentProblem:
 
     requests: list[Request]
     limits: dict[Hashable, float]  # resource -> what is left of it; absent = unlimited
-    teams: dict[str, Team] = field(default_factory=dict)
+    teams: dict[str, TeamRoom] = field(default_factory=dict)
 
     def option_cost(self, i: int, o: Option) -> float:
         return self.requests[i].cost(o)

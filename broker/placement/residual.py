@@ -47,7 +47,7 @@ class State:
         return self.team_binds(team, o) is None
 
     def team_binds(self, team: str | None, o: Option) -> tuple[str, float] | None:
-        """The limit of `team` that `o` would pass (`Team.binding`), or None."""
+        """The limit of `team` that `o` would pass (`TeamRoom.binding`), or None."""
         t = self.teams.get(team) if team is not None else None
         return None if t is None else t.binding(o.gpus, o.price, o.owned)
 

@@ -18,7 +18,7 @@ vectorised mask (numpy, many offers of one GPU model and market:
 
 The policy's own rules (`policies.evaluate.POLICY_RULES`) are the same objects the lease
 re-check (`forbids`) uses. A `sized` rule depends on the instances placed; a `batch` rule
-is a limit the solver counts across a batch (`policies.teams.Team`): the option lists of
+is a limit the solver counts across a batch (`policies.teams.TeamRoom`): the option lists of
 a batch do not filter by it (requests share lists whatever their team's budget), while a
 request judged alone — `explain`, the backtest's baselines — is.
 

@@ -48,11 +48,11 @@ from broker.placement.problem import (
     Solution,
 )
 from broker.placement.residual import State, trivial_bound, why_unplaced
-from policies.teams import Team
+from policies.teams import TeamRoom
 
 __all__ = [
     "EPS", "PRICE_STEP", "_LP", "Alive", "AssignmentProblem", "Group", "More", "Option",
-    "Request", "Shrinking", "Solution", "State", "Team", "_improve", "_make_room",
+    "Request", "Shrinking", "Solution", "State", "TeamRoom", "_improve", "_make_room",
     "_price_out", "_team_swaps", "exact", "heuristic", "preload", "trivial_bound",
     "why_unplaced",
 ]

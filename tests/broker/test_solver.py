@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from broker.placement import solver
-from broker.placement.solver import AssignmentProblem, Group, Option, Request, Solution, Team
+from broker.placement.solver import AssignmentProblem, Group, Option, Request, Solution, TeamRoom
 
 TOL = 1e-6
 
@@ -231,7 +231,7 @@ def test_spread_shares_are_of_the_teams_gpus_after_the_batch() -> None:
     # No grace: one placement alone is 100 % of the team in its zone, so a request can
     # only go in if another goes elsewhere in the same batch. Two requests in two zones
     # hold half each. One at a time can never start; the MILP places both.
-    team = Team(zone_share=0.5, grace=0)
+    team = TeamRoom(zone_share=0.5, grace=0)
     p = AssignmentProblem([req(opt(10, zone="a", gpus=4), opt(11, zone="b", gpus=4), team="t"),
                  req(opt(10, zone="a", gpus=4), opt(11, zone="b", gpus=4), team="t")],
                 limits={}, teams={"t": team})
@@ -247,7 +247,7 @@ def test_spread_shares_are_of_the_teams_gpus_after_the_batch() -> None:
 
 
 def test_spread_grace_lets_a_small_team_sit_in_one_zone() -> None:
-    team = Team(zone_share=0.5, grace=8, total=0)
+    team = TeamRoom(zone_share=0.5, grace=8, total=0)
     p = AssignmentProblem([req(opt(10, zone="a", gpus=4), opt(15, zone="b", gpus=4), team="t"),
                  req(opt(10, zone="a", gpus=4), opt(15, zone="b", gpus=4), team="t"),
                  req(opt(10, zone="a", gpus=4), opt(15, zone="b", gpus=4), team="t")],
@@ -257,7 +257,7 @@ def test_spread_grace_lets_a_small_team_sit_in_one_zone() -> None:
         check_solution(p, sol)
         assert [o.zone for o in sol.choice if o] == ["a", "a", "a"]
     # The team already holds 16 in a: 16 + 4k ≤ 0.5 × (16 + 12) + 8 = 22 → one more fits.
-    held = Team(zone_share=0.5, grace=8, total=16, by_zone={("aws", "a"): 16},
+    held = TeamRoom(zone_share=0.5, grace=8, total=16, by_zone={("aws", "a"): 16},
                 by_cloud={"aws": 16})
     p.teams["t"] = held
     want, _ = brute_force(p)
@@ -271,12 +271,12 @@ def test_spread_grace_lets_a_small_team_sit_in_one_zone() -> None:
 def test_team_gpus_and_budget_bind_across_the_batch() -> None:
     both = [opt(10, gpus=8, price=10), opt(10, gpus=8, price=10), opt(10, gpus=8, price=10)]
     p = AssignmentProblem([req(o, team="t") for o in both],
-                          limits={}, teams={"t": Team(gpus_left=16)})
+                          limits={}, teams={"t": TeamRoom(gpus_left=16)})
     for sol in (solver.heuristic(p), solver.exact(p)):
         check_solution(p, sol)
         assert [o is not None for o in sol.choice] == [True, True, False]  # arrival order
     p = AssignmentProblem([req(o, team="t") for o in both], limits={},
-                teams={"t": Team(budget_left=25.0)})
+                teams={"t": TeamRoom(budget_left=25.0)})
     for sol in (solver.heuristic(p), solver.exact(p)):
         check_solution(p, sol)
         assert sum(o is not None for o in sol.choice) == 2
@@ -303,13 +303,13 @@ def test_why_unplaced_names_what_binds() -> None:
     assert solver.why_unplaced(p, [a, None]) == {1: ("resource", "A")}
     g = opt(10, gpus=8)
     p = AssignmentProblem([req(g, team="t"), req(g, team="t")], limits={},
-                teams={"t": Team(gpus_left=8)})
+                teams={"t": TeamRoom(gpus_left=8)})
     assert solver.why_unplaced(p, [g, None]) == {1: ("team_gpus", 0)}  # GPUs left
     p = AssignmentProblem([req(g, team="t"), req(g, team="t")], limits={},
-                teams={"t": Team(budget_left=15.0)})
+                teams={"t": TeamRoom(budget_left=15.0)})
     assert solver.why_unplaced(p, [g, None]) == {1: ("team_budget", 5.0)}  # $/h left
     p = AssignmentProblem([req(g, team="t"), req(g, team="t")], limits={},
-                teams={"t": Team(zone_share=0.5, grace=4)})
+                teams={"t": TeamRoom(zone_share=0.5, grace=4)})
     assert solver.why_unplaced(p, [g, None]) == {1: ("spread", "t")}
     # Nothing binds: only the penalty kept it out (a solver's choice, not a limit); a
     # request without options is not explained.
@@ -357,7 +357,7 @@ class Spec:
             by_cloud: dict[str, int] = defaultdict(int)
             for (cloud, _), n in by_zone.items():
                 by_cloud[cloud] += n
-            teams[name] = Team(gl, bl, zs, cs, grace, sum(by_zone.values()), by_zone,
+            teams[name] = TeamRoom(gl, bl, zs, cs, grace, sum(by_zone.values()), by_zone,
                                dict(by_cloud))
         return AssignmentProblem(reqs, dict(self.limits), teams)
 
@@ -463,7 +463,7 @@ def test_brute_force_checker_catches_each_violation() -> None:
     """The checker the tests lean on does see every kind of violation."""
     a = opt(10, ("A", 2), gpus=8, price=10, zone="a")
     p = AssignmentProblem([req(a, team="t"), req(a, team="t")], limits={"A": 3},
-                teams={"t": Team(gpus_left=8, budget_left=15, zone_share=0.5,
+                teams={"t": TeamRoom(gpus_left=8, budget_left=15, zone_share=0.5,
                                  cloud_share=0.5, grace=0)})
     found = " | ".join(violations(p, [a, a]))
     for what in ("resource 'A'", "gpus 16 > 8", "budget 20", "zone ('aws', 'a')",
@@ -480,8 +480,8 @@ def test_a_team_already_over_its_share_does_not_spoil_the_milp_for_the_batch() -
                  req(opt(10, zone="a", gpus=4), opt(11, zone="b", gpus=4), team="u"),
                  req(opt(5, zone="x", gpus=8), opt(9, zone="y", gpus=8), team="t")],
                 limits={},
-                teams={"u": Team(zone_share=0.5, grace=0),
-                       "t": Team(zone_share=0.5, grace=0, total=24,
+                teams={"u": TeamRoom(zone_share=0.5, grace=0),
+                       "t": TeamRoom(zone_share=0.5, grace=0, total=24,
                                  by_zone={("aws", "x"): 24}, by_cloud={"aws": 24})})
     want, _ = brute_force(p)
     assert want == pytest.approx(10 + 11 + 9)
@@ -519,7 +519,7 @@ def test_a_group_grows_when_its_source_leaves_out_the_listed_options_used_up() -
 
 def test_a_team_short_of_budget_for_every_unlisted_option_lists_no_more() -> None:
     # The group lists A; B and C, not listed yet, cost 20 and 30 an hour, and the group's
-    # source says so (`unlisted_price`). Team t has 15 an hour left: once A is taken,
+    # source says so (`unlisted_price`). TeamRoom t has 15 an hour left: once A is taken,
     # its request is unplaced without listing more.
     full = [opt(10, ("A", 1)), opt(20, ("B", 1)), opt(30, ("C", 1))]
     group = short_group(full, 1)
@@ -534,7 +534,7 @@ def test_a_team_short_of_budget_for_every_unlisted_option_lists_no_more() -> Non
         return more(k, below, alive)
 
     group.more = counted
-    teams = {"t": Team(budget_left=15.0)}
+    teams = {"t": TeamRoom(budget_left=15.0)}
     p = AssignmentProblem([Request(group, 1.0, 100.0), Request(group, 1.0, 100.0, team="t")],
                 limits={"A": 1, "B": 1, "C": 1}, teams=teams)
     h = solver.heuristic(p)
@@ -563,14 +563,14 @@ def test_the_price_floor_covers_listed_and_unlisted_options() -> None:
 
 
 def test_a_team_short_of_budget_takes_the_cheap_pools_before_teams_without_limits() -> None:
-    # Team t may spend 20/h and asks for three placements of at least 10/h: two at most.
+    # TeamRoom t may spend 20/h and asks for three placements of at least 10/h: two at most.
     # A and B (10/h, one instance each) are the only ones within its budget; `other`
     # has no limit and loses only 0.5 by going to D. By regret alone `other` (regret
     # 0.5) would take A before t's requests (regret 0), and t could place only one.
     ab = [opt(10, ("A", 1)), opt(10, ("B", 1)), opt(15, ("C", 1))]
     p = AssignmentProblem([req(opt(10, ("A", 1)), opt(10.5, ("D", 1)), penalty=1000),
                  *(req(*ab, team="t", penalty=1000) for _ in range(3))],
-                limits={"A": 1, "B": 1, "C": 3, "D": 1}, teams={"t": Team(budget_left=20)})
+                limits={"A": 1, "B": 1, "C": 3, "D": 1}, teams={"t": TeamRoom(budget_left=20)})
     want, _ = brute_force(p)
     assert want == pytest.approx(10 + 10 + 10.5 + 1000)
     for rounds in (0, 4):  # the greedy phase alone finds it; improvement keeps it
@@ -586,7 +586,7 @@ def test_a_team_swap_gives_its_gpus_to_the_request_worth_most_per_gpu() -> None:
     p = AssignmentProblem([req(opt(10, gpus=4), team="t", penalty=50),
                  req(opt(10, gpus=4), team="t", penalty=50),
                  req(opt(20, gpus=8), team="t", penalty=1000)],
-                limits={}, teams={"t": Team(gpus_left=8)})
+                limits={}, teams={"t": TeamRoom(gpus_left=8)})
     st = solver.State(p)
     st.take(0, p.requests[0].options[0])
     st.take(1, p.requests[1].options[0])
@@ -640,7 +640,7 @@ def test_the_trivial_bound_counts_only_options_that_fit_on_their_own() -> None:
     assert h.objective == pytest.approx(12) and h.bound == pytest.approx(12) and h.optimal
     # A team whose budget rules out the cheapest option: the same.
     p = AssignmentProblem([req(opt(10, price=30), opt(12, price=20), team="t")], limits={},
-                teams={"t": Team(budget_left=25)})
+                teams={"t": TeamRoom(budget_left=25)})
     h = solver.heuristic(p)
     assert h.objective == pytest.approx(12) and h.optimal
     # Two requests: contention is not counted, so nothing is proven.
@@ -656,7 +656,7 @@ def test_a_team_short_of_budget_takes_the_lower_price_when_it_places_more() -> N
     # expected cost carries more risk). With 20/h, A places two requests, B three.
     opts = [opt(10, ("A", 1), price=10), opt(10.5, ("B", 1), price=6)]
     p = AssignmentProblem([req(*opts, team="t", penalty=1000) for _ in range(3)],
-                limits={"A": 3, "B": 3}, teams={"t": Team(budget_left=20)})
+                limits={"A": 3, "B": 3}, teams={"t": TeamRoom(budget_left=20)})
     want, _ = brute_force(p)
     assert want == pytest.approx(3 * 10.5)
     h = solver.heuristic(p, improve_rounds=0)
