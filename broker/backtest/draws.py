@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,8 +96,39 @@ class HazardSchedule:
         return None
 
 
-# Complex: split in the package redesign (#28).
-def hazard_schedule(market: MarketTrace, *, seed: int, step_seconds: float,  # noqa: C901, PLR0912
+def _advance(steps: Sequence[Any], i: int, t_k: float, spot: dict[PoolKey, float],
+             gone: list[PoolKey], default_rate: float) -> int:
+    """The market's steps up to `t_k` applied to the spot pools offered (`spot`: their
+    observed rates); the pools no longer offered are added to `gone`. The next step's
+    index."""
+    while i < len(steps) and steps[i].at <= t_k:
+        for _, changes in steps[i].slices:
+            for key, offer in changes:
+                if key.market is not Market.SPOT:
+                    continue
+                if offer is None:
+                    if spot.pop(key, None) is not None:
+                        gone.append(key)
+                else:
+                    rate = offer.interruption_rate
+                    spot[key] = default_rate if rate is None else rate
+        i += 1
+    return i
+
+
+def _true_rate(known: tuple[list[float], list[float]], key: PoolKey,
+               cursor: dict[PoolKey, int], t_k: float) -> float:
+    """The hidden truth's rate of a pool at `t_k` (`cursor`: where each pool's reading
+    stands, moved forward)."""
+    times, values = known
+    j = cursor.get(key, 0)
+    while j + 1 < len(times) and times[j + 1] <= t_k:
+        j += 1
+    cursor[key] = j
+    return values[j]
+
+
+def hazard_schedule(market: MarketTrace, *, seed: int, step_seconds: float,
                     default_rate: float, pool_wide_share: float = POOL_WIDE_SHARE
                     ) -> HazardSchedule:
     """The interruption draws of `market` (see the module docstring): the hidden truth's
@@ -116,18 +147,7 @@ def hazard_schedule(market: MarketTrace, *, seed: int, step_seconds: float,  # n
     ticks = max(1, math.ceil(market.seconds / step_seconds - 1e-9))
     for k in range(ticks):
         t_k = k * step_seconds
-        while i < len(steps) and steps[i].at <= t_k:
-            for _, changes in steps[i].slices:
-                for key, offer in changes:
-                    if key.market is not Market.SPOT:
-                        continue
-                    if offer is None:
-                        if spot.pop(key, None) is not None:
-                            gone.append(key)
-                    else:
-                        rate = offer.interruption_rate
-                        spot[key] = default_rate if rate is None else rate
-            i += 1
+        i = _advance(steps, i, t_k, spot, gone, default_rate)
         for key in gone:  # not offered from this step on: no rate
             if key not in spot and (seen := rates.get(key)) is not None and seen[1][-1]:
                 seen[0].append(k)
@@ -137,12 +157,7 @@ def hazard_schedule(market: MarketTrace, *, seed: int, step_seconds: float,  # n
         for key, observed in spot.items():
             rate = observed
             if truth is not None and (known := truth.get(key)) is not None:
-                times, values = known
-                j = cursor.get(key, 0)
-                while j + 1 < len(times) and times[j + 1] <= t_k:
-                    j += 1
-                cursor[key] = j
-                rate = values[j]
+                rate = _true_rate(known, key, cursor, t_k)
             seen = rates.get(key)
             if seen is None:
                 rates[key] = ([k], [rate])
