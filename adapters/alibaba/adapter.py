@@ -295,7 +295,7 @@ class AlibabaAdapter(CloudAdapter):
         items = await self._run(self.sdk.account_attributes, region, pricing.QUOTA_ATTRIBUTES)
         st.quotas = Cached(pricing.attribute_values(items), mono, now, st.quotas.failing)
 
-    # Many arguments: a per-type read's inputs and callbacks; grouped in the package redesign (#28).
+    # Many arguments: a per-type read's inputs and callbacks, each passed by name.
     async def _per_type(self, region: str, st: _RegionState, what: str,  # noqa: PLR0913
                         reads: Cached[dict[str, _Read[Any]]], wanted: Sequence[str],
                         fetch: Callable[[str], Awaitable[Any]],
