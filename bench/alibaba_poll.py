@@ -18,7 +18,7 @@ With ``--faults RATE`` it measures instead what random faults cost the command a
 runs: per run, one ``gpubroker offers --cloud alibaba --format json`` (a child process,
 the real adapter and SDK with the seam's default retries) against the fake without
 faults, then one with RATE of the HTTP calls faulted (throttles, 5xx, timeouts and
-cut-off answers, mixed; ``tests/fake_server.py`` `Chaos`, every call taking its chances);
+cut-off answers, mixed; ``tests/fakes/fake_server.py`` `Chaos`, every call taking its chances);
 it prints the HTTP calls the fake answered and the wall time of each, whether the two
 runs listed the same offers (every field but ``observed_at``), the exit code and the
 stderr lines of the faulted run.
@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"),
+               str(ROOT / "tests" / "support"), str(ROOT / "tests" / "fakes")]
 
 import structlog  # noqa: E402
 import yaml  # noqa: E402

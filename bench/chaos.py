@@ -53,10 +53,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-# The chaos tests' harness (tests/chaos/harness.py) and what it uses (tests/mqtt_helpers.py).
-# Imported as `harness`: `chaos` here would be this file. The repository comes first:
-# tests/broker (test files, no package) must not stand in for the `broker` package.
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "chaos"), str(ROOT / "tests")]
+# The chaos tests' harness (tests/chaos/harness.py) and what it uses
+# (tests/support/mqtt_helpers.py). Imported as `harness`: `chaos` here would be this file.
+# The repository comes first, so its packages are the ones imported.
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "chaos"), str(ROOT / "tests"),
+               str(ROOT / "tests" / "support"), str(ROOT / "tests" / "fakes")]
 
 from harness import (  # noqa: E402
     LOG_PATTERNS,

@@ -43,7 +43,8 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"),
+               str(ROOT / "tests" / "support"), str(ROOT / "tests" / "fakes")]
 
 from _poll_common import Timings, medians, one_poll, print_table  # noqa: E402
 from fake_gcp import FakeGCP  # noqa: E402

@@ -3,7 +3,7 @@
 long the site makes no decision, and whether a request is lost or decided twice.
 
 The parts are the real ones, run by the helpers of the HA tests (tests/ha/helpers.py,
-tests/mqtt_helpers.py): two `gpubroker run` processes (`node-a`, `node-b`) of one site
+tests/support/mqtt_helpers.py): two `gpubroker run` processes (`node-a`, `node-b`) of one site
 with `state.url` on one fresh PostgreSQL database, a private mosquitto, the simulated
 market, one `BrokerClient` scheduler that re-sends an unanswered request with the same
 request_id, and one MQTT subscriber of `P/status` and `P/events/#` whose arrival times
@@ -69,7 +69,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "ha"), str(ROOT / "tests")]  # broker first
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "ha"), str(ROOT / "tests"),
+               str(ROOT / "tests" / "support"), str(ROOT / "tests" / "fakes")]  # broker first
 
 import psycopg  # noqa: E402
 from helpers import (  # noqa: E402  (tests/ha/helpers.py)

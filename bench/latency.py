@@ -91,7 +91,7 @@ def free_port() -> int:
 
 
 class Mosquitto:
-    """A private mosquitto on a free loopback port. Unlike tests/mqtt_helpers.py it logs
+    """A private mosquitto on a free loopback port. Unlike tests/support/mqtt_helpers.py it logs
     errors and warnings only, unless `log_types` says otherwise (`log_type all` writes
     every PUBLISH/PUBACK, which would be measured too), and keeps no persistence file.
     `max_queued_messages` is raised from 1000 so a subscriber that falls behind shows up

@@ -5,7 +5,7 @@ timeout and a garbled body are transient — retried within the poll's deadline 
 daemon does not crash, fails no lease over, and has every slice fresh at the end. This
 bench runs it for `--minutes` and prints figures; it does not pass or fail.
 
-One run: the four fake clouds of the tests (`tests/fake_aws.py`, `fake_gcp.py`,
+One run: the four fake clouds of the tests (`tests/fakes/fake_aws.py`, `fake_gcp.py`,
 `fake_azure.py`, `fake_alibaba.py`) in this process, each with
 `chaos = Chaos(rate=--faults, seed=...)` (throttle, 5xx, timeout — the answer comes
 `--hang` s late, above the daemon's `call_timeout_seconds` — and a 200 whose body is cut
@@ -62,7 +62,8 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 # The fakes and mqtt_helpers (tests/), the daemon-as-a-process harness (tests/chaos/);
 # the project first (tests/ has a `broker` directory of its own).
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "chaos"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "chaos"), str(ROOT / "tests"),
+               str(ROOT / "tests" / "support"), str(ROOT / "tests" / "fakes")]
 
 from fake_alibaba import FakeAlibaba  # noqa: E402
 from fake_aws import FakeAWS  # noqa: E402

@@ -21,7 +21,7 @@ from broker.placement.residual import State, trivial_bound
 
 
 # Complex: an inner loop of the heuristic (10,000-request batches, bench/placement.py part b):
-# kept whole, no call per option; checked against brute force in tests/broker/test_solver.py.
+# kept whole, no call per option; checked against brute force in tests/placement/test_solver.py.
 def heuristic(p: AssignmentProblem, *, improve_rounds: int = 2, chains: bool = True,  # noqa: C901
               deadline: float = math.inf) -> Solution:
     """Regret greedy, then local improvement. Never exceeds a resource or a limit.
@@ -169,7 +169,7 @@ _CLOCK_EVERY = 256  # requests between two looks at the clock in the improvement
 
 
 # Complex: an inner loop of the heuristic (10,000-request batches, bench/placement.py part b):
-# kept whole, no call per option; checked against brute force in tests/broker/test_solver.py.
+# kept whole, no call per option; checked against brute force in tests/placement/test_solver.py.
 def _improve(st: State, *, rounds: int,  # noqa: C901, PLR0912
              best_two: Callable[[int], tuple[Option | None, float, float]],
              chains: bool = True, deadline: float = math.inf) -> None:
@@ -253,7 +253,7 @@ def _improve(st: State, *, rounds: int,  # noqa: C901, PLR0912
 
 
 # Complex: an inner loop of the heuristic (10,000-request batches, bench/placement.py part b):
-# kept whole, no call per option; checked against brute force in tests/broker/test_solver.py.
+# kept whole, no call per option; checked against brute force in tests/placement/test_solver.py.
 def _make_room(st: State, i: int, users: dict[Hashable, list[int]], tries: int = 4,  # noqa: C901, PLR0912
                per_key: int = 32, scan: int = 16, worth: float | None = None) -> bool:
     """Place request `i` (not placed now) on one of its cheapest options by moving as
@@ -317,7 +317,7 @@ def _make_room(st: State, i: int, users: dict[Hashable, list[int]], tries: int =
 
 
 # Complex: an inner loop of the heuristic (10,000-request batches, bench/placement.py part b):
-# kept whole, no call per option; checked against brute force in tests/broker/test_solver.py.
+# kept whole, no call per option; checked against brute force in tests/placement/test_solver.py.
 def _team_swaps(st: State) -> int:  # noqa: C901, PLR0912
     """For each unplaced request of a team whose `gpus_left` or `budget_left` rules out
     all its options, unplace the team's placed requests of lowest value per unit of that

@@ -8,7 +8,7 @@ come from here only:
     python -m broker.wire.contract            # write docs/schemas/ and docs/asyncapi.yaml
     python -m broker.wire.contract --check    # exit 1 and name each file that differs
 
-`tests/broker/test_contract.py` fails on any difference, so a change to a payload type
+`tests/wire/test_contract.py` fails on any difference, so a change to a payload type
 without regenerating cannot land. `docs/contract.md` is the prose contract.
 
 Schemas of what the daemon sends are published *open*: `additionalProperties` is left out,

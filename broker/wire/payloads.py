@@ -77,7 +77,7 @@ RequestId = Annotated[str, Field(min_length=1, max_length=128, description=(
 SchedulerId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description=(
     "The scheduler id `S`, the topic level the request came in on."))]
 Price = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-# The names of broker.model's enums (tests/broker/test_payloads.py checks they agree).
+# The names of broker.model's enums (tests/wire/test_payloads.py checks they agree).
 CloudName = Annotated[Literal["aws", "gcp", "azure", "alibaba", "private"], Field(
     description="`private`: the company's own GPU servers, declared by its ops team.")]
 MarketName = Annotated[Literal["spot", "on_demand", "reserved"], Field(

@@ -417,7 +417,7 @@ class MqttClient:
     when the server goes away it connects again every `retry_seconds` and subscribes
     again. ``received`` keeps every message (``keep=True``); ``wait_for`` waits on one.
     Every message from the daemon is checked against the published contract
-    (``tests/contract_check.py``); leaving ``async with`` raises ``ContractViolation``
+    (``tests/support/contract_check.py``); leaving ``async with`` raises ``ContractViolation``
     for those that break it (``contract_errors``)."""
 
     def __init__(self, port: int, subscriptions: Iterable[Subscription], *,

@@ -1,7 +1,7 @@
 """deploy/mosquitto/ on a real mosquitto: TLS, passwords, the per-scheduler ACL (SPEC §3).
 
 The server runs deploy/mosquitto/mosquitto.conf as shipped, with only its paths moved into
-tmp_path (certificates from tests/tls_helpers.py, a password file made by the real
+tmp_path (certificates from tests/support/tls_helpers.py, a password file made by the real
 ``mosquitto_passwd``, persistence) and its listener on a free loopback port; the ACL is
 deploy/mosquitto/acl itself. So every client here connects as production clients do: over
 TLS, trusting the CA, with a username and password.

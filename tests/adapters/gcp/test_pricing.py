@@ -24,7 +24,7 @@ def sku(desc: str, group: str = "CPU", usage: str = "OnDemand", unit: str = "h",
 
 
 # Each description as the real Billing Catalog words it (where each comes from: the
-# docstring of tests/fake_gcp.py), and what it prices.
+# docstring of tests/fakes/fake_gcp.py), and what it prices.
 @pytest.mark.parametrize(("desc", "group", "usage", "unit", "expect"), [
     # on-demand vCPU and RAM
     ("A2 Instance Core running in Iowa", "CPU", "OnDemand", "h", (OD, "core", "A2 Instance")),

@@ -161,7 +161,7 @@ from aiohttp import web
 from fake_server import FakeServer
 
 # the price snapshot vendored with the tests (provenance: tests/fixtures/prices/README.md)
-DEFAULT_PRICES_CSV = Path(__file__).resolve().parent / "fixtures/prices/gpu-prices-gcp.csv"
+DEFAULT_PRICES_CSV = Path(__file__).resolve().parents[1] / "fixtures/prices/gpu-prices-gcp.csv"
 COMPUTE_SERVICE = "6F81-5844-456A"
 PROJECT = "gpubroker-test"
 API = "https://www.googleapis.com/compute/v1"

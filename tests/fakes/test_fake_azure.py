@@ -1,4 +1,4 @@
-"""Tests of the fake Azure endpoint (`tests/fake_azure.py`) with a plain HTTP client: the
+"""Tests of the fake Azure endpoint (`tests/fakes/fake_azure.py`) with a plain HTTP client: the
 shapes and the refusals a client relies on, and its random faults."""
 
 from __future__ import annotations

@@ -425,7 +425,7 @@ async def test_committed_state_survives_a_killed_process(tmp_path: Path) -> None
     path = tmp_path / "state.db"
     script = textwrap.dedent(f"""
         import asyncio, os, sys
-        sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+        sys.path.insert(0, {str(Path(__file__).parents[1] / "support")!r})
         from factories import T0, offer, owned, placement, request
         from broker.leasing.book import LeaseBook
         from broker.state.store import StateStore

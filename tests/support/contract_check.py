@@ -18,7 +18,7 @@ is recognised by its topic and bytes, so the rest is held to the contract whatev
 says about itself. A client that must receive other junk on those topics opts out with
 ``MqttProbe(check_contract=False)``.
 
-Used by ``tests/mqtt_helpers.py`` (``MqttProbe``) and ``tests/chaos/harness.py``
+Used by ``tests/support/mqtt_helpers.py`` (``MqttProbe``) and ``tests/chaos/harness.py``
 (``MqttClient``).
 """
 

@@ -128,7 +128,7 @@ from aiohttp import web
 from fake_server import FakeServer
 
 # the price snapshot vendored with the tests (provenance: tests/fixtures/prices/README.md)
-DEFAULT_PRICES_CSV = Path(__file__).resolve().parent / "fixtures/prices/gpu-prices-azure.csv"
+DEFAULT_PRICES_CSV = Path(__file__).resolve().parents[1] / "fixtures/prices/gpu-prices-azure.csv"
 SUBSCRIPTION_ID = "6f1c2d3e-0000-4000-8000-00000000cafe"
 SKUS_API = "2021-07-01"
 RETAIL_HOST_PATH = "/api/retail/prices"

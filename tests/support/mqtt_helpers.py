@@ -317,7 +317,7 @@ class MqttProbe:
     meanwhile. ``messages`` keeps growing across reconnects.
 
     Every message received on one of the daemon's topics is checked against the published
-    contract (``tests/contract_check.py``); what breaks it fails the test — at the next
+    contract (``tests/support/contract_check.py``); what breaks it fails the test — at the next
     ``wait_for`` / ``wait_for_count`` or at ``close()`` — with ``ContractViolation``.
     Messages published through an ``MqttProbe`` are not checked; ``check_contract=False``
     turns the check off for this client.
@@ -550,7 +550,7 @@ class MqttProbe:
                 f"wanted {count} matches; " + self._describe_miss(predicate, timeout, since)
             ) from None
 
-    # -- the contract check (tests/contract_check.py) -----------------------------------
+    # -- the contract check (tests/support/contract_check.py) -----------------------------------
     def _check_contract(self, message: aiomqtt.Message) -> None:
         raw = message.payload
         if isinstance(raw, str):

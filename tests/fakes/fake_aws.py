@@ -134,7 +134,7 @@ from aiohttp import web
 from fake_server import FakeServer
 
 # the price snapshot vendored with the tests (provenance: tests/fixtures/prices/README.md)
-DEFAULT_PRICES_CSV = Path(__file__).resolve().parent / "fixtures/prices/gpu-prices-aws.csv"
+DEFAULT_PRICES_CSV = Path(__file__).resolve().parents[1] / "fixtures/prices/gpu-prices-aws.csv"
 
 ACCOUNT_ID = "123456789012"  # moto's default account
 EC2_NS = "http://ec2.amazonaws.com/doc/2016-11-15/"

@@ -2,7 +2,7 @@
 
 The broker is driven through every event kind, in-process on a real pool, lease book and
 SQLite store, and every message it hands to the bus is checked against the published
-contract as the end-to-end tests check what they receive (`tests/contract_check.py`):
+contract as the end-to-end tests check what they receive (`tests/support/contract_check.py`):
 a field the code sends that the contract does not name fails here too. The shapes built
 outside events — offers, lease states in every state, capacity summaries, the status —
 are checked the same way.

@@ -1,4 +1,4 @@
-"""Tests of the fake Alibaba Cloud ECS endpoint (`tests/fake_alibaba.py`), driven by the
+"""Tests of the fake Alibaba Cloud ECS endpoint (`tests/fakes/fake_alibaba.py`), driven by the
 real Tea SDK: the shapes, paging, signatures and error bodies the adapter relies on."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests of the fake AWS endpoint (`tests/fake_aws.py`), driven by the real boto3."""
+"""Tests of the fake AWS endpoint (`tests/fakes/fake_aws.py`), driven by the real boto3."""
 
 from __future__ import annotations
 

@@ -17,9 +17,11 @@ from structlog.testing import capture_logs
 from broker.daemon.assembly import Daemon
 from broker.daemon.config import HttpConfig
 from broker.leasing import authority
+from broker.leasing.batch import MAX_ERRORS
 from broker.output.ratelimit import Every
 from broker.placement import optimizer
 from broker.wire import validation
+from broker.wire.commands import Command
 
 NASTY = Path(__file__).parent.parent / "fixtures" / "nasty"
 CORPUS = sorted(p for p in NASTY.iterdir() if p.suffix in (".bad", ".ok"))
@@ -112,7 +114,7 @@ async def test_a_bug_in_one_command_is_answered_and_the_batch_goes_on(
             raise RuntimeError("a bug in the parser")
         return parse_place(scheduler, payload)
 
-    def lease_verb_with_a_bug(b: Any, cmd: authority.Command) -> None:
+    def lease_verb_with_a_bug(b: Any, cmd: Command) -> None:
         if b"boom" in cmd.payload:
             lease_verb(b, cmd)  # queues a lease.released or request.invalid ...
             raise RuntimeError("a bug after the answer was queued")  # ... then fails
@@ -123,11 +125,11 @@ async def test_a_bug_in_one_command_is_answered_and_the_batch_goes_on(
     mark = probe.mark()
     with capture_logs() as logs:
         # Into one batch: the loop takes whatever has queued up.
-        await broker.submit(authority.Command("b-1", "place", b'{"request_id":"boom"}',
+        await broker.submit(Command("b-1", "place", b'{"request_id":"boom"}',
                                          f"{PREFIX}/requests/b-1/place"))
-        await broker.submit(authority.Command("b-2", "release", b'{"lease_id":"boom"}',
+        await broker.submit(Command("b-2", "release", b'{"lease_id":"boom"}',
                                          f"{PREFIX}/requests/b-2/release"))
-        await broker.submit(authority.Command("b-3", "place", json.dumps(valid("fine")).encode(),
+        await broker.submit(Command("b-3", "place", json.dumps(valid("fine")).encode(),
                                          f"{PREFIX}/requests/b-3/place"))
         got = await answers(probe, "b-", 3, mark)
     assert got["b-3"]["type"] == "gpubroker.placement.decided.v1"
@@ -181,7 +183,7 @@ async def test_many_errors_are_cut_short(start_daemon: StartDaemon,
                         (NASTY / "labels-2000-wrong-values.bad").read_bytes())
     msg = await probe.wait_for(f"{EVENTS}e-1/request.invalid", since=mark)
     errors = payload_json(msg)["data"]["errors"]
-    assert len(errors) == authority.MAX_ERRORS
+    assert len(errors) == MAX_ERRORS
     assert errors[-1] == {"field": "", "message": "and 1981 more errors"}
 
 

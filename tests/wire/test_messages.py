@@ -25,7 +25,7 @@ from broker.wire.messages import (
     request_subject,
 )
 
-# See tests/broker/test_placement_properties.py: keeps a failing example readable.
+# See tests/placement/test_optimizer_properties.py: keeps a failing example readable.
 with contextlib.suppress(ImportError), warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import hypothesis.extra._patching  # noqa: F401
