@@ -27,7 +27,8 @@ def config_at(path: Path | None) -> Config:
 
 def poll_once(cfg: Config) -> tuple[ResourcePool, list[str]]:
     """One poll of every configured cloud, as `offers`, `policy explain` and `policy diff`
-    see the market. Returns the pool and one line per problem."""
+    see the market: the pool and the problems (a cloud that could not be built, a region
+    whose poll failed), each already told on stderr in a line."""
     from broker.market.clouds import build_adapters
     from broker.market.poller import Poller
     from broker.market.pool import ResourcePool
@@ -48,7 +49,10 @@ def poll_once(cfg: Config) -> tuple[ResourcePool, list[str]]:
                       f"{r.error}" for r in results if r.error)
         return pool
 
-    return asyncio.run(poll()), errors
+    pool = asyncio.run(poll())
+    for e in errors:
+        print(f"gpubroker: {e}", file=sys.stderr)
+    return pool, errors
 
 
 def usage(message: str) -> int:

@@ -34,8 +34,6 @@ def list_offers(args: argparse.Namespace) -> int:
     cfg = config_at(args.config)
     quiet_logs()
     pool, errors = poll_once(cfg)
-    for e in errors:
-        print(f"gpubroker: {e}", file=sys.stderr)
     known = set(GPU_MODELS) | pool.gpus()
     for name in args.gpu or ():
         if name not in known:

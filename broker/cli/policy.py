@@ -41,9 +41,7 @@ def policy_explain(args: argparse.Namespace) -> int:
         return usage(typo)
     cfg = config_at(args.config)
     quiet_logs()
-    pool, errors = poll_once(cfg)
-    for e in errors:
-        print(f"gpubroker: {e}", file=sys.stderr)
+    pool, _ = poll_once(cfg)
     unknown = validation.unknown_gpus(req, lambda: set(policy.extra_gpus) | pool.gpus())
     if unknown is not None:
         return usage(f"--request: gpu: {unknown.errors[0]['message']}")
@@ -105,9 +103,7 @@ def policy_diff(args: argparse.Namespace) -> int:
     except db_errors(StoreFailed, RuntimeError) as err:  # not a state, or a newer one's
         what = "database" if cfg.state.url else "state file"
         return usage(f"{store.name}: cannot read the {what}: {str(err).strip()}")
-    pool, errors = poll_once(cfg)
-    for e in errors:
-        print(f"gpubroker: {e}", file=sys.stderr)
+    pool, _ = poll_once(cfg)
     for lease in leases:
         pool.hold(lease.placement.pool, lease.placement.instances)
     resident_old, resident_new = Residency(old.residency.tags), Residency(new.residency.tags)
