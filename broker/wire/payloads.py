@@ -543,11 +543,23 @@ class CapacitySummary(TypedDict):
     cheapest_spot_per_gpu_hour: Annotated[Price | None, _doc(
         "USD per GPU-hour of the cheapest priced spot offer; null: none.")]
     cheapest_on_demand_per_gpu_hour: Annotated[Price | None, _doc(
-        "USD per GPU-hour of the cheapest priced on-demand offer; null: none.")]
+        "USD per GPU-hour of the cheapest priced on-demand offer (paid-for capacity not "
+        "included); null: none.")]
+    cheapest_reserved_per_gpu_hour: Annotated[Price | None, _doc(
+        "USD per GPU-hour, at the margin, of the cheapest offer on paid-for capacity "
+        "(market `reserved`: cloud capacity reservations, private servers; 0 when paid "
+        "for whatever happens); null: none.")]
     free_instances: Annotated[int | None, _doc(
         "Free instances summed over the slice's offers that have an estimate (the "
-        "cloud's estimate less what the broker's leases hold); null: no estimate.")]
+        "cloud's estimate less what the broker's leases hold), every market; null: no "
+        "estimate.")]
     free_gpus: Annotated[int | None, _doc("The same in GPUs.")]
+    reserved_gpus: Annotated[int, Field(ge=0, description=(
+        "Paid-for GPUs in the slice (market `reserved`), free or not; 0: none."))]
+    free_reserved_instances: Annotated[int | None, _doc(
+        "The part of `free_instances` on paid-for capacity; null: no estimate (or no "
+        "paid-for capacity).")]
+    free_reserved_gpus: Annotated[int | None, _doc("The same in GPUs.")]
     pools: Annotated[int, Field(ge=1, description="Offers (pools) in the slice.")]
     observed_at: Annotated[Timestamp, _doc("The oldest `observed_at` of the slice's offers.")]
     age_seconds: Annotated[float | None, _doc(

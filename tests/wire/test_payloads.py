@@ -188,8 +188,10 @@ async def test_the_status_follows_the_contract(tmp_path: Path) -> None:
 
 def test_a_field_the_contract_does_not_name_is_an_error() -> None:
     summary = {"cloud": "aws", "region": "r", "gpu": "T4", "cheapest_spot_per_gpu_hour": None,
-               "cheapest_on_demand_per_gpu_hour": 0.5, "free_instances": None,
-               "free_gpus": None, "pools": 1, "observed_at": "2026-11-30T12:00:00.000Z",
+               "cheapest_on_demand_per_gpu_hour": 0.5, "cheapest_reserved_per_gpu_hour": None,
+               "free_instances": None, "free_gpus": None, "reserved_gpus": 0,
+               "free_reserved_instances": None, "free_reserved_gpus": None,
+               "pools": 1, "observed_at": "2026-11-30T12:00:00.000Z",
                "age_seconds": 1.5}
     assert problem("capacity", summary) is None
     assert "'surprise' was unexpected" in str(problem("capacity", summary | {"surprise": 1}))
