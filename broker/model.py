@@ -3,7 +3,7 @@
 Everything here is a plain, frozen value. This module imports nothing of the daemon, so
 adapters and policies may depend on it without pulling in the daemon.
 
-The part of the vocabulary the schedulers' client also speaks (`SCHEDULER_ID`, `Market`,
+The part of the vocabulary the schedulers' client also speaks (`SCHEDULER_ID`, `CLOUDS`, `Market`,
 `LeaseState`, `PoolKey`, `Placement`, `iso`, `parse_iso`) is defined once, in
 `gpubroker_client.model`, and re-exported here, so `from broker.model import Placement`
 and the like keep working across the daemon. The client never imports this module.
@@ -18,6 +18,8 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from gpubroker_client.model import CLOUDS as CLOUDS
+from gpubroker_client.model import CloudName as CloudName
 from gpubroker_client.model import SCHEDULER_ID as SCHEDULER_ID
 from gpubroker_client.model import LeaseState as LeaseState
 from gpubroker_client.model import Market as Market
@@ -57,9 +59,6 @@ GPU_MODELS: MappingProxyType[str, GpuModel] = MappingProxyType({m.name: m for m 
     GpuModel("B200", 180),
     GpuModel("MI300X", 192, vendor="amd"),
 )})
-
-CLOUDS = ("aws", "gcp", "azure", "alibaba", "private")
-"""`private`: the company's own GPU servers, declared by the ops team (adapters.private)."""
 
 
 OWNED = Market.RESERVED

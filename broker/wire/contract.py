@@ -35,6 +35,7 @@ import yaml
 from pydantic import TypeAdapter
 
 from broker import __version__
+from broker.model import CLOUDS
 from broker.wire import payloads
 from broker.wire.validation import MAX_PACKET, MAX_PAYLOAD
 
@@ -246,7 +247,7 @@ def asyncapi() -> dict[str, Any]:
                     "enum": list(payloads.OPS_EVENT_TYPES)},
         "leaseId": {"description": "The lease id.",
                     "examples": ["L-8c1f3e2a9b7d4c6e8f0a1b2c3d4e5f60"]},
-        "cloud": {"description": "The cloud.", "enum": ["aws", "gcp", "azure", "alibaba"]},
+        "cloud": {"description": "The cloud.", "enum": list(CLOUDS)},
         "region": {"description": "The cloud's region (`/`, `+`, `#` and control "
                                   "characters replaced by `_`).",
                    "examples": ["us-east-1"]},

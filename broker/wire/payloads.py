@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, NotRequired
 from pydantic import ConfigDict, Field, with_config
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
+from broker.model import CloudName as Clouds
 from broker.wire.validation import LeaseRefPayload, PlacePayload, ReportPayload
 
 __all__ = [
@@ -78,7 +79,7 @@ SchedulerId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", descriptio
     "The scheduler id `S`, the topic level the request came in on."))]
 Price = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 # The names of broker.model's enums (tests/wire/test_payloads.py checks they agree).
-CloudName = Annotated[Literal["aws", "gcp", "azure", "alibaba", "private"], Field(
+CloudName = Annotated[Clouds, Field(
     description="`private`: the company's own GPU servers, declared by its ops team.")]
 MarketName = Annotated[Literal["spot", "on_demand", "reserved"], Field(
     description="`spot`, `on_demand` or `reserved`: paid-for capacity (a cloud capacity "
@@ -537,7 +538,7 @@ class CapacitySummary(TypedDict):
     """The retained `P/capacity/<cloud>/<region>/<gpu>`: one slice of the pool, after each
     poll of its region (MQTT 5 message expiry: three poll intervals)."""
 
-    cloud: str
+    cloud: Annotated[CloudName, _doc("The cloud.")]
     region: str
     gpu: str
     cheapest_spot_per_gpu_hour: Annotated[Price | None, _doc(
@@ -571,7 +572,7 @@ class OfferJson(TypedDict):
     """One offer: a line of `gpubroker offers --format json`, an item of
     `GET /v1/offers`. Unknown values are null."""
 
-    cloud: str
+    cloud: Annotated[CloudName, _doc("The cloud.")]
     region: str
     zone: str
     instance_type: str

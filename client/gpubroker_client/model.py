@@ -13,12 +13,18 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, get_args
 
-__all__ = ["SCHEDULER_ID", "LeaseState", "Market", "Placement", "PoolKey", "iso",
-           "parse_iso"]
+__all__ = ["CLOUDS", "SCHEDULER_ID", "CloudName", "LeaseState", "Market", "Placement",
+           "PoolKey", "iso", "parse_iso"]
 
 SCHEDULER_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+CloudName = Literal["aws", "gcp", "azure", "alibaba", "private"]
+"""The clouds a placement, an offer or a capacity summary may name. `private`: the
+company's own GPU servers, declared by its ops team. The one list: every enum of the
+published contract (JSON Schemas, AsyncAPI) is made from it."""
+CLOUDS: tuple[str, ...] = get_args(CloudName)
 
 
 class Market(StrEnum):
