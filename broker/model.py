@@ -19,8 +19,8 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from gpubroker_client.model import CLOUDS as CLOUDS
-from gpubroker_client.model import CloudName as CloudName
 from gpubroker_client.model import SCHEDULER_ID as SCHEDULER_ID
+from gpubroker_client.model import CloudName as CloudName
 from gpubroker_client.model import LeaseState as LeaseState
 from gpubroker_client.model import Market as Market
 from gpubroker_client.model import Placement as Placement
@@ -289,9 +289,16 @@ class Lease:
     # every part's lease id in order. A whole request's lease: 0 and ().
     part: int = 0
     parts: tuple[str, ...] = ()
+    # How an ended lease ended (None while active): `released`, `expired`, or the failover
+    # reason that failed it (`ended`: failed before the store kept the reason), what
+    # happened for a person, and when. Kept with the lease and repeated in the answers.
+    ended_reason: str | None = None
+    ended_detail: str | None = None
+    ended_at: datetime | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The retained `P/leases/S/<lease_id>` payload and the HTTP lease shape."""
+        """The retained `P/leases/S/<lease_id>` payload and the HTTP lease shape (with
+        `ended_reason`, `ended_detail` and `ended_at` once ended)."""
         return {
             "lease_id": self.lease_id,
             "scheduler": self.scheduler,
@@ -305,7 +312,14 @@ class Lease:
             "lease_seconds": self.lease_seconds,
             "max_price_per_gpu_hour": self.max_price_per_gpu_hour,
             **({"part": self.part, "parts": list(self.parts)} if self.part else {}),
+            **(self.end_json() if self.state is not LeaseState.ACTIVE else {}),
         }
+
+    def end_json(self) -> dict[str, Any]:
+        """How an ended lease ended: `ended_reason`, `ended_detail`, `ended_at`."""
+        return {"ended_reason": self.ended_reason or self.state.value,
+                "ended_detail": self.ended_detail,
+                "ended_at": iso(self.ended_at or self.updated_at)}
 
 
 @dataclass(frozen=True, slots=True)

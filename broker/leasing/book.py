@@ -160,17 +160,32 @@ class LeaseBook:
         return self._put(replace(lease, expires_at=now + timedelta(seconds=lease.lease_seconds),
                                  updated_at=now))
 
+    def extend(self, lease_id: str, until: datetime, now: datetime) -> Lease:
+        """Move an active lease's expiry out to `until` (never in): the daemon could not
+        hear its renewals (`Broker.heard`)."""
+        lease = self._active(lease_id, None)
+        until = _ms(until)
+        if lease.expires_at >= until:
+            return lease
+        return self._put(replace(lease, expires_at=until, updated_at=_ms(now)))
+
     def failover(self, lease_id: str, placement: Placement, now: datetime) -> Lease:
         lease = self._active(lease_id, None)
         return self._put(replace(lease, placement=placement, epoch=lease.epoch + 1,
                                  updated_at=_ms(now)))
 
     def end(self, lease_id: str, state: LeaseState, now: datetime,
-            scheduler: str | None = None) -> Lease:
+            scheduler: str | None = None, *, reason: str | None = None,
+            detail: str | None = None) -> Lease:
+        """End an active lease, keeping how: `reason` (default the state's name:
+        `released`, `expired`; a failed lease's failover reason), `detail` and the time."""
         if state is LeaseState.ACTIVE:
             raise ValueError("end() takes a final state")
         lease = self._active(lease_id, scheduler)
-        return self._put(replace(lease, state=state, updated_at=_ms(now)))
+        now = _ms(now)
+        return self._put(replace(lease, state=state, updated_at=now,
+                                 ended_reason=reason or state.value, ended_detail=detail,
+                                 ended_at=now))
 
     def prune(self, now: datetime) -> int:
         """Forget ended leases older than keep_ended (they stay in the store)."""

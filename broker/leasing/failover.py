@@ -360,6 +360,8 @@ def step(trigger: Trigger, *, book: LeaseBook, pool: Holdings, policy: Policy,
         # the lease stays.
         pool.take(old)
         return Step("stays", lease, old, outcome)
-    ended = book.end(lease.lease_id, LeaseState.FAILED, now)
+    ended = book.end(lease.lease_id, LeaseState.FAILED, now, reason=trigger.reason.value,
+                     detail=f"{trigger.detail}; no other placement: "
+                            f"{getattr(outcome, 'detail', '')}")
     moves.pop(lease.lease_id, None)
     return Step("failed", ended, old, outcome)

@@ -169,8 +169,7 @@ class Moves:
             assert lease is not None and isinstance(outcome, optimizer.Rejection)
             # The step has released the lease's instances already.
             self._ended(b, lease, "lease.failed", {
-                "lease_id": lease.lease_id, "reason": trigger.reason.value,
-                "detail": f"{trigger.detail}; no other placement: {outcome.detail}"}, cmd,
-                released=True)
+                "lease_id": lease.lease_id, "reason": lease.ended_reason,
+                "detail": lease.ended_detail}, cmd, released=True)
             log.warning("lease failed", lease_id=lease.lease_id, reason=trigger.reason.value,
                         detail=outcome.detail)

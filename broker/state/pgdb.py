@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from broker.state.schema import MIGRATIONS as _SQLITE_MIGRATIONS
-from broker.state.schema import SCHEMA as _SQLITE_SCHEMA
 from broker.state.schema import (
+    ENDED_DETAIL,
     SCHEMA_VERSION,
     UPSERT_LEASE,
 )
+from broker.state.schema import MIGRATIONS as _SQLITE_MIGRATIONS
+from broker.state.schema import SCHEMA as _SQLITE_SCHEMA
 from gpubroker_client.files import read_secret
 
 if TYPE_CHECKING:
@@ -104,6 +105,12 @@ CREATE SEQUENCE lease_changes;
 ALTER TABLE leases ADD COLUMN change BIGINT;
 CREATE INDEX leases_change ON leases (change);
 """,
+    # Version 6: how an ended lease ended, in its record (SQLite's migration 6 in
+    # PostgreSQL's JSON functions; the body stays text).
+    6: "UPDATE leases SET body = (body::jsonb || jsonb_build_object("
+       "'ended_reason', CASE state WHEN 'failed' THEN 'ended' ELSE state END, "
+       f"'ended_detail', CASE state WHEN 'failed' THEN '{ENDED_DETAIL}' END, "
+       "'ended_at', updated_at))::text WHERE state <> 'active';",
 }
 
 MIGRATE_LOCK = 0x67707562726B  # "gpubrk": the advisory lock key of migrations

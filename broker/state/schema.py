@@ -12,7 +12,7 @@ from typing import Any
 from broker.model import Lease, LeaseState, Placement, PlaceRequest, iso, parse_iso
 from broker.wire.messages import OutboxRow
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -67,6 +67,13 @@ CREATE TABLE IF NOT EXISTS market_changes (
 CREATE TABLE IF NOT EXISTS market_snapshots (t INTEGER PRIMARY KEY);
 """
 
+ENDED_DETAIL = "failed before the daemon kept how a lease ended"
+ENDED_BACKFILL = (
+    "UPDATE leases SET body = json_set(body, "
+    "'$.ended_reason', CASE state WHEN 'failed' THEN 'ended' ELSE state END, "
+    f"'$.ended_detail', CASE state WHEN 'failed' THEN '{ENDED_DETAIL}' ELSE NULL END, "
+    "'$.ended_at', updated_at) WHERE state <> 'active';")
+
 # `SCHEMA` is schema 1 (plus the market tables): a new file gets it and then every
 # migration, so that new and migrated files end with the same tables. A migration's
 # statements are split on ";" and run in the transaction that opens the file.
@@ -101,6 +108,11 @@ CREATE INDEX leases_state ON leases (state, updated_at);
     4: "",
     # PostgreSQL only: the leader's last poll of each slice, for the standbys.
     5: "",
+    # How an ended lease ended, kept in its record (`ended_reason`, `ended_detail`,
+    # `ended_at`; contract 1.1). A lease that ended before has its state as its reason
+    # and its last change as its end; one that failed had its failover reason in no
+    # record: `ended`, as a 1.0 daemon answered.
+    6: ENDED_BACKFILL,
 }
 
 
@@ -155,6 +167,9 @@ def lease_from(d: dict[str, Any]) -> Lease:
         updated_at=parse_iso(d["updated_at"]),
         part=d.get("part", 0),
         parts=tuple(d.get("parts", ())),
+        ended_reason=d.get("ended_reason"),
+        ended_detail=d.get("ended_detail"),
+        ended_at=parse_iso(d["ended_at"]) if d.get("ended_at") else None,
     )
 
 

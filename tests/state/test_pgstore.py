@@ -30,7 +30,7 @@ from broker.state import leadership
 from broker.state.leadership import Leadership
 from broker.state.pgdb import MIGRATE_LOCK, PgDb, connect, migrate
 from broker.state.pgstore import PgStateStore
-from broker.state.schema import SCHEMA_VERSION, lease_row
+from broker.state.schema import ENDED_DETAIL, SCHEMA_VERSION, lease_row
 from broker.state.sitestatus import site_status
 from broker.state.store import Deposed, StoreFailed
 from broker.wire.messages import OutboxRow
@@ -308,9 +308,49 @@ def lease_table(url: str) -> tuple[list[tuple[Any, ...]], ...]:
                      "ORDER BY indexname"))
 
 
+async def test_a_schema_5_database_is_migrated_and_its_ended_leases_say_how_they_ended(
+        pg_url: str) -> None:
+    """Schema 6 on PostgreSQL: as on SQLite (tests/state/test_store.py), in jsonb."""
+    book = LeaseBook()
+    active = lease("on")
+    released = book.end(book.create(request("off"), placement(offer(), 2), lease_seconds=900,
+                                    cap=None, now=T0).lease_id, LeaseState.RELEASED,
+                        T0 + timedelta(seconds=1))
+    failed = book.end(book.create(request("gone"), placement(offer(), 2), lease_seconds=900,
+                                  cap=None, now=T0).lease_id, LeaseState.FAILED,
+                      T0 + timedelta(seconds=2), reason="reported", detail="x")
+    s = PgStateStore(pg_url, site=SITE)
+    await s.open()
+    try:
+        await s.commit([active, released, failed], [])
+    finally:
+        await s.close()
+    # What a schema-5 daemon wrote: no end in the records.
+    sql(pg_url, "UPDATE leases SET body = (body::jsonb - 'ended_reason' - 'ended_detail' "
+                "- 'ended_at')::text")
+    sql(pg_url, "UPDATE meta SET value = '5' WHERE key = 'schema'")
+    db = PgDb(connect(pg_url))
+    try:
+        assert migrate(db, SITE) == 5
+    finally:
+        db.close()
+    s = PgStateStore(pg_url, site=SITE)
+    await s.open()
+    try:
+        got = {le.request_id: le for le in await s.leases(ended_since=T0)}
+    finally:
+        await s.close()
+    assert got == {"on": active, "off": released,
+                   "gone": replace(failed, ended_reason="ended", ended_detail=ENDED_DETAIL)}
+    assert got["off"].ended_reason == "released"
+    assert got["off"].ended_at == T0 + timedelta(seconds=1)
+
+
 async def test_a_schema_2_database_is_migrated_keeps_its_leases_and_takes_parts(
         pg_url: str) -> None:
-    kept, ended = lease("old-one"), replace(lease("old-two", at=1), state=LeaseState.RELEASED)
+    kept, ended = lease("old-one"), replace(lease("old-two", at=1), state=LeaseState.RELEASED,
+                                            ended_reason="released",
+                                            ended_at=T0 + timedelta(seconds=1))
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(_SCHEMA_2)
         for le, epoch in ((kept, 4), (ended, 5)):

@@ -14,7 +14,7 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from factories import T0, offer, owned, placement, request
 
 from broker.leasing.book import LeaseBook
 from broker.model import Lease, LeaseState, Market
-from broker.state.schema import SCHEMA_VERSION, lease_row
+from broker.state.schema import ENDED_DETAIL, SCHEMA_VERSION, lease_row
 from broker.state.store import (
     Db,
     StateInUse,
@@ -43,6 +43,13 @@ def lease(request_id: str = "r1", *, scheduler: str = "sched-a", at: float = 0,
     return book.create(request(request_id, scheduler=scheduler, **req),
                        placement(offer(), 2), lease_seconds=900, cap=3.5,
                        now=T0 + timedelta(seconds=at))
+
+
+def end(le: Lease, state: LeaseState, at: datetime | None = None) -> Lease:
+    """`le` ended (as the lease book ends it: its reason and time kept), at `at` or at
+    its last change."""
+    at = at or le.updated_at
+    return replace(le, state=state, updated_at=at, ended_reason=state.value, ended_at=at)
 
 
 def split(request_id: str = "s1", parts: int = 3, *, scheduler: str = "sched-a") -> list[Lease]:
@@ -166,7 +173,7 @@ async def test_commit_updates_a_lease_in_place(store: Store) -> None:
 async def test_find_lease_by_scheduler_and_request_id(store: Store) -> None:
     a = lease("r1", scheduler="sched-a")
     b = lease("r1", scheduler="sched-b")
-    ended = replace(lease("r2"), state=LeaseState.RELEASED)
+    ended = end(lease("r2"), LeaseState.RELEASED)
     await store.commit([a, b, ended], [])
     assert await store.find_lease("sched-a", "r1") == a
     assert await store.find_lease("sched-b", "r1") == b
@@ -176,9 +183,8 @@ async def test_find_lease_by_scheduler_and_request_id(store: Store) -> None:
 
 async def test_leases_lists_active_plus_recently_ended(store: Store) -> None:
     active = lease("active")
-    old = replace(lease("old"), state=LeaseState.RELEASED, updated_at=T0)
-    recent = replace(lease("recent"), state=LeaseState.EXPIRED,
-                     updated_at=T0 + timedelta(hours=2))
+    old = end(lease("old"), LeaseState.RELEASED, T0)
+    recent = end(lease("recent"), LeaseState.EXPIRED, T0 + timedelta(hours=2))
     await store.commit([active, old, recent], [])
     assert await store.leases() == [active]
     since = await store.leases(ended_since=T0 + timedelta(hours=1))
@@ -208,7 +214,7 @@ async def test_a_split_lease_round_trips_with_its_parts(store: Store) -> None:
         "SELECT lease_id, part FROM leases").fetchall())) == sorted([
         ("L-s1-1", 1), ("L-s1-2", 2), ("L-s1-3", 3), (whole.lease_id, 0)])
     # A part's update stays that part.
-    ended = replace(parts[1], state=LeaseState.RELEASED, updated_at=T0 + timedelta(hours=1))
+    ended = end(parts[1], LeaseState.RELEASED, T0 + timedelta(hours=1))
     await store.commit([ended], [])
     assert await store.find_leases([key]) == {key: [parts[0], ended, parts[2]]}
 
@@ -585,7 +591,7 @@ async def test_a_schema_2_file_is_migrated_keeps_its_leases_and_takes_parts(
         tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     kept = lease("old-one")
-    ended = replace(lease("old-two", at=1), state=LeaseState.RELEASED)
+    ended = end(lease("old-two", at=1), LeaseState.RELEASED)
     db = sqlite3.connect(path)
     db.executescript(_SCHEMA_2)
     with db:
@@ -624,6 +630,41 @@ async def test_a_schema_2_file_is_migrated_keeps_its_leases_and_takes_parts(
         assert len(await again.leases(ended_since=T0)) == 5
     finally:
         await again.close()
+
+
+async def test_a_schema_5_file_is_migrated_and_its_ended_leases_say_how_they_ended(
+        tmp_path: Path) -> None:
+    """Schema 6 (contract 1.1) keeps how a lease ended in its record. A lease that ended
+    under schema 5 gets its state as its reason and its last change as its end; a failed
+    one `ended` (its failover reason was in no record)."""
+    path = tmp_path / "state.db"
+    active = lease("on")
+    released = end(lease("off", at=1), LeaseState.RELEASED)
+    failed = end(lease("gone", at=2), LeaseState.FAILED)
+    store = await reopened(path)
+    try:
+        await store.commit([active, released, failed], [])
+    finally:
+        await store.close()
+    db = sqlite3.connect(path)
+    with db:  # what a schema-5 daemon wrote: no end in the records
+        db.execute("UPDATE leases SET body = json_remove(body, '$.ended_reason', "
+                   "'$.ended_detail', '$.ended_at')")
+        db.execute("UPDATE meta SET value = '5' WHERE key = 'schema'")
+    assert "ended_at" not in str(db.execute("SELECT body FROM leases").fetchall())
+    db.close()
+
+    store = await reopened(path)
+    try:
+        got = {le.request_id: le for le in await store.leases(ended_since=T0)}
+        assert await store.call(lambda db: db.execute(
+            "SELECT value FROM meta WHERE key='schema'").fetchone()[0]) == "6"
+    finally:
+        await store.close()
+    assert got == {"on": active, "off": released,
+                   "gone": replace(failed, ended_reason="ended", ended_detail=ENDED_DETAIL)}
+    assert got["off"].ended_at == T0 + timedelta(seconds=1)
+    assert got["gone"].to_json()["ended_reason"] == "ended"
 
 
 def tables(path: Path) -> set[str]:
