@@ -23,7 +23,16 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictStr,
+    ValidationError,
+    WithJsonSchema,
+)
 
 from adapters import gpus
 from broker.model import GPU_MODELS, PlaceRequest
@@ -35,6 +44,15 @@ _Name = Annotated[StrictStr, Field(min_length=1, max_length=64)]
 
 MAX_PARTS = 16
 """Most leases one request may be split into (`max_parts`)."""
+
+
+def _null_is(default: Any) -> BeforeValidator:
+    """`null` for an optional field means its default (docs/contract.md §4.1), also for
+    the fields whose default is a value rather than `null`."""
+    return BeforeValidator(lambda v: default if v is None else v)
+
+
+_OrNull = {"type": "null"}
 
 
 class _Lenient(BaseModel):
@@ -52,7 +70,8 @@ class PlacePayload(_Lenient):
     """A GPU model (`H100-80GB`) or a list of acceptable ones."""
     gpus: Annotated[int, Field(ge=1, le=4096)]
     """GPUs wanted in all."""
-    gang: StrictBool = True
+    gang: Annotated[StrictBool, _null_is(True), WithJsonSchema(
+        {"anyOf": [{"type": "boolean"}, _OrNull]})] = True
     """All instances in one pool (one zone). `false` alone changes nothing; with
     `max_parts` above 1 it lets the request be split across pools."""
     market: Literal["spot", "on_demand", "reserved", "any"] | None = None
@@ -73,7 +92,8 @@ class PlacePayload(_Lenient):
     labels: Annotated[dict[_Name, Annotated[StrictStr, Field(max_length=256)]],
                       Field(max_length=64)] | None = None
     """Free-form; policy rules may match on them."""
-    max_parts: Annotated[int, Field(ge=1, le=MAX_PARTS)] = 1
+    max_parts: Annotated[int, Field(ge=1, le=MAX_PARTS), _null_is(1), WithJsonSchema(
+        {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_PARTS}, _OrNull]})] = 1
     """With `gang: false`: the request may be split into up to this many leases, one per
     pool, when no one pool can hold it or the split is cheaper. A scheduler that sends it
     reads the decision's `parts`. Default 1: one lease, one pool."""

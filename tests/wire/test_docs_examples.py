@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from broker.model import CLOUDS
+from broker.wire import validation
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -57,3 +58,33 @@ def test_every_cloud_enum_is_the_one_list_of_clouds() -> None:
 def test_the_asyncapi_cloud_parameter_names_private(name: str) -> None:
     doc = yaml.safe_load((DOCS / name).read_text(encoding="utf-8"))
     assert doc["components"]["parameters"]["cloud"]["enum"] == list(CLOUDS)
+
+
+PLACE = {"request_id": "r-1", "gpu": "T4", "gpus": 1}
+REPORT = {"lease_id": "L-1", "kind": "interrupted"}
+
+
+def _body(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize("field", [name for name, f in validation.PlacePayload.model_fields
+                                   .items() if not f.is_required()])
+def test_null_for_an_optional_place_field_means_its_default(field: str) -> None:
+    """§4.1: "`null` for an optional field means its default" — `gang` and `max_parts`
+    too, whose default is a value."""
+    assert validation.parse_place("s", _body(PLACE | {field: None})) == \
+        validation.parse_place("s", _body(PLACE))
+
+
+@pytest.mark.parametrize("field", [name for name, f in validation.ReportPayload.model_fields
+                                   .items() if not f.is_required()])
+def test_null_for_an_optional_report_field_means_its_default(field: str) -> None:
+    assert validation.parse_report(_body(REPORT | {field: None})) == \
+        validation.parse_report(_body(REPORT))
+
+
+def test_null_for_a_required_field_is_refused() -> None:
+    answer = validation.parse_place("s", _body(PLACE | {"gpus": None}))
+    assert isinstance(answer, validation.Invalid)
+    assert [e["field"] for e in answer.errors] == ["gpus"]
