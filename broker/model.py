@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from gpubroker_client.model import CLOUDS as CLOUDS
+from gpubroker_client.model import RESERVED_SCHEDULER_IDS as RESERVED_SCHEDULER_IDS
 from gpubroker_client.model import SCHEDULER_ID as SCHEDULER_ID
 from gpubroker_client.model import CloudName as CloudName
 from gpubroker_client.model import LeaseState as LeaseState
@@ -27,6 +28,7 @@ from gpubroker_client.model import Placement as Placement
 from gpubroker_client.model import PoolKey as PoolKey
 from gpubroker_client.model import iso as iso
 from gpubroker_client.model import parse_iso as parse_iso
+from gpubroker_client.model import scheduler_id_problem as scheduler_id_problem
 
 
 @dataclass(frozen=True, slots=True)

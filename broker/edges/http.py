@@ -45,7 +45,7 @@ from broker.edges.metrics import Metrics
 from broker.leasing.authority import Broker
 from broker.leasing.book import LeaseBook
 from broker.market.pool import ResourcePool
-from broker.model import SCHEDULER_ID, Lease, LeaseState, Market, utcnow
+from broker.model import Lease, LeaseState, Market, scheduler_id_problem, utcnow
 from broker.state.leadership import Leadership
 from broker.state.store import Store, StoreFailed
 from broker.wire.commands import Command
@@ -269,8 +269,8 @@ async def place(request: web.Request) -> web.Response:  # noqa: PLR0911
     if (refused := _unauthorized(d, request, "placing")) is not None:
         return refused
     scheduler = request.match_info["scheduler"]
-    if not SCHEDULER_ID.match(scheduler) or scheduler.startswith("_"):
-        return _json({"error": "scheduler id must match [A-Za-z0-9_.-]{1,64}"}, 400)
+    if (problem := scheduler_id_problem(scheduler)) is not None:
+        return _json({"error": problem}, 400)
     if request.content_length is not None and request.content_length > MAX_BODY:
         return _json({"error": f"body larger than {MAX_BODY} bytes"}, 413)
     try:

@@ -8,9 +8,9 @@ from collections.abc import Callable
 import aiomqtt
 import structlog
 
-from broker.model import SCHEDULER_ID
+from broker.model import scheduler_id_problem
 from broker.output.ratelimit import Every
-from broker.wire.commands import OPS, Command
+from broker.wire.commands import Command
 from broker.wire.messages import Topics
 
 log = structlog.get_logger("gpubroker.bus")
@@ -31,10 +31,10 @@ scheduler id: logged, those at most once per `dropped`)."""
     if parsed is None:
         return None
     scheduler, verb = parsed
-    if not SCHEDULER_ID.match(scheduler) or scheduler == OPS:
+    if (problem := scheduler_id_problem(scheduler)) is not None:
         if count := dropped.hit():
             log.warning("request from an invalid or reserved scheduler id dropped",
-                        topic=topic, dropped=count)
+                        topic=topic, problem=problem, dropped=count)
         return None
     payload = message.payload
     if not isinstance(payload, bytes | bytearray):

@@ -15,10 +15,25 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal, NamedTuple, Protocol, get_args
 
-__all__ = ["CLOUDS", "SCHEDULER_ID", "CloudName", "LeaseState", "Market", "Placement",
-           "PoolKey", "iso", "parse_iso"]
+__all__ = ["CLOUDS", "RESERVED_SCHEDULER_IDS", "SCHEDULER_ID", "CloudName", "LeaseState",
+           "Market", "Placement", "PoolKey", "iso", "parse_iso", "scheduler_id_problem"]
 
 SCHEDULER_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+RESERVED_SCHEDULER_IDS = frozenset({"_ops"})
+"""Scheduler ids no request may come from: `_ops` names the operations events'
+topics (`P/events/_ops/...`). Other ids starting with `_` are ordinary ones."""
+
+
+def scheduler_id_problem(scheduler: object) -> str | None:
+    """Why `scheduler` cannot send requests, or None: the one rule for the scheduler id
+    `S`, with the one message the daemon's MQTT and HTTP edges, the client and the
+    command line give."""
+    if not isinstance(scheduler, str) or not SCHEDULER_ID.match(scheduler):
+        shown = scheduler[:80] if isinstance(scheduler, str) else scheduler
+        return f"scheduler id {shown!r} must match [A-Za-z0-9_.-]{{1,64}}"
+    if scheduler in RESERVED_SCHEDULER_IDS:
+        return f"scheduler id {scheduler!r} is reserved (operations events)"
+    return None
 
 CloudName = Literal["aws", "gcp", "azure", "alibaba", "private"]
 """The clouds a placement, an offer or a capacity summary may name. `private`: the

@@ -26,7 +26,7 @@ from gpubroker_client import files
 from gpubroker_client.errors import BrokerError, BrokerUnavailable
 from gpubroker_client.events import SEEN_IDS, LeaseEvent, _epoch, _json
 from gpubroker_client.lease import Callback, Lease
-from gpubroker_client.model import SCHEDULER_ID
+from gpubroker_client.model import scheduler_id_problem
 from gpubroker_client.mqtturl import parse_mqtt_url
 from gpubroker_client.watch import SYNC_FALLBACK_SECONDS, LeaseWatch
 
@@ -65,10 +65,8 @@ class Session:
                  resend_max: float = 15.0) -> None:
         self.host, self.port, tls = parse_mqtt_url(url)
         self.url = url
-        if scheduler is not None and (not SCHEDULER_ID.match(scheduler)
-                                      or scheduler == "_ops"):
-            raise ValueError(f"scheduler id {scheduler!r} must match [A-Za-z0-9_.-]{{1,64}} "
-                             "and not be the reserved _ops")
+        if scheduler is not None and (problem := scheduler_id_problem(scheduler)) is not None:
+            raise ValueError(problem)
         prefix = topic_prefix.strip()
         if not prefix or prefix.startswith("/") or prefix.endswith("/") or \
                 any(c in prefix for c in "+#\0"):
