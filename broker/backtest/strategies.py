@@ -307,7 +307,7 @@ def choose_price_capacity(asks: Sequence[Ask], view: PoolView, policy: Policy, *
                     under_cap += 1
                     if failed is not None:
                         continue
-                    price = instances * offer.price_per_hour  # type: ignore[operator]
+                    price = instances * offer.price_per_hour
                     rank = (-availability_level(offer, unknown), price, offer.pool)
                     if best is None or rank < best[0]:
                         best = (rank, offer, instances)

@@ -95,6 +95,11 @@ class MqttConfig(_Section):
     requests queued for it) after a disconnect; MQTT 3.1.1 keeps it for good. 0 keeps
     none, on either version: a clean session (MQTT 5 clean start; 3.1.1 clean_session),
     as `gpubroker demo` uses."""
+    reconnect_grace_seconds: float = Field(default=60, ge=0)
+    """No lease expires while the daemon's MQTT session is down; when it is up again (and
+    at start, and when a standby takes over: each is a connect), every active lease that
+    would expire within this long gets this long from the connect, so that schedulers
+    whose renewals went into the lost connection have time to renew. 0: none."""
     standby_username: str | None = Field(default=None, min_length=1)
     """High availability: the MQTT user a standby node follows `P/status` as (read-only;
     deploy/mosquitto/acl: `gpubroker-standby`). Never `username`: on a server that makes

@@ -55,7 +55,7 @@ from broker.edges.mqtt import (
 )
 from broker.model import iso, utcnow
 from broker.output.ratelimit import Every
-from broker.state.store import Store
+from broker.state.store import Store, StoreFailed
 from broker.wire.commands import Command
 from broker.wire.messages import OutboxRow, Topics, dumps
 
@@ -91,7 +91,9 @@ class Bus:
                  epoch: Callable[[], int] = lambda: 0,
                  may_publish: Callable[[], bool] = lambda: True,
                  time_left: Callable[[], float] = lambda: math.inf,
-                 receive_maximum: int = RECEIVE_MAXIMUM) -> None:
+                 receive_maximum: int = RECEIVE_MAXIMUM,
+                 on_connect: Callable[[], Awaitable[object]] | None = None,
+                 on_lost: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
         self.receive_maximum = receive_maximum
         """The Receive Maximum announced on MQTT 5 (`RECEIVE_MAXIMUM`)."""
@@ -109,6 +111,13 @@ class Bus:
         self.boot_id = boot_id
         self._on_command = on_command
         self._retained = retained
+        self._on_connect = on_connect
+        """Awaited on every connect, after `online`, while requests are taken and the
+        outbox is sent, and before the retained states are restored (the broker extends
+        the leases it could not hear, `Broker.heard`, and the restore publishes them as
+        extended). The state store failing in it ends the bus: no session failure."""
+        self._on_lost = on_lost
+        """Called when a connection that was up is lost (`Broker.deaf`)."""
         self._farewell = False  # `offline` retained by goodbye(): a clean disconnect is due
         self.restored = asyncio.Event()  # set each time the retained state was restored
         self.lost_at: datetime | None = None  # when the last connection was lost
@@ -232,6 +241,8 @@ class Bus:
                 try:
                     await self._connection()
                 except Exception as exc:  # any session failure means: reconnect
+                    if (failed := _store_failure(exc)) is not None:
+                        raise failed from exc  # `on_connect`'s: the daemon stops
                     if stopping():
                         raise asyncio.CancelledError from exc
                     self._client = None
@@ -241,6 +252,8 @@ class Bus:
                     if was:
                         self.reconnects += 1
                         self.lost_at = utcnow()
+                        if self._on_lost is not None:
+                            self._on_lost()
                     self._log_failure(exc, was=was, first=failures == 1)
                     delay = min(30.0, 0.25 * 2 ** min(failures, 7)) * random.uniform(0.5, 1.0)
                     await asyncio.sleep(delay)
@@ -304,6 +317,10 @@ class Bus:
             # left cleanly instead.
             clean = not leading
             raise
+        except Exception as exc:
+            if _store_failure(exc) is not None:
+                clean = False  # the daemon stops without `offline`: the will says it
+            raise
         finally:
             self._client = None
             await self._close(client, clean=clean)
@@ -345,8 +362,7 @@ class Bus:
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._send(client))
-                if self._retained is not None:
-                    tg.create_task(self._restore_retained(client, self._retained))
+                tg.create_task(self._connected(client))
                 await self._receive(client, acks)
         finally:
             # Acknowledgements belong to the connection: what it did not acknowledge,
@@ -356,6 +372,14 @@ class Bus:
             if self._acks is acks:
                 self._acks = None
         raise aiomqtt.MqttError("the MQTT server ended the session")
+
+    async def _connected(self, client: aiomqtt.Client) -> None:
+        """`on_connect`, then the retained states restored: what it committed (the leases
+        it extended) is what they publish."""
+        if self._on_connect is not None:
+            await self._on_connect()
+        if self._retained is not None:
+            await self._restore_retained(client, self._retained)
 
     async def _restore_retained(self, client: aiomqtt.Client, source: RetainedSource) -> None:
         """Make the retained topics true again after a (re)connect: a server that
@@ -528,3 +552,15 @@ class Bus:
             await self._publish(client, self.topics.status, self._status("offline"),
                                 retain=True, timeout=timeout)
             self._farewell = True
+
+
+def _store_failure(exc: BaseException) -> StoreFailed | None:
+    """The state store's failure in `exc` (an exception group of a session's tasks
+    included), if it is one: that ends the bus, not only the session."""
+    if isinstance(exc, StoreFailed):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _store_failure(inner)) is not None:
+                return found
+    return None

@@ -40,7 +40,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import structlog
@@ -74,7 +74,6 @@ from policies.evaluate import forbids
 from policies.model import Policy
 from policies.residency import Residency
 
-EXPIRY_HOLD_SECONDS = 30.0
 log = structlog.get_logger("gpubroker.broker")
 
 BURST = 8
@@ -93,7 +92,8 @@ class Broker(Placing, Verbs, Moves):
     def __init__(self, *, pool: ResourcePool, book: LeaseBook, store: Store,  # noqa: PLR0913
                  messages: Messages, policy: Policy, publish: Publish,
                  retry_after_seconds: float, clock: Callable[[], datetime] = utcnow,
-                 batching: PlacementConfig | None = None) -> None:
+                 batching: PlacementConfig | None = None,
+                 reconnect_grace_seconds: float = 60.0) -> None:
         self.pool = pool
         self.book = book
         self.store = store
@@ -119,6 +119,11 @@ class Broker(Placing, Verbs, Moves):
         self._triggers: dict[str, failover.Trigger] = {}
         self._triggered = asyncio.Event()
         self._expiry_changed = asyncio.Event()
+        self._grace = timedelta(seconds=reconnect_grace_seconds)
+        self.hearing = asyncio.Event()
+        """Set while the daemon can hear its schedulers (its MQTT session is up): no lease
+        expires while it is clear (`deaf`, `heard`). Set unless told otherwise."""
+        self.hearing.set()
         self.observers: list[Observer] = []
         self.batch_observers: list[Callable[[optimizer.BatchResult], None]] = []
         self.decision_latency: Callable[[float], None] | None = None
@@ -264,16 +269,19 @@ class Broker(Placing, Verbs, Moves):
                 await self._fail_over(trigger)
 
     async def run_expiry(self, ready: asyncio.Event | None = None) -> None:
-        """Expire leases when their time comes. With `ready` (the daemon's first poll,
-        after which requests are taken): not before the requests queued meanwhile are
-        handled (for at most `EXPIRY_HOLD_SECONDS`), so a renewal that waited for a new
-        leader or a restart renews its lease instead of finding it expired."""
+        """Expire leases when their time comes, only while the daemon can hear
+        (`hearing`). With `ready` (the daemon's first poll, after which requests are
+        taken): not before the requests queued meanwhile are handled, for at most the
+        reconnect grace (`heard` gave every lease that long from the connect), so a
+        renewal that waited for a new leader or a restart renews its lease instead of
+        finding it expired."""
         if ready is not None:
             await ready.wait()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(EXPIRY_HOLD_SECONDS):
+                async with asyncio.timeout(self._grace.total_seconds()):
                     await self._requests.join()
         while True:
+            await self.hearing.wait()
             nxt = self.book.next_expiry()
             timeout = None if nxt is None else max(0.0, (nxt - self._clock()).total_seconds())
             self._expiry_changed.clear()
@@ -328,8 +336,41 @@ class Broker(Placing, Verbs, Moves):
                                 "policy"))
             await self._commit(b)
 
+    def deaf(self) -> None:
+        """The daemon cannot hear its schedulers (its MQTT session is down, or not up yet
+        since the start): no lease expires until `heard`."""
+        self.hearing.clear()
+
+    async def heard(self) -> int:
+        """The daemon can hear its schedulers again (its MQTT session is up: after a lost
+        connection, at start, after a takeover). Every active lease that expires before
+        now + the reconnect grace gets that expiry, committed with its retained state:
+        renewals sent into the lost connection (or while no leader was there) were not
+        heard, and their schedulers get the grace to renew. Like Nomad's heartbeat grace
+        after an election. Returns how many leases were extended."""
+        async with self._changing():
+            now = self._clock()
+            until = now + self._grace
+            b = Batch()
+            if self._grace:
+                for lease in self.book.active():
+                    if lease.expires_at < until:
+                        extended = self.book.extend(lease.lease_id, until, now)
+                        b.leases[extended.lease_id] = extended
+                        b.rows.append(self.messages.lease_state(extended))
+            await self._commit(b)
+            self.hearing.set()
+            self._expiry_changed.set()
+        if b.leases:
+            log.info("leases extended: the daemon could not hear their renewals",
+                     leases=len(b.leases), until=until.isoformat(),
+                     grace_seconds=self._grace.total_seconds())
+        return len(b.leases)
+
     async def expire_due(self) -> list[Lease]:
         async with self._changing():
+            if not self.hearing.is_set():
+                return []
             now = self._clock()
             b = Batch()
             for lease in self.book.due(now):

@@ -111,12 +111,17 @@ class Daemon(PolicyReloading, StandingBy, Tasks):
                        boot_id=self.boot_id, on_command=self._submit,
                        retained=self._retained_state, node=cfg.node,
                        epoch=lambda: self.store.epoch, may_publish=self._may_lead,
-                       time_left=self._lead_time_left)
+                       time_left=self._lead_time_left, on_connect=self._heard,
+                       on_lost=self._deaf)
         self.broker = Broker(pool=self.pool, book=self.book, store=self.store,
                              messages=self.messages, policy=self.policy,
                              publish=self.bus.enqueue,
                              retry_after_seconds=cfg.poll.interval_seconds,
-                             batching=cfg.placement)
+                             batching=cfg.placement,
+                             reconnect_grace_seconds=cfg.mqtt.reconnect_grace_seconds)
+        # Not heard yet: no lease expires before the first connect, which is a connect
+        # after an outage too (this daemon's restart, or the last leader's end).
+        self.broker.deaf()
         for adapter in self.adapters:  # the private servers' sites carry residency tags
             tags = getattr(adapter, "residency_tags", None)
             if callable(tags):
@@ -224,6 +229,12 @@ class Daemon(PolicyReloading, StandingBy, Tasks):
 
     async def _submit(self, command: Command) -> None:
         await self.broker.submit(command)
+
+    async def _heard(self) -> int:
+        return await self.broker.heard()
+
+    def _deaf(self) -> None:
+        self.broker.deaf()
 
     def _on_poll(self, result: PollResult) -> None:
         self._last_poll = time.monotonic()
