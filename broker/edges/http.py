@@ -12,12 +12,14 @@
   filter `scheduler`.
 * A standby (high availability) answers /livez, /readyz (503, "standby (…)"), /metrics,
   /v1/policy and the lease reads (from the database); /v1/offers and placing: 503.
-* `POST /v1/requests/{S}/place`: a placement request, same body and answer as MQTT;
+* `POST /v1/requests/{S}/<verb>`, for every verb of MQTT's `P/requests/S/<verb>`
+  (`place`, `renew`, `release`, `report`, `quote`, ...): same body and answer as MQTT;
   bearer token required.
 * `GET /v1/policy`: the policy in force and its hash.
 
 The answer to a POST is the CloudEvents envelope the scheduler also gets on MQTT: 200 for
-`placement.decided` and `placement.rejected`, 422 for `request.invalid`. Bodies over
+every answer event (`placement.decided`, `lease.renewed`, `placement.quoted` ...), 422 for
+`request.invalid`. Bodies over
 64 KiB get 413; a missing or wrong token 401 (compared in constant time); with no token
 file configured, the endpoint answers 403. When the state store refuses a commit the
 broker stops (`broker.leasing.authority`): a request waiting for its answer, or arriving after, gets
@@ -33,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import structlog
@@ -48,7 +51,7 @@ from broker.market.pool import ResourcePool
 from broker.model import Lease, LeaseState, Market, scheduler_id_problem, utcnow
 from broker.state.leadership import Leadership
 from broker.state.store import Store, StoreFailed
-from broker.wire.commands import Command
+from broker.wire.commands import VERBS, Command
 from broker.wire.messages import Topics
 
 
@@ -261,12 +264,25 @@ async def policy(request: web.Request) -> web.Response:
                   "policy": d.broker.policy.model_dump(mode="json")})
 
 
+def requests_of(verb: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """The handler of `POST /v1/requests/{S}/<verb>`."""
+
+    async def handler(request: web.Request) -> web.Response:
+        return await command(request, verb)
+
+    handler.__name__ = handler.__qualname__ = verb
+    return handler
+
+
 # Many returns: one early return per refusal before the work.
-async def place(request: web.Request) -> web.Response:  # noqa: PLR0911
+async def command(request: web.Request, verb: str) -> web.Response:  # noqa: PLR0911
+    """`POST /v1/requests/{S}/<verb>`: the MQTT request's body, answered with the event
+    the scheduler also gets on MQTT, the same bytes (every verb alike)."""
     d = _served(request)
     if (refused := _standing_by(d)) is not None:
         return refused
-    if (refused := _unauthorized(d, request, "placing")) is not None:
+    what = "placing" if verb == "place" else f"{verb} requests"
+    if (refused := _unauthorized(d, request, what)) is not None:
         return refused
     scheduler = request.match_info["scheduler"]
     if (problem := scheduler_id_problem(scheduler)) is not None:
@@ -286,14 +302,14 @@ async def place(request: web.Request) -> web.Response:  # noqa: PLR0911
     except web.HTTPRequestEntityTooLarge:
         return _json({"error": f"body larger than {MAX_BODY} bytes"}, 413)
     answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-    topic = f"{d.topics.prefix}/requests/{scheduler}/place"
-    await d.broker.submit(Command(scheduler, "place", body, topic, answer=answer))
+    topic = f"{d.topics.prefix}/requests/{scheduler}/{verb}"
+    await d.broker.submit(Command(scheduler, verb, body, topic, answer=answer))
     try:
         async with asyncio.timeout(ANSWER_TIMEOUT):
             envelope = await answer
     except TimeoutError:
-        return _json({"error": "no decision in time; ask again with the same request_id"},
-                     504)
+        again = "with the same request_id" if verb == "place" else "again"
+        return _json({"error": f"no answer in time; ask {again}"}, 504)
     except StoreFailed:
         return _store_failed()
     kind = json.loads(envelope)["type"]
@@ -310,7 +326,8 @@ def build_app(served: Served) -> web.Application:
     app.router.add_get("/v1/offers", offers)
     app.router.add_get("/v1/leases", leases)
     app.router.add_get("/v1/leases/{lease_id}", lease)
-    app.router.add_post("/v1/requests/{scheduler}/place", place)
+    for verb in VERBS:  # every verb MQTT takes, on par
+        app.router.add_post(f"/v1/requests/{{scheduler}}/{verb}", requests_of(verb))
     app.router.add_get("/v1/policy", policy)
     return app
 

@@ -51,6 +51,7 @@ from broker.leasing.batch import INTERNAL, REPEATED, RETAINED, Batch
 from broker.leasing.book import LeaseBook
 from broker.leasing.moves import Moves
 from broker.leasing.placing import MILP_BURST_SECONDS, Placing
+from broker.leasing.quote import Quoting
 from broker.leasing.verbs import Observer, Verbs
 from broker.market.changes import PoolChange
 from broker.market.pool import ResourcePool
@@ -87,7 +88,7 @@ FIRST_BATCH = 16
 Publish = Callable[[Sequence[OutboxRow]], None]
 
 
-class Broker(Placing, Verbs, Moves):
+class Broker(Placing, Verbs, Moves, Quoting):
     # Many arguments: the daemon's wiring, keyword-only (each a part or a setting of its own).
     def __init__(self, *, pool: ResourcePool, book: LeaseBook, store: Store,  # noqa: PLR0913
                  messages: Messages, policy: Policy, publish: Publish,
@@ -389,6 +390,7 @@ class Broker(Placing, Verbs, Moves):
             await self._recall([p for p in parsed.values() if isinstance(p, PlaceRequest)])
             asks: dict[tuple[str, str], tuple[Command, PlaceRequest]] = {}
             repeats: list[tuple[Command, PlaceRequest]] = []
+            quotes: list[Command] = []
             for i, cmd in enumerate(batch):
                 if cmd.retained:
                     req = parsed.get(i)
@@ -401,6 +403,8 @@ class Broker(Placing, Verbs, Moves):
                         self._lease_verb(b, cmd)
                     elif cmd.verb == "report":
                         await self._report(b, cmd)
+                    elif cmd.verb == "quote":
+                        quotes.append(cmd)  # after the batch's placements: see below
                     else:
                         self._invalid(b, cmd, None, [{
                             "field": "", "message": f"unknown verb {cmd.verb!r}; "
@@ -414,6 +418,11 @@ class Broker(Placing, Verbs, Moves):
                 log.exception("internal error placing a batch; its undecided requests "
                               "answered request.invalid", requests=len(asks))
             self._answer_the_rest(b, asks, repeats, rejected)
+            # Quotes see the pool as the batch's placements left it: what a place sent
+            # now would find.
+            for cmd in quotes:
+                with self._guard(b, cmd, None):
+                    self._quote(b, cmd)
             await self._commit(b)
             # Committed (or nothing to commit): every command of the batch is answered in
             # the outbox, so its MQTT message may be acknowledged. A commit that raised

@@ -68,6 +68,7 @@ PAYLOADS: tuple[Payload, ...] = (
     Payload("request.renew", payloads.LeaseRefPayload, "Renew request", sent=False),
     Payload("request.release", payloads.LeaseRefPayload, "Release request", sent=False),
     Payload("request.report", payloads.ReportPayload, "Report request", sent=False),
+    Payload("request.quote", payloads.QuotePayload, "Quote request", sent=False),
     Payload("event", payloads.CloudEvent, "Event (CloudEvents 1.0 envelope)", sent=True),
     *(Payload(_event_name(kind), t, f"Event {kind}", sent=True)
       for kind, t in payloads.EVENTS.items()),
@@ -154,6 +155,8 @@ def _message(name: str, title: str, summary: str, *, correlation: str | None = N
 _EVENT_SUMMARY = {
     "placement.decided": "A lease: the answer to a placement request and to every repetition.",
     "placement.rejected": "No placement now, with the constraint that binds.",
+    "placement.quoted": "What a placement request would get now and its expected cost; "
+                        "nothing held.",
     "request.invalid": "A request that was not executed, with every problem found.",
     "lease.renewed": "The lease runs until its new expires_at.",
     "lease.released": "The lease has ended: released by the scheduler.",
@@ -169,6 +172,8 @@ _REQUEST_SUMMARY = {
     "renew": "Extend a lease by its lease_seconds. Answered by lease.renewed.",
     "release": "End a lease. Answered by lease.released.",
     "report": "The lease's capacity failed. Answered by lease.failover or lease.failed.",
+    "quote": "What a placement request would get now, holding nothing. Answered by "
+             "placement.quoted or request.invalid.",
 }
 _ANSWERS = {
     "place": ("placement.decided", "placement.rejected", "request.invalid"),
@@ -177,6 +182,7 @@ _ANSWERS = {
     "release": ("lease.released", "lease.expired", "lease.failed", "request.invalid"),
     "report": ("lease.failover", "lease.failed", "lease.expired", "lease.released",
                "request.invalid"),
+    "quote": ("placement.quoted", "request.invalid"),
 }
 
 
@@ -199,7 +205,7 @@ def asyncapi() -> dict[str, Any]:
         name = f"request.{verb}"
         messages[_camel(verb, "request")] = _message(
             name, f"{verb} request", summary,
-            correlation="request_id" if verb == "place" else None,
+            correlation="request_id" if verb in ("place", "quote") else None,
             description="Never published with the retain flag: a retained request is "
                         "answered request.invalid (field `retain`) and not executed. "
                         f"At most {MAX_PAYLOAD // 1024} KiB (larger: request.invalid, "
@@ -388,6 +394,203 @@ def asyncapi() -> dict[str, Any]:
     }
 
 
+# --- OpenAPI --------------------------------------------------------------------------------
+
+HTTP_LISTEN = "127.0.0.1:9464"
+"""The default `http.listen`; the OpenAPI document's server."""
+_JSON = "application/json"
+
+
+def _schema_ref(name: str) -> dict[str, str]:
+    return _ref(f"#/components/schemas/{name}")
+
+
+def _content(schema: dict[str, Any]) -> dict[str, Any]:
+    return {_JSON: {"schema": schema}}
+
+
+def _answers(verb: str) -> dict[str, Any]:
+    """The schema of the 200 answers to `verb`: one of its answer events but
+    `request.invalid` (422)."""
+    kinds = [k for k in _ANSWERS[verb] if k != "request.invalid"]
+    refs = [_schema_ref(_event_name(k)) for k in kinds]
+    return refs[0] if len(refs) == 1 else {"oneOf": refs}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "content": _content(_schema_ref("error"))}
+
+
+def openapi() -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the HTTP API (docs/contract.md §8): the requests
+    (`POST /v1/requests/{scheduler}/<verb>`, the MQTT bodies and answers, the same
+    schemas) and the read-only views."""
+    P = PREFIX
+    token: list[dict[str, list[str]]] = [{"bearer": []}]
+    view_token: list[dict[str, list[str]]] = [{}, {"bearer": []}]  # views_need_token
+    paths: dict[str, Any] = {}
+    for verb, summary in _REQUEST_SUMMARY.items():
+        paths[f"/v1/requests/{{scheduler}}/{verb}"] = {"post": {
+            "operationId": _camel(verb),
+            "tags": ["requests"],
+            "summary": summary,
+            "description": (
+                f"The body of `{P}/requests/{{scheduler}}/{verb}` on MQTT; the answer is "
+                f"the event the scheduler also gets on `{P}/events/{{scheduler}}/<type>`, "
+                f"the same bytes."),
+            "security": token,
+            "parameters": [_ref("#/components/parameters/scheduler")],
+            "requestBody": {"required": True,
+                            "content": _content(_schema_ref(f"request.{verb}"))},
+            "responses": {
+                "200": {"description": "The answer event.", "content": _content(
+                    _answers(verb))},
+                "400": _ref("#/components/responses/badScheduler"),
+                "401": _ref("#/components/responses/unauthorized"),
+                "403": _ref("#/components/responses/noToken"),
+                "408": _ref("#/components/responses/slowBody"),
+                "413": _ref("#/components/responses/tooLarge"),
+                "422": {"description": "`request.invalid`: not executed, with every problem "
+                                       "found.",
+                        "content": _content(_schema_ref("event.request.invalid"))},
+                "503": _ref("#/components/responses/unavailable"),
+                "504": _error("No answer within 30 s: send it again (a `place` with the "
+                              "same `request_id`)."),
+            },
+        }}
+    view_errors = {"401": _ref("#/components/responses/unauthorized"),
+                   "403": _ref("#/components/responses/noToken"),
+                   "503": _ref("#/components/responses/unavailable")}
+
+    def view(op: str, summary: str, description: str, ok: dict[str, Any],
+             parameters: list[Any] | None = None, **more: Any) -> dict[str, Any]:
+        o: dict[str, Any] = {"operationId": op, "tags": ["views"], "summary": summary,
+                             "description": description, "security": view_token}
+        if parameters:
+            o["parameters"] = parameters
+        o["responses"] = {"200": {"description": summary, "content": _content(ok)},
+                          **more, **view_errors}
+        return {"get": o}
+
+    def query(name: str, description: str, schema: dict[str, Any]) -> dict[str, Any]:
+        return {"name": name, "in": "query", "required": False, "description": description,
+                "schema": schema}
+
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    paths |= {
+        "/livez": {"get": {"operationId": "livez", "tags": ["health"],
+                           "summary": "The event loop answers.", "security": [],
+                           "responses": {"200": {"description": "`ok`", "content": text}}}},
+        "/readyz": {"get": {"operationId": "readyz", "tags": ["health"],
+                            "summary": "MQTT connected and a fresh poll in; only the leader.",
+                            "security": [],
+                            "responses": {
+                                "200": {"description": "`ready`", "content": text},
+                                "503": {"description": "`not ready: <reasons>` (a standby: "
+                                                       "`not ready: standby (…)`)",
+                                        "content": text}}}},
+        "/metrics": {"get": {"operationId": "metrics", "tags": ["health"],
+                             "summary": "Prometheus text format; every metric `gpubroker_…`.",
+                             "security": [],
+                             "responses": {"200": {"description": "The metrics.",
+                                                   "content": text}}}},
+        "/v1/offers": view(
+            "offers", "The pool, cheapest per GPU-hour first.",
+            "A standby does not poll: 503.",
+            {"type": "array", "items": _schema_ref("offer")},
+            [query("gpu", "Only this GPU model.", {"type": "string"}),
+             query("cloud", "Only this cloud.", {"type": "string"}),
+             query("region", "Only this region.", {"type": "string"}),
+             query("market", "Only this market.",
+                   {"enum": ["spot", "on_demand", "reserved"]}),
+             query("fresh", "`1` or `true`: only offers fresh enough to place on.",
+                   {"type": "string"}),
+             query("limit", "At most this many (default 1000).", {"type": "integer"})],
+            **{"400": _error("A bad `limit` or `market`.")}),
+        "/v1/leases": view(
+            "leases", "Leases as committed, oldest first.",
+            "The active ones unless `state` says otherwise; ended leases are those within "
+            "`state.keep_ended_hours`.",
+            {"type": "array", "items": _schema_ref("lease-state")},
+            [query("state", "Which leases (default `active`).",
+                   {"enum": ["active", "released", "expired", "failed", "all"]}),
+             query("scheduler", "Only this scheduler's.", {"type": "string"})],
+            **{"400": _error("A bad `state`.")}),
+        "/v1/leases/{lease_id}": view(
+            "lease", "One lease state, in any state.", "As committed.",
+            _schema_ref("lease-state"),
+            [{"name": "lease_id", "in": "path", "required": True,
+              "description": "The lease id.", "schema": {"type": "string"}}],
+            **{"404": _error("No such lease.")}),
+        "/v1/policy": view(
+            "policy", "The policy in force.", "Its hash, its file and its content.",
+            {"type": "object", "required": ["hash", "file", "policy"], "properties": {
+                "hash": {"type": ["string", "null"],
+                         "description": "`sha256:` and the file's SHA-256."},
+                "file": {"type": "string", "description": "The policy file's path."},
+                "policy": {"type": "object", "description": "The policy, as loaded."}}}),
+    }
+    schemas: dict[str, Any] = {p.name: _ref(f"./schemas/{p.name}.schema.json")
+                               for p in PAYLOADS if p.name != "event"}
+    schemas["error"] = {"type": "object", "required": ["error"],
+                        "properties": {"error": {"type": "string",
+                                                 "description": "What went wrong."}}}
+    return {
+        "openapi": "3.1.0",
+        "jsonSchemaDialect": DIALECT,
+        "info": {
+            "title": "gpubroker HTTP API",
+            "version": __version__,
+            "summary": "Health, metrics, read-only views and the schedulers' requests.",
+            "description": (
+                "The HTTP side of gpubroker (docs/contract.md §8). A request over HTTP "
+                "takes the MQTT request's body and answers with the event the scheduler "
+                f"also gets on `{P}/events/{{scheduler}}/<type>`, the same bytes; the "
+                "schemas are those of the MQTT API (`./schemas/`, as in asyncapi.yaml). "
+                "Errors other than events are `{\"error\": \"…\"}`. Generated by "
+                "`python -m broker.wire.contract`: do not edit."),
+            "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
+        },
+        "servers": [{"url": f"http://{HTTP_LISTEN}",
+                     "description": "config `http.listen` (loopback by default)"}],
+        "tags": [{"name": "requests", "description": "A scheduler's requests; a bearer "
+                  "token (`http.token_file`) always."},
+                 {"name": "views", "description": "Read-only; a bearer token only with "
+                  "`http.views_need_token`."},
+                 {"name": "health", "description": "Never a token."}],
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "parameters": {"scheduler": {
+                "name": "scheduler", "in": "path", "required": True,
+                "description": "The scheduler id S: `[A-Za-z0-9_.-]{1,64}`, not `_ops` "
+                               "(reserved).",
+                "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}}},
+            "responses": {
+                "badScheduler": _error("A scheduler id that does not match "
+                                       "`[A-Za-z0-9_.-]{1,64}`, or `_ops` (reserved)."),
+                "unauthorized": {
+                    "description": "A missing or wrong bearer token.",
+                    "headers": {"WWW-Authenticate": {
+                        "description": "`Bearer realm=\"gpubroker\"`",
+                        "schema": {"type": "string"}}},
+                    "content": _content(_schema_ref("error"))},
+                "noToken": _error("No `http.token_file` configured (the views: an empty "
+                                  "token file)."),
+                "slowBody": _error("The body did not arrive within "
+                                   "`http.body_timeout_seconds`; the connection closes."),
+                "tooLarge": _error(f"A body over {MAX_PAYLOAD // 1024} KiB."),
+                "unavailable": _error("The state store failed (not executed); this node is "
+                                      "a standby (ask the leader); too many connections."),
+            },
+            "securitySchemes": {"bearer": {
+                "type": "http", "scheme": "bearer",
+                "description": "The content of `http.token_file`, compared in constant "
+                               "time."}},
+        },
+    }
+
+
 # --- files ---------------------------------------------------------------------------------
 
 
@@ -400,6 +603,8 @@ def render() -> dict[str, str]:
             "do not edit.\n")
     files["asyncapi.yaml"] = head + yaml.dump(
         asyncapi(), Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
+    files["openapi.yaml"] = head + yaml.dump(
+        openapi(), Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
     return files
 
 

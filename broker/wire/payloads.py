@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field, with_config
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
 from broker.model import CloudName as Clouds
-from broker.wire.validation import LeaseRefPayload, PlacePayload, ReportPayload
+from broker.wire.validation import LeaseRefPayload, PlacePayload, QuotePayload, ReportPayload
 
 __all__ = [
     "EVENTS",
@@ -42,10 +42,13 @@ __all__ = [
     "PlacePayload",
     "PlacementDecided",
     "PlacementJson",
+    "PlacementQuoted",
     "PlacementRejected",
     "PolicyApplied",
     "PolicyProblem",
     "PolicyRejected",
+    "QuotePart",
+    "QuotePayload",
     "ReportPayload",
     "RequestInvalid",
     "Status",
@@ -216,6 +219,53 @@ class PlacementRejected(TypedDict):
 
 
 @with_config(_SENT)
+class QuotePart(TypedDict):
+    """One part of a quoted split: a placement and the request's GPUs it would hold."""
+
+    gpus: Annotated[int, Field(ge=1, description=(
+        "The request's GPUs this part would hold (its placement may have more: whole "
+        "instances)."))]
+    placement: PlacementJson
+
+
+@with_config(_SENT)
+class PlacementQuoted(TypedDict):
+    """The answer to a quote: what would be placed now and at what expected cost, or
+    why nothing would be. Nothing was placed or held: no lease, no capacity, no
+    idempotency record; a `place` sent next may be answered otherwise (the pool moves,
+    other requests come first)."""
+
+    request_id: NotRequired[Annotated[RequestId, _doc(
+        "The quote's `request_id`, when it sent one (optional; never an idempotency key).")]]
+    placement: NotRequired[Annotated[PlacementJson, _doc(
+        "Where it would be placed (for a split: the first part). Absent when it would be "
+        "rejected.")]]
+    expected_cost_per_hour: NotRequired[Annotated[Price, _doc(
+        "USD per hour: the expected cost the placement is chosen by (the price with its "
+        "interruption, availability and spread terms, §4.1), for all its GPUs (every part "
+        "of a split). Absent when it would be rejected.")]]
+    expected_cost: NotRequired[Annotated[Price, _doc(
+        "USD: `expected_cost_per_hour` × the request's `duration_hours` (1 h when absent). "
+        "Absent when it would be rejected.")]]
+    reason: NotRequired[Annotated[str, _doc(
+        "Why this placement, for a person (as in `placement.decided`). Absent when it "
+        "would be rejected.")]]
+    alternatives: NotRequired[Annotated[list[PlacementJson], Field(max_length=3, description=(
+        "Up to 3 next-best placements, best first. Absent when it would be rejected."))]]
+    parts: NotRequired[Annotated[list[QuotePart], Field(min_length=2, max_length=16,
+                                                        description=(
+        "Only when it would be split across pools (`gang: false` with `max_parts` above "
+        "1): every part, in order, the first being `placement` above."))]]
+    code: NotRequired[Annotated[RejectCodeName, _doc(
+        "Only when it would be rejected: the code `placement.rejected` would carry.")]]
+    detail: NotRequired[Annotated[str, _doc(
+        "Only when it would be rejected: what was looked for and what stood in the way.")]]
+    retry_after_seconds: NotRequired[Annotated[Price, _doc(
+        "Only when it would be rejected, as in `placement.rejected`: when capacity may "
+        "have changed.")]]
+
+
+@with_config(_SENT)
 class RequestInvalid(TypedDict):
     """A request that was not executed: not JSON, wrong types or values, an unknown
     verb or lease, published with the retain flag, too large."""
@@ -379,6 +429,18 @@ class PlacementRejectedEvent(_Envelope):
 
 
 @with_config(_SENT)
+class PlacementQuotedEvent(_Envelope):
+    """`P/events/S/placement.quoted`."""
+
+    type: Literal["gpubroker.placement.quoted.v1"]
+    subject: Annotated[str, Field(pattern=r"^request(/.+)?$", description=(
+        "`request/<request_id>`, or `request` when the quote sent none."))]
+    correlationid: NotRequired[Annotated[RequestId, _doc(
+        "The quote's `request_id`, when it sent one.")]]
+    data: PlacementQuoted
+
+
+@with_config(_SENT)
 class RequestInvalidEvent(_Envelope):
     """`P/events/S/request.invalid`."""
 
@@ -461,6 +523,7 @@ class PolicyRejectedEvent(_Envelope):
 EVENTS: dict[str, Any] = {
     "placement.decided": PlacementDecidedEvent,
     "placement.rejected": PlacementRejectedEvent,
+    "placement.quoted": PlacementQuotedEvent,
     "request.invalid": RequestInvalidEvent,
     "lease.renewed": LeaseRenewedEvent,
     "lease.released": LeaseReleasedEvent,
@@ -474,9 +537,9 @@ EVENTS: dict[str, Any] = {
 OPS_EVENT_TYPES = ("policy.applied", "policy.rejected")
 """The kinds published on `P/events/_ops/<type>`; the others go to `P/events/S/<type>`."""
 EVENT_TYPES = tuple(k for k in EVENTS if k not in OPS_EVENT_TYPES)
-REPLY_EVENT_TYPES = ("placement.decided", "placement.rejected", "request.invalid",
-                     "lease.renewed", "lease.released", "lease.expired", "lease.failed",
-                     "lease.failover")
+REPLY_EVENT_TYPES = ("placement.decided", "placement.rejected", "placement.quoted",
+                     "request.invalid", "lease.renewed", "lease.released", "lease.expired",
+                     "lease.failed", "lease.failover")
 """The kinds that answer a request, and so also go to its MQTT 5 ResponseTopic."""
 
 

@@ -99,6 +99,19 @@ class PlacePayload(_Lenient):
     reads the decision's `parts`. Default 1: one lease, one pool."""
 
 
+class QuotePayload(PlacePayload):
+    """A quote (`P/requests/S/quote`, `POST /v1/requests/{S}/quote`): a placement request's
+    body, `request_id` optional. Nothing is placed or held. Fields not listed are ignored."""
+
+    request_id: Annotated[StrictStr, Field(min_length=1, max_length=128)] | None = None  # type: ignore[assignment]
+    """Optional: echoed in the answer (`placement.quoted`), never an idempotency key."""
+
+
+_LeaseId = Annotated[StrictStr, Field(min_length=1, max_length=128)]
+_RequestId = Annotated[StrictStr, Field(min_length=1, max_length=128)]
+_Epoch = Annotated[int, Field(ge=1)]
+
+
 class LeaseRefPayload(_Lenient):
     """`P/requests/S/renew` and `P/requests/S/release`. Fields not listed are ignored."""
 
@@ -120,6 +133,15 @@ class ReportPayload(LeaseRefPayload):
 class Invalid:
     errors: list[FieldError]
     request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Quote:
+    """A valid quote: the request it prices (its `request_id` "" when none was sent) and
+    the `request_id` sent, if any."""
+
+    request: PlaceRequest
+    request_id: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,13 +380,37 @@ def parse_place(scheduler: str, payload: bytes) -> PlaceRequest | Invalid:
         p = PlacePayload.model_validate(data)
     except ValidationError as err:
         return Invalid(_errors(err), _rid(data))
+    if (split := _split_needs_no_gang(p)) is not None:
+        return split
+    return _request(scheduler, p, p.request_id)
+
+
+def parse_quote(scheduler: str, payload: bytes) -> Quote | Invalid:
+    """A quote's body: `parse_place`'s rules, `request_id` optional."""
+    data = _decode(payload)
+    if isinstance(data, Invalid):
+        return data
+    try:
+        p = QuotePayload.model_validate(data)
+    except ValidationError as err:
+        return Invalid(_errors(err), _rid(data))
+    if (split := _split_needs_no_gang(p)) is not None:
+        return split
+    return Quote(_request(scheduler, p, p.request_id or ""), p.request_id)
+
+
+def _split_needs_no_gang(p: PlacePayload) -> Invalid | None:
     if p.max_parts > 1 and p.gang:
         return Invalid([{"field": "max_parts",
                          "message": "above 1 needs gang: false (a gang is one pool)"}],
                        p.request_id)
+    return None
+
+
+def _request(scheduler: str, p: PlacePayload, request_id: str) -> PlaceRequest:
     return PlaceRequest(
         scheduler=scheduler,
-        request_id=p.request_id,
+        request_id=request_id,
         gpu=(p.gpu,) if isinstance(p.gpu, str) else tuple(dict.fromkeys(p.gpu)),
         gpus=p.gpus,
         gang=p.gang,

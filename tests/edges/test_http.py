@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker.daemon.assembly import Daemon
 from broker.daemon.config import HttpConfig
+from broker.wire.commands import VERBS
 
 TOKEN = "tok-5f1c2d"
 
@@ -105,6 +106,65 @@ async def test_place_needs_the_token_and_answers_like_mqtt(api: Any) -> None:
         assert r.status == 200
 
 
+async def post_like_mqtt(session: aiohttp.ClientSession, probe: Any, verb: str,
+                         body: Any, status: int = 200) -> dict[str, Any]:
+    """POST a request; its answer is the bytes of the event MQTT carries too."""
+    mark = probe.mark()
+    async with session.post(f"/v1/requests/s1/{verb}", json=body,
+                            headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+        assert r.status == status, await r.text()
+        assert r.content_type == "application/json"
+        answer = await r.read()
+    event: dict[str, Any] = json.loads(answer)
+    kind = event["type"].removeprefix("gpubroker.").removesuffix(".v1")
+    sent = await probe.wait_for(f"gpubroker/v1/events/s1/{kind}", since=mark)
+    assert sent.payload == answer
+    return event
+
+
+async def test_every_verb_over_http_answers_like_mqtt(
+        api: Any, probe_factory: ProbeFactory) -> None:
+    session, rd = api
+    probe = await probe_factory(["gpubroker/v1/events/s1/#"])
+    for verb in VERBS:  # the same token rules as place
+        async with session.post(f"/v1/requests/s1/{verb}", json={}) as r:
+            assert r.status == 401 and r.headers["WWW-Authenticate"].startswith("Bearer")
+        async with session.post(f"/v1/requests/s1/{verb}", json={},
+                                headers={"Authorization": "Bearer nope"}) as r:
+            assert r.status == 401
+        async with session.post(f"/v1/requests/_ops/{verb}", json={},
+                                headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+            assert r.status == 400
+    body = {"request_id": "h2", "gpu": "H100-80GB", "gpus": 8, "duration_hours": 2}
+    quoted = await post_like_mqtt(session, probe, "quote", body)
+    assert quoted["type"] == "gpubroker.placement.quoted.v1"
+    assert quoted["data"]["request_id"] == "h2"
+    assert rd.daemon.book.all() == []  # a quote holds nothing
+    decided = await post_like_mqtt(session, probe, "place", body)
+    assert decided["data"]["placement"] == quoted["data"]["placement"]
+    lease_id = decided["data"]["lease_id"]
+    renewed = await post_like_mqtt(session, probe, "renew", {"lease_id": lease_id})
+    assert renewed["type"] == "gpubroker.lease.renewed.v1"
+    moved = await post_like_mqtt(session, probe, "report",
+                                 {"lease_id": lease_id, "kind": "unhealthy"})
+    assert moved["type"] == "gpubroker.lease.failover.v1"  # the sim has other pools
+    assert moved["data"]["lease_id"] == lease_id
+    released = await post_like_mqtt(session, probe, "release", {"lease_id": lease_id})
+    assert released["type"] == "gpubroker.lease.released.v1"
+    assert (await get_json(session, f"/v1/leases/{lease_id}"))["state"] == "released"
+    # Answered like MQTT after the end too (§4.5), and 422 for what MQTT calls invalid.
+    again = await post_like_mqtt(session, probe, "renew", {"lease_id": lease_id})
+    assert again["type"] == "gpubroker.lease.released.v1"
+    for verb, bad in (("renew", {"lease_id": "L-nope"}), ("release", {}),
+                      ("report", {"lease_id": lease_id, "kind": "bored"}),
+                      ("quote", {"gpu": "H100-80GB", "gpus": 0})):
+        invalid = await post_like_mqtt(session, probe, verb, bad, status=422)
+        assert invalid["type"] == "gpubroker.request.invalid.v1", verb
+    async with session.post("/v1/requests/s1/lookup-nothing", json={},
+                            headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+        assert r.status == 404
+
+
 async def test_the_lease_list_holds_the_active_leases_unless_asked(
         api: Any, probe_factory: ProbeFactory) -> None:
     session, _ = api
@@ -187,8 +247,9 @@ async def test_readyz_is_503_until_mqtt_connects(tmp_path: Path) -> None:
             assert r.status == 503 and "MQTT not connected" in await r.text()
             r = await s.get("/livez")
             assert r.status == 200
-            r = await s.post("/v1/requests/s1/place", data=json.dumps({}))
-            assert r.status == 403  # no token file configured
+            for verb in VERBS:  # no token file configured
+                r = await s.post(f"/v1/requests/s1/{verb}", data=json.dumps({}))
+                assert r.status == 403, verb
     finally:
         await rd.stop()
 

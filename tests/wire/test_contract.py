@@ -6,6 +6,8 @@ daemon accepts.
 * Every schema is a valid JSON Schema draft 2020-12 with its `$schema` and `$id`.
 * `docs/asyncapi.yaml` validates against the AsyncAPI 3.0.0 JSON Schema (vendored with its
   provenance in tests/fixtures/asyncapi/), and its own references fit together.
+* `docs/openapi.yaml` is valid OpenAPI 3.1 (openapi-spec-validator), names every HTTP route
+  of the daemon, and refers to the same schema files.
 * The request schemas accept what the daemon's validation (`broker.wire.validation`) accepts.
 """
 
@@ -17,12 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import openapi_spec_validator
 import pytest
 import yaml
+from openapi_spec_validator.validation.exceptions import OpenAPIValidationError
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
 from broker.wire import contract, payloads, validation
+from broker.wire.commands import VERBS
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 ASYNCAPI_SCHEMAS = Path(__file__).resolve().parents[1] / "fixtures" / "asyncapi"
@@ -166,6 +171,73 @@ def test_channels_operations_and_messages_fit_together() -> None:
                         "sendLeaseStates": True, "sendCapacity": True, "sendReplies": False}
 
 
+# --- OpenAPI -------------------------------------------------------------------------------
+
+
+def openapi_doc() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((DOCS / "openapi.yaml").read_text())
+    return doc
+
+
+def test_the_openapi_document_is_valid_openapi_3_1() -> None:
+    """openapi-spec-validator, following the references into docs/schemas/."""
+    base = (DOCS / "openapi.yaml").as_uri()
+    doc = openapi_doc()
+    assert doc["openapi"] == "3.1.0"
+    openapi_spec_validator.validate(doc, base_uri=base)
+    broken = openapi_doc()
+    broken["paths"]["/livez"]["get"]["responses"]["200"]["description"] = 5
+    with pytest.raises(OpenAPIValidationError):
+        openapi_spec_validator.validate(broken, base_uri=base)
+    unresolved = openapi_doc()
+    unresolved["components"]["schemas"]["offer"]["$ref"] = "./schemas/nope.schema.json"
+    with pytest.raises(Exception, match=r"nope\.schema\.json"):
+        openapi_spec_validator.validate(unresolved, base_uri=base)
+
+
+def test_the_openapi_paths_are_the_http_routes_and_use_the_payload_schemas() -> None:
+    from broker.edges.http import build_app
+
+    doc = openapi_doc()
+    app = build_app(object())  # type: ignore[arg-type]
+    routes = {(r.method.lower(), r.resource.canonical) for r in app.router.routes()
+              if r.resource is not None and r.method != "HEAD"}
+    documented = {(method, path) for path, ops in doc["paths"].items() for method in ops}
+    assert documented == routes
+    # One request path per verb MQTT takes, with that verb's schema and answers.
+    for verb in VERBS:
+        op = doc["paths"][f"/v1/requests/{{scheduler}}/{verb}"]["post"]
+        body = op["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/request.{verb}"}
+        assert op["security"] == [{"bearer": []}]
+        ok = op["responses"]["200"]["content"]["application/json"]["schema"]
+        answers = [r["$ref"] for r in ok.get("oneOf", [ok])]
+        assert answers == [f"#/components/schemas/event.{k}" for k in contract._ANSWERS[verb]
+                           if k != "request.invalid"]
+        invalid = op["responses"]["422"]["content"]["application/json"]["schema"]
+        assert invalid == {"$ref": "#/components/schemas/event.request.invalid"}
+    # The component schemas are the JSON Schema files, not copies of them.
+    schemas = doc["components"]["schemas"]
+    for p in contract.PAYLOADS:
+        if p.name != "event":
+            assert schemas[p.name] == {"$ref": f"./schemas/{p.name}.schema.json"}
+    for where, ref in _refs(doc):
+        if ref.startswith("#/"):
+            _pointer(doc, ref)
+        else:
+            assert (DOCS / ref).is_file(), f"{where}: {ref}"
+
+
+def test_check_covers_the_openapi_document(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert contract.main(["--docs", str(tmp_path)]) == 0
+    assert (tmp_path / "openapi.yaml").read_text() == (DOCS / "openapi.yaml").read_text()
+    (tmp_path / "openapi.yaml").write_text("openapi: 3.0.0\n")
+    capsys.readouterr()
+    assert contract.main(["--check", "--docs", str(tmp_path)]) == 1
+    assert "openapi.yaml: differs" in capsys.readouterr().err
+
+
 # --- the request schemas say what the daemon accepts --------------------------------------
 
 GOOD_PLACE = {"request_id": "r1", "gpu": "H100-80GB", "gpus": 8}
@@ -212,6 +284,7 @@ LEASE_CASES = [{"lease_id": "L-1"}, {"lease_id": "L-1", "extra": 1}, {"lease_id"
 
 @pytest.mark.parametrize(("name", "parse", "doc"), [
     *[("request.place", lambda b: validation.parse_place("s", b), d) for d in PLACE_CASES],
+    *[("request.quote", lambda b: validation.parse_quote("s", b), d) for d in PLACE_CASES],
     *[("request.report", validation.parse_report, d) for d in REPORT_CASES],
     *[("request.renew", validation.parse_lease_ref, d) for d in LEASE_CASES],
     *[("request.release", validation.parse_lease_ref, d) for d in LEASE_CASES],

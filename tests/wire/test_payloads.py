@@ -107,7 +107,9 @@ async def test_every_event_the_broker_sends_follows_the_contract(
                         cmd("place", place("bad", gpus="eight")),
                         cmd("place", b"\xff not json"),
                         cmd("place", place("sticky"), retained=True),
-                        cmd("launch", {"lease_id": "L-x"})])
+                        cmd("launch", {"lease_id": "L-x"}),
+                        cmd("quote", {"gpu": "H100-80GB", "gpus": 8}, reply=True),
+                        cmd("quote", place("q", max_price_per_gpu_hour=0.01))])
         lease = b.book.find(S, "r1")
         assert lease is not None
         ref = {"lease_id": lease.lease_id}
