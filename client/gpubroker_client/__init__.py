@@ -13,17 +13,29 @@ follow leases over MQTT.
 
 What it does for the scheduler (SPEC §3-§5):
 
-* **One connection, kept up.** A unique client id per client and a clean session; when
-  the MQTT server goes away it reconnects by itself (jittered backoff, 0.5 s doubling to
-  15 s) and subscribes again before anything is sent, so no answer is missed for want of
-  a subscription. `BrokerUnavailable` only when the first connection cannot be made
-  within `connect_timeout`.
+* **One connection, kept up, with a persistent session.** Client id
+  `gpubroker-client-<scheduler>-<instance>` (`instance=`: a stable name to take the
+  session up again after a restart; default a random one), MQTT 5 `clean_start` False
+  with `session_expiry` (3.1.1: `clean_session` False), so what comes while it is away
+  is kept for it. When the MQTT server goes away it reconnects by itself (jittered
+  backoff, 0.5 s doubling to 15 s) and subscribes again before anything is sent, so no
+  answer is missed for want of a subscription. `BrokerUnavailable` only when the first
+  connection cannot be made within `connect_timeout`.
 * **Idempotent requests.** `place()` sends the request (QoS 1, never retained) and waits
   for the answer with its `request_id`; an unanswered request is sent again with the same
   `request_id` (2 s, doubling, at most 15 s apart), and at once after a reconnect (the
   answer may have been lost with the connection) or when the daemon comes back online.
   The daemon answers a repeat with the same lease, never a second one. Renew, release
-  and report are re-sent the same way.
+  and report are re-sent the same way, each with the lease's `epoch` (a report acts once
+  per epoch; `lease.current` answers one of an older epoch, and updates the lease).
+* **No orphans.** A `place()` cancelled or timed out after its request went out: when
+  its decision arrives, the client releases that lease (after a reconnect it asks the
+  daemon for the decisions it missed, `lookup`). `new_request_id()` or
+  `place(request_id=...)` makes the request id known before the call returns.
+* **Bounded, and callbacks apart.** A lease keeps its last 256 events, a lease watch
+  queues 10 000 changes, callbacks queue 10 000 (each drops its oldest beyond that);
+  callbacks run one at a time in a task of their own, so a slow one never delays a
+  renewal. `gpubroker_client.sync.SyncBrokerClient` serves schedulers without asyncio.
 * **Replies.** On MQTT 5 every request carries a ResponseTopic under
   `P/replies/S/<random>` and a CorrelationData; answers are still taken from
   `P/events/S/...` as well (MQTT 3.1.1, or whichever copy comes first). Every event is
@@ -42,14 +54,17 @@ What it does for the scheduler (SPEC §3-§5):
   a new leader sends the old one's unacknowledged events again, byte for byte, with
   their old `leaderepoch`, after its own `online`.)
 
-Known limit: a lease that ends while the client is disconnected (its end event is lost
-with the clean session) is learnt at the next `renew()`, which the keep-alive sends.
+A lease that ends while the client is disconnected is learnt from its end event, kept in
+the persistent session, or at the latest at the next `renew()`, which the keep-alive
+sends.
 
 Its own distribution, `gpubroker-client` (client/pyproject.toml: `pip install ./client`),
 needs only aiomqtt; the daemon's distribution, `gpubroker`, ships this package too. It
 imports nothing of the daemon. The modules: `session` (the connection), `client`
 (`BrokerClient`'s verbs and requests), `lease` (a held lease, its keep-alive and events),
-`watch` (`LeaseWatch`), `events` and `errors` (what it reports), `model` (the wire
+`requests` (sending and matching answers), `orphans` (placements given up), `callbacks`,
+`options`, `sync` (the blocking wrapper), `watch` (`LeaseWatch`), `events` and `errors`
+(what it reports), `model` (the wire
 vocabulary it shares with the daemon), and two pieces the daemon uses as well: `files`
 (the one reader of operator-given files, the password file here) and `mqtturl` (the one
 MQTT URL parser).
@@ -72,9 +87,18 @@ from gpubroker_client.errors import (
     LeaseEnded,
     PlacementTimeout,
     Rejected,
+    ReportDeclined,
     RequestTimeout,
+    StaleEpoch,
 )
-from gpubroker_client.events import LeaseChange, LeaseEvent
+from gpubroker_client.events import (
+    EventType,
+    LeaseChange,
+    LeaseChangeKind,
+    LeaseEvent,
+    LeaseEventKind,
+    RejectCode,
+)
 from gpubroker_client.model import LeaseState, Market, Placement, PoolKey
 from gpubroker_client.mqtturl import parse_mqtt_url
 
@@ -89,19 +113,25 @@ __all__ = [
     "BrokerClient",
     "BrokerError",
     "BrokerUnavailable",
+    "EventType",
     "InvalidRequest",
     "Lease",
     "LeaseChange",
+    "LeaseChangeKind",
     "LeaseEnded",
     "LeaseEvent",
+    "LeaseEventKind",
     "LeaseState",
     "LeaseWatch",
     "Market",
     "Placement",
     "PlacementTimeout",
     "PoolKey",
+    "RejectCode",
     "Rejected",
+    "ReportDeclined",
     "RequestTimeout",
+    "StaleEpoch",
     "parse_mqtt_url",
 ]
 

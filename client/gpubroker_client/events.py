@@ -7,11 +7,64 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from enum import StrEnum
 from typing import Any
 
 from gpubroker_client.model import LeaseState, Placement, parse_iso
 
-__all__ = ["LeaseChange", "LeaseEvent"]
+__all__ = ["EventType", "LeaseChange", "LeaseChangeKind", "LeaseEvent", "LeaseEventKind",
+           "RejectCode"]
+
+
+class EventType(StrEnum):
+    """The daemon's event types (`P/events/S/<type>`; the envelope's `type` is
+    `gpubroker.<type>.v1`). Contract 1.1 added `lease.current`, `report.declined` and
+    `placement.quoted`."""
+
+    PLACEMENT_DECIDED = "placement.decided"
+    PLACEMENT_REJECTED = "placement.rejected"
+    PLACEMENT_QUOTED = "placement.quoted"
+    REQUEST_INVALID = "request.invalid"
+    LEASE_RENEWED = "lease.renewed"
+    LEASE_RELEASED = "lease.released"
+    LEASE_EXPIRED = "lease.expired"
+    LEASE_FAILOVER = "lease.failover"
+    LEASE_FAILED = "lease.failed"
+    LEASE_CURRENT = "lease.current"
+    REPORT_DECLINED = "report.declined"
+    POLICY_APPLIED = "policy.applied"
+    POLICY_REJECTED = "policy.rejected"
+
+
+class RejectCode(StrEnum):
+    """`placement.rejected`'s `code`: the constraint that binds."""
+
+    NO_CAPACITY = "no_capacity"
+    OVER_PRICE_CAP = "over_price_cap"
+    OVER_BUDGET = "over_budget"
+    POLICY_DENIED = "policy_denied"
+
+
+class LeaseEventKind(StrEnum):
+    """`LeaseEvent.kind`: what happened to a held lease."""
+
+    FAILOVER = "failover"
+    RENEWED = "renewed"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    FAILED = "failed"
+
+
+class LeaseChangeKind(StrEnum):
+    """`LeaseChange.kind`: what a lease watch saw."""
+
+    PLACED = "placed"
+    RENEWED = "renewed"
+    FAILOVER = "failover"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    FAILED = "failed"
+    ENDED = "ended"  # ended, and it is not known how
 
 SEEN_IDS = 4096
 """Event ids remembered for dropping duplicates (the same event on the event topic and
@@ -28,7 +81,7 @@ class LeaseEvent:
     retained lease state after a reconnect, whose event was missed). `envelope` is the
     CloudEvent, when there was one."""
 
-    kind: str
+    kind: LeaseEventKind
     lease_id: str
     epoch: int
     placement: Placement
@@ -54,7 +107,7 @@ class LeaseChange:
     event was not readable, or the lease ended while the watch was disconnected).
     `state` is the retained lease state (SPEC's lease JSON), the last one for an end."""
 
-    kind: str
+    kind: LeaseChangeKind
     lease_id: str
     scheduler: str
     state: Mapping[str, Any] | None

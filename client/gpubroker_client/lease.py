@@ -11,8 +11,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
-from gpubroker_client.errors import BrokerError, LeaseEnded, RequestTimeout
-from gpubroker_client.events import _ENDS, LeaseEvent, _kind, _remaining
+from gpubroker_client.errors import (
+    BrokerError,
+    LeaseEnded,
+    ReportDeclined,
+    RequestTimeout,
+    StaleEpoch,
+)
+from gpubroker_client.events import _ENDS, LeaseEvent, LeaseEventKind, _kind, _remaining
 from gpubroker_client.model import LeaseState, Placement, parse_iso
 
 __all__ = ["Callback", "Lease"]
@@ -20,7 +26,13 @@ __all__ = ["Callback", "Lease"]
 log = logging.getLogger("gpubroker.client")
 
 HISTORY = 256
-"""Events a lease keeps for `Lease.events()` callers that start late."""
+"""Events a lease keeps (its bounded queue): `Lease.events()` callers that start late,
+or read slower than events come, skip the oldest beyond this many (overflow drops the
+oldest; `Lease.end` and the lease's fields always hold the latest)."""
+
+STALE_RETRIES = 3
+"""How often renew and release are sent again with the newer epoch a `lease.current`
+answer told (each answer is a failover of the lease, seen meanwhile)."""
 
 Callback = Callable[["Lease", LeaseEvent], object]
 
@@ -57,7 +69,8 @@ class Lease:
     def __init__(self, client: LeaseOwner, *, lease_id: str, scheduler: str,  # noqa: PLR0913
                  request_id: str, epoch: int, placement: Placement, expires_at: datetime,
                  remaining: float, state: LeaseState, reason: str,
-                 alternatives: Sequence[Placement], decided: Mapping[str, Any]) -> None:
+                 alternatives: Sequence[Placement], decided: Mapping[str, Any],
+                 lease_seconds: float | None = None) -> None:
         self._client = client
         self.lease_id = lease_id
         self.scheduler = scheduler
@@ -70,8 +83,10 @@ class Lease:
         self.alternatives = list(alternatives)
         self.decided = decided
         """The `placement.decided` event's data, as received."""
-        self.lease_seconds = max(1.0, remaining)
-        """The renewal period, as the first answer showed it (expiry minus decision time)."""
+        self.lease_seconds = float(lease_seconds) if lease_seconds is not None \
+            else max(1.0, remaining)
+        """The renewal period: the daemon's `lease_seconds` (contract 1.1); from a 1.0
+        daemon, as the first answer showed it (expiry minus decision time)."""
         self.on_failover: Callback | None = None
         self.on_end: Callback | None = None
         self.end: LeaseEvent | None = None
@@ -109,41 +124,68 @@ class Lease:
     # --- verbs -------------------------------------------------------------------------
 
     async def renew(self, timeout: float = 30.0) -> None:
-        """Renew; returns once `lease.renewed` came (`expires_at` is updated). Raises
-        `LeaseEnded` if the lease has ended, `RequestTimeout` without an answer."""
+        """Renew; returns once `lease.renewed` came (`expires_at` is updated). Sends the
+        epoch the lease knows; a `lease.current` answer (it moved meanwhile) updates the
+        lease — a failover event — and the renewal is sent again at the new epoch.
+        Raises `LeaseEnded` if the lease has ended, `RequestTimeout` without an answer."""
         if not self.active:
             raise LeaseEnded(self.lease_id, self.state)
-        env = await self._client._lease_verb("renew", self.lease_id, timeout)
+        env = await self._fenced("renew", timeout)
         kind, data = _kind(env), env.get("data", {})
         if kind in _ENDS:
             raise LeaseEnded(self.lease_id, _ENDS[kind], data.get("detail"))
 
     async def release(self, timeout: float = 30.0) -> None:
         """Release; returns once the daemon confirmed the lease has ended (released, or
-        expired or failed before). Idempotent: returns at once on an ended lease."""
+        expired or failed before). Idempotent: returns at once on an ended lease. Sent
+        with the lease's epoch, again at a newer one if it moved meanwhile."""
         if not self.active:
             return
-        await self._client._lease_verb("release", self.lease_id, timeout)
+        await self._fenced("release", timeout)
+
+    async def _fenced(self, verb: str, timeout: float) -> Mapping[str, Any]:
+        """`verb` at the lease's epoch, sent again at the newer epoch a `lease.current`
+        answer brought (the message handler has applied it to the lease by then)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        for _ in range(STALE_RETRIES):
+            left = max(0.1, deadline - asyncio.get_running_loop().time())
+            env = await self._client._lease_verb(
+                verb, self.lease_id, left, {"lease_id": self.lease_id, "epoch": self.epoch})
+            if _kind(env) != "current":
+                return env
+        raise StaleEpoch(self.lease_id, self.epoch, None, env.get("data", {}))
 
     async def report(self, kind: Literal["interrupted", "launch_failed", "unhealthy"],
                      detail: str | None = None, timeout: float = 30.0) -> LeaseEvent:
         """Tell the daemon the placement does not work (SPEC `report`): it moves the
-        lease elsewhere. Returns the failover event; raises `LeaseEnded` when it found
-        nowhere to go (the lease failed) or the lease had ended."""
+        lease elsewhere. Sent with the lease's epoch, and sent again until answered (a
+        1.1 daemon acts on the first report of an epoch only). Returns the failover
+        event — also when the answer is `lease.current` (the lease had moved on from
+        that epoch already: the failover learnt from it). Raises `LeaseEnded` when it
+        found nowhere to go (the lease failed) or the lease had ended, `ReportDeclined`
+        (with `retry_after`) when the anti-flap limits held it back."""
         if not self.active:
             raise LeaseEnded(self.lease_id, self.state)
-        body: dict[str, Any] = {"lease_id": self.lease_id, "kind": kind}
+        epoch = self.epoch
+        body: dict[str, Any] = {"lease_id": self.lease_id, "kind": kind, "epoch": epoch}
         if detail is not None:
             body["detail"] = detail
-        env = await self._client._lease_verb("report", self.lease_id, timeout, body,
-                                             once=True)
+        env = await self._client._lease_verb("report", self.lease_id, timeout, body)
         answer, data = _kind(env), env.get("data", {})
         if answer in _ENDS:
             raise LeaseEnded(self.lease_id, _ENDS[answer], data.get("detail"))
+        if answer == "report.declined":
+            retry = data.get("retry_after_seconds")
+            raise ReportDeclined(self.lease_id, epoch, kind, str(data.get("reason", "")),
+                                 float(retry) if isinstance(retry, int | float) else 0.0, env)
         for ev in reversed(self._history):
             if ev.envelope is not None and ev.envelope.get("id") == env.get("id"):
                 return ev
-        return LeaseEvent("failover", self.lease_id, self.epoch, self.placement,
+        if answer == "current":  # the failover it brought, or one seen before it
+            for ev in reversed(self._history):
+                if ev.kind is LeaseEventKind.FAILOVER and ev.epoch > epoch:
+                    return ev
+        return LeaseEvent(LeaseEventKind.FAILOVER, self.lease_id, self.epoch, self.placement,
                           reason=data.get("reason"), detail=data.get("detail"), envelope=env)
 
     def keep_alive(self, margin: float | None = None) -> None:
@@ -234,7 +276,7 @@ class Lease:
         d = env["data"]
         if kind in _ENDS:
             self.state = _ENDS[kind]
-            self.end = LeaseEvent(kind, self.lease_id, self.epoch, self.placement,
+            self.end = LeaseEvent(LeaseEventKind(kind), self.lease_id, self.epoch, self.placement,
                                   reason=d.get("reason"), detail=d.get("detail"),
                                   envelope=env)
             if self._keep_alive is not None and self._keep_alive is not asyncio.current_task():
@@ -248,35 +290,43 @@ class Lease:
                 return  # stale: from before a failover
             expires = parse_iso(d["expires_at"])
             self._set_expiry(expires, _remaining(expires, env))
-            self._record(LeaseEvent("renewed", self.lease_id, self.epoch, self.placement,
-                                    expires_at=expires, envelope=env), None)
+            self._record(LeaseEvent(LeaseEventKind.RENEWED, self.lease_id, self.epoch,
+                                    self.placement, expires_at=expires, envelope=env), None)
         elif kind == "failover":
             if epoch <= self.epoch:
                 return  # stale or already learnt
             self._move(epoch, Placement.from_json(d["to"]), d.get("reason"), d.get("detail"),
                        env)
+        elif kind == "current":  # a request of an older epoch: the lease as it is now
+            self._apply_state(d, env)
 
     def _move(self, epoch: int, to: Placement, reason: str | None, detail: str | None,
               env: Mapping[str, Any] | None) -> None:
         previous, self.placement, self.epoch = self.placement, to, epoch
-        self._record(LeaseEvent("failover", self.lease_id, epoch, to, previous,
+        self._record(LeaseEvent(LeaseEventKind.FAILOVER, self.lease_id, epoch, to, previous,
                                 self.expires_at, reason, detail, env), self.on_failover)
 
-    def _apply_state(self, state: Mapping[str, Any]) -> None:
-        """The retained lease state (after a reconnect, or after a change): a higher
-        epoch is a failover whose event was missed."""
-        if not self.active or state.get("state") != "active":
+    def _apply_state(self, state: Mapping[str, Any],
+                     env: Mapping[str, Any] | None = None) -> None:
+        """The lease's state — retained (after a reconnect, or after a change), or in a
+        `lease.current` answer (`env`): a higher epoch is a failover whose event was
+        missed."""
+        if not self.active or state.get("state", "active") != "active":
             return
         epoch = int(state["epoch"])
         if epoch < self.epoch:
             return
         expires = parse_iso(state["expires_at"])
         if expires > self.expires_at:
-            updated = parse_iso(state["updated_at"])
-            self._set_expiry(expires, (expires - updated).total_seconds())
+            if env is not None:
+                self._set_expiry(expires, _remaining(expires, env))
+            else:
+                updated = parse_iso(state["updated_at"])
+                self._set_expiry(expires, (expires - updated).total_seconds())
         if epoch > self.epoch:
+            how = "the answer lease.current" if env is not None else \
+                "the retained lease state"
             self._move(epoch, Placement.from_json(state["placement"]), None,
-                       "learnt from the retained lease state (the failover event was missed)",
-                       None)
+                       f"learnt from {how} (the failover event was missed)", env)
         else:
             self._changed()

@@ -6,29 +6,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import math
 import random
 import ssl
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import aiomqtt
 from aiomqtt.exceptions import MqttConnectError
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from gpubroker_client import files
+from gpubroker_client.callbacks import Callbacks
 from gpubroker_client.errors import BrokerError, BrokerUnavailable
 from gpubroker_client.events import SEEN_IDS, LeaseEvent, _epoch, _json
 from gpubroker_client.lease import Callback, Lease
-from gpubroker_client.model import scheduler_id_problem
 from gpubroker_client.mqtturl import parse_mqtt_url
+from gpubroker_client.options import Protocol, check_options, unsupported_version
 from gpubroker_client.watch import SYNC_FALLBACK_SECONDS, LeaseWatch
+
+if TYPE_CHECKING:
+    from gpubroker_client.requests import _Waiter
 
 __all__ = ["DEFAULT_PREFIX", "Session"]
 
@@ -36,17 +40,6 @@ log = logging.getLogger("gpubroker.client")
 
 DEFAULT_PREFIX = "gpubroker/v1"
 
-Protocol = Literal["5", "3.1.1", "auto"]
-
-
-@dataclass(eq=False, slots=True)
-class _Waiter:
-    match: Callable[[str, Mapping[str, Any]], bool]
-    token: bytes = field(default_factory=lambda: uuid.uuid4().bytes)
-    answer: Mapping[str, Any] | None = None
-    lease: Lease | None = None  # a placement.decided answer's lease
-    error: str | None = None  # an answer that could not be read
-    kick: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Session:
@@ -61,21 +54,14 @@ class Session:
                  password: str | None = None, password_file: str | Path | None = None,
                  ca_file: str | Path | None = None, ssl_context: ssl.SSLContext | None = None,
                  protocol: Protocol = "auto", client_id: str | None = None,
+                 instance: str | None = None, persistent: bool = True,
+                 session_expiry: int = 3600,
                  connect_timeout: float = 10.0, resend_after: float = 2.0,
                  resend_max: float = 15.0) -> None:
         self.host, self.port, tls = parse_mqtt_url(url)
         self.url = url
-        if scheduler is not None and (problem := scheduler_id_problem(scheduler)) is not None:
-            raise ValueError(problem)
-        prefix = topic_prefix.strip()
-        if not prefix or prefix.startswith("/") or prefix.endswith("/") or \
-                any(c in prefix for c in "+#\0"):
-            raise ValueError(f"topic prefix {topic_prefix!r} must be a topic path without "
-                             "wildcards or a leading or trailing '/'")
-        if password is not None and password_file is not None:
-            raise ValueError("give password or password_file, not both")
-        if protocol not in ("5", "3.1.1", "auto"):
-            raise ValueError(f"protocol must be '5', '3.1.1' or 'auto', not {protocol!r}")
+        prefix = check_options(scheduler, topic_prefix, protocol, instance, session_expiry,
+                               two_passwords=password is not None and password_file is not None)
         self.scheduler = scheduler
         self.prefix = prefix
         self.username = username
@@ -86,16 +72,20 @@ class Session:
         self._ca_file = Path(ca_file) if ca_file is not None else None
         self.protocol: Protocol = protocol
         self._v5 = protocol != "3.1.1"
+        self.instance = instance or uuid.uuid4().hex[:12]
+        """This client's name among its scheduler's (`instance`; default a random one):
+        the client id and the reply topic are derived from it and the scheduler id."""
         self.client_id = client_id or \
-            f"gpubroker-client-{scheduler or 'watch'}-{uuid.uuid4().hex[:12]}"
+            f"gpubroker-client-{scheduler or 'watch'}-{self.instance}"
+        self.persistent = persistent and session_expiry > 0
+        self.session_expiry = session_expiry
         self.connect_timeout = connect_timeout
         self.resend_after = resend_after
         self.resend_max = resend_max
-        # topics
         self._status_topic = f"{prefix}/status"
         self._events_head = f"{prefix}/events/"
         self._leases_head = f"{prefix}/leases/"
-        self._reply_topic = f"{prefix}/replies/{scheduler}/{uuid.uuid4().hex}" \
+        self._reply_topic = f"{prefix}/replies/{scheduler}/{self.instance}" \
             if scheduler is not None else None
         # state
         self.daemon_status: Mapping[str, Any] | None = None
@@ -120,9 +110,17 @@ class Session:
         self._watches: set[LeaseWatch] = set()
         self._new_watch = asyncio.Event()
         self._was_up = False  # a session was up since the last failure
+        # A bare MQTT 5 CONNECT first: a server of 3.1.1 only may not answer one with
+        # properties at all (amqtt does not) where it refuses a bare one's version.
+        self._probing = protocol == "auto" and self.persistent
         self._status_pulse = asyncio.Event()  # set (and replaced) when P/status changes
         self._status_subs = 0  # subscriptions to P/status made (markers)
         self._status_retained = 0  # retained P/status messages received
+        self._states: dict[str, Mapping[str, Any]] = {}  # lease_id -> its retained state
+        self._states_marker = 0  # the retained P/status after this connection's states
+        self._states_synced = asyncio.Event()
+        self._state_pulse = asyncio.Event()  # set (and replaced) when a state comes
+        self._callbacks = Callbacks(self._spawn)
 
     # --- life cycle ------------------------------------------------------------------
 
@@ -230,13 +228,23 @@ class Session:
         if self._password_file is not None:  # read again: it may have been rotated
             with contextlib.suppress(OSError):
                 password = files.read_secret(self._password_file)
-        kwargs: dict[str, Any] = {"clean_start": True} if self._v5 else \
-            {"clean_session": True}
+        # A persistent session (SPEC §3.2): what comes while the connection is down is
+        # kept by the MQTT server and delivered on the next one.
+        props = None
+        if self._v5 and self._probing:
+            kwargs: dict[str, Any] = {"clean_start": True}
+        elif self._v5:
+            props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+            props.SessionExpiryInterval = self.session_expiry if self.persistent else 0
+            kwargs = {"clean_start": not self.persistent, "properties": props}
+        else:
+            kwargs = {"clean_session": not self.persistent}
         return aiomqtt.Client(
             self.host, self.port, identifier=self.client_id, username=self.username,
             password=password, tls_context=self._ssl_context,
             protocol=aiomqtt.ProtocolVersion.V5 if self._v5 else aiomqtt.ProtocolVersion.V311,
-            keepalive=30, timeout=min(10.0, max(1.0, self.connect_timeout)), **kwargs)
+            keepalive=30, timeout=min(10.0, max(1.0, self.connect_timeout)),
+            max_inflight_messages=256, **kwargs)
 
     async def _run(self) -> None:
         """Stay connected until closed: every way a session ends means a reconnect after
@@ -245,8 +253,9 @@ class Session:
         while True:
             try:
                 await self._connection()
+                continue  # the version probe (a session never ends without an error)
             except MqttConnectError as exc:  # the server answered: no
-                if self.protocol == "auto" and self._v5 and _unsupported_version(exc):
+                if self.protocol == "auto" and self._v5 and unsupported_version(exc):
                     log.info("%s:%s does not speak MQTT 5; using 3.1.1", self.host, self.port)
                     self._v5 = False
                     continue
@@ -270,6 +279,13 @@ class Session:
     async def _connection(self) -> None:
         client = self._new_client()
         await client.__aenter__()
+        if self._probing and self._v5:  # it speaks MQTT 5: connect for the session now
+            self._probing = False
+            with contextlib.suppress(Exception, TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await client.__aexit__(None, None, None)
+            _settle(client)
+            return
         try:
             await self._session(client)
         finally:
@@ -283,8 +299,13 @@ class Session:
 
     async def _session(self, client: aiomqtt.Client) -> None:
         self._status_retained = self._status_subs  # markers of an old connection are void
+        self._states.clear()  # this connection's retained states come again
+        self._states_synced.clear()
         async with asyncio.timeout(10):
             await self._subscribe(client, self._filters(), list(self._watches))
+        self._states_marker = self._status_subs
+        asyncio.get_running_loop().call_later(SYNC_FALLBACK_SECONDS, self._states_fallback,
+                                              self._states_marker)
         self._client = client
         self._generation += 1
         self.connects += 1
@@ -293,6 +314,7 @@ class Session:
         self._kick()
         if self.connects > 1:
             log.info("MQTT reconnected to %s:%s", self.host, self.port)
+            self._reconnected()
         watching = asyncio.create_task(self._watch_subscriber(client))
         try:
             async for message in client.messages:
@@ -354,6 +376,13 @@ class Session:
                          self._status_topic, SYNC_FALLBACK_SECONDS)
                 w._end_sync()
 
+    def _states_fallback(self, marker: int) -> None:
+        if self._states_marker == marker:
+            self._states_synced.set()
+
+    def _reconnected(self) -> None:
+        """Connected again (`BrokerClient`'s: it asks after what it gave up)."""
+
     def _kick(self) -> None:
         for w in self._waiters:
             w.kick.set()
@@ -370,13 +399,10 @@ class Session:
             log.error("background task failed", exc_info=task.exception())
 
     def _call(self, callback: Callback, lease: Lease, event: LeaseEvent) -> None:
-        try:
-            result = callback(lease, event)
-        except Exception:
-            log.exception("lease %s: %s callback failed", lease.lease_id, event.kind)
-            return
-        if inspect.isawaitable(result):
-            self._spawn(result)
+        """Queue a user callback (`Callbacks`: never awaited by the message handler or a
+        keep-alive)."""
+        if not self._closed:
+            self._callbacks.put(callback, lease, event)
 
     # --- incoming ----------------------------------------------------------------------
 
@@ -389,12 +415,8 @@ class Session:
         for watch in list(self._watches):
             watch._feed(topic, bytes(payload))
         if topic.startswith(self._leases_head):
-            lease = self._leases.get(topic.rsplit("/", 1)[-1])
-            if lease is not None and payload and topic.startswith(
-                    f"{self._leases_head}{self.scheduler}/"):
-                state = _json(bytes(payload))
-                if state is not None:
-                    lease._apply_state(state)
+            if topic.startswith(f"{self._leases_head}{self.scheduler}/"):
+                self._on_state(topic.rsplit("/", 1)[-1], bytes(payload))
             return
         if not (topic.startswith(f"{self._events_head}{self.scheduler}/")
                 or topic == self._reply_topic):
@@ -419,6 +441,19 @@ class Session:
         correlation = getattr(message.properties, "CorrelationData", None) \
             if message.properties is not None else None
         self._dispatch(env, bytes(correlation) if correlation else None)
+
+    def _on_state(self, lease_id: str, payload: bytes) -> None:
+        """A retained state of this scheduler's lease (empty: it has ended)."""
+        state = _json(payload) if payload else None
+        if state is None or state.get("state", "active") != "active":
+            self._states.pop(lease_id, None)
+        else:
+            self._states[lease_id] = state
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                lease._apply_state(state)
+        pulse, self._state_pulse = self._state_pulse, asyncio.Event()
+        pulse.set()
 
     def _on_status(self, payload: bytes, retained: bool) -> None:
         status = _json(payload)
@@ -446,6 +481,8 @@ class Session:
             pulse.set()
         if retained:
             self._status_retained += 1
+            if self._states_marker and self._status_retained >= self._states_marker:
+                self._states_synced.set()
             for watch in list(self._watches):
                 if watch._marker is not None and watch._marker <= self._status_retained:
                     watch._end_sync()
@@ -453,12 +490,6 @@ class Session:
     def _dispatch(self, env: Mapping[str, Any], correlation: bytes | None) -> None:
         """An event of this scheduler, seen for the first time (`BrokerClient`'s)."""
         raise NotImplementedError
-
-
-def _unsupported_version(exc: MqttConnectError) -> bool:
-    rc = exc.rc
-    value = getattr(rc, "value", rc)
-    return value in (1, 132)  # 3.1.1 "unacceptable protocol version"; 5 "unsupported"
 
 
 def _settle(client: aiomqtt.Client) -> None:

@@ -9,9 +9,13 @@ from types import TracebackType
 from typing import Any, Protocol, Self
 
 from gpubroker_client.errors import BrokerUnavailable
-from gpubroker_client.events import SEEN_IDS, LeaseChange, _json
+from gpubroker_client.events import SEEN_IDS, LeaseChange, LeaseChangeKind, _json
 
-__all__ = ["SYNC_FALLBACK_SECONDS", "LeaseWatch"]
+__all__ = ["SYNC_FALLBACK_SECONDS", "WATCH_QUEUE", "LeaseWatch"]
+
+WATCH_QUEUE = 10_000
+"""Changes a lease watch queues for `changes()` (a bounded queue): beyond this many
+unread, the oldest is dropped and counted in `LeaseWatch.dropped` — `states` stays true."""
 
 SYNC_FALLBACK_SECONDS = 2.0
 """How long a lease watch waits for the retained `P/status`, its end-of-snapshot marker,
@@ -54,7 +58,9 @@ class LeaseWatch:
         self.states: dict[str, dict[str, Any]] = {}
         """lease_id -> its retained state: the active leases."""
         self._how: OrderedDict[str, tuple[str, Mapping[str, Any]]] = OrderedDict()
-        self._queue: asyncio.Queue[LeaseChange] = asyncio.Queue()
+        self._queue: asyncio.Queue[LeaseChange] = asyncio.Queue(WATCH_QUEUE)
+        self.dropped = 0
+        """Changes dropped unread because the queue was full (`WATCH_QUEUE`)."""
         self._marker: int | None = None  # the P/status retained message ending a snapshot
         self._seen: set[str] = set()  # lease ids seen during the snapshot
         self._synced = asyncio.Event()
@@ -105,7 +111,10 @@ class LeaseWatch:
             return  # part of the first snapshot
         how = how or {}
         scheduler = str(state.get("scheduler", "")) if state else ""
-        self._queue.put_nowait(LeaseChange(kind, lease_id, scheduler, state,
+        if self._queue.full():
+            self._queue.get_nowait()
+            self.dropped += 1
+        self._queue.put_nowait(LeaseChange(LeaseChangeKind(kind), lease_id, scheduler, state,
                                            how.get("reason"), how.get("detail")))
 
     def _feed(self, topic: str, payload: bytes) -> None:

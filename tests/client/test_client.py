@@ -194,11 +194,17 @@ async def test_an_unrenewed_lease_expires_and_calls_on_end(start_daemon: StartDa
                                                            mosquitto: Mosquitto) -> None:
     await start_daemon()
     ended: list[LeaseEvent] = []
+    called = asyncio.Event()
+
+    def on_end(_: Lease, ev: LeaseEvent) -> None:
+        ended.append(ev)
+        called.set()
+
     async with client(mosquitto) as c:
-        lease = await c.place(gpu="T4", gpus=1, lease_seconds=1,
-                              on_end=lambda _, ev: ended.append(ev))
+        lease = await c.place(gpu="T4", gpus=1, lease_seconds=1, on_end=on_end)
         async with asyncio.timeout(5):
             end = await lease.wait_ended()
+            await called.wait()  # callbacks run in a task of their own, right after
     assert end.kind == "expired" and lease.state is LeaseState.EXPIRED
     assert ended == [end]
 
