@@ -121,6 +121,9 @@ class Bus:
         self._farewell = False  # `offline` retained by goodbye(): a clean disconnect is due
         self.restored = asyncio.Event()  # set each time the retained state was restored
         self.lost_at: datetime | None = None  # when the last connection was lost
+        self.retained_true_since: datetime | None = None
+        """When the last complete restore of the retained state began (every publish of
+        it acknowledged); None before the first in this process."""
         self._pending: dict[int, OutboxRow] = {}
         self._queue: deque[int] = deque()
         self._new = asyncio.Event()
@@ -387,6 +390,7 @@ class Bus:
         states that changed while it was down. Paced (a bounded window of
         acknowledgements, a yield every few messages) so requests keep flowing."""
         started = time.monotonic()
+        began = utcnow()
         window = asyncio.Semaphore(RESTORE_WINDOW)
         sent = 0
         async with asyncio.TaskGroup() as tg:
@@ -396,6 +400,9 @@ class Bus:
                 sent += 1
                 if sent % RESTORE_YIELD_EVERY == 0:
                     await asyncio.sleep(0)
+        # Every retained topic was made true as of `began`, each publish acknowledged:
+        # what changed since is in the outbox or in the next restore's window.
+        self.retained_true_since = began
         self.restored.set()
         log.info("retained state restored", messages=sent,
                  seconds=round(time.monotonic() - started, 3))

@@ -36,9 +36,10 @@ from policies.model import Policy
 
 log = structlog.get_logger("gpubroker.daemon")
 RETAINED_ENDED_MARGIN = timedelta(hours=1)
-"""After a reconnect, retained states are cleared again for leases that ended up to this
-long before the connection was lost: an MQTT server restored from a save of that age may
-still hold them (mosquitto's default autosave interval is 30 minutes)."""
+"""After a reconnect, retained states are cleared again for leases that ended since up to
+this long before the retained state was last made true (the previous connection's
+restore): an MQTT server restored from a save of that age may still hold them
+(mosquitto's default autosave interval is 30 minutes)."""
 HAZARD_HISTORY_HALF_LIVES = 4.0
 """How much recorded history warms the hazard estimator at start (older rows weigh
 under 2^-4 of its averages)."""
@@ -186,14 +187,16 @@ class Tasks:
 
     def _retained_state(self) -> Iterator[tuple[str, RetainedRead, int | None]]:
         """What the retained topics hold when they are true (SPEC §3): every active
-        lease's state; an empty payload for each lease that ended since shortly before
-        the connection was lost (a server restored from an older save may still hold
-        it); the capacity summaries of every slice of the pool. Lease states are read
-        when sent, and only once committed. `P/status` is published by the bus."""
-        now = utcnow()
-        since = min(self.bus.lost_at or now, now) - RETAINED_ENDED_MARGIN
+        lease's state; an empty payload for each lease that ended since the retained
+        state was last made true (`Bus.retained_true_since`, less `RETAINED_ENDED_MARGIN`:
+        a server restored from an older save may still hold its state) — at the first
+        connection of a start, every ended lease the book holds (`keep_ended_hours`),
+        since when the last daemon made them true is not known; the capacity summaries
+        of every slice of the pool. Lease states are read when sent, and only once
+        committed. `P/status` is published by the bus."""
+        since = retained_ended_since(self.bus.retained_true_since)
         for lease in self.book.all():
-            if lease.state is LeaseState.ACTIVE or lease.updated_at >= since:
+            if lease.state is LeaseState.ACTIVE or since is None or lease.updated_at >= since:
                 yield (self.topics.lease(lease.scheduler, lease.lease_id),
                        functools.partial(self._committed_lease_state, lease.lease_id), None)
         expiry = int(3 * self.cfg.poll.interval_seconds)
@@ -222,6 +225,13 @@ class Tasks:
 
 async def _ready(payload: bytes) -> bytes:
     return payload
+
+
+def retained_ended_since(true_since: datetime | None) -> datetime | None:
+    """The ended leases whose retained state a restore clears again: those that ended at
+    or after this (None: every one held). `true_since`: when the retained state was last
+    made true (`Bus.retained_true_since`)."""
+    return None if true_since is None else true_since - RETAINED_ENDED_MARGIN
 
 
 def hazard_estimator(policy: Policy, hazard: HazardEstimator | None) -> HazardEstimator:
