@@ -9,7 +9,7 @@ The commands, a module each:
     policy.py     policy check|explain|diff, private check
     history.py    history
     backtest.py   backtest (the engine is broker.backtest)
-    scheduler.py  place, leases, release (over broker.client)
+    scheduler.py  place, leases, release, renew, report (over gpubroker_client)
     common.py     what they share: exit codes, one-line messages, one poll of the market
 """
 
@@ -201,7 +201,7 @@ def _main(argv: Sequence[str] | None) -> int:  # noqa: PLR0911
             return export_history(args)
         if args.command == "status":
             return show_status(args)
-        if args.command in ("place", "leases", "release"):
+        if args.command in ("place", "leases", "release", "renew", "report"):
             return client_command(args)
         if args.command == "backtest":
             from broker.cli.backtest import run as run_backtest

@@ -1,4 +1,5 @@
-"""`gpubroker place`, `leases` and `release`: the scheduler commands (over broker.client).
+"""`gpubroker place`, `leases`, `release`, `renew` and `report`: the scheduler commands
+(over gpubroker_client).
 
 A person's view of what a scheduler does through `broker.client`: connection settings
 from --config (the daemon's file: mqtt url, prefix, credentials) or --mqtt; one line per
@@ -123,6 +124,30 @@ def add_parsers(sub: Any) -> None:
     release.add_argument("--scheduler", metavar="S", help=scheduler_help)
     connection(release)
 
+    renew = sub.add_parser("renew", help="renew a lease",
+                           description="Renew a lease of scheduler S by its lease period; "
+                                       "prints the new expiry. A lease that has ended "
+                                       "cannot be renewed (exit 1).")
+    renew.add_argument("lease_id", metavar="LEASE_ID", help="the lease, e.g. L-8c1f…")
+    renew.add_argument("--scheduler", metavar="S", help=scheduler_help)
+    connection(renew)
+
+    report = sub.add_parser("report", help="report that a lease's placement does not work",
+                            description="Tell the daemon the capacity of a lease of "
+                                        "scheduler S fails (P/requests/S/report): it moves "
+                                        "the lease elsewhere and prints where (exit 0), or "
+                                        "says why not (exit 1).")
+    report.add_argument("lease_id", metavar="LEASE_ID", help="the lease, e.g. L-8c1f…")
+    report.add_argument("--kind", required=True,
+                        choices=["interrupted", "launch_failed", "unhealthy"],
+                        help="what failed")
+    report.add_argument("--detail", metavar="TEXT", help="what the cloud said, for people")
+    report.add_argument("--epoch", type=int, metavar="N",
+                        help="the epoch the report is about: a lease that has moved on "
+                             "from it is left alone (default: its current epoch)")
+    report.add_argument("--scheduler", metavar="S", help=scheduler_help)
+    connection(report)
+
 
 def client_command(args: argparse.Namespace) -> int:
     from gpubroker_client import BrokerError
@@ -138,6 +163,10 @@ def client_command(args: argparse.Namespace) -> int:
             return _place(args)
         if args.command == "release":
             return _release(args)
+        if args.command == "renew":
+            return _renew(args)
+        if args.command == "report":
+            return _report(args)
         return _leases(args)
     except ValueError as err:  # a bad URL, scheduler id or prefix
         return usage(str(err))
@@ -158,6 +187,9 @@ def _client_settings(args: argparse.Namespace, scheduler: str | None) -> dict[st
         "url": args.mqtt or (mqtt.url if mqtt else "mqtt://127.0.0.1:1883"),
         "topic_prefix": args.topic_prefix or (mqtt.topic_prefix if mqtt else DEFAULT_PREFIX),
         "connect_timeout": max(1.0, min(args.timeout, 5.0)),
+        # A command is one connection: a session kept after it would serve nobody (and
+        # a 3.1.1 server keeps one until its own expiry setting).
+        "persistent": False,
     }
     if mqtt is not None:
         settings.update(username=mqtt.username, password_file=mqtt.password_file,
@@ -290,6 +322,77 @@ def _release(args: argparse.Namespace) -> int:
         print(f"released {args.lease_id}")
     else:
         print(f"{args.lease_id} had already {state.value}")
+    return EXIT_OK
+
+
+def _no_lease(settings: dict[str, Any], lease_id: str) -> int:
+    print(f"gpubroker: scheduler {settings['scheduler']} has no lease {lease_id} "
+          "(another scheduler's? give its --scheduler)", file=sys.stderr)
+    return EXIT_RUNTIME
+
+
+def _renew(args: argparse.Namespace) -> int:
+    from datetime import datetime
+
+    from gpubroker_client import BrokerClient, InvalidRequest, LeaseEnded
+
+    settings = _client_settings(args, args.scheduler)
+
+    async def go() -> datetime:
+        async with BrokerClient(**settings) as c:
+            return await c.renew(args.lease_id, timeout=args.timeout)
+
+    try:
+        expires = asyncio.run(go())
+    except InvalidRequest as err:
+        if "lease_id" in err.fields:
+            return _no_lease(settings, args.lease_id)
+        raise
+    except LeaseEnded as err:
+        print(f"gpubroker: {args.lease_id} has {err.state.value}; it cannot be renewed",
+              file=sys.stderr)
+        return EXIT_RUNTIME
+    print(f"renewed {args.lease_id}; expires {_expiry(expires.isoformat())}")
+    return EXIT_OK
+
+
+def _report(args: argparse.Namespace) -> int:
+    from gpubroker_client import (
+        BrokerClient,
+        InvalidRequest,
+        LeaseEnded,
+        LeaseEvent,
+        ReportDeclined,
+        StaleEpoch,
+    )
+
+    settings = _client_settings(args, args.scheduler)
+
+    async def go() -> LeaseEvent:
+        async with BrokerClient(**settings) as c:
+            return await c.report(args.lease_id, args.kind, args.detail, epoch=args.epoch,
+                                  timeout=args.timeout)
+
+    try:
+        ev = asyncio.run(go())
+    except InvalidRequest as err:
+        if "lease_id" in err.fields:
+            return _no_lease(settings, args.lease_id)
+        for e in err.errors:
+            print(f"gpubroker: invalid request: {e['field'] or '(request)'}: {e['message']}",
+                  file=sys.stderr)
+        return EXIT_RUNTIME
+    except StaleEpoch as err:  # what the report asked for has happened already
+        print(f"{args.lease_id} has moved on from epoch {args.epoch} already (now epoch "
+              f"{err.epoch}); nothing done")
+        return EXIT_OK
+    except (LeaseEnded, ReportDeclined) as err:
+        print(f"gpubroker: {printable(err)}", file=sys.stderr)
+        return EXIT_RUNTIME
+    p = ev.placement
+    print(f"moved {args.lease_id} to epoch {ev.epoch}: {_instances(p.instances, p.gpus, p.gpu)}"
+          f" {p.pool.cloud}/{p.pool.zone} {p.pool.instance_type} {p.pool.market.value}"
+          + (f" ({ev.reason})" if ev.reason else ""))
     return EXIT_OK
 
 

@@ -185,6 +185,53 @@ async def test_release(start_daemon: StartDaemon, mosquitto: Mosquitto,
     assert rd.daemon.book.get(theirs.lease_id).state is LeaseState.ACTIVE  # type: ignore[union-attr]
 
 
+async def test_renew(start_daemon: StartDaemon, mosquitto: Mosquitto) -> None:
+    rd = await start_daemon()
+    async with BrokerClient(mosquitto.url, scheduler="train") as c:
+        lease = await c.place(gpu="T4", gpus=1, lease_seconds=600)
+    before = rd.daemon.book.get(lease.lease_id).expires_at  # type: ignore[union-attr]
+    rc, out, err = await gpubroker("renew", lease.lease_id, "--mqtt", mosquitto.url,
+                                   "--scheduler", "train")
+    assert rc == 0 and out.startswith(f"renewed {lease.lease_id}; expires "), err
+    assert rd.daemon.book.get(lease.lease_id).expires_at > before  # type: ignore[union-attr]
+
+    rc, out, err = await gpubroker("renew", "L-nope", "--mqtt", mosquitto.url,
+                                   "--scheduler", "train")
+    assert rc == 1 and out == ""
+    assert one_line_error(err) == ("gpubroker: scheduler train has no lease L-nope "
+                                   "(another scheduler's? give its --scheduler)")
+    async with BrokerClient(mosquitto.url, scheduler="train") as c:
+        await c.release(lease.lease_id)
+    rc, out, err = await gpubroker("renew", lease.lease_id, "--mqtt", mosquitto.url,
+                                   "--scheduler", "train", "--timeout", "10")
+    assert rc == 1 and out == ""
+    assert one_line_error(err) == (f"gpubroker: {lease.lease_id} has released; it cannot "
+                                   "be renewed")
+
+
+async def test_report(start_daemon: StartDaemon, mosquitto: Mosquitto) -> None:
+    rd = await start_daemon()
+    async with BrokerClient(mosquitto.url, scheduler="train") as c:
+        lease = await c.place(gpu=["A100-80GB", "H100-80GB"], gpus=8)
+    rc, out, err = await gpubroker("report", lease.lease_id, "--kind", "launch_failed",
+                                   "--detail", "InsufficientInstanceCapacity",
+                                   "--mqtt", mosquitto.url, "--scheduler", "train")
+    assert rc == 0, err
+    held = rd.daemon.book.get(lease.lease_id)
+    assert held is not None and held.epoch == 2
+    assert out == (f"moved {lease.lease_id} to epoch 2: {held.placement.instances} instance"
+                   f"{'s' if held.placement.instances != 1 else ''} × {held.placement.gpus} "
+                   f"{held.placement.gpu} {held.placement.pool.cloud}/"
+                   f"{held.placement.pool.zone} {held.placement.pool.instance_type} "
+                   f"{held.placement.pool.market.value} (reported)\n")
+    rc, _, err = await gpubroker("report", "L-nope", "--kind", "unhealthy",
+                                 "--mqtt", mosquitto.url, "--scheduler", "train")
+    assert rc == 1 and "scheduler train has no lease L-nope" in one_line_error(err)
+    rc, _, err = await gpubroker("report", lease.lease_id, "--kind", "sad",
+                                 "--mqtt", mosquitto.url)
+    assert rc == 2 and "invalid choice" in err
+
+
 async def test_leases_from_mqtt(start_daemon: StartDaemon, mosquitto: Mosquitto) -> None:
     await start_daemon()
     async with BrokerClient(mosquitto.url, scheduler="train") as a, \
