@@ -46,6 +46,11 @@ web; they refer to nothing outside themselves."""
 PREFIX = "gpubroker/v1"
 """The default topic prefix `P` (config `mqtt.topic_prefix`); AsyncAPI addresses use it."""
 SCHEMA_FORMAT = "application/schema+json;version=draft-2020-12"
+WILL_EXAMPLE = {"state": "offline", "ts": "2026-11-30T12:00:00.000Z",
+                "boot_id": "4b7e2f10-9c3d-4e5a-8b6f-0a1c2d3e4f50", "version": __version__,
+                "node": "broker-a", "role": "leader", "epoch": 3}
+"""An example of the daemon's MQTT will (a `status`; its `ts` is when the connection was
+made): the AsyncAPI server binding's `lastWill` message."""
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
@@ -338,7 +343,7 @@ def asyncapi() -> dict[str, Any]:
     }
 
     will = {"topic": f"{P}/status", "qos": 1, "retain": True,
-            "message": '{"state":"offline","ts":"…","boot_id":"…","version":"…"}'}
+            "message": json.dumps(WILL_EXAMPLE, separators=(",", ":"))}
     server_mqtt = {"clientId": "gpubroker-<site> (config mqtt.client_id)",
                    "cleanSession": False, "lastWill": will, "keepAlive": 30,
                    "sessionExpiryInterval": 3600, "maximumPacketSize": MAX_PACKET} | _MQTT
