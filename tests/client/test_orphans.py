@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 from daemon_helpers import RunningDaemon, StartDaemon
 from mqtt_helpers import Mosquitto
@@ -20,19 +21,38 @@ def active_ids(rd: RunningDaemon) -> set[str]:
             if le.scheduler == S and le.state is LeaseState.ACTIVE}
 
 
-async def settle(rd: RunningDaemon, c: BrokerClient, held: set[str]) -> None:
-    """Until the daemon's active leases of S are exactly `held`. A last place(), awaited,
-    is answered after every request sent before it (the daemon answers in order)."""
-    last = await c.place(gpu="T4", gpus=1, request_id="last")
-    await last.release()
-    async with asyncio.timeout(10):
-        while active_ids(rd) != held:
-            await asyncio.sleep(0.05)
+class Tally:
+    """The daemon's leases of S as its events tell (a broker observer: called as the
+    daemon emits each event); `settled` is set once the active ones are `held`."""
+
+    def __init__(self, rd: RunningDaemon) -> None:
+        self.active: set[str] = set()
+        self.held: set[str] | None = None
+        self.settled = asyncio.Event()
+        rd.daemon.broker.observers.append(self.observe)
+
+    def observe(self, kind: str, data: dict[str, Any]) -> None:
+        if kind == "placement.decided" and data.get("state", "active") == "active":
+            self.active |= {p["lease_id"] for p in data.get("parts") or [data]}
+        elif kind in ("lease.released", "lease.expired", "lease.failed"):
+            self.active.discard(data["lease_id"])
+        self.check()
+
+    def check(self) -> None:
+        if self.held is not None and self.active == self.held:
+            self.settled.set()
+
+    async def until(self, held: set[str], timeout: float = 10) -> None:
+        self.held = held
+        self.check()
+        async with asyncio.timeout(timeout):
+            await self.settled.wait()
 
 
 async def test_cancelled_places_leave_no_active_lease(start_daemon: StartDaemon,
                                                       mosquitto: Mosquitto) -> None:
     rd = await start_daemon()
+    tally = Tally(rd)
     rng = random.Random(29)
     loop = asyncio.get_running_loop()
     async with BrokerClient(mosquitto.url, scheduler=S) as c:
@@ -45,7 +65,11 @@ async def test_cancelled_places_leave_no_active_lease(start_daemon: StartDaemon,
         results = await asyncio.gather(*tasks, return_exceptions=True)
         held = {r.lease_id for r in results if isinstance(r, Lease)}
         cancelled = sum(isinstance(r, asyncio.CancelledError) for r in results)
-        await settle(rd, c, held)
+        # A last place(), awaited, is answered after every request sent before it.
+        last = await c.place(gpu="T4", gpus=1, request_id="last")
+        await last.release()
+        await tally.until(held)
+        await c.renew(next(iter(held))) if held else None  # one more round: committed
         assert active_ids(rd) == held
         decided = {le.request_id: le for le in rd.daemon.book.all() if le.request_id in ids}
         released = [le for le in decided.values() if le.state is LeaseState.RELEASED]
@@ -71,6 +95,7 @@ async def test_a_late_decision_after_a_timeout_is_released(start_daemon: StartDa
             held_back.set()
 
     rd.daemon.broker.observers.append(stop_before_the_answer)
+    tally = Tally(rd)
     async with BrokerClient(mosquitto.url, scheduler=S) as c:
         placing = asyncio.create_task(c.place(gpu="T4", gpus=1, request_id="late",
                                               timeout=1.5))
@@ -83,9 +108,8 @@ async def test_a_late_decision_after_a_timeout_is_released(start_daemon: StartDa
         else:
             raise AssertionError("the place() should have timed out")
         await mosquitto.astart()
-        async with asyncio.timeout(20):
-            while not [le for le in rd.daemon.book.all()
-                       if le.request_id == "late" and le.state is LeaseState.RELEASED]:
-                await asyncio.sleep(0.05)
+        await tally.until(set(), timeout=20)
+        late = await c.place(gpu="T4", gpus=1, request_id="late")  # answered from the book
+        assert late.state is LeaseState.RELEASED
     assert not [le for le in rd.daemon.book.all()
                 if le.request_id == "late" and le.state is LeaseState.ACTIVE]
