@@ -133,9 +133,15 @@ class Failover(_Strict):
     min_lease_age_seconds: float = Field(default=0, ge=0)
     max_failovers_per_hour: int | None = Field(default=None, ge=1)
     """Anti-flap limits. They hold back discretionary moves (price, policy change,
-    cloud unhealthy); a lease whose capacity is gone always moves."""
+    cloud unhealthy); `max_failovers_per_hour` also a scheduler's report (answered
+    `report.declined`); a lease whose capacity the cloud says is gone always moves."""
     cooldown_seconds: float = Field(default=600, ge=0)
     """How long a pool that failed a lease is kept out of new placements."""
+    report_cooldowns_per_hour: int = Field(default=10, ge=0)
+    """How many pools one scheduler's reports may cool down for everyone in an hour.
+    Beyond it a report still moves that scheduler's lease (never back to the pool it
+    reported) but keeps the pool open to everyone else: one scheduler's faulty reports
+    cannot close the market to the others."""
     reoptimize_min_saving: float | None = Field(default=None, gt=0, lt=1)
     """Move a running lease to a better placement when that saves at least this share
     of its expected cost (0.3 = 30 %), subject to the anti-flap limits. Unset: running

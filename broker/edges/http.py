@@ -9,7 +9,8 @@
 * `GET /v1/leases`, `GET /v1/leases/{id}`: leases in memory (active and recently
   ended), as committed (a change being committed is waited for). The list holds the
   active leases unless `state` says otherwise (`released`, `expired`, `failed`, or `all`);
-  filter `scheduler`.
+  filters `scheduler` and `request_id` (with it, every state unless `state` is given: the
+  lease, every part of a split, placed with that request_id).
 * A standby (high availability) answers /livez, /readyz (503, "standby (…)"), /metrics,
   /v1/policy and the lease reads (from the database); /v1/offers and placing: 503.
 * `POST /v1/requests/{S}/<verb>`, for every verb of MQTT's `P/requests/S/<verb>`
@@ -215,7 +216,8 @@ async def leases(request: web.Request) -> web.Response:
     if (refused := _view_refused(d, request)) is not None:
         return refused
     q = request.query
-    state = q.get("state") or LeaseState.ACTIVE.value
+    # By request_id (a lookup): the lease in any state unless `state` says otherwise.
+    state = q.get("state") or ("all" if q.get("request_id") else LeaseState.ACTIVE.value)
     if state != "all" and state not in LEASE_STATES:
         return _json({"error": f"state must be one of {', '.join(LEASE_STATES)} or all"}, 400)
     if d.role == "standby":
@@ -230,8 +232,9 @@ async def leases(request: web.Request) -> web.Response:
         book = d.book.all()
     rows = [le for le in book
             if (state == "all" or le.state.value == state)
-            and (not q.get("scheduler") or le.scheduler == q["scheduler"])]
-    rows.sort(key=lambda le: le.created_at)
+            and (not q.get("scheduler") or le.scheduler == q["scheduler"])
+            and (not q.get("request_id") or le.request_id == q["request_id"])]
+    rows.sort(key=lambda le: (le.created_at, le.part))
     return _json([le.to_json() for le in rows])
 
 

@@ -138,6 +138,9 @@ class Broker(Placing, Verbs, Moves, Quoting):
         self._reopt_next = 0  # where the next re-optimisation pass starts
         # lease_id -> its failover times within the anti-flap window (active leases only)
         self._moves: dict[str, list[datetime]] = {}
+        # scheduler -> the pools its reports cooled for everyone within the hour, and when
+        # (`failover.report_cooldowns_per_hour`; at most that many per scheduler)
+        self._cooled_by: dict[str, dict[PoolKey, datetime]] = {}
         self.failed: StoreFailed | None = None
         self._costs: optimizer.CostIndex | None = None
         self._created_keys: list[tuple[str, str]] | None = None
@@ -400,9 +403,11 @@ class Broker(Placing, Verbs, Moves, Quoting):
                     if cmd.verb == "place":
                         self._sort_place(b, cmd, parsed[i], asks, repeats)
                     elif cmd.verb in ("renew", "release"):
-                        self._lease_verb(b, cmd)
+                        await self._lease_verb(b, cmd)
                     elif cmd.verb == "report":
                         await self._report(b, cmd)
+                    elif cmd.verb == "lookup":
+                        await self._lookup(b, cmd)
                     elif cmd.verb == "quote":
                         quotes.append(cmd)  # after the batch's placements: see below
                     else:

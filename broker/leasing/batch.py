@@ -41,6 +41,7 @@ def part_json(lease: Lease) -> dict[str, Any]:
                          "expires_at": iso(lease.expires_at)}
     if lease.state is not LeaseState.ACTIVE:
         d["state"] = lease.state.value
+        d.update(lease.end_json())
     return d
 
 

@@ -178,19 +178,32 @@ def recent(moves: Sequence[datetime], now: datetime) -> list[datetime]:
 
 def held_back(trigger: Trigger, lease: Lease, policy: Failover, moves: Sequence[datetime],
               now: datetime) -> str | None:
-    """Why the anti-flap limits hold a discretionary move back, or None."""
+    """Why the anti-flap limits hold a move back, or None: a discretionary move by
+    either limit, a scheduler's report by `max_failovers_per_hour` (a lease reported
+    over and over would move without end); a lease whose capacity the cloud says is
+    gone, never."""
     if not enabled(trigger.reason, policy):
         return f"trigger {trigger.reason.value} is switched off"
-    if trigger.reason not in DISCRETIONARY:
+    if trigger.reason not in DISCRETIONARY and trigger.reason is not FailoverReason.REPORTED:
         return None
     age = (now - lease.created_at).total_seconds()
-    if age < policy.min_lease_age_seconds:
+    if trigger.reason in DISCRETIONARY and age < policy.min_lease_age_seconds:
         return f"lease is {age:.0f}s old, under min_lease_age_seconds"
     if policy.max_failovers_per_hour is not None:
         moved = recent(moves, now)
         if len(moved) >= policy.max_failovers_per_hour:
             return f"{len(moved)} failovers in the last hour (max_failovers_per_hour)"
     return None
+
+
+def retry_after(moves: Sequence[datetime], policy: Failover, now: datetime) -> float:
+    """Seconds until `max_failovers_per_hour` no longer holds a lease with these moves
+    back (its oldest counted moves leave the window); 0 when it does not now."""
+    limit = policy.max_failovers_per_hour
+    moved = sorted(recent(moves, now))
+    if limit is None or len(moved) < limit:
+        return 0.0
+    return max(0.0, (moved[len(moved) - limit] + FLAP_WINDOW - now).total_seconds())
 
 
 def ladder(c: Constraints, leaving: PoolKey, policy: Failover) -> Iterator[Constraints]:

@@ -223,9 +223,11 @@ class Placing:
             "expires_at": iso(lease.expires_at),
             "reason": reason,
             "alternatives": [a.to_json() for a in alternatives],
+            "lease_seconds": lease.lease_seconds,
         }
         if lease.state is not LeaseState.ACTIVE:
             data["state"] = lease.state.value
+            data.update(lease.end_json())
         if lease.parts and parts:
             data["parts"] = [part_json(p) for p in parts]
         b.leases[lease.lease_id] = lease

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-VERBS = ("place", "renew", "release", "report", "quote")
+VERBS = ("place", "renew", "release", "report", "quote", "lookup")
 OPS = "_ops"  # the reserved scheduler id of operations events (P/events/_ops/...)
 
 

@@ -71,9 +71,10 @@ def _event_name(kind: str) -> str:
 PAYLOADS: tuple[Payload, ...] = (
     Payload("request.place", payloads.PlacePayload, "Placement request", sent=False),
     Payload("request.renew", payloads.LeaseRefPayload, "Renew request", sent=False),
-    Payload("request.release", payloads.LeaseRefPayload, "Release request", sent=False),
+    Payload("request.release", payloads.ReleasePayload, "Release request", sent=False),
     Payload("request.report", payloads.ReportPayload, "Report request", sent=False),
     Payload("request.quote", payloads.QuotePayload, "Quote request", sent=False),
+    Payload("request.lookup", payloads.LookupPayload, "Lookup request", sent=False),
     Payload("event", payloads.CloudEvent, "Event (CloudEvents 1.0 envelope)", sent=True),
     *(Payload(_event_name(kind), t, f"Event {kind}", sent=True)
       for kind, t in payloads.EVENTS.items()),
@@ -168,26 +169,38 @@ _EVENT_SUMMARY = {
     "lease.expired": "The lease has ended: not renewed in time.",
     "lease.failover": "The lease moved to another placement; its epoch grew by one.",
     "lease.failed": "A failover found nowhere to go; the lease has ended.",
+    "lease.current": "A renew, release or report with an older epoch: nothing done; the "
+                     "lease as it is now.",
+    "report.declined": "A report the anti-flap limits hold back: the lease stays, at its "
+                       "epoch.",
     "policy.applied": "A policy file is in force.",
     "policy.rejected": "A policy file was refused; the running policy stays.",
 }
 _REQUEST_SUMMARY = {
     "place": "Ask for GPUs. Answered by placement.decided, placement.rejected or "
              "request.invalid.",
-    "renew": "Extend a lease by its lease_seconds. Answered by lease.renewed.",
-    "release": "End a lease. Answered by lease.released.",
-    "report": "The lease's capacity failed. Answered by lease.failover or lease.failed.",
+    "renew": "Extend a lease by its lease_seconds. Answered by lease.renewed (lease.current "
+             "for an older epoch).",
+    "release": "End a lease, by lease_id or by request_id. Answered by lease.released "
+               "(lease.current for an older epoch).",
+    "report": "The lease's capacity failed. Answered by lease.failover or lease.failed "
+              "(report.declined when the anti-flap limits hold it back, lease.current for "
+              "an older epoch).",
     "quote": "What a placement request would get now, holding nothing. Answered by "
              "placement.quoted or request.invalid.",
+    "lookup": "The lease placed with a request_id, as it is now; places nothing. Answered "
+              "by placement.decided or request.invalid.",
 }
 _ANSWERS = {
     "place": ("placement.decided", "placement.rejected", "request.invalid"),
     "renew": ("lease.renewed", "lease.expired", "lease.released", "lease.failed",
-              "request.invalid"),
-    "release": ("lease.released", "lease.expired", "lease.failed", "request.invalid"),
+              "lease.current", "request.invalid"),
+    "release": ("lease.released", "lease.expired", "lease.failed", "lease.current",
+                "request.invalid"),
     "report": ("lease.failover", "lease.failed", "lease.expired", "lease.released",
-               "request.invalid"),
+               "lease.current", "report.declined", "request.invalid"),
     "quote": ("placement.quoted", "request.invalid"),
+    "lookup": ("placement.decided", "request.invalid"),
 }
 
 

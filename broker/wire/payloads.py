@@ -21,7 +21,14 @@ from pydantic import ConfigDict, Field, with_config
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
 from broker.model import CloudName as Clouds
-from broker.wire.validation import LeaseRefPayload, PlacePayload, QuotePayload, ReportPayload
+from broker.wire.validation import (
+    LeaseRefPayload,
+    LookupPayload,
+    PlacePayload,
+    QuotePayload,
+    ReleasePayload,
+    ReportPayload,
+)
 
 __all__ = [
     "EVENTS",
@@ -31,6 +38,7 @@ __all__ = [
     "CapacitySummary",
     "CloudEvent",
     "FieldError",
+    "LeaseCurrent",
     "LeaseEnded",
     "LeaseFailed",
     "LeaseFailover",
@@ -38,6 +46,7 @@ __all__ = [
     "LeaseRefPayload",
     "LeaseRenewed",
     "LeaseStateJson",
+    "LookupPayload",
     "OfferJson",
     "PlacePayload",
     "PlacementDecided",
@@ -49,6 +58,8 @@ __all__ = [
     "PolicyRejected",
     "QuotePart",
     "QuotePayload",
+    "ReleasePayload",
+    "ReportDeclined",
     "ReportPayload",
     "RequestInvalid",
     "Status",
@@ -95,6 +106,13 @@ LeaseStateName = Literal["active", "released", "expired", "failed"]
 LeaseFailedReason = Literal["interrupted", "capacity_lost", "price_above_cap", "cloud_unhealthy",
                             "reported", "policy_changed", "reoptimized", "maintenance",
                             "ended"]
+EndedReason = Annotated[Literal["released", "expired", "interrupted", "capacity_lost",
+                                "price_above_cap", "cloud_unhealthy", "reported",
+                                "policy_changed", "reoptimized", "maintenance", "ended"],
+                        Field(description=(
+    "How the lease ended: `released`, `expired`, or the failover reason that failed it "
+    "(`ended`: it failed under a daemon before contract 1.1, which kept no reason)."))]
+VerbName = Literal["place", "renew", "release", "report", "quote", "lookup"]
 Epoch = Annotated[int, Field(ge=1, description=(
     "The lease's fencing token: 1 when decided, one more at each failover. A scheduler "
     "acts only on the highest epoch it has seen for a lease."))]
@@ -174,6 +192,11 @@ class LeasePart(TypedDict):
     state: NotRequired[Annotated[
         Literal["released", "expired", "failed"],
         _doc("Only on a repetition, for a part that has ended since: how it ended.")]]
+    ended_reason: NotRequired[EndedReason]
+    ended_detail: NotRequired[Annotated[str | None, _doc(
+        "With `state`: what happened, for a person (the failover's detail); null for a "
+        "release or an expiry.")]]
+    ended_at: NotRequired[Annotated[Timestamp, _doc("With `state`: when the lease ended.")]]
 
 
 @with_config(_SENT)
@@ -191,10 +214,17 @@ class PlacementDecided(TypedDict):
         "`repeated request: the lease it already has` for a repetition.")]
     alternatives: Annotated[list[PlacementJson], Field(max_length=3, description=(
         "Up to 3 next-best placements, best first; empty for a repetition."))]
+    lease_seconds: Annotated[int, Field(ge=1, description=(
+        "The lease's time to live: what a renewal adds, from then (contract 1.1)."))]
     state: NotRequired[Annotated[
         Literal["released", "expired", "failed"],
         _doc("Only when the request repeats one whose lease has since ended: how it ended. "
              "Absent while the lease is active.")]]
+    ended_reason: NotRequired[EndedReason]
+    ended_detail: NotRequired[Annotated[str | None, _doc(
+        "With `state`: what happened, for a person (the failover's detail); null for a "
+        "release or an expiry.")]]
+    ended_at: NotRequired[Annotated[Timestamp, _doc("With `state`: when the lease ended.")]]
     parts: NotRequired[Annotated[list[LeasePart], Field(min_length=2, max_length=16,
                                                         description=(
         "Only for a request split across pools (`gang: false` with `max_parts` above 1): "
@@ -275,6 +305,11 @@ class RequestInvalid(TypedDict):
     errors: Annotated[list[FieldError], Field(min_length=1, max_length=20, description=(
         "Every problem found, one per field (at most 20; the last may say how many more)."))]
     topic: Annotated[str, _doc("The topic the request came in on.")]
+    verb: NotRequired[Annotated[VerbName, _doc(
+        "The verb the topic names, when it is one the daemon knows (contract 1.1).")]]
+    lease_id: NotRequired[Annotated[LeaseId, _doc(
+        "The request's `lease_id`, when its payload has one that is a string of 1–128 "
+        "characters (contract 1.1): the lease the answer is about.")]]
 
 
 @with_config(_SENT)
@@ -300,9 +335,28 @@ class LeaseFailed(TypedDict):
 
     lease_id: LeaseId
     reason: Annotated[LeaseFailedReason, _doc(
-        "The failover reason that ended it; `ended` when a verb on a lease that had already "
-        "failed repeats the answer.")]
+        "The failover reason that ended it, also when a verb on a lease that had already "
+        "failed repeats the answer; `ended` only for a lease that failed under a daemon "
+        "before contract 1.1 (which kept no reason).")]
     detail: Annotated[str, _doc("For a person: what happened and why nothing else fitted.")]
+    ended_at: NotRequired[Annotated[Timestamp, _doc(
+        "Only when a verb on a lease that had already failed repeats the answer: when it "
+        "failed (contract 1.1).")]]
+
+
+@with_config(_SENT)
+class ReportDeclined(TypedDict):
+    """A `report` the anti-flap limits hold back: the lease stays where it is, at its
+    epoch (contract 1.1)."""
+
+    lease_id: LeaseId
+    epoch: Annotated[Epoch, _doc("The lease's epoch, unchanged.")]
+    kind: Annotated[Literal["interrupted", "launch_failed", "unhealthy"], _doc(
+        "The report's `kind`.")]
+    reason: Annotated[str, _doc("For a person: which limit holds it back.")]
+    retry_after_seconds: Annotated[Price, _doc(
+        "When the limit no longer holds it back: report again then, if the capacity "
+        "still fails.")]
 
 
 LeaseFailover = TypedDict("LeaseFailover", {
@@ -503,6 +557,26 @@ class LeaseFailedEvent(_Envelope):
 
 
 @with_config(_SENT)
+class LeaseCurrentEvent(_Envelope):
+    """`P/events/S/lease.current`."""
+
+    type: Literal["gpubroker.lease.current.v1"]
+    subject: LeaseSubject
+    correlationid: Correlation
+    data: LeaseCurrent
+
+
+@with_config(_SENT)
+class ReportDeclinedEvent(_Envelope):
+    """`P/events/S/report.declined`."""
+
+    type: Literal["gpubroker.report.declined.v1"]
+    subject: LeaseSubject
+    correlationid: Correlation
+    data: ReportDeclined
+
+
+@with_config(_SENT)
 class PolicyAppliedEvent(_Envelope):
     """`P/events/_ops/policy.applied`."""
 
@@ -530,6 +604,8 @@ EVENTS: dict[str, Any] = {
     "lease.expired": LeaseExpiredEvent,
     "lease.failover": LeaseFailoverEvent,
     "lease.failed": LeaseFailedEvent,
+    "lease.current": LeaseCurrentEvent,
+    "report.declined": ReportDeclinedEvent,
     "policy.applied": PolicyAppliedEvent,
     "policy.rejected": PolicyRejectedEvent,
 }
@@ -539,7 +615,7 @@ OPS_EVENT_TYPES = ("policy.applied", "policy.rejected")
 EVENT_TYPES = tuple(k for k in EVENTS if k not in OPS_EVENT_TYPES)
 REPLY_EVENT_TYPES = ("placement.decided", "placement.rejected", "placement.quoted",
                      "request.invalid", "lease.renewed", "lease.released", "lease.expired",
-                     "lease.failed", "lease.failover")
+                     "lease.failed", "lease.failover", "lease.current", "report.declined")
 """The kinds that answer a request, and so also go to its MQTT 5 ResponseTopic."""
 
 
@@ -575,6 +651,21 @@ class LeaseStateJson(TypedDict):
     parts: NotRequired[Annotated[list[LeaseId], Field(min_length=2, max_length=16,
                                                        description=(
         "Only for a part of a split request: the lease ids of all its parts, in order."))]]
+    ended_reason: NotRequired[EndedReason]
+    ended_detail: NotRequired[Annotated[str | None, _doc(
+        "Only once ended: what happened, for a person (the failover's detail); null for "
+        "a release or an expiry.")]]
+    ended_at: NotRequired[Annotated[Timestamp, _doc("Only once ended: when it ended.")]]
+
+
+@with_config(ConfigDict(extra="forbid", title="LeaseCurrent"))
+class LeaseCurrent(LeaseStateJson):
+    """The answer to a `renew`, `release` or `report` that sent an older `epoch` than the
+    lease's: nothing was done; this is the lease as it is now (as on
+    `P/leases/S/<lease_id>`), like a Kubernetes 409 Conflict that carries the current
+    object (contract 1.1)."""
+
+    stale_epoch: Annotated[Epoch, _doc("The epoch the request sent.")]
 
 
 @with_config(_SENT)

@@ -113,10 +113,47 @@ _Epoch = Annotated[int, Field(ge=1)]
 
 
 class LeaseRefPayload(_Lenient):
-    """`P/requests/S/renew` and `P/requests/S/release`. Fields not listed are ignored."""
+    """`P/requests/S/renew`. Fields not listed are ignored."""
 
-    lease_id: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    lease_id: _LeaseId
     """A lease of this scheduler."""
+    epoch: _Epoch | None = None
+    """The lease's epoch as the scheduler knows it. Older than the lease's: nothing
+    changes, answered `lease.current` (the lease as it is now); newer: `request.invalid`.
+    Absent: the lease's current epoch, whatever it is (contract 1.0)."""
+
+
+def _one_of_lease_or_request(schema: dict[str, Any]) -> None:
+    schema["oneOf"] = [
+        {"required": ["lease_id"], "properties": {"lease_id": {"type": "string"}}},
+        {"required": ["request_id"], "properties": {"request_id": {"type": "string"},
+                                                    "epoch": {"type": "null"}}}]
+
+
+class ReleasePayload(_Lenient):
+    """`P/requests/S/release`: exactly one of `lease_id` (that lease) and `request_id`
+    (the lease placed with it, every part of a split). Fields not listed are ignored."""
+
+    model_config = ConfigDict(json_schema_extra=_one_of_lease_or_request)
+
+    lease_id: _LeaseId | None = None
+    """A lease of this scheduler."""
+    request_id: _RequestId | None = None
+    """The `request_id` a lease of this scheduler was placed with: releases that lease,
+    every part of it if it was split. Unknown (not placed, or not decided yet):
+    `request.invalid`."""
+    epoch: _Epoch | None = None
+    """With `lease_id` only, as in `renew`: an older epoch releases nothing (answered
+    `lease.current`)."""
+
+
+class LookupPayload(_Lenient):
+    """`P/requests/S/lookup`: the lease placed with `request_id`, as it is now (answered
+    `placement.decided`, like a repeated `place`); nothing is placed. Fields not listed
+    are ignored."""
+
+    request_id: _RequestId
+    """The `request_id` of a `place` of this scheduler."""
 
 
 class ReportPayload(LeaseRefPayload):
@@ -146,7 +183,12 @@ class Quote:
 
 @dataclass(frozen=True, slots=True)
 class LeaseRef:
+    """A lease verb's lease: by `lease_id` (with the `epoch` sent, if any), or, for a
+    `release`, by `request_id` (`lease_id` then "")."""
+
     lease_id: str
+    epoch: int | None = None
+    request_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +196,7 @@ class Report:
     lease_id: str
     kind: str
     detail: str | None
+    epoch: int | None = None
 
 
 MAX_PAYLOAD = 64 * 1024
@@ -472,9 +515,55 @@ def parse_lease_ref(payload: bytes) -> LeaseRef | Invalid:
     if isinstance(data, Invalid):
         return data
     try:
-        return LeaseRef(LeaseRefPayload.model_validate(data).lease_id)
+        r = LeaseRefPayload.model_validate(data)
     except ValidationError as err:
         return Invalid(_errors(err))
+    return LeaseRef(r.lease_id, r.epoch)
+
+
+def parse_release(payload: bytes) -> LeaseRef | Invalid:
+    """A `release`: by `lease_id` (and `epoch`), or by `request_id`; exactly one."""
+    data = _decode(payload)
+    if isinstance(data, Invalid):
+        return data
+    try:
+        r = ReleasePayload.model_validate(data)
+    except ValidationError as err:
+        return Invalid(_errors(err), _rid(data))
+    if (r.lease_id is None) == (r.request_id is None):
+        return Invalid([{"field": "lease_id" if r.lease_id is None else "",
+                         "message": "exactly one of lease_id and request_id"}],
+                       r.request_id)
+    if r.request_id is not None:
+        if r.epoch is not None:
+            return Invalid([{"field": "epoch", "message": "goes with lease_id (each part "
+                             "of a split has its own epoch), not with request_id"}],
+                           r.request_id)
+        return LeaseRef("", None, r.request_id)
+    assert r.lease_id is not None
+    return LeaseRef(r.lease_id, r.epoch)
+
+
+def parse_lookup(payload: bytes) -> str | Invalid:
+    """A `lookup`: its `request_id`."""
+    data = _decode(payload)
+    if isinstance(data, Invalid):
+        return data
+    try:
+        return LookupPayload.model_validate(data).request_id
+    except ValidationError as err:
+        return Invalid(_errors(err), _rid(data))
+
+
+def echoed_lease_id(payload: bytes) -> str | None:
+    """The `lease_id` a request's payload names, to echo in its `request.invalid`: a
+    string of 1 to 128 characters, valid Unicode; None otherwise (or not a JSON object)."""
+    data = _decode(payload)
+    lease_id = data.get("lease_id") if isinstance(data, dict) else None
+    if isinstance(lease_id, str) and 0 < len(lease_id) <= 128 and \
+            _SURROGATE.search(lease_id) is None:
+        return lease_id
+    return None
 
 
 def parse_report(payload: bytes) -> Report | Invalid:
@@ -485,4 +574,4 @@ def parse_report(payload: bytes) -> Report | Invalid:
         r = ReportPayload.model_validate(data)
     except ValidationError as err:
         return Invalid(_errors(err))
-    return Report(r.lease_id, r.kind, r.detail)
+    return Report(r.lease_id, r.kind, r.detail, r.epoch)

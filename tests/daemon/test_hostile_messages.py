@@ -114,11 +114,11 @@ async def test_a_bug_in_one_command_is_answered_and_the_batch_goes_on(
             raise RuntimeError("a bug in the parser")
         return parse_place(scheduler, payload)
 
-    def lease_verb_with_a_bug(b: Any, cmd: Command) -> None:
+    async def lease_verb_with_a_bug(b: Any, cmd: Command) -> None:
         if b"boom" in cmd.payload:
-            lease_verb(b, cmd)  # queues a lease.released or request.invalid ...
+            await lease_verb(b, cmd)  # queues a lease.released or request.invalid ...
             raise RuntimeError("a bug after the answer was queued")  # ... then fails
-        lease_verb(b, cmd)
+        await lease_verb(b, cmd)
 
     monkeypatch.setattr(validation, "parse_place", parse_with_a_bug)
     monkeypatch.setattr(broker, "_lease_verb", lease_verb_with_a_bug)
@@ -157,7 +157,8 @@ async def test_a_bug_placing_a_batch_answers_its_requests(
         await probe.publish(f"{PREFIX}/requests/p-1/place", valid("x"))
         got = await answers(probe, "p-", 1, mark)
     assert got["p-1"]["data"] == {"request_id": "x", "topic": f"{PREFIX}/requests/p-1/place",
-                                  "errors": [{"field": "", "message": INTERNAL}]}
+                                  "errors": [{"field": "", "message": INTERNAL}],
+                                  "verb": "place"}
     await still_deciding(rd, probe, "after-the-bug")
 
 

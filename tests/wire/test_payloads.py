@@ -40,7 +40,7 @@ from broker.state.store import StateStore
 from broker.wire import payloads
 from broker.wire.commands import Command
 from broker.wire.messages import Envelopes, Messages, Topics
-from policies.model import Policy
+from policies.model import Failover, Policy
 from policies.yamlsrc import Problem
 
 P = "gpubroker/v1"
@@ -120,6 +120,14 @@ async def test_every_event_the_broker_sends_follows_the_contract(
         await b.handle([cmd("report", ref | {"kind": "launch_failed", "detail": "no stock"})])
         moved = b.book.get(lease.lease_id)
         assert moved is not None and moved.epoch == 2
+        # The same report again, its epoch 1 stale now: nothing moves (lease.current).
+        await b.handle([cmd("report", ref | {"kind": "launch_failed", "epoch": 1},
+                            reply=True)])
+        # Beyond max_failovers_per_hour a report is held back (report.declined).
+        b.policy = Policy(failover=Failover(max_failovers_per_hour=1))
+        await b.handle([cmd("report", ref | {"kind": "unhealthy", "epoch": 2}, reply=True)])
+        b.policy = Policy()
+        assert b.book.get(lease.lease_id) == moved
         b.signal(CapacitySignal(moved.placement.pool, SignalKind.INTERRUPTED, clock()))
         await sink.wait_for("lease.failover", 2)
         # r2 takes the last pool, r3 finds none; the lease's next loss ends it.
@@ -134,6 +142,9 @@ async def test_every_event_the_broker_sends_follows_the_contract(
         r2 = b.book.find(S, "r2")
         assert r2 is not None
         await b.handle([cmd("release", {"lease_id": r2.lease_id}, reply=True)])
+        await b.handle([cmd("lookup", {"request_id": "r2"}, reply=True),
+                        cmd("release", {"request_id": "r2"}),
+                        cmd("lookup", {"request_id": "nobody"})])
         await b.handle([cmd("place", place("short", lease_seconds=1))])
         clock.advance(2)
         assert await b.expire_due()
@@ -155,10 +166,13 @@ async def test_every_event_the_broker_sends_follows_the_contract(
     assert any(r.payload == b"" for r in leases) and any(r.payload for r in leases)
     decided = [json.loads(r.payload)["data"] for r in sink.rows
                if r.topic.endswith("/placement.decided")]
-    assert {d.get("state") for d in decided} == {None, "failed"}
-    failed = [json.loads(r.payload)["data"]["reason"] for r in sink.rows
+    assert {d.get("state") for d in decided} == {None, "failed", "released"}
+    assert {d["lease_seconds"] for d in decided} == {900, 1}  # "short" asked for 1 s
+    failed = [json.loads(r.payload)["data"] for r in sink.rows
               if r.topic.endswith("/lease.failed")]
-    assert set(failed) == {"interrupted", "ended"}
+    # The repetition says the original reason, and when it failed.
+    assert [(d["reason"], "ended_at" in d) for d in failed] == [
+        ("interrupted", False), ("interrupted", True)]
 
 
 async def test_offers_leases_in_every_state_and_capacity_follow_the_contract(
