@@ -521,16 +521,19 @@ class Broker(Placing, Verbs, Moves, Quoting):
             raise self.failed
         if not b.leases and not b.rows:
             return
+        # Each scheduler's events take their `schedseq` here, committed with them.
+        numbered, schedseqs, renumbered = self.messages.sequence(b.rows)
         try:
-            rows = await self.store.commit(b.leases.values(), b.rows)
+            rows = await self.store.commit(b.leases.values(), numbered, schedseqs)
         except StoreFailed as exc:
             self._fail(exc, [cmd for cmd, _ in b.answers])
             raise
+        self.messages.commit_sequence(schedseqs)
         self._publish(rows)
         done = time.monotonic()
         for cmd, payload in b.answers:
             if cmd.answer is not None and not cmd.answer.done():
-                cmd.answer.set_result(payload)
+                cmd.answer.set_result(renumbered.get(id(payload), payload))
         if self.decision_latency is not None:
             for cmd, _ in b.decided:
                 self.decision_latency(done - cmd.received)

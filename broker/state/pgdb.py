@@ -16,6 +16,7 @@ import structlog
 
 from broker.state.schema import (
     ENDED_DETAIL,
+    SCHEDSEQ_TABLE,
     SCHEMA_VERSION,
     UPSERT_LEASE,
 )
@@ -111,6 +112,8 @@ CREATE INDEX leases_change ON leases (change);
        "'ended_reason', CASE state WHEN 'failed' THEN 'ended' ELSE state END, "
        f"'ended_detail', CASE state WHEN 'failed' THEN '{ENDED_DETAIL}' END, "
        "'ended_at', updated_at))::text WHERE state <> 'active';",
+    # Version 7: each scheduler's last `schedseq` (SQLite's migration 7).
+    7: postgres_ddl(SCHEDSEQ_TABLE),
 }
 
 MIGRATE_LOCK = 0x67707562726B  # "gpubrk": the advisory lock key of migrations

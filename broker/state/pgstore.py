@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -45,6 +45,7 @@ from broker.state.pgdb import (
 )
 from broker.state.schema import (
     INSERT_OUTBOX,
+    UPSERT_SCHEDSEQ,
     first_part,
     lease_from,
     lease_row,
@@ -164,12 +165,13 @@ class PgStateStore(OneThreadStore[PgDb]):
         return StoreFailed(f"{self.name}: {what} failed: {str(exc).strip()}"
                            + (f" (SQLSTATE {sqlstate})" if sqlstate else ""))
 
-    async def commit(self, leases: Iterable[Lease], rows: Sequence[OutboxRow]
-                     ) -> list[OutboxRow]:
+    async def commit(self, leases: Iterable[Lease], rows: Sequence[OutboxRow],
+                     schedseqs: Mapping[str, int] | None = None) -> list[OutboxRow]:
         import psycopg
 
         epoch = self.epoch
         lease_rows = [lease_row(lease, epoch) for lease in leases]
+        seqs = list((schedseqs or {}).items())
         outbox = [outbox_row(r, epoch) for r in rows]
 
         def tx(db: PgDb) -> list[OutboxRow]:
@@ -183,6 +185,8 @@ class PgStateStore(OneThreadStore[PgDb]):
                     conn.execute("BEGIN")
                     if lease_rows:
                         conn.cursor().executemany(pg_sql(PG_UPSERT_LEASE), lease_rows)
+                    if seqs:
+                        conn.cursor().executemany(pg_sql(UPSERT_SCHEDSEQ), seqs)
                     cur = conn.cursor()
                     if outbox:
                         cur.executemany(pg_sql(INSERT_OUTBOX + " RETURNING id"), outbox,

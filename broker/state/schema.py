@@ -12,7 +12,7 @@ from typing import Any
 from broker.model import Lease, LeaseState, Placement, PlaceRequest, iso, parse_iso
 from broker.wire.messages import OutboxRow
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -67,6 +67,10 @@ CREATE TABLE IF NOT EXISTS market_changes (
 CREATE TABLE IF NOT EXISTS market_snapshots (t INTEGER PRIMARY KEY);
 """
 
+SCHEDSEQ_TABLE = ("CREATE TABLE IF NOT EXISTS schedseq (scheduler TEXT PRIMARY KEY, "
+                  "last INTEGER NOT NULL);")
+UPSERT_SCHEDSEQ = ("INSERT INTO schedseq (scheduler, last) VALUES (?,?) ON CONFLICT (scheduler) "
+                   "DO UPDATE SET last=excluded.last")
 ENDED_DETAIL = "failed before the daemon kept how a lease ended"
 ENDED_BACKFILL = (
     "UPDATE leases SET body = json_set(body, "
@@ -113,6 +117,9 @@ CREATE INDEX leases_state ON leases (state, updated_at);
     # and its last change as its end; one that failed had its failover reason in no
     # record: `ended`, as a 1.0 daemon answered.
     6: ENDED_BACKFILL,
+    # Each scheduler's last `schedseq` (contract 1.1): its events are numbered 1, 2, 3, …
+    # across restarts and leaders, written in the transaction of the events.
+    7: SCHEDSEQ_TABLE,
 }
 
 

@@ -41,7 +41,7 @@ import json
 import os
 import sqlite3
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -55,6 +55,7 @@ from broker.state.schema import (
     SCHEMA,
     SCHEMA_VERSION,
     UPSERT_LEASE,
+    UPSERT_SCHEDSEQ,
     first_part,
     lease_from,
     lease_row,
@@ -157,8 +158,13 @@ class Store(Protocol):
 
     async def call(self, fn: Callable[[Db], T]) -> T: ...
 
-    async def commit(self, leases: Iterable[Lease], rows: Sequence[OutboxRow]
-                     ) -> list[OutboxRow]: ...
+    async def commit(self, leases: Iterable[Lease], rows: Sequence[OutboxRow],
+                     schedseqs: Mapping[str, int] | None = None) -> list[OutboxRow]:
+        """Lease changes, outbox rows and each scheduler's last `schedseq` after them,
+        in one transaction; the rows with their ids."""
+
+    async def schedseqs(self) -> dict[str, int]:
+        """Each scheduler's last committed `schedseq`."""
 
     async def ack(self, ids: Sequence[int]) -> None: ...
 
@@ -240,6 +246,12 @@ class OneThreadStore(Generic[D]):
             ]
 
         return await self._read("outbox read", q)
+
+    async def schedseqs(self) -> dict[str, int]:
+        def q(db: D) -> dict[str, int]:
+            return {s: int(n) for s, n in db.execute("SELECT scheduler, last FROM schedseq")}
+
+        return await self._read("schedseq read", q)
 
     async def leases(self, *, ended_since: datetime | None = None) -> list[Lease]:
         """Active leases, plus leases that ended at or after `ended_since`."""
@@ -373,17 +385,19 @@ class StateStore(OneThreadStore[SqliteDb]):
         self._unlock()
         self._executor.shutdown(wait=True)
 
-    async def commit(self, leases: Iterable[Lease], rows: Sequence[OutboxRow]
-                     ) -> list[OutboxRow]:
-        """Write lease changes and outbox rows in one transaction; return the rows with
-        their ids."""
+    async def commit(self, leases: Iterable[Lease], rows: Sequence[OutboxRow],
+                     schedseqs: Mapping[str, int] | None = None) -> list[OutboxRow]:
+        """Write lease changes, outbox rows and the schedulers' last `schedseq` in one
+        transaction; return the rows with their ids."""
         lease_rows = [lease_row(lease, 0) for lease in leases]
+        seqs = list((schedseqs or {}).items())
 
         def tx(db: SqliteDb) -> list[OutboxRow]:
             out: list[OutboxRow] = []
             db.execute("BEGIN IMMEDIATE")
             try:
                 db.executemany(UPSERT_LEASE, lease_rows)
+                db.executemany(UPSERT_SCHEDSEQ, seqs)
                 for r in rows:
                     cur = db.execute(INSERT_OUTBOX, outbox_row(r, 0))
                     out.append(OutboxRow(r.topic, r.payload, r.qos, r.retain, r.props,

@@ -11,14 +11,15 @@ import itertools
 import json
 import re
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 import orjson
 
 from broker.model import Event, Lease, LeaseState, iso, utcnow
+from broker.wire.commands import OPS
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,9 @@ class OutboxRow:
     retain: bool = False
     props: dict[str, Any] | None = None
     id: int | None = None
+    schedseq: str | None = None
+    """The scheduler whose `schedseq` this event takes when committed (`Messages.sequence`);
+    None for every other row (lease states, `_ops` events, the reply copy of an event)."""
 
 
 def dumps(obj: Any) -> bytes:
@@ -57,6 +61,10 @@ def dumps(obj: Any) -> bytes:
 
 
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
+_UNNUMBERED = b'"schedseq":0,'
+"""An event's `schedseq` before its commit numbers it. Found at its first occurrence: the
+envelope's attributes come before `data`, and no JSON string can hold it (a `"` in a
+string is escaped)."""
 
 
 class Topics:
@@ -136,6 +144,8 @@ class Envelopes:
             "bootid": self.boot_id,
             "leaderepoch": self._epoch(),
         }
+        if event.scheduler != OPS:
+            env["schedseq"] = 0  # `Messages.sequence` numbers it when it is committed
         if event.correlationid is not None:
             env["correlationid"] = event.correlationid
         env["data"] = event.data
@@ -148,15 +158,45 @@ class Messages:
     def __init__(self, topics: Topics, envelopes: Envelopes) -> None:
         self.topics = topics
         self.envelopes = envelopes
+        self.schedseqs: dict[str, int] = {}
+        """Each scheduler's last committed `schedseq` (loaded from the store at start)."""
 
     def event(self, event: Event, reply: dict[str, Any] | None = None) -> list[OutboxRow]:
         """The event on `P/events/S/<kind>`, plus a copy to the request's MQTT 5
         ResponseTopic when `reply` (`{"response_topic", "correlation_data"}`) is given."""
         payload = dumps(self.envelopes.build(event))
-        rows = [OutboxRow(self.topics.event(event.scheduler, event.kind), payload)]
+        sequenced = None if event.scheduler == OPS else event.scheduler
+        rows = [OutboxRow(self.topics.event(event.scheduler, event.kind), payload,
+                          schedseq=sequenced)]
         if reply:
             rows.append(OutboxRow(reply["response_topic"], payload, props=reply))
         return rows
+
+    def sequence(self, rows: Sequence[OutboxRow]
+                 ) -> tuple[list[OutboxRow], dict[str, int], dict[int, bytes]]:
+        """Number the events of a commit per scheduler (`schedseq`, from the last number
+        committed, `schedseqs`): the rows as they are committed, each scheduler's last
+        number after them (committed with the rows), and the new payload of each
+        renumbered one by the `id()` of its old payload (the reply copy of an event and an
+        HTTP caller's answer are the same bytes). Numbers are taken at the commit, not
+        when the event is built, so an event dropped before it (a request whose handling
+        failed) leaves no gap; `commit_sequence` keeps them once committed."""
+        last: dict[str, int] = {}
+        renumbered: dict[int, bytes] = {}
+        out: list[OutboxRow] = []
+        for row in rows:
+            payload = renumbered.get(id(row.payload))
+            if row.schedseq is not None:
+                n = last.get(row.schedseq, self.schedseqs.get(row.schedseq, 0)) + 1
+                last[row.schedseq] = n
+                payload = row.payload.replace(_UNNUMBERED, b'"schedseq":%d,' % n, 1)
+                renumbered[id(row.payload)] = payload
+            out.append(row if payload is None else replace(row, payload=payload))
+        return out, last, renumbered
+
+    def commit_sequence(self, last: Mapping[str, int]) -> None:
+        """The numbers of a commit are kept (`sequence`)."""
+        self.schedseqs.update(last)
 
     def lease_state(self, lease: Lease) -> OutboxRow:
         """The retained lease topic: its state while active, empty once it has ended."""

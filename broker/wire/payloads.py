@@ -414,8 +414,14 @@ class PolicyRejected(TypedDict):
 Source = Annotated[str, Field(pattern=r"^gpubroker://[A-Za-z0-9_.-]{1,64}$", description=(
     "`gpubroker://<site>` (config `site`): which broker sent it."))]
 Seq = Annotated[int, Field(ge=1, description=(
-    "One more for each event published within a boot (`bootid`), from 1: a gap means "
-    "a missed event. Retained lease states are not counted."))]
+    "One more for each event built within a boot (`bootid`), from 1, over every "
+    "scheduler: for ordering within a boot only (a scheduler sees only its own topics; "
+    "`schedseq` is the one to detect a gap by). Retained lease states are not counted."))]
+SchedSeq = Annotated[int, Field(ge=1, description=(
+    "CloudEvents extension attribute: one more for each event on this scheduler's "
+    "`P/events/S/...`, from 1, across restarts and leaders (kept in the state store with "
+    "the event): a gap means a missed event. The same when the event is sent again. "
+    "Absent from `_ops` events and from events of daemons before contract 1.1."))]
 BootId = Annotated[Uuid, _doc("New at each start of the daemon; `seq` counts within it.")]
 EventId = Annotated[Uuid, _doc(
     "Unique per event and the same when the event is sent again (after a reconnect or "
@@ -443,6 +449,7 @@ class _Envelope(TypedDict):
     seq: Seq
     bootid: BootId
     leaderepoch: NotRequired[LeaderEpoch]
+    schedseq: NotRequired[SchedSeq]
 
 
 @with_config(_SENT)

@@ -18,7 +18,7 @@ from broker.model import PoolKey
 S = "sched-1"
 EVENTS = f"{PREFIX}/events/{S}/"
 ENVELOPE = {"specversion", "id", "source", "type", "time", "subject", "datacontenttype",
-            "seq", "bootid", "leaderepoch", "correlationid", "data"}
+            "seq", "bootid", "leaderepoch", "schedseq", "correlationid", "data"}
 PLACEMENT = {"cloud", "region", "zone", "instance_type", "instances", "market", "gpu", "gpus",
              "total_gpus", "price_per_hour", "price_per_gpu_hour", "price_observed_at"}
 

@@ -37,7 +37,7 @@ from broker.wire.messages import OutboxRow
 
 SITE = "site-a"
 TABLES = {"meta", "leases", "outbox", "market_pools", "market_changes", "market_snapshots",
-          "leadership", "leadership_term", "nodes", "offer_slices"}
+          "leadership", "leadership_term", "nodes", "offer_slices", "schedseq"}
 
 
 def lease(request_id: str = "r1", *, at: float = 0) -> Lease:

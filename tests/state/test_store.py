@@ -658,7 +658,7 @@ async def test_a_schema_5_file_is_migrated_and_its_ended_leases_say_how_they_end
     try:
         got = {le.request_id: le for le in await store.leases(ended_since=T0)}
         assert await store.call(lambda db: db.execute(
-            "SELECT value FROM meta WHERE key='schema'").fetchone()[0]) == "6"
+            "SELECT value FROM meta WHERE key='schema'").fetchone()[0]) == str(SCHEMA_VERSION)
     finally:
         await store.close()
     assert got == {"on": active, "off": released,
@@ -697,7 +697,7 @@ async def test_a_new_file_gets_every_table_at_once(tmp_path: Path) -> None:
     s = await reopened(path)
     await s.close()
     assert tables(path) == {"meta", "leases", "outbox", "market_pools", "market_changes",
-                            "market_snapshots", "sqlite_sequence"}
+                            "market_snapshots", "sqlite_sequence", "schedseq"}
     assert "leader_epoch" in columns(path, "outbox")
     assert columns(path, "leases")[-2:] == ["leader_epoch", "part"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import uuid
 import warnings
@@ -98,8 +99,8 @@ def test_envelope_has_every_cloudevents_field() -> None:
     clock = Clock(T0.replace(microsecond=123456))
     env = Envelopes("lab-1", BOOT, clock=clock).build(decided_event())
     assert list(env) == ["specversion", "id", "source", "type", "time", "subject",
-                         "datacontenttype", "seq", "bootid", "leaderepoch", "correlationid",
-                         "data"]
+                         "datacontenttype", "seq", "bootid", "leaderepoch", "schedseq",
+                         "correlationid", "data"]
     assert env["specversion"] == "1.0"
     uuid.UUID(env["id"])
     assert env["source"] == "gpubroker://lab-1"
@@ -125,6 +126,29 @@ def test_leaderepoch_is_the_fencing_epoch_when_the_event_is_built() -> None:
     second = envelopes.build(decided_event())
     assert json.loads(first)["leaderepoch"] == 3
     assert second["leaderepoch"] == 4
+
+
+def test_schedseq_is_taken_per_scheduler_when_committed() -> None:
+    """Numbered at the commit (`sequence`), per scheduler, from the last kept number; the
+    reply copy of an event gets the same bytes; an event built and dropped before its
+    commit takes no number; `_ops` events and lease states have none."""
+    msgs = Messages(Topics(P), Envelopes("lab-1", BOOT))
+    msgs.schedseqs = {"a": 7}
+    msgs.event(dataclasses.replace(decided_event(), scheduler="a"))  # never committed
+    reply = {"response_topic": f"{P}/replies/a/x", "correlation_data": "01"}
+    rows = [*msgs.event(dataclasses.replace(decided_event(), scheduler="a"), reply),
+            *msgs.event(dataclasses.replace(decided_event(), scheduler="b")),
+            *msgs.event(Event("policy.applied", "_ops", {}, "policy")),
+            *msgs.event(dataclasses.replace(decided_event(), scheduler="a"))]
+    numbered, last, renumbered = msgs.sequence(rows)
+    seqs = [json.loads(r.payload).get("schedseq") for r in numbered]
+    assert seqs == [8, 8, 1, None, 9]
+    assert numbered[0].payload == numbered[1].payload
+    assert renumbered[id(rows[0].payload)] == numbered[0].payload
+    assert last == {"a": 9, "b": 1}
+    assert msgs.schedseqs == {"a": 7}  # kept only once committed
+    msgs.commit_sequence(last)
+    assert msgs.schedseqs == {"a": 9, "b": 1}
 
 
 def test_correlationid_is_left_out_when_there_is_none() -> None:

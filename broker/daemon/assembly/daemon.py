@@ -315,6 +315,7 @@ class Daemon(PolicyReloading, StandingBy, Tasks):
         # hold no cycles: an ended one is still freed when it is let go.
         gc.freeze()
         self.bus.enqueue(await self.store.pending())
+        self.messages.schedseqs = await self.store.schedseqs()
         log.info("starting", site=self.cfg.site, boot_id=self.boot_id,
                  leases=len(self.book.active()), outbox=self.bus.outbox_depth,
                  adapters=[a.name for a in self.adapters], state=self.store.name,
