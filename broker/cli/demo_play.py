@@ -255,8 +255,10 @@ class Demo:
                                 "--mqtt to use 127.0.0.1:1883 or an embedded one") from None
         protocol: Literal["5", "3.1.1", "auto"] = "3.1.1" if embedded else "auto"
         for scheduler in SCHEDULERS:
+            # A clean session: the demo leaves nothing behind on the MQTT server.
             client = BrokerClient(self.url, scheduler=scheduler, topic_prefix=self.prefix,
-                                  protocol=protocol, connect_timeout=CONNECT_TIMEOUT)
+                                  protocol=protocol, connect_timeout=CONNECT_TIMEOUT,
+                                  persistent=False)
             try:
                 await client.connect()
             except BrokerUnavailable as exc:

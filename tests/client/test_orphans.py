@@ -7,11 +7,12 @@ import asyncio
 import random
 from typing import Any
 
+import pytest
 from daemon_helpers import RunningDaemon, StartDaemon
 from mqtt_helpers import Mosquitto
 
 from broker.model import LeaseState
-from gpubroker_client import BrokerClient, Lease, PlacementTimeout
+from gpubroker_client import BrokerClient, Lease, LeaseEnded, PlacementTimeout
 
 S = "train"
 
@@ -27,12 +28,14 @@ class Tally:
 
     def __init__(self, rd: RunningDaemon) -> None:
         self.active: set[str] = set()
+        self.decided: set[str] = set()
         self.held: set[str] | None = None
         self.settled = asyncio.Event()
         rd.daemon.broker.observers.append(self.observe)
 
     def observe(self, kind: str, data: dict[str, Any]) -> None:
         if kind == "placement.decided" and data.get("state", "active") == "active":
+            self.decided |= {p["lease_id"] for p in data.get("parts") or [data]}
             self.active |= {p["lease_id"] for p in data.get("parts") or [data]}
         elif kind in ("lease.released", "lease.expired", "lease.failed"):
             self.active.discard(data["lease_id"])
@@ -109,7 +112,9 @@ async def test_a_late_decision_after_a_timeout_is_released(start_daemon: StartDa
             raise AssertionError("the place() should have timed out")
         await mosquitto.astart()
         await tally.until(set(), timeout=20)
-        late = await c.place(gpu="T4", gpus=1, request_id="late")  # answered from the book
-        assert late.state is LeaseState.RELEASED
+        (lease_id,) = tally.decided
+        with pytest.raises(LeaseEnded) as ended:  # one more round: the release committed
+            await c.renew(lease_id)
+        assert ended.value.state is LeaseState.RELEASED
     assert not [le for le in rd.daemon.book.all()
                 if le.request_id == "late" and le.state is LeaseState.ACTIVE]
