@@ -63,7 +63,7 @@ async def test_place_decides_with_every_field(start_daemon: StartDaemon,
     assert ev["time"].endswith("Z")
     d = ev["data"]
     assert set(d) == {"request_id", "lease_id", "epoch", "placement", "expires_at", "reason",
-                      "alternatives"}
+                      "alternatives", "lease_seconds"}
     assert d["epoch"] == 1 and d["lease_id"].startswith("L-")
     assert ev["subject"] == f"lease/{d['lease_id']}"
     p = d["placement"]
