@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -415,30 +415,31 @@ def _errors(err: ValidationError) -> list[FieldError]:
     return list(seen.values())
 
 
-def parse_place(scheduler: str, payload: bytes) -> PlaceRequest | Invalid:
+_Body = TypeVar("_Body", PlacePayload, QuotePayload)
+
+
+def _place_body(model: type[_Body], payload: bytes) -> _Body | Invalid:
+    """A `place` or `quote` body, decoded, validated and checked for a split."""
     data = _decode(payload)
     if isinstance(data, Invalid):
         return data
     try:
-        p = PlacePayload.model_validate(data)
+        p = model.model_validate(data)
     except ValidationError as err:
         return Invalid(_errors(err), _rid(data))
-    if (split := _split_needs_no_gang(p)) is not None:
-        return split
-    return _request(scheduler, p, p.request_id)
+    return _split_needs_no_gang(p) or p
+
+
+def parse_place(scheduler: str, payload: bytes) -> PlaceRequest | Invalid:
+    p = _place_body(PlacePayload, payload)
+    return p if isinstance(p, Invalid) else _request(scheduler, p, p.request_id)
 
 
 def parse_quote(scheduler: str, payload: bytes) -> Quote | Invalid:
     """A quote's body: `parse_place`'s rules, `request_id` optional."""
-    data = _decode(payload)
-    if isinstance(data, Invalid):
-        return data
-    try:
-        p = QuotePayload.model_validate(data)
-    except ValidationError as err:
-        return Invalid(_errors(err), _rid(data))
-    if (split := _split_needs_no_gang(p)) is not None:
-        return split
+    p = _place_body(QuotePayload, payload)
+    if isinstance(p, Invalid):
+        return p
     return Quote(_request(scheduler, p, p.request_id or ""), p.request_id)
 
 
