@@ -315,9 +315,7 @@ def _release(args: argparse.Namespace) -> int:
     try:
         state = asyncio.run(go())
     except InvalidRequest:
-        print(f"gpubroker: scheduler {settings['scheduler']} has no lease {args.lease_id} "
-              "(another scheduler's? give its --scheduler)", file=sys.stderr)
-        return EXIT_RUNTIME
+        return _no_lease(settings, args.lease_id)
     if state is LeaseState.RELEASED:
         print(f"released {args.lease_id}")
     else:
