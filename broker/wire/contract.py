@@ -583,7 +583,8 @@ def openapi() -> dict[str, Any]:
                 "name": "scheduler", "in": "path", "required": True,
                 "description": "The scheduler id S: `[A-Za-z0-9_.-]{1,64}`, not `_ops` "
                                "(reserved).",
-                "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}}},
+                "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$",
+                           "not": {"const": "_ops"}}}},
             "responses": {
                 "badScheduler": _error("A scheduler id that does not match "
                                        "`[A-Za-z0-9_.-]{1,64}`, or `_ops` (reserved)."),
