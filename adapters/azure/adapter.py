@@ -232,7 +232,7 @@ class AzureAdapter(CloudAdapter):
     async def _prices(self, region: str, st: _RegionState, mono: float, now: datetime
                       ) -> None:
         items = await self.retail.vm_prices(region)
-        st.prices = Cached(pricing.prices_of(items, region), mono, now)
+        st.prices = Cached(pricing.prices_of(items, region, now), mono, now)
 
     async def _quotas(self, region: str, st: _RegionState, mono: float, now: datetime
                       ) -> None:

@@ -24,10 +24,14 @@ Decisions where Azure is silent or irregular:
 * **Zones**: a pool's zone is `<region>-<zone>` (`eastus-2`); a size the region offers
   without zones (regions without availability zones) is one pool whose zone is the
   region name.
-* **Prices**: Linux only (a `productName` containing `Windows` is skipped), meters
-  ending in ` Spot` are spot prices, ` Low Priority` meters are ignored, prices are per
-  `unitOfMeasure` (`1 Hour`, `10 Hours` ...). Of several items for one size and market
-  the newest `effectiveStartDate` wins.
+* **Prices**: Linux only (a `productName` with the word `Windows` or its catalog
+  abbreviation `Win`, as in `Virtual Machines NCCadsv5 Srs Win`, is skipped), no Cloud
+  Services (`productName` with `Cloud Services` / `CloudServices`), primary meter
+  regions only (`isPrimaryMeterRegion: false` is skipped), meters ending in ` Spot`
+  are spot prices, ` Low Priority` meters are ignored, prices are per `unitOfMeasure`
+  (`1 Hour`, `10 Hours` ...). Of several items for one size and market the newest
+  `effectiveStartDate` wins among those already in effect: a price whose
+  `effectiveStartDate` is after the adapter's clock is ignored until then.
 * **Eviction rates**: Resource Graph gives a band of the share of Spot VMs of a size
   evicted per hour (`0-5`, `5-10`, `10-15`, `15-20`, `20+`, in %). The band's midpoint
   (25 % for the open `20+` band) is read as the probability p of an eviction within an
@@ -45,6 +49,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from fractions import Fraction
 from typing import Any, NamedTuple
 
@@ -200,21 +205,40 @@ class Prices(NamedTuple):
 
 
 _HOURS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s+hours?\s*$", re.IGNORECASE)
+# Not a Linux VM price: Windows by every spelling the catalog uses (`... Series Windows`,
+# `... Srs Win`), and Cloud Services (`... Cloud Services`, `...CloudServices`).
+_NOT_LINUX_VM = re.compile(r"\bwin(?:dows)?\b|cloud\s*services", re.IGNORECASE)
 
 
-def prices_of(items: list[dict[str, Any]], region: str) -> Prices:
-    """Linux pay-as-you-go and spot prices per VM size from Retail Prices items.
+def _since(item: Mapping[str, Any]) -> datetime | None:
+    """An item's `effectiveStartDate` (`2026-11-01T00:00:00Z`), None if unreadable."""
+    try:
+        when = datetime.fromisoformat(str(item.get("effectiveStartDate", "")))
+    except ValueError:
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
 
-    Checks every item again (a filter the API ignored must not turn a Windows, low
-    priority, DevTest or reservation price into ours)."""
+
+def prices_of(items: list[dict[str, Any]], region: str, now: datetime | None = None
+              ) -> Prices:
+    """Linux pay-as-you-go and spot prices per VM size from Retail Prices items, as of
+    `now` (prices not yet in effect are ignored; None: all of them count).
+
+    Checks every item again (a filter the API ignored must not turn a Windows, Cloud
+    Services, non-primary region, low priority, DevTest or reservation price into ours)."""
     best: dict[tuple[str, bool], tuple[str, float]] = {}
     for item in items:
         if (item.get("serviceName") != "Virtual Machines"
                 or str(item.get("armRegionName", "")).lower() != region.lower()
                 or item.get("type") != "Consumption"
                 or item.get("currencyCode", "USD") != "USD"
-                or "windows" in str(item.get("productName", "")).lower()):
+                or item.get("isPrimaryMeterRegion", True) is False
+                or _NOT_LINUX_VM.search(str(item.get("productName", "")))):
             continue
+        if now is not None:
+            since = _since(item)
+            if since is not None and since > now:
+                continue
         meter = f"{item.get('meterName', '')}|{item.get('skuName', '')}".lower()
         if "low priority" in meter:
             continue

@@ -3,6 +3,9 @@ their restrictions, Retail Prices items, eviction-rate bands, quotas."""
 
 from __future__ import annotations
 
+import json
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -190,6 +193,41 @@ def test_prices_per_unit_of_measure_and_newest_first() -> None:
     prices = pricing.prices_of(items, "eastus")
     assert prices.on_demand == {"standard_nc6s_v3": pytest.approx(3.06),
                                 "standard_nc24ads_a100_v4": 3.673}
+
+
+# A page of the Retail Prices API in its own shape, for one size in eastus2: the Linux
+# on-demand and spot prices, then one row per catalog edge case, each effective later
+# than the Linux ones (so "newest wins" would take it). The Windows spelling " Srs Win"
+# is the catalog's for NCCadsv5 (all others say " Series Windows").
+EDGES = json.loads((Path(__file__).resolve().parents[2]
+                    / "fixtures/azure/retail-prices-edge-cases.json").read_text())["Items"]
+NCC = "standard_ncc40ads_h100_v5"
+CLOCK = datetime(2026, 12, 1, tzinfo=UTC)
+
+
+def _linux(*edge: dict[str, Any]) -> list[dict[str, Any]]:
+    return [i for i in EDGES if i["productName"] == "Virtual Machines NCCadsv5 Srs"
+            and i["isPrimaryMeterRegion"] and i["effectiveStartDate"] < "2026"] + list(edge)
+
+
+@pytest.mark.parametrize("edge", [
+    pytest.param(lambda i: i["productName"].endswith(" Srs Win"), id="windows-abbreviated"),
+    pytest.param(lambda i: "Cloud Services" in i["productName"], id="cloud-services"),
+    pytest.param(lambda i: i["isPrimaryMeterRegion"] is False, id="non-primary-region"),
+    pytest.param(lambda i: i["effectiveStartDate"] > "2027", id="not-yet-effective"),
+])
+def test_catalog_edge_rows_do_not_replace_the_linux_price(edge: Any) -> None:
+    rows = [i for i in EDGES if edge(i)]
+    assert rows
+    prices = pricing.prices_of(_linux(*rows), "eastus2", CLOCK)
+    assert prices.on_demand == {NCC: 6.98}
+    assert prices.spot == {NCC: 1.419034}
+
+
+def test_a_future_price_counts_once_in_effect() -> None:
+    assert pricing.prices_of(EDGES, "eastus2", datetime(2027, 6, 1, tzinfo=UTC)
+                             ).on_demand == {NCC: 5.94}
+    assert pricing.prices_of(EDGES, "eastus2", CLOCK).on_demand == {NCC: 6.98}
 
 
 # --- eviction rates --------------------------------------------------------------------
