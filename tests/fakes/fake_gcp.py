@@ -13,6 +13,7 @@ routes by path, as the two APIs' real paths differ:
 * ``GET /compute/v1/projects/{p}/aggregated/reservations``  → ``reservations.aggregatedList``
 * ``GET /compute/v1/projects/{p}/zones/{z}/reservations``    → ``reservations.list``
 * ``GET /compute/v1/projects/{p}/zones/{z}/reservations/{n}`` → ``reservations.get``
+* ``POST /compute/v1/projects/{p}/regions/{r}/advice/capacity``  → ``advice.capacity``
 * ``GET /v1/services/6F81-5844-456A/skus``                          → Billing ``skus.list``
 * ``POST /token``                                                   → an OAuth token endpoint
   (``service_account_file`` points a service-account key at it)
@@ -105,6 +106,23 @@ with reservations on the page has ``reservations``, every other zone of the proj
 ``page_size[op]`` reservations (``nextPageToken``). ``filter`` is not taken (a 400).
 ``raw`` overrides a reservation's answered fields by dotted path
 (``specificReservation.count``; ``None`` leaves a field out).
+
+**Capacity advice** (``advice.capacity``, the REST reference's method `advice.capacity`,
+posted where google-cloud-compute's ``AdviceClient`` posts it, under ``/compute/v1``)
+takes the documented request body — ``instanceProperties.scheduling.provisioningModel``
+(``SPOT``/``STANDARD``), ``instanceFlexibilityPolicy.instanceSelections`` (a map of
+selections, each with ``machineTypes[]`` and optionally ``guestAccelerators[]``
+{``acceleratorType``, ``acceleratorCount``}), ``size``, ``distributionPolicy`` {``zones[]``
+{``zone``: ``zones/<zone>`` or a zone URL}, ``targetShape``} — and answers
+``{"recommendations": [{"scores": {"obtainability": 0..1, "estimatedUptime": "<n>s"},
+"shards": [{"zone", "machineType", "provisioningModel", "instanceCount"}]}]}``
+(``estimatedUptime`` on Spot answers only). The scores are those set with
+``set_capacity_advice`` for (zone, machine type, attached accelerator, model), else a
+fixed function of the four (obtainability 0.30-1.00, Spot uptime 1-24 h). Machine types
+and accelerators the zone does not have, an unknown model or zone, or more than one
+zone answer 400. ``advice_denied = True`` answers 403 (``forbidden``: "Required
+'compute.advice.capacity' permission ...", as a project without the permission is
+answered); ``advice_requests`` records each body. Calls are counted per zone asked.
 
 Every call is counted in ``calls`` (a Counter of ``(op, where)``, ``where`` a region,
 a zone or ``global``; random faults included), can be delayed by ``latency = (lo, hi)``
@@ -505,6 +523,10 @@ class FakeGCP(FakeServer[tuple[str, str]]):
         self._reservations: dict[tuple[str, str], dict[str, Any]] = {}
         self.require_auth = False
         self.authorizations: list[str] = []
+        # (zone, machine type, accelerator or "", model) -> (obtainability, uptime seconds)
+        self._advice: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
+        self.advice_denied = False
+        self.advice_requests: list[dict[str, Any]] = []
         self.token_requests = 0
         self._world = _world(prices_csv)
         self._prices: dict[PriceKey, float] = dict(self._world.prices)
@@ -587,6 +609,30 @@ class FakeGCP(FakeServer[tuple[str, str]]):
                 "machine_type": machine_type, "count": count, "in_use": in_use,
                 "accelerators": tuple(accelerators), "specific": specific, "status": status,
                 "delete_at": delete_at, "template": template, "raw": dict(raw or {})}
+
+    def set_capacity_advice(self, zone: str, machine_type: str, model: str, *,
+                            obtainability: Any, uptime_seconds: Any = None,
+                            accelerator: str = "") -> None:
+        """What ``advice.capacity`` answers for `machine_type` (+ attached `accelerator`)
+        in `zone` under `model` (``SPOT``/``STANDARD``): `obtainability` and
+        ``estimatedUptime`` = `uptime_seconds` s (None leaves a score out; a string is
+        answered as given)."""
+        with self._lock:
+            self._advice[(zone, machine_type, accelerator, model)] = (obtainability,
+                                                                      uptime_seconds)
+
+    def capacity_advice(self, zone: str, machine_type: str, model: str,
+                        accelerator: str = "") -> tuple[Any, Any]:
+        """(obtainability, uptime seconds) answered for a pool (see `set_capacity_advice`;
+        unset: a fixed function of the four)."""
+        with self._lock:
+            found = self._advice.get((zone, machine_type, accelerator, model))
+        if found is not None:
+            return found
+        h = int(hashlib.sha256(f"{zone}|{machine_type}|{accelerator}|{model}".encode())
+                .hexdigest(), 16)
+        obtainability = round(0.3 + (h % 71) / 100, 2)
+        return obtainability, (3600 * (1 + (h >> 8) % 24) if model == "SPOT" else None)
 
     def set_reservation_in_use(self, zone: str, name: str, in_use: int) -> None:
         with self._lock:
@@ -707,6 +753,8 @@ class FakeGCP(FakeServer[tuple[str, str]]):
                            self._zone_reservations)
         app.router.add_get("/compute/v1/projects/{project}/zones/{zone}/reservations/{name}",
                            self._reservation)
+        app.router.add_post("/compute/v1/projects/{project}/regions/{region}/advice/capacity",
+                            self._capacity_advice)
         app.router.add_get("/v1/services/{service}/skus", self._list_skus)
         app.router.add_post("/token", self._oauth_token)
         return app  # everything else: `_handle`, a 404
@@ -781,6 +829,8 @@ class FakeGCP(FakeServer[tuple[str, str]]):
             op, where = "reservations.aggregatedList", "global"
         elif "name" in match:
             op, where = "reservations.get", match["zone"]
+        elif request.path.endswith("/advice/capacity"):
+            op, where = "advice.capacity", match["region"]
         elif "zone" in match:
             op, where = f"{request.path.rsplit('/', 1)[-1]}.list", match["zone"]
         elif "region" in match:
@@ -891,6 +941,77 @@ class FakeGCP(FakeServer[tuple[str, str]]):
                               items, request, "")
 
         return await self._serve(request, op, zone, answer)
+
+    async def _capacity_advice(self, request: web.Request) -> web.Response:
+        region = request.match_info["region"]
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        zones = [str(z.get("zone", "")).rstrip("/").rsplit("/", 1)[-1]
+                 for z in ((body or {}).get("distributionPolicy") or {}).get("zones") or ()
+                 if isinstance(z, dict)] if isinstance(body, dict) else []
+        where = zones[0] if len(zones) == 1 else region
+
+        def answer() -> dict[str, Any]:
+            if self.advice_denied:
+                raise FakeGCPError(403, f"Required 'compute.advice.capacity' permission for "
+                                        f"'projects/{self.project}'", reason="forbidden")
+            if not isinstance(body, dict):
+                raise FakeGCPError(400, "Invalid JSON payload received.")
+            with self._lock:
+                self.advice_requests.append(body)
+            return self._advice_answer(region, zones, body)
+
+        return await self._serve(request, "advice.capacity", where, answer)
+
+    def _advice_answer(self, region: str, zones: list[str], body: dict[str, Any]
+                       ) -> dict[str, Any]:
+        if region not in self._world.zones:
+            raise FakeGCPError(404, f"The resource 'projects/{self.project}/regions/{region}'"
+                                    " was not found")
+        if len(zones) != 1 or zones[0] not in self._world.zones[region]:
+            raise FakeGCPError(400, "Invalid value for field 'distributionPolicy.zones': the "
+                                    f"fake answers about one zone of {region}, got {zones}.")
+        zone = zones[0]
+        model = (((body.get("instanceProperties") or {}).get("scheduling") or {})
+                 .get("provisioningModel"))
+        if model not in ("SPOT", "STANDARD"):
+            raise FakeGCPError(400, f"Invalid value for field 'instanceProperties.scheduling"
+                                    f".provisioningModel': '{model}'.")
+        size = body.get("size")
+        if not isinstance(size, int) or size < 1:
+            raise FakeGCPError(400, f"Invalid value for field 'size': '{size}'.")
+        selections = ((body.get("instanceFlexibilityPolicy") or {})
+                      .get("instanceSelections") or {})
+        if len(selections) != 1:
+            raise FakeGCPError(400, "The fake answers about one instance selection.")
+        selection = next(iter(selections.values()))
+        machines = selection.get("machineTypes") or []
+        names = {m[0] for m in self._world.machines[zone]}
+        if len(machines) != 1 or machines[0] not in names:
+            raise FakeGCPError(400, f"Invalid value for field 'machineTypes': {machines}: "
+                                    f"not a machine type of {zone}.")
+        accels = selection.get("guestAccelerators") or []
+        accelerator = ""
+        if accels:
+            attachable = {GPUS[g][0]: most for g, most in self._world.accelerators.get(zone, ())}
+            a = accels[0]
+            accelerator = str(a.get("acceleratorType", "")).rsplit("/", 1)[-1]
+            count = a.get("acceleratorCount")
+            if (len(accels) != 1 or accelerator not in attachable or not isinstance(count, int)
+                    or not 1 <= count <= attachable[accelerator]):
+                raise FakeGCPError(400, f"Invalid value for field 'guestAccelerators': "
+                                        f"{accels}.")
+        obtainability, uptime = self.capacity_advice(zone, machines[0], model, accelerator)
+        scores: dict[str, Any] = {}
+        if obtainability is not None:
+            scores["obtainability"] = obtainability
+        if uptime is not None and model == "SPOT":
+            scores["estimatedUptime"] = uptime if isinstance(uptime, str) else f"{uptime}s"
+        return {"recommendations": [{"scores": scores, "shards": [
+            {"zone": zone, "machineType": machines[0], "provisioningModel": model,
+             "instanceCount": size}]}]}
 
     def _no_filter(self, request: web.Request) -> None:
         if request.query.get("filter"):

@@ -159,3 +159,44 @@ def test_reservations_answer_in_the_v1_rest_shape(fake_gcp: FakeGCP) -> None:
     assert fake_gcp.call_count("reservations.aggregatedList") == 5
     assert fake_gcp.call_count("reservations.list", "us-central1") == 1
     assert fake_gcp.call_count("reservations.get", "us-central1-a") == 3
+
+
+def test_capacity_advice_answers_in_the_rest_shape(fake_gcp: FakeGCP) -> None:
+    url = (f"{fake_gcp.url}/compute/v1/projects/{fake_gcp.project}/regions/us-central1/"
+           "advice/capacity")
+    fake_gcp.set_capacity_advice("us-central1-a", "a2-highgpu-1g", "SPOT",
+                                 obtainability=0.42, uptime_seconds=5400)
+
+    def body(model: str, machine: str = "a2-highgpu-1g", zone: str = "zones/us-central1-a",
+             accelerators: list[dict[str, object]] | None = None) -> dict[str, object]:
+        selection: dict[str, object] = {"machineTypes": [machine]}
+        if accelerators:
+            selection["guestAccelerators"] = accelerators
+        return {"instanceProperties": {"scheduling": {"provisioningModel": model}},
+                "instanceFlexibilityPolicy": {"instanceSelections": {"s": selection}},
+                "size": 1, "distributionPolicy": {"zones": [{"zone": zone}],
+                                                  "targetShape": "ANY_SINGLE_ZONE"}}
+
+    answer = requests.post(url, json=body("SPOT"), timeout=10).json()
+    assert answer == {"recommendations": [{
+        "scores": {"obtainability": 0.42, "estimatedUptime": "5400s"},
+        "shards": [{"zone": "us-central1-a", "machineType": "a2-highgpu-1g",
+                    "provisioningModel": "SPOT", "instanceCount": 1}]}]}
+    standard = requests.post(url, json=body("STANDARD"), timeout=10).json()
+    scores = standard["recommendations"][0]["scores"]
+    assert set(scores) == {"obtainability"} and 0.3 <= scores["obtainability"] <= 1.0
+    t4 = [{"acceleratorType": "nvidia-tesla-t4", "acceleratorCount": 1}]
+    assert requests.post(url, json=body("SPOT", "n1-standard-8", accelerators=t4),
+                         timeout=10).status_code == 200
+    assert fake_gcp.call_count("advice.capacity", "us-central1-a") == 3
+    for bad in (body("FLEX"), body("SPOT", "a9-nothing"), body("SPOT", zone="zones/x-1-a"),
+                body("SPOT", "n1-standard-8", accelerators=[
+                    {"acceleratorType": "nvidia-tesla-t4", "acceleratorCount": 99}])):
+        r = requests.post(url, json=bad, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    fake_gcp.advice_denied = True
+    r = requests.post(url, json=body("SPOT"), timeout=10)
+    error = r.json()["error"]
+    assert r.status_code == 403 and error["status"] == "PERMISSION_DENIED"
+    assert error["errors"][0]["reason"] == "forbidden"
+    assert "compute.advice.capacity" in error["message"]
