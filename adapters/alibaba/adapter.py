@@ -30,8 +30,8 @@ types the region sells) and runs after it:
      price (not the default system disk or bandwidth); every 6 h and at once for a new
      type; required per type (below).
    * spot release rates — `DescribeSpotAdvice` (10 types a call) → `interruption_rate`
-     (see `pricing.RELEASE_HORIZON_HOURS` for the conversion); every 6 h; optional: last
-     good copy kept, none yet: unknown (`None`).
+     (the 30-day release share by the one interruption model, `adapters.hazard`); every
+     6 h; optional: last good copy kept, none yet: unknown (`None`).
 
 A steady-state poll is therefore two `DescribeAvailableResource` calls per region; every
 5 minutes one `DescribeSpotPriceHistory` per spot type is added.

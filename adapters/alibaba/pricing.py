@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from adapters.gpus import canonical
+from adapters.hazard import ALIBABA_WINDOW_HOURS, hazard_from_band, hazard_from_percent
 
 # --- GPU names -------------------------------------------------------------------------
 
@@ -148,40 +149,20 @@ def newest_spot_prices(points: Iterable[Mapping[str, Any]]
 
 # --- spot release rates ------------------------------------------------------------------
 
-RATE_BANDS: Mapping[str, float] = {
-    "0-3%": 1.5,
-    "3-5%": 4.0,
-    "5-10%": 7.5,
-    "10-100%": 15.0,
-}
-"""`InterruptRateDesc` band → the release rate (%) taken when `InterruptionRate` itself is
-missing: the middle of the closed bands; for the open-ended `10-100%` band, 15 %
-(its lower bound plus half the width of the band below it: most pools in it sit near
-its bottom, and its midpoint, 55 %, would condemn them all)."""
-
-RELEASE_HORIZON_HOURS = 24.0
-"""`DescribeSpotAdvice` reports the average *release rate* of spot instances in the last
-30 days: the share of spot instances Alibaba reclaimed (in %), not a rate per hour. We
-read it as the chance that an instance is reclaimed within a typical spot instance
-lifetime of this many hours, and turn it into a constant hazard:
-``rate per hour = -ln(1 - p) / 24``. So 3 % → 0.00127/h, 10 % → 0.00439/h,
-15 % → 0.00677/h."""
-
-
 def interruption_rate(rate_pct: Any, band: str | None) -> float | None:
-    """Interruptions per hour from an `AvailableSpotResource`'s `InterruptionRate` (%) or,
-    without it, its `InterruptRateDesc` band; None if neither is usable."""
+    """Interruptions per hour from an `AvailableSpotResource`'s `InterruptionRate` (%, the
+    share of spot instances released over the last 30 days) or, without it, its
+    `InterruptRateDesc` band (`0-3%`, `3-5%`, `5-10%`, `10-100%`), by the one
+    interruption model (`adapters.hazard`, window `ALIBABA_WINDOW_HOURS`); None if
+    neither is usable."""
     pct: float | None
     try:
         pct = float(rate_pct) if rate_pct is not None and rate_pct != "" else None
     except (TypeError, ValueError):
         pct = None
-    if pct is None or not math.isfinite(pct):
-        pct = RATE_BANDS.get((band or "").replace(" ", ""))
-    if pct is None:
-        return None
-    p = min(max(pct / 100.0, 0.0), 0.99)
-    return -math.log1p(-p) / RELEASE_HORIZON_HOURS
+    if pct is not None and math.isfinite(pct):
+        return hazard_from_percent(pct, ALIBABA_WINDOW_HOURS)
+    return hazard_from_band(band, ALIBABA_WINDOW_HOURS)
 
 
 # --- quotas ------------------------------------------------------------------------------

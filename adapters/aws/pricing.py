@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -16,6 +15,7 @@ from typing import Any
 
 from adapters.common import reserved_count
 from adapters.gpus import canonical
+from adapters.hazard import AWS_WINDOW_HOURS, hazard_from_band
 
 # EC2 vCPU quotas for GPU instance families: (on-demand, spot) quota codes.
 QUOTA_CODES: dict[str, tuple[str, str]] = {
@@ -91,35 +91,12 @@ def headroom_gpus(quota_vcpus: float | None, vcpus: int | None, gpus: int) -> in
 
 # --- Spot Instance Advisor -------------------------------------------------------------
 
-HOURS_PER_MONTH = 730.0
-"""The Spot Instance Advisor's bands are the share of a pool's spot instances AWS
-interrupted over the last month; 8,760 h / 12."""
-
-_BAND = re.compile(r"^\s*(?:<\s*(?P<below>\d+(?:\.\d+)?)|>\s*(?P<above>\d+(?:\.\d+)?)"
-                   r"|(?P<lo>\d+(?:\.\d+)?)\s*-\s*(?P<hi>\d+(?:\.\d+)?))\s*%\s*$")
-
-
 def band_rate(label: str) -> float | None:
     """A Spot Instance Advisor band label (`<5%`, `5-10%`, ..., `>20%`: the share of
-    spot instances interrupted in a month) as interruptions per hour.
-
-    The band's midpoint is read as the probability p that an instance is interrupted
-    within a month (`<5%` → 2.5 %; the open band `>20%` → 25 %, its bound plus half the
-    width of the bands below it), turned into a constant hazard:
-    rate = −ln(1 − p) / 730 h. So `<5%` → 3.47e-5/h, `5-10%` → 1.07e-4/h,
-    `10-15%` → 1.83e-4/h, `15-20%` → 2.64e-4/h, `>20%` → 3.94e-4/h. None for a label
-    that reads as none of these."""
-    m = _BAND.match(label)
-    if m is None:
-        return None
-    if m["below"] is not None:
-        mid = float(m["below"]) / 2
-    elif m["above"] is not None:
-        mid = float(m["above"]) + 5
-    else:
-        mid = (float(m["lo"]) + float(m["hi"])) / 2
-    p = min(max(mid / 100, 0.0), 0.99)
-    return float(f"{-math.log1p(-p) / HOURS_PER_MONTH:.4g}")
+    spot instances interrupted over the trailing month) as interruptions per hour, by the
+    one interruption model (`adapters.hazard`, window `AWS_WINDOW_HOURS`). None for a
+    label that reads as no band."""
+    return hazard_from_band(label, AWS_WINDOW_HOURS)
 
 
 def interruption_rates(document: Mapping[str, Any], regions: Collection[str],

@@ -33,10 +33,11 @@ Decisions where Azure is silent or irregular:
   `effectiveStartDate` wins among those already in effect: a price whose
   `effectiveStartDate` is after the adapter's clock is ignored until then.
 * **Eviction rates**: Resource Graph gives a band of the share of Spot VMs of a size
-  evicted per hour (`0-5`, `5-10`, `10-15`, `15-20`, `20+`, in %). The band's midpoint
-  (25 % for the open `20+` band) is read as the probability p of an eviction within an
-  hour and converted to a rate of interruptions per hour, λ = −ln(1 − p): 0-5 → 0.0253,
-  5-10 → 0.0780, 10-15 → 0.1335, 15-20 → 0.1924, 20+ → 0.2877.
+  evicted over the last 28 days (`0-5`, `5-10`, `10-15`, `15-20`, `20+`, in %). The
+  one interruption model (`adapters.hazard`) reads it: the band's midpoint (25 % for
+  the open `20+` band) as the chance p of an eviction within 28 × 24 h, the hazard
+  λ = −ln(1 − p) / 672 per hour: 0-5 → 3.77e-5, 5-10 → 1.16e-4, 10-15 → 1.99e-4,
+  15-20 → 2.86e-4, 20+ → 4.28e-4.
 * **Quota headroom** (GPUs): spot from `lowPriorityCores`; on-demand from the size's
   family quota (the SKU's `family` names the usage entry) capped by the regional
   `cores`; `limit − currentValue` vCPUs, in whole instances, times GPUs per instance.
@@ -55,6 +56,7 @@ from typing import Any, NamedTuple
 
 from adapters.common import reserved_count
 from adapters.gpus import canonical
+from adapters.hazard import AZURE_WINDOW_HOURS, hazard_from_band
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,19 +259,12 @@ def prices_of(items: list[dict[str, Any]], region: str, now: datetime | None = N
                   {s: p for (s, sp), (_, p) in best.items() if sp})
 
 
-_BAND = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:-\s*(\d+(?:\.\d+)?)|\+)\s*%?\s*$")
-
-
 def eviction_rate(band: str | None) -> float | None:
-    """An eviction-rate band (`0-5`, `20+`, % of Spot VMs evicted per hour) as
-    interruptions per hour (see the module doc); None for no or an unreadable band."""
-    m = _BAND.match(band or "")
-    if m is None:
-        return None
-    low = float(m.group(1))
-    high = float(m.group(2)) if m.group(2) else low + 10
-    p = min((low + high) / 200, 0.99)
-    return round(-math.log1p(-p), 4)
+    """An eviction-rate band (`0-5`, `20+`: % of Spot VMs of the size evicted over the
+    last 28 days) as interruptions per hour, by the one interruption model
+    (`adapters.hazard`, window `AZURE_WINDOW_HOURS`); None for no or an unreadable
+    band."""
+    return hazard_from_band(band, AZURE_WINDOW_HOURS)
 
 
 def graph_rows(data: list[Any]) -> list[dict[str, Any]]:

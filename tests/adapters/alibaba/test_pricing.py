@@ -124,28 +124,29 @@ def test_newest_spot_price_per_type_and_zone() -> None:
 
 
 @pytest.mark.parametrize(("pct", "band", "per_hour"), [
-    (3.0, "0-3%", -math.log(0.97) / 24),
-    (10, "5-10%", -math.log(0.90) / 24),
+    (3.0, "0-3%", -math.log(0.97) / 720),
+    (10, "5-10%", -math.log(0.90) / 720),
     (0, "0-3%", 0.0),
-    ("2.5", None, -math.log(0.975) / 24),
-    (None, "0-3%", -math.log(1 - 0.015) / 24),
-    (None, "3-5%", -math.log(1 - 0.04) / 24),
-    (None, "5-10%", -math.log(1 - 0.075) / 24),
-    (None, "10-100%", -math.log(1 - 0.15) / 24),
+    ("2.5", None, -math.log(0.975) / 720),
+    (None, "0-3%", -math.log(1 - 0.015) / 720),
+    (None, "3-5%", -math.log(1 - 0.04) / 720),
+    (None, "5-10%", -math.log(1 - 0.075) / 720),
+    (None, "10-100%", -math.log(1 - 0.15) / 720),
     (None, "weird", None),
     (None, None, None),
-    (150, None, -math.log(0.01) / 24),  # clamped: a rate over 100 % is an error of theirs
+    (150, None, -math.log(0.01) / 720),  # clamped: over 100 % is their error
 ])
 def test_release_rate_to_interruptions_per_hour(pct: Any, band: str | None,
                                                 per_hour: float | None) -> None:
     got = pricing.interruption_rate(pct, band)
-    assert got == pytest.approx(per_hour) if per_hour is not None else got is None
+    assert got == pytest.approx(per_hour, rel=1e-3) if per_hour is not None else got is None
 
 
-def test_documented_conversion_figures() -> None:
-    assert pricing.interruption_rate(3, None) == pytest.approx(0.00127, abs=1e-5)
-    assert pricing.interruption_rate(10, None) == pytest.approx(0.00439, abs=1e-5)
-    assert pricing.interruption_rate(None, "10-100%") == pytest.approx(0.00677, abs=1e-5)
+def test_a_release_share_is_read_over_30_days() -> None:
+    # the share released over the last 30 days: 3 % within 720 h, 10-100% as 15 %
+    assert pricing.interruption_rate(3, None) == pytest.approx(4.23e-5, rel=1e-3)
+    assert pricing.interruption_rate(10, None) == pytest.approx(1.463e-4, rel=1e-3)
+    assert pricing.interruption_rate(None, "10-100%") == pytest.approx(2.257e-4, rel=1e-3)
 
 
 def attribute(name: str, *values: tuple[str, str]) -> dict[str, Any]:

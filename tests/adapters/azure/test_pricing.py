@@ -232,9 +232,9 @@ def test_a_future_price_counts_once_in_effect() -> None:
 
 # --- eviction rates --------------------------------------------------------------------
 
-@pytest.mark.parametrize(("band", "rate"), [
-    ("0-5", 0.0253), ("5-10", 0.078), ("10-15", 0.1335), ("15-20", 0.1924),
-    ("20+", 0.2877), ("0-5%", 0.0253), (" 20+ ", 0.2877),
+@pytest.mark.parametrize(("band", "rate"), [  # a share evicted over 28 days (672 h)
+    ("0-5", 3.768e-05), ("5-10", 1.16e-04), ("10-15", 1.987e-04), ("15-20", 2.863e-04),
+    ("20+", 4.281e-04), ("0-5%", 3.768e-05), (" 20+ ", 4.281e-04),
     ("", None), (None, None), ("high", None), ("N/A", None),
 ])
 def test_eviction_bands_become_interruptions_per_hour(band: str | None,
@@ -251,8 +251,8 @@ def test_eviction_rows_by_size_in_both_result_formats() -> None:
     table = {"columns": [{"name": "skuName"}, {"name": "location"}, {"name": "evictionRate"}],
              "rows": [["standard_nd96asr_v4", "eastus", "10-15"]]}
     assert pricing.evictions_of([*objects, table], "eastus") == {
-        "standard_nc24ads_a100_v4": 0.078, "standard_nc6s_v3": 0.2877,
-        "standard_nd96asr_v4": 0.1335}
+        "standard_nc24ads_a100_v4": 1.16e-04, "standard_nc6s_v3": 4.281e-04,
+        "standard_nd96asr_v4": 1.987e-04}
 
 
 # --- quotas ----------------------------------------------------------------------------
