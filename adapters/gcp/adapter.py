@@ -364,7 +364,7 @@ class GcpAdapter(CloudAdapter):
         for zone, cached in sorted(st.zones.items()):
             for shape in cached.value:
                 gpu, memory, known = pricing.gpu_of(shape.accelerator)
-                for market in (Market.ON_DEMAND, Market.SPOT):
+                for market in pricing.markets(shape.machine_type, shape.gpus):
                     pool = PoolKey("gcp", region, zone, shape.instance_type, market)
                     out.append(Offer(
                         pool=pool, gpu=gpu, gpus=shape.gpus, gpu_memory_gb=memory,

@@ -17,9 +17,19 @@ vCPU-hour and a RAM SKU per GiB-hour of the machine series (`A2 Instance Core ru
 Iowa`, `N1 Predefined Instance Ram running in Americas` ...) plus a GPU SKU per GPU-hour
 (`Nvidia Tesla A100 GPU running in ...`), each valid in the regions of its
 `serviceRegions`. A VM's price is the sum of the three for its region and market; if any
-part has no SKU the price is unknown (`None`) and the offer is still listed. A4 (B200) is
-the exception: it has no vCPU/RAM SKUs, its `A4 Nvidia B200 (1 gpu slice)` SKU prices one
-GPU with its share of the VM, so an A4 VM costs that times its GPUs.
+part has no SKU the price is unknown (`None`) and the offer is still listed. A3 Mega and A3
+Ultra have vCPU/RAM SKUs of their own (`A3Plus Instance Core ...`, `A3Ultra Instance Ram
+...`), not the `A3 Instance` ones of A3 High and Edge. A machine type with bundled local
+SSD (A2 Ultra, A3 High, Mega, Edge and Ultra: `BUNDLED_LOCAL_SSD_GIB`) also pays its
+size in GiB × the `SSD backed Local Storage` SKU (resource family `Storage`, group
+`LocalSSD`, priced per GiB-month: / 730 h), the Spot one (`... attached to Spot
+Preemptible VMs`) for Spot. A4 (B200) is the exception: it has no vCPU/RAM SKUs, its `A4
+Nvidia B200 (1 gpu slice)` SKU prices one GPU with its share of the VM, so an A4 VM costs
+that times its GPUs.
+
+**Which markets a shape is sold in.** Spot always; on demand not for A4, A3 Ultra and A3
+High with fewer than 8 GPUs, which Google sells only reserved, flex-start or Spot
+(`markets`).
 
 **Which market.** The SKU's `category.usageType` says it: `OnDemand`, or `Preemptible`
 (= Spot); `Commit1Yr` and the like are never a VM's hourly price. The description's
@@ -108,15 +118,36 @@ GPU_SKU_NAMES: Mapping[str, str] = {
 
 # --- machine series -----------------------------------------------------------------------
 
-# Machine series -> the Billing Catalog's name for its vCPU and RAM SKUs. Every a3 variant
-# (high, mega, edge, ultra) is priced by the "A3 Instance" SKUs (the price snapshot agrees
-# to 5e-6 $/h across all of them).
+# Machine series -> the Billing Catalog's name for its vCPU and RAM SKUs. A3 High and
+# Edge use "A3 Instance"; A3 Mega and Ultra have their own (`FAMILY_SKU_STEMS`).
 HOST_SKU_STEMS: Mapping[str, str] = {
     "a2": "A2 Instance",
     "a3": "A3 Instance",
     "g2": "G2 Instance",
     "n1": "N1 Predefined Instance",
 }
+# Machine family (the name's first two parts) -> its own vCPU/RAM SKU stem, which wins
+# over the series' ("A3Plus Instance Core running in Americas").
+FAMILY_SKU_STEMS: Mapping[str, str] = {
+    "a3-megagpu": "A3Plus Instance",
+    "a3-ultragpu": "A3Ultra Instance",
+}
+
+# Machine type -> GiB of local SSD it comes with and is billed for
+# (https://cloud.google.com/compute/docs/gpus: A2 Ultra 375 GiB per GPU, A3 High 750 per
+# GPU, A3 Mega and Edge 6,000, A3 Ultra 12,000; the "-nolssd" variants have none). A4's
+# is left out: its GPU-slice SKU prices the whole VM.
+BUNDLED_LOCAL_SSD_GIB: Mapping[str, int] = {
+    "a2-ultragpu-1g": 375, "a2-ultragpu-2g": 750, "a2-ultragpu-4g": 1500,
+    "a2-ultragpu-8g": 3000,
+    "a3-highgpu-1g": 750, "a3-highgpu-2g": 1500, "a3-highgpu-4g": 3000,
+    "a3-highgpu-8g": 6000,
+    "a3-megagpu-8g": 6000,
+    "a3-edgegpu-8g": 6000,
+    "a3-ultragpu-8g": 12000,
+}
+LOCAL_SSD = "local-ssd"  # the name of the local SSD's price in the index
+HOURS_PER_MONTH = 730  # the Billing Catalog's month, for per-GiB-month SKUs
 # Series priced per GPU "slice" (the GPU with its share of the VM): no vCPU/RAM SKUs.
 SLICE_SERIES = frozenset({"a4"})
 GPU_SERIES = ("a2", "a3", "a4", "g2")  # series whose machine types carry their GPUs
@@ -158,6 +189,22 @@ def split_instance_type(instance_type: str) -> tuple[str, str | None, int]:
 
 def series(machine_type: str) -> str:
     return machine_type.split("-", 1)[0]
+
+
+def host_stem(machine_type: str) -> str | None:
+    """The vCPU/RAM SKU stem a machine type is priced by (None: not a series priced so)."""
+    family = "-".join(machine_type.split("-", 2)[:2])
+    return FAMILY_SKU_STEMS.get(family) or HOST_SKU_STEMS.get(series(machine_type))
+
+
+def markets(machine_type: str, gpus: int) -> tuple[Market, ...]:
+    """The markets a shape is sold in outside reservations: Spot always; on demand not
+    for A4, A3 Ultra and A3 High with fewer than 8 GPUs (reservation, flex-start or Spot
+    only: https://cloud.google.com/compute/docs/gpus)."""
+    if (series(machine_type) == "a4" or machine_type.startswith("a3-ultragpu-")
+            or (machine_type.startswith("a3-highgpu-") and gpus < 8)):
+        return (Market.SPOT,)
+    return (Market.ON_DEMAND, Market.SPOT)
 
 
 _GONE = frozenset({"OBSOLETE", "DELETED"})  # deprecation states that can no longer launch
@@ -206,7 +253,7 @@ def gpu_of(accelerator: str) -> tuple[str, float | None, bool]:
 
 # --- Billing Catalog SKUs -------------------------------------------------------------------
 
-# (region, market, "core"|"ram"|"gpu"|"slice", stem|accelerator)
+# (region, market, "core"|"ram"|"gpu"|"slice"|"lssd", stem|accelerator|LOCAL_SSD)
 PriceKey = tuple[str, Market, str, str]
 PriceIndex = dict[PriceKey, float]
 
@@ -225,28 +272,34 @@ _HOST = re.compile(rf"^(?P<stem>.+ Instance) (?P<part>Core|Ram){_WHERE}$")
 _GPU = re.compile(rf"^(?:[AG]\d[A-Z]? )?(?:Nvidia )?(?P<name>.+?)(?: GPU)?{_WHERE}$",
                   re.IGNORECASE)
 _SLICE = re.compile(r"\(1 gpu slice\)$", re.IGNORECASE)
+# the generic local SSD SKU ("SSD backed Local Storage in Iowa"; Spot: "... attached to
+# Spot Preemptible VMs", read by _SPOT_PHRASE)
+_LOCAL_SSD = re.compile(rf"^SSD backed Local Storage{_WHERE}$", re.IGNORECASE)
 _GROUPS = {"core": ("CPU", "N1Standard"), "ram": ("RAM", "N1Standard"), "gpu": ("GPU",),
-           "slice": ("GPU",)}
-_UNITS = {"core": "h", "ram": "GiBy.h", "gpu": "h", "slice": "h"}
-_STEMS = frozenset(HOST_SKU_STEMS.values())
+           "slice": ("GPU",), "lssd": ("LocalSSD",)}
+_FAMILIES = {"core": "Compute", "ram": "Compute", "gpu": "Compute", "slice": "Compute",
+             "lssd": "Storage"}
+_UNITS = {"core": "h", "ram": "GiBy.h", "gpu": "h", "slice": "h", "lssd": "GiBy.h"}
+_STEMS = frozenset(HOST_SKU_STEMS.values()) | frozenset(FAMILY_SKU_STEMS.values())
 
 
 @dataclass(frozen=True, slots=True)
 class SkuPrice:
     market: Market
-    kind: str  # core | ram | gpu | slice (a GPU with its share of the VM)
-    name: str  # the host SKU stem ("A2 Instance") or the accelerator type
+    kind: str  # core | ram | gpu | slice (a GPU with its share of the VM) | lssd
+    name: str  # the host SKU stem ("A2 Instance"), the accelerator type or LOCAL_SSD
     regions: tuple[str, ...]
-    usd: float  # per vCPU-hour, GiB-hour or GPU-hour
+    usd: float  # per vCPU-hour, GiB-hour (RAM, local SSD) or GPU-hour
 
 
 def parse_sku(sku: Mapping[str, Any]) -> SkuPrice | None:
     """What a Billing Catalog SKU (its REST JSON shape) prices, or None for every SKU that
-    is not the hourly OnDemand / Preemptible price of a vCPU, a GiB of RAM or a GPU of the
-    shapes this adapter offers. The market is the SKU's `usageType` (see the module doc:
-    Spot wording on an `OnDemand` SKU makes it Spot, never the reverse)."""
+    is not the OnDemand / Preemptible price of a vCPU, a GiB of RAM, a GPU of the shapes
+    this adapter offers or a GiB of local SSD (per hour; a per-GiB-month local SSD price
+    is divided by 730). The market is the SKU's `usageType` (see the module doc: Spot
+    wording on an `OnDemand` SKU makes it Spot, never the reverse)."""
     category = sku.get("category") or {}
-    if category.get("resourceFamily") != "Compute":
+    if category.get("resourceFamily") not in ("Compute", "Storage"):
         return None
     market = _USAGE.get(str(category.get("usageType", "")))
     if market is None:
@@ -260,9 +313,12 @@ def parse_sku(sku: Mapping[str, Any]) -> SkuPrice | None:
     kind, name = _what(plain)
     if kind is None or name is None:
         return None
-    if category.get("resourceGroup") not in _GROUPS[kind]:
+    if (category.get("resourceGroup") not in _GROUPS[kind]
+            or category.get("resourceFamily") != _FAMILIES[kind]):
         return None
     usd = unit_price(sku, _UNITS[kind])
+    if usd is None and kind == "lssd" and (monthly := unit_price(sku, "GiBy.mo")) is not None:
+        usd = monthly / HOURS_PER_MONTH
     regions = tuple(str(r) for r in sku.get("serviceRegions") or ())
     if usd is None or not regions:
         return None
@@ -270,6 +326,8 @@ def parse_sku(sku: Mapping[str, Any]) -> SkuPrice | None:
 
 
 def _what(desc: str) -> tuple[str | None, str | None]:
+    if _LOCAL_SSD.match(desc) is not None:
+        return "lssd", LOCAL_SSD
     if (m := _HOST.match(desc)) is not None:
         if m["stem"] in _STEMS:
             return ("core" if m["part"] == "Core" else "ram"), m["stem"]
@@ -324,12 +382,13 @@ def index_skus(skus: Iterable[Mapping[str, Any]]) -> PriceIndex:
 def vm_price(index: Mapping[PriceKey, float], region: str, market: Market, shape: Shape
              ) -> float | None:
     """USD per hour of one instance of `shape`: vCPUs × core SKU + GiB × RAM SKU + GPUs ×
-    GPU SKU of the region and market (a slice-priced series: GPUs × slice SKU); None if a
-    part is not in the catalog."""
+    GPU SKU of the region and market (the machine family's own core/RAM SKUs where it has
+    them: `host_stem`), + its bundled local SSD's GiB × local SSD SKU (a slice-priced
+    series: GPUs × slice SKU); None if a part is not in the catalog."""
     if series(shape.machine_type) in SLICE_SERIES:
         per_slice = index.get((region, market, "slice", shape.accelerator))
         return None if per_slice is None else per_slice * shape.gpus
-    stem = HOST_SKU_STEMS.get(series(shape.machine_type))
+    stem = host_stem(shape.machine_type)
     if stem is None:
         return None
     core = index.get((region, market, "core", stem))
@@ -337,7 +396,14 @@ def vm_price(index: Mapping[PriceKey, float], region: str, market: Market, shape
     gpu = index.get((region, market, "gpu", shape.accelerator))
     if core is None or ram is None or gpu is None:
         return None
-    return core * shape.vcpus + ram * shape.memory_gib + gpu * shape.gpus
+    usd = core * shape.vcpus + ram * shape.memory_gib + gpu * shape.gpus
+    ssd_gib = BUNDLED_LOCAL_SSD_GIB.get(shape.machine_type, 0)
+    if ssd_gib:
+        ssd = index.get((region, market, "lssd", LOCAL_SSD))
+        if ssd is None:
+            return None
+        usd += ssd * ssd_gib
+    return usd
 
 
 # --- quotas and stock-outs -------------------------------------------------------------------

@@ -444,8 +444,9 @@ class GcpSdk:
     # --- Cloud Billing Catalog ---------------------------------------------------------
 
     def skus(self, service: str = COMPUTE_SERVICE) -> list[dict[str, Any]]:
-        """The service's SKUs of resource family `Compute`, in USD, in their REST JSON
-        shape (the fields `pricing.parse_sku` reads)."""
+        """The service's SKUs of resource family `Compute` and its local SSD SKUs (family
+        `Storage`, group `LocalSSD`), in USD, in their REST JSON shape (the fields
+        `pricing.parse_sku` reads)."""
         client = self.client("catalog")
         out: list[dict[str, Any]] = []
         for page in self._pages("skus.list", "global", lambda token: client.list_skus(
@@ -453,7 +454,9 @@ class GcpSdk:
                          "page_size": 5000, "page_token": token},
                 retry=None, timeout=self._timeout)):
             out.extend(_sku_json(s) for s in page.skus
-                       if s.category.resource_family == "Compute")
+                       if s.category.resource_family == "Compute"
+                       or (s.category.resource_family, s.category.resource_group)
+                       == ("Storage", "LocalSSD"))
         return out
 
     def stop(self) -> None:

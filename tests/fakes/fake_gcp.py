@@ -41,8 +41,20 @@ when asked.
 * SKUs: a vCPU and a RAM SKU per machine series, region and market, fitted to the
   snapshot's host prices by least squares over the series' shapes in the region (where
   all of them have one RAM/vCPU ratio, the split follows the series' us-central1
-  ratio); every snapshot host price comes back within 2e-5 $/h (test_fake_gcp.py). A GPU
+  ratio); every snapshot host price comes back within 2e-5 $/h (test_fake_gcp.py), except
+  A3 Mega's and A3 Ultra's: the snapshot priced them with the ``A3 Instance`` SKUs (its
+  rows equal A3 High's per vCPU and GiB), but they have their own, ``A3Plus Instance`` and
+  ``A3Ultra Instance``. Those are the snapshot's fit scaled, in every region and market,
+  so that the family's 8-GPU VM costs in us-central1 on demand: A3 Mega 208 × 0.026924 +
+  1,872 × 0.002344 (public test data of a Billing Catalog parser, "A3Plus Instance Core
+  running in Americas" and its Ram SKU), A3 Ultra 8.99808 $/h (the Billing Catalog's
+  a3-ultragpu-8g price per GPU, 10.4365 on 2026-10-13 in the tanod/cloud-gpu-list-prices
+  data set, × 8 less the snapshot's 8 H200; an estimate). A GPU
   SKU per model, region and market: the snapshot's price for the fewest GPUs, per GPU.
+  Local SSD (``LOCAL_SSD_GIB``, bundled with A2 Ultra and A3 High, Mega, Edge and Ultra
+  and not in the snapshot's host prices) has the generic ``SSD backed Local Storage``
+  SKUs per region: 0.08 $/GiB-month on demand in us-central1 (Google's local SSD price),
+  Spot 0.048 (an assumption: no public figure found), scaled as N1's.
   N1 host prices are not in the snapshot: they are the us-central1 list prices
   (0.031611 $/vCPU-h, 0.004237 $/GiB-h; Spot 0.006655 and 0.000892), scaled by the
   region's G2 (else A2, A3) price ratio to us-central1. Where us-central1, us-east1 and
@@ -78,6 +90,12 @@ on every run), so that the adapter is tested against the catalog's naming, not o
   Predefined Instance Core running in Virginia`` (the older wording, still in public
   price parsers' test data) or ``Spot Preemptible N1 Predefined Instance ...``
   (infracost/cloud-pricing-api#246: Google moved descriptions to "Spot Preemptible").
+* Local SSD: ``SSD backed Local Storage in Iowa``, Spot ``SSD backed Local Storage
+  attached to Spot Preemptible VMs in Iowa``, the Americas SKUs without a region (``SSD
+  backed Local Storage``), resource family ``Storage``, group ``LocalSSD``, per GiB-month
+  (``GiBy.mo``); some Spot ones tagged ``OnDemand`` (a public Billing Catalog client:
+  "Google categorizes the generic ... attached to Spot Preemptible VMs SKUs as On
+  Demand"). Sources: sc-crawler's GCP tests and infracost's ``scratchDiskCostComponent``.
 * Regions as the catalog names them: ``running in Iowa``, ``running in Virginia``
   (us-east4), ``running in Israel`` (me-west1), ``running in Americas``.
 * Never a VM's price: ``Nvidia Tesla A100 GPU attached to DWS Defined Duration VMs``,
@@ -209,10 +227,24 @@ GPUS: MappingProxyType[str, tuple[str, str, str, tuple[str, ...]]] = MappingProx
              ("A4 Nvidia B200 (1 gpu slice)",)),
 })
 SERIES_SKU = {"a2": "A2 Instance", "a3": "A3 Instance", "g2": "G2 Instance",
-              "n1": "N1 Predefined Instance"}
+              "n1": "N1 Predefined Instance", "a3plus": "A3Plus Instance",
+              "a3ultra": "A3Ultra Instance"}
+# machine families with vCPU/RAM SKUs of their own -> their key in SERIES_SKU
+OWN_SKUS = {"a3-megagpu": "a3plus", "a3-ultragpu": "a3ultra"}
 # vCPU price / GiB price of a series in us-central1, for regions with a single shape ratio
-CORE_RAM_RATIO = {"a2": 7.4607, "a3": 11.4837, "g2": 8.5371}
+CORE_RAM_RATIO = {"a2": 7.4607, "a3": 11.4837, "g2": 8.5371, "a3plus": 0.026924 / 0.002344,
+                  "a3ultra": 11.4837}
+# the us-central1 on-demand host price of A3 Mega's and Ultra's 8-GPU VM (module doc)
+OWN_SKU_TARGETS = {"a3plus": ("a3-megagpu-8g", 208 * 0.026924 + 1872 * 0.002344),
+                   "a3ultra": ("a3-ultragpu-8g", 8.99808)}
 N1_PRICES = {"on_demand": (0.031611, 0.004237), "spot": (0.006655, 0.000892)}
+LOCAL_SSD = "local-ssd"  # the name of the local SSD price (per GiB-month)
+LOCAL_SSD_PRICES = {"on_demand": 0.08, "spot": 0.048}  # us-central1, $/GiB-month
+# GiB of local SSD a machine type comes with (https://cloud.google.com/compute/docs/gpus)
+LOCAL_SSD_GIB = {"a2-ultragpu-1g": 375, "a2-ultragpu-2g": 750, "a2-ultragpu-4g": 1500,
+                 "a2-ultragpu-8g": 3000, "a3-highgpu-1g": 750, "a3-highgpu-2g": 1500,
+                 "a3-highgpu-4g": 3000, "a3-highgpu-8g": 6000, "a3-megagpu-8g": 6000,
+                 "a3-edgegpu-8g": 6000, "a3-ultragpu-8g": 12000}
 LOCATIONS = {
     "asia-east1": "Taiwan", "asia-east2": "Hong Kong", "asia-northeast1": "Tokyo",
     "asia-northeast3": "Seoul", "asia-south1": "Mumbai", "asia-south2": "Delhi",
@@ -242,7 +274,13 @@ STATUS = {400: ("invalid", "INVALID_ARGUMENT"), 401: ("required", "UNAUTHENTICAT
           503: ("backendError", "UNAVAILABLE")}
 _FILTER = re.compile(r"""^\s*name\s+(eq|ne)\s+(?:"([^"]*)"|'([^']*)'|(\S+))\s*$""")
 
-PriceKey = tuple[str, str, str, str]  # (region, market, core|ram|gpu, series|accelerator)
+# (region, market, core|ram|gpu|lssd, series|accelerator|LOCAL_SSD)
+PriceKey = tuple[str, str, str, str]
+
+
+def sku_series(machine_type: str) -> str:
+    """The key (in SERIES_SKU) of the vCPU/RAM SKUs a machine type is priced by."""
+    return OWN_SKUS.get("-".join(machine_type.split("-", 2)[:2]), machine_type.split("-")[0])
 
 
 class FakeGCPError(Exception):
@@ -301,6 +339,16 @@ def _fit(points: list[tuple[int, float, float]], ratio: float) -> tuple[float, f
     return _nanos(ratio * ram), _nanos(ram)
 
 
+def _own_skus(prices: dict[PriceKey, float],
+              host: dict[tuple[str, str, str], dict[str, tuple[int, float, float]]]) -> None:
+    """Scale the fitted vCPU/RAM prices of the families with SKUs of their own (A3 Mega,
+    A3 Ultra) to their us-central1 target (`OWN_SKU_TARGETS`), in every region and market."""
+    for series, (itype, target) in OWN_SKU_TARGETS.items():
+        scale = target / host[("us-central1", "on_demand", series)][itype][2]
+        for key in [k for k in prices if k[3] == series]:
+            prices[key] = _nanos(prices[key] * scale)
+
+
 @functools.cache
 def _world(path: Path) -> _World:
     zones: dict[str, set[str]] = defaultdict(set)
@@ -320,7 +368,7 @@ def _world(path: Path) -> _World:
                 for market, col in (("on_demand", "on_demand_usd_per_hour"),
                                     ("spot", "spot_usd_per_hour")):
                     if row[col]:
-                        host[(region, market, itype.split("-")[0])][itype] = (
+                        host[(region, market, sku_series(itype))][itype] = (
                             int(row["vcpus"]), float(row["memory_gib"]), float(row[col]))
                 continue
             accel_max[zone][gpu] = max(accel_max[zone].get(gpu, 0), gpus)
@@ -338,6 +386,7 @@ def _world(path: Path) -> _World:
         core, ram = _fit(sorted(shapes.values()), CORE_RAM_RATIO[series])
         prices[(region, market, "core", series)] = core
         prices[(region, market, "ram", series)] = ram
+    _own_skus(prices, host)
     for (region, market, accel), (_, _, usd) in gpu_unit.items():
         prices[(region, market, "gpu", accel)] = _nanos(usd)
     for region in zones:
@@ -351,6 +400,8 @@ def _world(path: Path) -> _World:
         for market, (core, ram) in N1_PRICES.items():
             prices[(region, market, "core", "n1")] = _nanos(core * factor)
             prices[(region, market, "ram", "n1")] = _nanos(ram * factor)
+            prices[(region, market, "lssd", LOCAL_SSD)] = _nanos(
+                LOCAL_SSD_PRICES[market] * factor)
     plain = [(name, v, mib, None, 0) for name, v, mib in PLAIN_MACHINES]
     return _World(
         zones=MappingProxyType({r: tuple(sorted(z)) for r, z in sorted(zones.items())}),
@@ -411,6 +462,13 @@ def _describe(market: str, kind: str, name: str, where: str) -> tuple[str, str, 
     """(description, resource group, usage type) of the SKU pricing `kind` of `name` in
     `where`, worded as the real catalog words it (see the module doc)."""
     spot = market == "spot"
+    if kind == "lssd":  # the Americas SKU names no region
+        tail = "" if where == "Americas" else f" in {where}"
+        if not spot:
+            return f"SSD backed Local Storage{tail}", "LocalSSD", "OnDemand"
+        usage = "OnDemand" if _pick(2, "lssd-usage", where) else "Preemptible"
+        return (f"SSD backed Local Storage attached to Spot Preemptible VMs{tail}", "LocalSSD",
+                usage)
     if kind == "gpu":
         names = next(g[3] for g in GPUS.values() if g[0] == name)
         gpu = names[_pick(len(names), name, where)]
@@ -1146,6 +1204,9 @@ class FakeGCP(FakeServer[tuple[str, str]]):
 
 def _price_sku(desc: str, group: str, usage: str, kind: str, regions: list[str],
                usd: float) -> dict[str, Any]:
+    if kind == "lssd":
+        return sku_json(desc, group=group, usage=usage, regions=regions, usd=usd,
+                        unit="GiBy.mo", family="Storage")
     return sku_json(desc, group=group, usage=usage, regions=regions, usd=usd,
                     unit="GiBy.h" if kind == "ram" else "h")
 

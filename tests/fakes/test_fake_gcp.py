@@ -7,28 +7,59 @@ import csv
 
 import pytest
 import requests
-from fake_gcp import DEFAULT_PRICES_CSV, GPUS, FakeGCP, fake_gcp_fixture  # noqa: F401
+from fake_gcp import (  # noqa: F401
+    DEFAULT_PRICES_CSV,
+    GPUS,
+    OWN_SKU_TARGETS,
+    FakeGCP,
+    fake_gcp_fixture,
+    sku_series,
+)
 from fake_server import Chaos
 
 
 def test_host_skus_reproduce_every_snapshot_host_price(fake_gcp: FakeGCP) -> None:
-    rows = 0
+    """A3 Mega's and Ultra's own SKUs: the snapshot's price scaled to their target."""
     with DEFAULT_PRICES_CSV.open(newline="") as fh:
-        for row in csv.DictReader(fh):
-            if not row["instance_type"]:
+        snapshot = [row for row in csv.DictReader(fh) if row["instance_type"]]
+    scale = {series: target / next(
+        float(r["on_demand_usd_per_hour"]) for r in snapshot
+        if r["instance_type"] == itype and r["region"] == "us-central1")
+        for series, (itype, target) in OWN_SKU_TARGETS.items()}
+    rows = 0
+    for row in snapshot:
+        series = sku_series(row["instance_type"])
+        for market, col in (("on_demand", "on_demand_usd_per_hour"),
+                            ("spot", "spot_usd_per_hour")):
+            if not row[col]:
                 continue
-            series = row["instance_type"].split("-")[0]
-            for market, col in (("on_demand", "on_demand_usd_per_hour"),
-                                ("spot", "spot_usd_per_hour")):
-                if not row[col]:
-                    continue
-                core = fake_gcp.unit_price(row["region"], market, "core", series)
-                ram = fake_gcp.unit_price(row["region"], market, "ram", series)
-                assert core is not None and ram is not None
-                price = core * int(row["vcpus"]) + ram * float(row["memory_gib"])
-                assert price == pytest.approx(float(row[col]), abs=2e-5), row
-                rows += 1
+            core = fake_gcp.unit_price(row["region"], market, "core", series)
+            ram = fake_gcp.unit_price(row["region"], market, "ram", series)
+            assert core is not None and ram is not None
+            price = core * int(row["vcpus"]) + ram * float(row["memory_gib"])
+            assert price == pytest.approx(float(row[col]) * scale.get(series, 1.0),
+                                          abs=2e-5), row
+            rows += 1
     assert rows > 1000
+    assert {sku_series(r["instance_type"]) for r in snapshot} >= {"a3", "a3plus", "a3ultra"}
+
+
+def test_a3_mega_ultra_and_local_ssd_skus_are_the_catalogs(fake_gcp: FakeGCP) -> None:
+    assert fake_gcp.unit_price("us-central1", "on_demand", "core", "a3plus") == 0.026924
+    assert fake_gcp.unit_price("us-central1", "on_demand", "ram", "a3plus") == 0.002344
+    skus = {s["description"]: s for s in fake_gcp.skus()}
+    assert {"A3Plus Instance Core running in Iowa", "A3Plus Instance Ram running in Iowa",
+            "Spot Preemptible A3Ultra Instance Core running in Iowa"} <= set(skus)
+    ssd = skus["SSD backed Local Storage in Virginia"]
+    assert ssd["category"] == {"serviceDisplayName": "Compute Engine",
+                               "resourceFamily": "Storage", "resourceGroup": "LocalSSD",
+                               "usageType": "OnDemand"}
+    assert ssd["serviceRegions"] == ["us-east4"]
+    assert ssd["pricingInfo"][0]["pricingExpression"]["usageUnit"] == "GiBy.mo"
+    spot = [s for d, s in skus.items()
+            if d.startswith("SSD backed Local Storage attached to Spot Preemptible VMs")]
+    assert {s["category"]["usageType"] for s in spot} == {"OnDemand", "Preemptible"}
+    assert "SSD backed Local Storage" in skus  # the Americas SKU names no region
 
 
 def test_gpu_skus_are_the_snapshot_price_per_gpu(fake_gcp: FakeGCP) -> None:

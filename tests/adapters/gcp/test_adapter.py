@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from fake_gcp import FakeGCP, fake_gcp_fixture  # noqa: F401
+from fake_gcp import LOCAL_SSD, LOCAL_SSD_GIB, FakeGCP, fake_gcp_fixture, sku_series  # noqa: F401
 from fake_server import CHAOS_KINDS, Chaos
 
 from adapters.common import RetryPolicy, poll_deadline
@@ -115,7 +115,7 @@ async def test_poll_maps_machine_types_n1_shapes_and_prices(fake_gcp: FakeGCP, c
 
     assert (offer[pool("a3-megagpu-8g")].gpu, offer[pool("a3-megagpu-8g")].gpus) == (
         "H100-80GB", 8)
-    assert offer[pool("a3-ultragpu-8g", zone=f"{REGION}-b")].gpu == "H200-141GB"
+    assert offer[pool("a3-ultragpu-8g", SPOT, zone=f"{REGION}-b")].gpu == "H200-141GB"
     g2 = offer[pool("g2-standard-24", SPOT)]
     assert (g2.gpu, g2.gpus) == ("L4", 2)
     assert g2.price_per_hour == pytest.approx(0.35242 + 0.4462, abs=2e-5)
@@ -141,21 +141,48 @@ async def test_poll_maps_machine_types_n1_shapes_and_prices(fake_gcp: FakeGCP, c
     names = {o.pool.instance_type for o in offers}
     assert not any("vws" in n or "k80" in n or n.startswith(("e2-", "n2-", "c2-"))
                    or n in ("n1-standard-8", "n1-highmem-8") for n in names)
-    # A4 has no vCPU/RAM SKUs: its "A4 Nvidia B200 (1 gpu slice)" SKU prices a GPU with
-    # its share of the VM (the snapshot's a4-highgpu-8g: 90.216 $/h). The snapshot has
-    # no Spot B200 price in us-central1: listed, unpriced.
+    # A4 is sold reserved, flex-start or Spot, not on demand; the snapshot has no Spot
+    # B200 price in us-central1: listed, unpriced.
     a4 = by_key(o for o in offers if o.pool.instance_type == "a4-highgpu-8g")
-    a4_od, a4_spot = a4[pool("a4-highgpu-8g", zone=f"{REGION}-b")], a4[
-        pool("a4-highgpu-8g", SPOT, zone=f"{REGION}-b")]
-    assert (a4_od.gpu, a4_od.gpus) == ("B200", 8)
-    assert a4_od.price_per_hour == pytest.approx(90.216, abs=1e-6)
-    assert a4_spot.price_per_hour is None
+    assert pool("a4-highgpu-8g", zone=f"{REGION}-b") not in a4
+    a4_spot = a4[pool("a4-highgpu-8g", SPOT, zone=f"{REGION}-b")]
+    assert (a4_spot.gpu, a4_spot.gpus, a4_spot.price_per_hour) == ("B200", 8, None)
+
+
+async def test_a3_shapes_are_priced_and_offered_as_google_sells_them(
+        fake_gcp: FakeGCP, adapter: GcpAdapter) -> None:
+    offer = by_key(await adapter.poll(REGION))
+    # A3 Mega by its "A3Plus Instance" SKUs, + its 6,000 GiB local SSD (per GiB-month SKU)
+    od_ssd = fake_gcp.unit_price(REGION, "on_demand", "lssd", LOCAL_SSD)
+    spot_ssd = fake_gcp.unit_price(REGION, "spot", "lssd", LOCAL_SSD)
+    assert od_ssd is not None and spot_ssd is not None
+    mega = offer[pool("a3-megagpu-8g")]
+    assert mega.price_per_hour == pytest.approx(
+        208 * 0.026924 + 1872 * 0.002344 + 82.75421 + 6000 * od_ssd / 730, rel=1e-9)
+    assert offer[pool("a3-megagpu-8g", SPOT)].price_per_hour == pytest.approx(
+        expected(fake_gcp, ZONE, "a3plus", "a3-megagpu-8g", "nvidia-h100-mega-80gb", 8, "spot")
+        + 6000 * spot_ssd / 730, rel=1e-9)
+    # A3 High with 8 GPUs: the "A3 Instance" SKUs and 6,000 GiB of local SSD
+    assert offer[pool("a3-highgpu-8g")].price_per_hour == pytest.approx(
+        expected(fake_gcp, ZONE, "a3", "a3-highgpu-8g", "nvidia-h100-80gb", 8, "on_demand")
+        + 6000 * od_ssd / 730, rel=1e-9)
+    # A3 High with fewer than 8 GPUs and A3 Ultra: Spot only (or reserved, flex-start)
+    for itype, zone in (("a3-highgpu-1g", ZONE), ("a3-highgpu-4g", ZONE),
+                        ("a3-ultragpu-8g", f"{REGION}-b")):
+        assert pool(itype, zone=zone) not in offer, itype
+    assert offer[pool("a3-highgpu-1g", SPOT)].price_per_hour == pytest.approx(
+        expected(fake_gcp, ZONE, "a3", "a3-highgpu-1g", "nvidia-h100-80gb", 1, "spot")
+        + 750 * spot_ssd / 730, rel=1e-9)
+    ultra = offer[pool("a3-ultragpu-8g", SPOT, zone=f"{REGION}-b")]
+    assert ultra.price_per_hour == pytest.approx(
+        expected(fake_gcp, f"{REGION}-b", "a3ultra", "a3-ultragpu-8g", "nvidia-h200-141gb", 8,
+                 "spot") + 12000 * spot_ssd / 730, rel=1e-9)
 
 
 def catalog_price(fake: FakeGCP, o: Offer) -> float | None:
     """What the fake's catalog says the offer's VM costs (None: a part is not in it)."""
     machine, _, count = pricing.split_instance_type(o.pool.instance_type)
-    series = machine.split("-")[0]
+    series = sku_series(machine)
     accel = o.quota_group.split(":")[2]  # gcp:<region>:<accelerator type>:<market>
     market = "spot" if o.pool.market is SPOT else "on_demand"
     gpu = fake.unit_price(o.pool.region, market, "gpu", accel)
@@ -164,9 +191,11 @@ def catalog_price(fake: FakeGCP, o: Offer) -> float | None:
     vcpus, mib = fake.machine(o.pool.zone, machine)
     core = fake.unit_price(o.pool.region, market, "core", series)
     ram = fake.unit_price(o.pool.region, market, "ram", series)
-    if core is None or ram is None or gpu is None:
+    ssd = fake.unit_price(o.pool.region, market, "lssd", LOCAL_SSD)
+    if core is None or ram is None or gpu is None or ssd is None:
         return None
-    return core * vcpus + ram * mib / 1024 + gpu * (count or o.gpus)
+    return (core * vcpus + ram * mib / 1024 + gpu * (count or o.gpus)
+            + ssd * LOCAL_SSD_GIB.get(machine, 0) / 730)
 
 
 async def test_every_price_is_read_whatever_the_catalog_calls_it(fake_gcp: FakeGCP,
@@ -196,6 +225,10 @@ async def test_every_price_is_read_whatever_the_catalog_calls_it(fake_gcp: FakeG
     finally:
         await a.close()
     spot_gpus = set()
+    on_demand = {o.pool.instance_type for o in offers if o.pool.market is OD}
+    assert not on_demand & {"a4-highgpu-8g", "a3-ultragpu-8g", "a3-highgpu-1g",
+                            "a3-highgpu-2g", "a3-highgpu-4g"}
+    assert {"a3-highgpu-8g", "a3-megagpu-8g", "a2-ultragpu-8g"} <= on_demand
     for o in offers:  # every price is the catalog's, never a decoy's
         expected = catalog_price(fake_gcp, o)
         if expected is None:  # a part the catalog does not price here: the offer has none

@@ -34,6 +34,16 @@ def sku(desc: str, group: str = "CPU", usage: str = "OnDemand", unit: str = "h",
     ("G2 Instance Ram running in Netherlands", "RAM", "OnDemand", "GiBy.h",
      (OD, "ram", "G2 Instance")),
     ("A3 Instance Core running in Virginia", "CPU", "OnDemand", "h", (OD, "core", "A3 Instance")),
+    # A3 Mega's and A3 Ultra's own (a public catalog mapping: "A3Plus Instance Core",
+    # "A3Ultra Instance Core"; a parser's test data: "A3Plus Instance Core running in Americas")
+    ("A3Plus Instance Core running in Americas", "CPU", "OnDemand", "h",
+     (OD, "core", "A3Plus Instance")),
+    ("Spot Preemptible A3Plus Instance Ram running in Virginia", "RAM", "Preemptible",
+     "GiBy.h", (SPOT, "ram", "A3Plus Instance")),
+    ("A3Ultra Instance Ram running in Americas", "RAM", "OnDemand", "GiBy.h",
+     (OD, "ram", "A3Ultra Instance")),
+    ("Spot Preemptible A3Ultra Instance Core running in Iowa", "CPU", "Preemptible", "h",
+     (SPOT, "core", "A3Ultra Instance")),
     ("N1 Predefined Instance Core running in Americas", "N1Standard", "OnDemand", "h",
      (OD, "core", "N1 Predefined Instance")),
     ("N1 Predefined Instance Ram running in Zurich", "N1Standard", "OnDemand", "GiBy.h",
@@ -135,7 +145,8 @@ def sku(desc: str, group: str = "CPU", usage: str = "OnDemand", unit: str = "h",
     ("Spot Preemptible Custom Instance Core running in Dammam", "N1Standard", "Preemptible",
      "h", None),
     ("Reserved A2 Instance Core running in Iowa", "CPU", "OnDemand", "h", None),
-    ("A3 Ultra Instance Core running in Iowa", "CPU", "OnDemand", "h", None),  # unknown stem
+    ("A3 Ultra Instance Core running in Iowa", "CPU", "OnDemand", "h", None),  # not "A3Ultra"
+    ("DWS Defined Duration A3Ultra Core running in Iowa", "CPU", "OnDemand", "h", None),
     ("Nvidia Tesla K80 GPU running in Iowa", "GPU", "OnDemand", "h", None),  # unknown GPU
     ("Nvidia Tesla K80 GPU attached to Spot Preemptible VMs running in Warsaw", "GPU",
      "Preemptible", "h", None),
@@ -218,6 +229,121 @@ def test_vm_price_sums_core_ram_and_gpu_skus() -> None:
     assert pricing.vm_price(INDEX, "europe-west4", OD, A2_1G) is None
     g4 = Shape("g4-standard-48", "g4-standard-48", 48, 180.0, "nvidia-rtx-pro-6000", 1)
     assert pricing.vm_price(INDEX, "us-central1", OD, g4) is None  # unknown series
+
+
+# Billing Catalog SKUs in their REST shape (skus.list), as the catalog has them: A3 Mega's
+# vCPU/RAM SKUs are "A3Plus Instance ...", A3 Ultra's "A3Ultra Instance ..." (us-central1
+# on-demand A3Plus prices: a public Billing Catalog parser's test data; the others are
+# made up for the test, each different so that a mix-up shows).
+def rest_sku(desc: str, group: str, usage: str, unit: str, units: str, nanos: int,
+             family: str = "Compute") -> dict[str, Any]:
+    return {
+        "name": "services/6F81-5844-456A/skus/0000-0000-0000", "skuId": "0000-0000-0000",
+        "description": desc,
+        "category": {"serviceDisplayName": "Compute Engine", "resourceFamily": family,
+                     "resourceGroup": group, "usageType": usage},
+        "serviceRegions": ["us-central1", "us-east1", "us-west1"],
+        "pricingInfo": [{"pricingExpression": {
+            "usageUnit": unit, "displayQuantity": 1,
+            "tieredRates": [{"startUsageAmount": 0, "unitPrice": {
+                "currencyCode": "USD", "units": units, "nanos": nanos}}]},
+            "effectiveTime": "2026-11-30T00:00:00.000Z"}],
+        "serviceProviderName": "Google"}
+
+
+A3_SKUS = [
+    rest_sku("A3 Instance Core running in Americas", "CPU", "OnDemand", "h", "0", 25497876),
+    rest_sku("A3 Instance Ram running in Americas", "RAM", "OnDemand", "GiBy.h", "0", 2220354),
+    rest_sku("A3Plus Instance Core running in Americas", "CPU", "OnDemand", "h", "0", 26924000),
+    rest_sku("A3Plus Instance Ram running in Americas", "RAM", "OnDemand", "GiBy.h", "0",
+             2344000),
+    rest_sku("Spot Preemptible A3Plus Instance Core running in Americas", "CPU", "Preemptible",
+             "h", "0", 6191542),
+    rest_sku("Spot Preemptible A3Plus Instance Ram running in Americas", "RAM", "Preemptible",
+             "GiBy.h", "0", 539034),
+    rest_sku("A3Ultra Instance Core running in Americas", "CPU", "OnDemand", "h", "0",
+             18704694),
+    rest_sku("A3Ultra Instance Ram running in Americas", "RAM", "OnDemand", "GiBy.h", "0",
+             1628804),
+    rest_sku("Spot Preemptible A3Ultra Instance Core running in Americas", "CPU",
+             "Preemptible", "h", "0", 4301080),
+    rest_sku("Spot Preemptible A3Ultra Instance Ram running in Americas", "RAM",
+             "Preemptible", "GiBy.h", "0", 374540),
+    rest_sku("Nvidia H100 80GB Plus GPU running in Americas", "GPU", "OnDemand", "h", "10",
+             344276000),
+    rest_sku("Nvidia H100 80GB Mega GPU attached to Spot Preemptible VMs running in Americas",
+             "GPU", "Preemptible", "h", "2", 379100000),
+    rest_sku("H200 141GB GPU attached to Spot Preemptible VMs running in Americas", "GPU",
+             "Preemptible", "h", "3", 724700000),
+]
+# local SSD: resource family Storage, group LocalSSD, per GiB-month; the Americas SKUs
+# name no region; Google tags some Spot ones OnDemand (their description says Spot)
+LOCAL_SSD_SKUS = [
+    rest_sku("SSD backed Local Storage", "LocalSSD", "OnDemand", "GiBy.mo", "0", 80000000,
+             family="Storage"),
+    rest_sku("SSD backed Local Storage attached to Spot Preemptible VMs", "LocalSSD",
+             "OnDemand", "GiBy.mo", "0", 48000000, family="Storage"),
+]
+MEGA = Shape("a3-megagpu-8g", "a3-megagpu-8g", 208, 1872.0, "nvidia-h100-mega-80gb", 8)
+ULTRA = Shape("a3-ultragpu-8g", "a3-ultragpu-8g", 224, 2952.0, "nvidia-h200-141gb", 8)
+SSD_OD, SSD_SPOT = 0.08 / 730, 0.048 / 730  # $ per GiB-hour
+
+
+def test_a3_mega_and_ultra_are_priced_by_their_own_skus() -> None:
+    index = pricing.index_skus([*A3_SKUS, *LOCAL_SSD_SKUS])
+    assert pricing.vm_price(index, "us-central1", OD, MEGA) == pytest.approx(
+        208 * 0.026924 + 1872 * 0.002344 + 8 * 10.344276 + 6000 * SSD_OD, rel=1e-12)
+    assert pricing.vm_price(index, "us-east1", SPOT, MEGA) == pytest.approx(
+        208 * 0.006191542 + 1872 * 0.000539034 + 8 * 2.3791 + 6000 * SSD_SPOT, rel=1e-12)
+    assert pricing.vm_price(index, "us-west1", SPOT, ULTRA) == pytest.approx(
+        224 * 0.00430108 + 2952 * 0.00037454 + 8 * 3.7247 + 12000 * SSD_SPOT, rel=1e-12)
+    # Without their own SKUs they are not priced with the A3 High ones.
+    plain = pricing.index_skus([s for s in A3_SKUS if "A3Plus" not in s["description"]
+                                and "A3Ultra" not in s["description"]] + LOCAL_SSD_SKUS)
+    assert plain[("us-central1", OD, "core", "A3 Instance")] == 0.025497876
+    assert pricing.vm_price(plain, "us-central1", OD, MEGA) is None
+    assert pricing.vm_price(plain, "us-central1", SPOT, ULTRA) is None
+
+
+def test_bundled_local_ssd_is_priced_spot_at_its_spot_price() -> None:
+    index = pricing.index_skus([*A3_SKUS, *LOCAL_SSD_SKUS])
+    assert index[("us-central1", OD, "lssd", pricing.LOCAL_SSD)] == pytest.approx(SSD_OD)
+    assert index[("us-central1", SPOT, "lssd", pricing.LOCAL_SSD)] == pytest.approx(SSD_SPOT)
+    index.update({("us-central1", OD, "gpu", "nvidia-h100-80gb"): 11.06,
+                  ("us-central1", SPOT, "core", "A3 Instance"): 0.005,
+                  ("us-central1", SPOT, "ram", "A3 Instance"): 0.0005,
+                  ("us-central1", SPOT, "gpu", "nvidia-h100-80gb"): 2.25})
+    host = 208 * 0.025497876 + 1872 * 0.002220354
+    for itype, ssd_gib in (("a3-highgpu-8g", 6000), ("a3-edgegpu-8g", 6000),
+                           ("a3-edgegpu-8g-nolssd", 0)):
+        shape = Shape(itype, itype, 208, 1872.0, "nvidia-h100-80gb", 8)
+        assert pricing.vm_price(index, "us-central1", OD, shape) == pytest.approx(
+            host + 8 * 11.06 + ssd_gib * SSD_OD, rel=1e-12), itype
+    h4 = Shape("a3-highgpu-4g", "a3-highgpu-4g", 104, 936.0, "nvidia-h100-80gb", 4)
+    assert pricing.vm_price(index, "us-central1", SPOT, h4) == pytest.approx(
+        104 * 0.005 + 936 * 0.0005 + 4 * 2.25 + 3000 * SSD_SPOT, rel=1e-12)
+    a2u = Shape("a2-ultragpu-2g", "a2-ultragpu-2g", 24, 340.0, "nvidia-a100-80gb", 2)
+    index.update({("us-central1", OD, "core", "A2 Instance"): 0.031611,
+                  ("us-central1", OD, "ram", "A2 Instance"): 0.004237,
+                  ("us-central1", OD, "gpu", "nvidia-a100-80gb"): 1.0})
+    assert pricing.vm_price(index, "us-central1", OD, a2u) == pytest.approx(
+        24 * 0.031611 + 340 * 0.004237 + 2 + 750 * SSD_OD, rel=1e-12)
+    # a shape with local SSD where the catalog has no local SSD price: unknown
+    del index[("us-central1", OD, "lssd", pricing.LOCAL_SSD)]
+    assert pricing.vm_price(index, "us-central1", OD, a2u) is None
+
+
+@pytest.mark.parametrize(("machine", "gpus", "on_demand"), [
+    ("a3-highgpu-8g", 8, True), ("a3-highgpu-4g", 4, False), ("a3-highgpu-2g", 2, False),
+    ("a3-highgpu-1g", 1, False), ("a3-megagpu-8g", 8, True), ("a3-edgegpu-8g", 8, True),
+    ("a3-ultragpu-8g", 8, False), ("a3-ultragpu-8g-nolssd", 8, False),
+    ("a4-highgpu-8g", 8, False), ("a2-ultragpu-1g", 1, True), ("g2-standard-4", 1, True),
+    ("n1-standard-8", 1, True),
+])
+def test_shapes_google_sells_only_reserved_flex_start_or_spot(machine: str, gpus: int,
+                                                              on_demand: bool) -> None:
+    expect = (OD, SPOT) if on_demand else (SPOT,)
+    assert pricing.markets(machine, gpus) == expect
 
 
 def mt(name: str, vcpus: int, gib: float, accel: str | None = None, n: int = 0,
