@@ -53,12 +53,28 @@ prices rarely, and the catalog is the only place to read either: every offer's
 `observed_at` is the time the catalog copy it was priced from was read (up to 6 h ago),
 not the time of the poll.
 
-**Capacity.** Compute Engine's polling APIs publish no capacity signal: `availability`
-is None — except for a pool a stock-out (`ZONE_RESOURCE_POOL_EXHAUSTED`,
-`ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS`) was seen on lately, which the daemon reports
-with `note_stockout` / `note_launch_failure`: availability 0, recovering over the next
-hour (`pricing.StockoutDecay`). `quota_headroom` is the smaller of the regional
-per-model and the project-wide GPU headroom (`pricing.quota_headroom`).
+**Capacity.** With `capacity_advice` on (the configuration's default), Compute Engine's
+capacity advice (`AdviceClient.capacity`, `regions.advice.capacity`: `advice` has the
+request, the answer and how it is read) is asked about every pool of the region — one
+call per zone, shape and provisioning model (STANDARD for on-demand, SPOT for Spot),
+at most `ADVICE_CONCURRENCY` at a time — every 30 min (`Refresh.advice`), on a task of
+its own that no poll waits for (a poll lists what the last read said; the first poll of
+a region lists none), within `Refresh.advice_budget` seconds, retried by `GcpSdk` like
+every call. The first call of a read goes alone: when it is refused (403: no
+`compute.advice.capacity` permission; or any other answer that will not heal), no
+other is made, the refusal is logged once (naming the permission), every pool's advice
+is dropped and none is asked for again for `Refresh.advice_denied` (6 h). A read that
+fails for a while keeps the last answers, each for at most `Refresh.advice_max_age`.
+`obtainability` is the offer's `availability`; on Spot offers `estimatedUptime` gives
+`interruption_rate` (`adapters.hazard.hazard_from_uptime`: ln 2 / hours).
+
+Stock-outs (`ZONE_RESOURCE_POOL_EXHAUSTED`, `ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS`)
+are learnt as before, and are all there is without advice: the daemon reports them with
+`note_stockout` / `note_launch_failure`, and a pool one was seen on lately has
+availability 0, recovering over the next hour (`pricing.StockoutDecay`); with advice
+too, the smaller of the two. Without either, `availability` is None.
+`quota_headroom` is the smaller of the regional per-model and the project-wide GPU
+headroom (`pricing.quota_headroom`).
 
 **Faults.** Every call is made by `GcpSdk`, which retries throttles, 5xx, timeouts
 (`call_timeout`, `clouds.gcp.call_timeout_seconds`) and garbled or cut-off answers
@@ -67,7 +83,8 @@ required and still missing after that — the region, a zone's machine or accele
 types, the first catalog read — fails the poll with a typed error: the poller marks the
 region unhealthy with that reason and its offers age until stale — which is not "no
 capacity", so an API that blinks causes no failovers. Only the optional answers
-(project quotas, stock-outs) may be unknown in a poll that succeeds.
+(project quotas, reservations, capacity advice, stock-outs) may be unknown in a poll
+that succeeds.
 """
 
 from __future__ import annotations
@@ -90,6 +107,7 @@ from adapters.common import (
     gather_all,
     note_optional,
     note_reservations_failed,
+    poll_deadline,
 )
 from adapters.errors import (
     AdapterError,
@@ -97,7 +115,7 @@ from adapters.errors import (
     InvalidConfig,
     RateLimited,
 )
-from adapters.gcp import pricing
+from adapters.gcp import advice, pricing
 from adapters.gcp.pricing import PriceIndex, Shape, StockoutDecay
 from adapters.gcp.sdk import GcpSdk, Quota, RegionInfo, is_stockout
 from broker.model import Market, Offer, PoolKey, Target, utcnow
@@ -105,6 +123,8 @@ from broker.model import Market, Offer, PoolKey, Target, utcnow
 log = structlog.get_logger("gpubroker.gcp")
 CLOSE_WAIT_SECONDS = 5.0
 ALL_REGIONS = "*"  # the region named in logs about the answers all regions share
+ADVICE_CONCURRENCY = 4  # capacity advice calls of one region at a time
+ADVICE_RETRY_SECONDS = 300.0  # after a failed advice read, the next one at the earliest
 T = TypeVar("T")
 V = TypeVar("V")
 
@@ -118,6 +138,10 @@ class Refresh:
     inventory: float = 6 * 3600  # machine types and accelerator types, per zone
     catalog: float = 6 * 3600  # Billing Catalog SKUs
     reservations: float = 0.0  # the project's reservations: every poll (0)
+    advice: float = 1800.0  # capacity advice, per region
+    advice_max_age: float = 2 * 3600  # an advice answer is used at most this long
+    advice_denied: float = 6 * 3600  # after a refusal, the next try (one call)
+    advice_budget: float = 120.0  # how long one region's advice read may take
     # How long a poll waits for the very first catalog read (None: as long as the poll
     # may take; it fails when no copy exists at the end of the wait).
     first_catalog_wait: float | None = None
@@ -128,6 +152,10 @@ class _RegionState:
     info: Cached[RegionInfo | None] = field(default_factory=lambda: Cached(None))
     zones: dict[str, Cached[tuple[Shape, ...]]] = field(default_factory=dict)
     reserved: Cached[list[pricing.Reservation]] = field(default_factory=lambda: Cached([]))
+    # pool -> (its advice, monotonic time it was answered)
+    advice: Cached[dict[PoolKey, tuple[advice.Advice, float]]] = field(
+        default_factory=lambda: Cached({}))
+    advice_tried: float = -1e18  # monotonic time the last advice read started
 
 
 class _Shared(Generic[V]):
@@ -189,11 +217,13 @@ class GcpAdapter(CloudAdapter):
                  monotonic: Callable[[], float] = time.monotonic,
                  on_call: Callable[[str, str], None] | None = None,
                  reservations: bool = False,
-                 reservation_price_per_gpu_hour: float = 0.0) -> None:
+                 reservation_price_per_gpu_hour: float = 0.0,
+                 capacity_advice: bool = False) -> None:
         """`reservations`: read the project's reservations and offer them in the
         `reserved` market at `reservation_price_per_gpu_hour` (USD per GPU-hour at the
-        margin; 0: already paid for). Off unless asked for; the configuration's default
-        (`from_config`) is on."""
+        margin; 0: already paid for). `capacity_advice`: read Compute Engine's capacity
+        advice (see the module doc). Both off unless asked for; the configuration's
+        default (`from_config`) is on."""
         if not regions:
             raise InvalidConfig("clouds.gcp.regions is empty: list the regions to poll",
                                 cloud="gcp")
@@ -220,6 +250,10 @@ class GcpAdapter(CloudAdapter):
         self._project: _Shared[dict[str, Quota]] = _Shared("project quotas", {}, monotonic,
                                                            clock)
         self._stockouts: dict[PoolKey, datetime] = {}
+        self._advice_on = capacity_advice
+        self._advice_tasks: dict[str, asyncio.Task[None]] = {}
+        self._advice_denied: float | None = None  # monotonic time of the last refusal
+        self._advice_denial_logged = False
 
     def regions(self) -> Sequence[str]:
         return self._regions
@@ -255,6 +289,7 @@ class GcpAdapter(CloudAdapter):
             for wait in waits:  # the waits only: the shared reads go on for the next poll
                 wait.cancel()
             raise
+        self._start_advice(region, st, force=False)
         return self._offers(region, st, self._clock())
 
     async def _inventory(self, region: str, st: _RegionState) -> None:
@@ -366,11 +401,16 @@ class GcpAdapter(CloudAdapter):
                 gpu, memory, known = pricing.gpu_of(shape.accelerator)
                 for market in pricing.markets(shape.machine_type, shape.gpus):
                     pool = PoolKey("gcp", region, zone, shape.instance_type, market)
+                    advised = self._advised(st, pool)
                     out.append(Offer(
                         pool=pool, gpu=gpu, gpus=shape.gpus, gpu_memory_gb=memory,
                         vcpus=shape.vcpus, memory_gb=round(shape.memory_gib, 1),
                         price_per_hour=pricing.vm_price(index, region, market, shape),
-                        observed_at=observed, availability=self._availability(pool, now),
+                        observed_at=observed,
+                        availability=self._availability(pool, now, advised),
+                        interruption_rate=(advised.interruption_rate
+                                           if advised is not None and market is Market.SPOT
+                                           else None),
                         quota_headroom=pricing.quota_headroom(regional, all_regions,
                                                               shape.accelerator, market),
                         # GPU quotas are per accelerator and region, counted in GPUs.
@@ -408,6 +448,123 @@ class GcpAdapter(CloudAdapter):
                 targets=tuple(sorted(targets, key=lambda t: t.id)), gpu_known=known))
         return out
 
+    # --- capacity advice -------------------------------------------------------------
+
+    def _start_advice(self, region: str, st: _RegionState, *, force: bool
+                      ) -> asyncio.Task[None] | None:
+        """Start reading the region's capacity advice if it is on, due (or `force`d), not
+        refused lately and not being read; the read in flight, if any."""
+        running = self._advice_tasks.get(region)
+        if running is not None or not self._advice_on:
+            return running
+        rf, mono = self._refresh, self._mono()
+        if self._advice_denied is not None and mono - self._advice_denied < rf.advice_denied:
+            return None
+        if not force and (not st.advice.older_than(rf.advice, mono)
+                          or mono - st.advice_tried < ADVICE_RETRY_SECONDS):
+            return None
+        st.advice_tried = mono
+        task = asyncio.create_task(self._read_advice(region, st), name=f"gcp advice {region}")
+        self._advice_tasks[region] = task
+        task.add_done_callback(lambda _: self._advice_tasks.pop(region, None))
+        return task
+
+    async def refresh_advice(self, region: str) -> None:
+        """Read the region's capacity advice now (unless it was refused lately), or wait
+        for the read in flight. Never raises an AdapterError."""
+        st = self._state.get(region)
+        task = None if st is None else self._start_advice(region, st, force=True)
+        if task is not None:
+            await asyncio.shield(task)
+
+    async def _read_advice(self, region: str, st: _RegionState) -> None:
+        """Ask about every on-demand and Spot pool the region lists; the first call alone
+        (a refusal stops the read there)."""
+        shapes = {(zone, s.instance_type): s for zone, cached in st.zones.items()
+                  for s in cached.value}
+        pools = [(o.pool.zone, shapes[(o.pool.zone, o.pool.instance_type)], o.pool.market)
+                 for o in self._offers(region, st, self._clock())
+                 if o.pool.market in advice.MODELS
+                 and (o.pool.zone, o.pool.instance_type) in shapes]
+        if not pools:
+            return
+        with poll_deadline(self._refresh.advice_budget):
+            try:
+                first = await self._advise(region, *pools[0])
+            except AdapterError as exc:
+                self._advice_failed(region, st, exc)
+                return
+            self._advice_allowed()
+            gate = asyncio.Semaphore(ADVICE_CONCURRENCY)
+
+            async def one(zone: str, shape: pricing.Shape, market: Market
+                          ) -> advice.Advice | None:
+                async with gate:
+                    return await self._advise(region, zone, shape, market)
+
+            rest = await asyncio.gather(*(one(*p) for p in pools[1:]),
+                                        return_exceptions=True)
+        now = self._mono()
+        kept = dict(st.advice.value)
+        errors: list[AdapterError] = []
+        for (zone, shape, market), got in zip(pools, [first, *rest], strict=True):
+            if isinstance(got, AdapterError):
+                errors.append(got)
+                continue
+            if isinstance(got, BaseException):
+                raise got
+            key = PoolKey("gcp", region, zone, shape.instance_type, market)
+            if got is None:
+                kept.pop(key, None)
+            else:
+                kept[key] = (got, now)
+        st.advice.value = kept
+        if errors:
+            refused = [e for e in errors if not e.retryable]
+            self._advice_failed(region, st, (refused or errors)[0])
+        else:
+            note_optional(log, "gcp", region, "capacity advice", st.advice, kept)
+            st.advice.at, st.advice.read_at = now, self._clock()
+
+    async def _advise(self, region: str, zone: str, shape: pricing.Shape, market: Market
+                      ) -> advice.Advice | None:
+        answer = await self._run(self.sdk.capacity_advice, region, zone,
+                                 advice.request(zone, shape, market))
+        try:
+            return advice.parse(answer, market)
+        except ValueError as exc:
+            log.debug("gcp capacity advice skipped", region=region, zone=zone,
+                      instance_type=shape.instance_type, market=market.value, reason=str(exc))
+            return None
+
+    def _advice_failed(self, region: str, st: _RegionState, exc: AdapterError) -> None:
+        """A transient failure keeps the last answers (logged once); a refusal (an error
+        that will not heal: 403, 404, 400 ...) drops every region's advice and is
+        remembered for `Refresh.advice_denied`, logged once until advice works again."""
+        if exc.retryable:
+            note_optional(log, "gcp", region, "capacity advice", st.advice, exc)
+            return
+        self._advice_denied = self._mono()
+        for state in self._state.values():
+            state.advice.value = {}
+        if not self._advice_denial_logged:
+            self._advice_denial_logged = True
+            log.warning("gcp capacity advice not available: availability from stock-outs "
+                        "only", region=region, permission=advice.PERMISSION,
+                        error=type(exc).__name__, detail=str(exc))
+
+    def _advice_allowed(self) -> None:
+        if self._advice_denied is not None:
+            log.info("gcp capacity advice available again")
+        self._advice_denied = None
+        self._advice_denial_logged = False
+
+    def _advised(self, st: _RegionState, pool: PoolKey) -> advice.Advice | None:
+        found = st.advice.value.get(pool)
+        if found is None or self._mono() - found[1] > self._refresh.advice_max_age:
+            return None
+        return found[0]
+
     # --- stock-outs ----------------------------------------------------------------------
 
     def note_stockout(self, pool: PoolKey, at: datetime | None = None) -> None:
@@ -433,9 +590,15 @@ class GcpAdapter(CloudAdapter):
         self.note_stockout(pool, at)
         return True
 
-    def _availability(self, pool: PoolKey, now: datetime) -> float | None:
+    def _availability(self, pool: PoolKey, now: datetime,
+                      advised: advice.Advice | None = None) -> float | None:
+        """The smaller of what a recent stock-out and the capacity advice say; None if
+        neither says anything."""
         at = self._stockouts.get(pool)
-        return None if at is None else self._decay.availability((now - at).total_seconds())
+        learnt = None if at is None else self._decay.availability((now - at).total_seconds())
+        told = None if advised is None else advised.obtainability
+        known = [a for a in (learnt, told) if a is not None]
+        return min(known) if known else None
 
     def _forget_stockouts(self, now: datetime) -> None:
         horizon = now - timedelta(seconds=self._decay.window)
@@ -446,6 +609,10 @@ class GcpAdapter(CloudAdapter):
         """Stop the shared reads and the SDK calls (no next page, no retry), wait a little
         for the calls on the wire to end, then close the clients."""
         self.sdk.stop()
+        tasks = list(self._advice_tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._catalog.close()
         await self._project.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -462,6 +629,7 @@ def from_config(section: Any, **kwargs: Any) -> GcpAdapter:
     kwargs.setdefault("reservations", section.reservations.enabled)
     kwargs.setdefault("reservation_price_per_gpu_hour",
                       section.reservations.price_per_gpu_hour)
+    kwargs.setdefault("capacity_advice", True)
     return GcpAdapter(regions=section.regions, project=section.project,
                       endpoint=section.endpoint, anonymous=section.anonymous,
                       call_timeout=section.call_timeout_seconds, **kwargs)

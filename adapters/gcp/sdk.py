@@ -320,7 +320,7 @@ class GcpSdk:
 
     def client(self, kind: str) -> Any:
         """The client for `kind` (regions, projects, machine_types, accelerator_types,
-        reservations, catalog), built on first use."""
+        reservations, advice, catalog), built on first use."""
         with self._lock:
             if self._closed:
                 raise AdapterError("the GCP adapter is closed", cloud="gcp")
@@ -330,7 +330,7 @@ class GcpSdk:
                 cls = {"regions": c.RegionsClient, "projects": c.ProjectsClient,
                        "machine_types": c.MachineTypesClient,
                        "accelerator_types": c.AcceleratorTypesClient,
-                       "reservations": c.ReservationsClient,
+                       "reservations": c.ReservationsClient, "advice": c.AdviceClient,
                        "catalog": b.CloudCatalogClient}[kind]
                 options = {"api_endpoint": self.endpoint} if self.endpoint else None
                 self._clients[kind] = cls(credentials=creds, transport="rest",
@@ -415,6 +415,21 @@ class GcpSdk:
                                        str(a.deprecated.state))
                        for a in page.items)
         return out
+
+    def capacity_advice(self, region: str, zone: str, body: Mapping[str, Any]
+                        ) -> dict[str, Any]:
+        """Compute Engine's capacity advice (`regions.advice.capacity`) for the request
+        `body` (its REST JSON, `advice.request`), asked about `zone`; the answer in its
+        REST JSON shape (`CapacityAdviceResponse`)."""
+        client = self.client("advice")
+        project = self.project
+        compute = self._g.compute
+        resource = compute.CapacityAdviceRequest.from_json(json.dumps(body))
+        answer = self._call("advice.capacity", zone, lambda: client.capacity(
+            project=project, region=region, capacity_advice_request_resource=resource,
+            retry=None, timeout=self._timeout))
+        return compute.CapacityAdviceResponse.to_dict(answer,
+                                                      preserving_proto_field_name=False)
 
     def reservations(self, region: str) -> list[dict[str, Any]]:
         """The project's reservations in the region's zones (`reservations.aggregatedList`,
