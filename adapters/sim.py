@@ -24,23 +24,28 @@ it behaves like the real thing where the broker can tell the difference:
 * **Observation.** What a spot offer reports is the cloud's signal of that truth: lagged
   (`_SIGNALS`: the state of one to three polls ago), noisy (the capacity pressure seen
   through Gaussian noise; the factor `b` and the noise `w` not at all), quantised the way
-  the cloud publishes it, and missing (`None`) on about `_MISSING` of polls:
+  the cloud publishes it, and missing (`None`) on about `_MISSING` of polls.
+  Each cloud publishes what the real one does, and the offer's `interruption_rate` is
+  what the one interruption model (`adapters.hazard`, as the real adapters use it)
+  reads from it, over the cloud's trailing window:
 
-  - AWS: `availability` a spot placement score 1-10 in tenths; `interruption_rate` the
-    Spot Instance Advisor band (`<5%`, `5-10%`, `10-15%`, `15-20%`, `>20%`) read at its
-    midpoint, as `adapters.aws.pricing.band_rate` does.
-  - Azure: `interruption_rate` the eviction-rate band (`0-5`, `5-10`, `10-15`, `15-20`,
-    `20+` %) at its midpoint, as `adapters.azure.pricing` reads it; `availability` a
-    three-level placement score (High 0.9, Medium 0.5, Low 0.1).
+  - AWS: `availability` a spot placement score 1-10 in tenths; the Spot Instance
+    Advisor band (`<5%`, `5-10%`, `10-15%`, `15-20%`, `>20%`) of the share reclaimed over
+    730 h.
+  - Azure: the eviction-rate band (`0-5`, `5-10`, `10-15`, `15-20`, `20+` %) over
+    28 days; `availability` a three-level placement score (High 0.9, Medium 0.5,
+    Low 0.1).
   - GCP: no spot risk signal at all: `availability` and `interruption_rate` are `None`.
-  - Alibaba: `interruption_rate` the `DescribeSpotAdvice` band (`0-3%`, `3-5%`, `5-10%`,
-    `10-100%`) at the middle `adapters.alibaba.pricing.RATE_BANDS` takes; `availability`
-    the stock category (`WithStock` 1.0, `ClosedWithStock` 0.3, `WithoutStock` 0.0).
+  - Alibaba: the `DescribeSpotAdvice` release rate (`InterruptionRate`, % to 0.1) over
+    30 days; `availability` the stock category (`WithStock` 1.0, `ClosedWithStock` 0.3,
+    `WithoutStock` 0.0).
 
-  The real bands count interruptions per month (AWS) or per day (Alibaba); this market
-  is far more eventful than a real one (hazards per hour, so that a week's backtest has
-  something to tell), so every band here is read as the chance of an interruption
-  within an hour, `rate = -ln(1 - p)`. The capacity a spot offer reports is lagged too.
+  This market is far more eventful than a real one (so that a week's backtest has
+  something to tell): an hour here holds about a real month's reclaims (`_TIME_SCALE`,
+  730), so a cloud's window of W hours is W / 730 hours here — AWS's band is the share
+  reclaimed within an hour, Azure's within 0.92 h, Alibaba's within 0.99 h — and the
+  reported rates are per hour of this market, like the hidden truth. The capacity a
+  spot offer reports is lagged too.
 * **Signals.** `signals()` preempts leased spot pools at random, at their hidden true
   hazard (times `preempt_rate_multiplier`), and passes on signals injected by
   `interrupt`.
@@ -73,6 +78,7 @@ from typing import ClassVar, Final
 from adapters.base import CloudAdapter, LeasedPools
 from adapters.errors import InvalidConfig
 from adapters.gpus import canonical, memory_gb
+from adapters.hazard import WINDOW_HOURS, hazard_from_band, hazard_from_percent
 from broker.model import CapacitySignal, Market, Offer, PoolKey, SignalKind, utcnow
 
 __all__ = ["CATALOG", "CLOUDS", "REGION_NAMES", "SimAdapter", "SimInstanceType"]
@@ -244,6 +250,10 @@ _OUTAGE_POLLS: Final = (2, 5)
 # Polls a spot pool stays scarce after a preemption.
 _SCARCE_POLLS: Final = 4
 _MAX_ZONES: Final = 26
+# The sim's clock: its market is far more eventful than a real one (so that a week's
+# backtest has something to tell): an hour here holds about a real month (730 h) of
+# reclaims. A cloud's trailing window of W real hours is W / _TIME_SCALE hours here.
+_TIME_SCALE: Final = 730.0
 
 
 def _stable_seed(*parts: object) -> int:
@@ -256,16 +266,41 @@ def _clip(x: float, lo: float, hi: float) -> float:
     return lo if x < lo else hi if x > hi else x
 
 
-def _band(edges_pct: Sequence[float], mids_pct: Sequence[float]) -> Callable[[float], float]:
-    """A band quantiser: a rate per hour → the band its chance within an hour falls in →
-    that band's middle as a rate per hour (`-ln(1 - p)`, 4 significant digits)."""
-    rates = [float(f"{-math.log1p(-m / 100):.4g}") for m in mids_pct]
-    edges = [-math.log1p(-e / 100) for e in edges_pct]
+def _banded(cloud: str, labels: Sequence[str], edges_pct: Sequence[float]
+            ) -> Callable[[float], float]:
+    """A cloud that publishes a band of the share of spot instances reclaimed over its
+    trailing window: a hazard (per sim hour) → the share reclaimed within the window
+    (`_window`) → the band of `labels` it falls in (`edges_pct` between them) → the
+    hazard the one interruption model reads from that band (`hazard_from_band`)."""
+    window = _window(cloud)
+    rates = []
+    for label in labels:
+        rate = hazard_from_band(label, window)
+        assert rate is not None, label
+        rates.append(rate)
+    edges = [-math.log1p(-e / 100) / window for e in edges_pct]
 
-    def quantise(rate: float) -> float:
+    def publish(rate: float) -> float:
         return rates[bisect.bisect_right(edges, rate)]
 
-    return quantise
+    return publish
+
+
+def _release_rate(cloud: str) -> Callable[[float], float]:
+    """A cloud that publishes the share reclaimed over its trailing window in % (to
+    0.1 %, Alibaba's `InterruptionRate`): a hazard (per sim hour) → that percentage →
+    the hazard the one interruption model reads from it (`hazard_from_percent`)."""
+    window = _window(cloud)
+
+    def publish(rate: float) -> float:
+        return hazard_from_percent(round(-math.expm1(-rate * window) * 100, 1), window)
+
+    return publish
+
+
+def _window(cloud: str) -> float:
+    """The cloud's trailing window (`adapters.hazard.WINDOW_HOURS`) in sim hours."""
+    return WINDOW_HOURS[cloud] / _TIME_SCALE
 
 
 def _score_tenths(a: float) -> float:
@@ -293,12 +328,13 @@ class _Signal:
     rate: Callable[[float], float] | None
 
 
-_FIVE_BANDS = _band((5, 10, 15, 20), (2.5, 7.5, 12.5, 17.5, 25))
 _SIGNALS: Final[MappingProxyType[str, _Signal]] = MappingProxyType({
-    "aws": _Signal(2, _score_tenths, _FIVE_BANDS),
-    "azure": _Signal(3, _score_three, _FIVE_BANDS),
+    "aws": _Signal(2, _score_tenths, _banded(
+        "aws", ("<5%", "5-10%", "10-15%", "15-20%", ">20%"), (5, 10, 15, 20))),
+    "azure": _Signal(3, _score_three, _banded(
+        "azure", ("0-5", "5-10", "10-15", "15-20", "20+"), (5, 10, 15, 20))),
     "gcp": _Signal(1, None, None),
-    "alibaba": _Signal(2, _stock, _band((3, 5, 10), (1.5, 4.0, 7.5, 15.0))),
+    "alibaba": _Signal(2, _stock, _release_rate("alibaba")),
 })
 """Each cloud's spot signal (see the module docstring)."""
 

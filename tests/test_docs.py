@@ -151,3 +151,43 @@ def test_nothing_published_points_at_the_private_specification() -> None:
     for path in [*DOCS.rglob("*"), *ROOT.glob("*.md"), *(ROOT / "deploy").rglob("*")]:
         if path.is_file():
             assert private not in path.read_text(encoding="utf-8", errors="replace"), path
+
+
+def _rate(x: float) -> str:
+    """A hazard per hour as the README writes it: 4 significant digits, `3.468e-5`."""
+    mantissa, exponent = f"{x:.3e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def hazard_table() -> str:
+    """The README's band → hazard table, from the one interruption model."""
+    from adapters.hazard import WINDOW_HOURS, band_share, hazard_from_band, hazard_from_percent
+    aws, azure, ali = WINDOW_HOURS["aws"], WINDOW_HOURS["azure"], WINDOW_HOURS["alibaba"]
+    rows = [f"| share reclaimed | AWS advisor band | λ /h ({aws:g} h) | Azure eviction band "
+            f"| λ /h ({azure:g} h) | Alibaba release rate | λ /h ({ali:g} h) |",
+            "|---|---|---|---|---|---|---|"]
+    bands = (("0–5 %", "<5%", "0-5"), ("5–10 %", "5-10%", "5-10"),
+             ("10–15 %", "10-15%", "10-15"), ("15–20 %", "15-20%", "15-20"),
+             ("over 20 %", ">20%", "20+"))
+    for words, aws_band, azure_band in bands:
+        share = band_share(aws_band)
+        assert share is not None and share == band_share(azure_band)
+        pct = f"{share * 100:g} %"
+        a, z = hazard_from_band(aws_band, aws), hazard_from_band(azure_band, azure)
+        assert a is not None and z is not None
+        rows.append(f"| {words}, read as {pct} | `{aws_band}` | {_rate(a)} | `{azure_band}` "
+                    f"| {_rate(z)} | {pct} | {_rate(hazard_from_percent(share * 100, ali))} |")
+    rows.append("")
+    rows.append("| Alibaba band (no rate given) | read as | λ /h (720 h) |")
+    rows.append("|---|---|---|")
+    for band in ("0-3%", "3-5%", "5-10%", "10-100%"):
+        share = band_share(band)
+        rate = hazard_from_band(band, ali)
+        assert share is not None and rate is not None
+        rows.append(f"| `{band}` | {share * 100:g} % | {_rate(rate)} |")
+    return "\n".join(rows) + "\n"
+
+
+def test_the_readme_hazard_table_is_the_interruption_models() -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert hazard_table() in text

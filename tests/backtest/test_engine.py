@@ -596,10 +596,12 @@ def test_a_generated_market_hides_its_truth_and_gcp_shows_no_rate() -> None:
     assert set(m.truth) == set(observed)
     gcp = [r for k, rs in observed.items() if k.cloud == "gcp" for r in rs]
     assert gcp and set(gcp) == {None}
-    # the rows never carry the hidden hazard
+    # the rows never carry the hidden hazard: AWS and Azure show a few bands, Alibaba
+    # a release rate to 0.1 %
     shown = {r for rs in observed.values() for r in rs}
+    banded = {r for k, rs in observed.items() if k.cloud in ("aws", "azure") for r in rs}
     true = {r for _, rates in m.truth.values() for r in rates}
-    assert len(shown) <= 10 < len(true) and not (true & (shown - {None}))
+    assert len(banded - {None}) <= 10 < len(true) and not (true & (shown - {None}))
 
 
 def test_a_gang_is_interrupted_more_often_than_one_instance() -> None:
