@@ -131,6 +131,11 @@ class Offer:
     servers a lease is launched into, each assigned to leases by the pool; `draining`
     names the targets a maintenance window is about to take (leases on them move with
     reason `maintenance`). `owned_gpus` is the pool's paid-for GPUs, free or not.
+
+    `observed_at` is when the price (and the signals read with it) was read;
+    `rate_observed_at` when the source of `interruption_rate` was published or observed,
+    where the cloud says (AWS: the Spot Instance Advisor document's Last-Modified, a
+    trailing month's share republished every few months); `None` when it does not.
     """
 
     pool: PoolKey
@@ -150,6 +155,7 @@ class Offer:
     quota_units: int | None = None
     targets: tuple[Target, ...] = ()
     draining: tuple[str, ...] = ()
+    rate_observed_at: datetime | None = None
 
     @property
     def owned_gpus(self) -> int:
@@ -183,26 +189,36 @@ class Offer:
             "interruption_rate": self.interruption_rate,
             "quota_headroom": self.quota_headroom,
             **({"owned_gpus": self.owned_gpus} if self.targets else {}),
+            **({"rate_observed_at": iso(self.rate_observed_at)}
+               if self.rate_observed_at is not None else {}),
         }
 
     def to_record(self) -> list[Any]:
         """Everything placement reads of the offer, as a compact JSON-able list: the
         leader shares its polls with the standbys in this form (`from_record` reads it
-        back equal)."""
-        return [*self.pool[:4], self.pool.market.value, self.gpu, self.gpus,
-                self.gpu_memory_gb, self.vcpus, self.memory_gb, self.price_per_hour,
-                iso(self.observed_at), self.availability, self.capacity,
-                self.interruption_rate, self.quota_headroom, self.gpu_known,
-                self.quota_group, self.quota_units, [list(t) for t in self.targets],
-                list(self.draining)]
+        back equal). `rate_observed_at` is the trailing element, left out when None, so
+        a record is read alike by a daemon that predates it."""
+        r = [*self.pool[:4], self.pool.market.value, self.gpu, self.gpus,
+             self.gpu_memory_gb, self.vcpus, self.memory_gb, self.price_per_hour,
+             iso(self.observed_at), self.availability, self.capacity,
+             self.interruption_rate, self.quota_headroom, self.gpu_known,
+             self.quota_group, self.quota_units, [list(t) for t in self.targets],
+             list(self.draining)]
+        if self.rate_observed_at is not None:
+            r.append(iso(self.rate_observed_at))
+        return r
 
     @classmethod
     def from_record(cls, r: list[Any]) -> Offer:
+        """Read a `to_record` list back; one without the trailing `rate_observed_at`
+        (written before it existed) reads as None."""
         (cloud, region, zone, itype, market, gpu, gpus, mem, vcpus, ram, price, observed,
-         avail, capacity, rate, headroom, known, group, units, targets, draining) = r
+         avail, capacity, rate, headroom, known, group, units, targets, draining) = r[:21]
+        rate_at = parse_iso(r[21]) if len(r) > 21 and r[21] is not None else None
         return cls(PoolKey(cloud, region, zone, itype, Market(market)), gpu, gpus, mem,
                    vcpus, ram, price, parse_iso(observed), avail, capacity, rate, headroom,
-                   known, group, units, tuple(Target(*t) for t in targets), tuple(draining))
+                   known, group, units, tuple(Target(*t) for t in targets), tuple(draining),
+                   rate_at)
 
 
 def _round(x: float | None) -> float | None:

@@ -28,7 +28,9 @@ parts make the poll fail when they cannot be read (after the seam's retries); a 
   the instance type becomes the spot offers' `interruption_rate`: the band's midpoint
   (25 % for `>20%`) read as the probability p of an interruption within a month,
   rate = −ln(1 − p) / 730 per hour (`pricing.band_rate`). A type the document does not
-  list has `interruption_rate=None`.
+  list has `interruption_rate=None`. The document's `Last-Modified` (AWS republishes it
+  every few months) is the spot offers' `rate_observed_at`: when the rate was observed,
+  which the fetch time (`observed_at`) is not.
 * capacity reservations — `DescribeCapacityReservations` (state active, paginated);
   every poll (their free counts are what placement needs); optional, and only with
   `reservations` on (`clouds.aws.reservations.enabled`). The account's active On-Demand
@@ -181,6 +183,7 @@ class AwsAdapter(CloudAdapter):
         self._advisor_lock = asyncio.Lock()
         self._advisor_tried = -1e18  # monotonic time the last fetch of it ended
         self._advisor_error: AdapterError | None = None  # how that fetch failed, if it did
+        self._advisor_published: datetime | None = None  # the document's Last-Modified
         self._queue_url = interruption_queue_url
         self._instances: dict[str, PoolKey] = {}
 
@@ -317,7 +320,7 @@ class AwsAdapter(CloudAdapter):
             if not self._advisor.older_than(self._refresh.interruption_rates, mono):
                 return
             try:
-                doc = await self._run(self.sdk.spot_advisor_document)
+                doc, published = await self._run(self.sdk.spot_advisor_document)
                 try:
                     rates = pricing.interruption_rates(doc, self._regions)
                 except ValueError as exc:
@@ -328,6 +331,7 @@ class AwsAdapter(CloudAdapter):
             finally:
                 self._advisor_tried = self._mono()
             self._advisor_error = None
+            self._advisor_published = published
             _fill(self._advisor, rates, mono, now)
 
     async def _reserved(self, region: str, st: _RegionState, mono: float, now: datetime
@@ -400,11 +404,13 @@ class AwsAdapter(CloudAdapter):
                 quota_units=t.vcpus if od_code else None,
                 **common))  # type: ignore[arg-type]
             spot = st.spot.get((itype, zone))
+            rate = rates.get(itype)
             out.append(Offer(
                 pool=PoolKey("aws", region, zone, itype, Market.SPOT),
                 price_per_hour=spot[0] if spot else None, observed_at=now,
                 availability=pricing.availability_of(st.scores.value.get((itype, zone))),
-                interruption_rate=rates.get(itype),
+                interruption_rate=rate,
+                rate_observed_at=self._advisor_published if rate is not None else None,
                 quota_headroom=pricing.headroom_gpus(
                     st.quotas.value.get(spot_code) if spot_code else None, t.vcpus, t.gpus),
                 quota_group=f"aws:{region}:{spot_code}" if spot_code else None,

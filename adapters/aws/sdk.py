@@ -55,7 +55,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from adapters.common import RetryPolicy, import_sdk
@@ -397,18 +397,24 @@ class AwsSdk:
         value = None if resp is None else resp.get("Quota", {}).get("Value")
         return None if value is None else float(value)
 
-    def spot_advisor_document(self) -> dict[str, Any]:
-        """The Spot Instance Advisor's public JSON document (see the module doc), decoded.
-        A body that does not decode to a JSON object is an unreadable answer, retried."""
+    def spot_advisor_document(self) -> tuple[dict[str, Any], datetime | None]:
+        """The Spot Instance Advisor's public JSON document (see the module doc), decoded,
+        and when it was published: the object's `Last-Modified` (UTC; None when S3 does
+        not say). AWS republishes it every few months, so the rates it holds are as old
+        as that, not as the fetch. A body that does not decode to a JSON object is an
+        unreadable answer, retried."""
         client = self.client("s3", ADVISOR_REGION, public=True)
 
-        def get() -> dict[str, Any]:
+        def get() -> tuple[dict[str, Any], datetime | None]:
             resp = client.get_object(Bucket=ADVISOR_BUCKET, Key=ADVISOR_KEY)
             with resp["Body"] as body:
                 doc = json.loads(body.read())
             if not isinstance(doc, dict):
                 raise json.JSONDecodeError("not a JSON object", "", 0)
-            return doc
+            modified = resp.get("LastModified")
+            if isinstance(modified, datetime) and modified.tzinfo is not None:
+                return doc, modified.astimezone(UTC)
+            return doc, None
 
         return self._call(ADVISOR_REGION, "get_object", get)
 

@@ -30,8 +30,10 @@ def _priced(o: Offer) -> bool:
 
 def same_state(a: Offer, b: Offer) -> bool:
     """Whether two readings of a pool say the same: every field but `observed_at` (a
-    cloud that stamps each reading, as AWS does every spot price, changes nothing)."""
-    return dataclasses.replace(a, observed_at=b.observed_at) == b
+    cloud that stamps each reading, as AWS does every spot price, changes nothing) and
+    `rate_observed_at` (a rate source republished with the same rates changes nothing)."""
+    return dataclasses.replace(a, observed_at=b.observed_at,
+                               rate_observed_at=b.rate_observed_at) == b
 
 
 def _order(o: Offer) -> tuple[float, PoolKey]:

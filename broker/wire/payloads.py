@@ -754,3 +754,7 @@ class OfferJson(TypedDict):
     owned_gpus: NotRequired[Annotated[int, Field(ge=0, description=(
         "Market `reserved` only: the pool's paid-for GPUs (its reservations' or servers' "
         "that are up), free or not; `capacity` is what is free of them."))]]
+    rate_observed_at: NotRequired[Annotated[Timestamp, _doc(
+        "When the source of `interruption_rate` was published or observed, where the cloud "
+        "says (AWS: the Spot Instance Advisor document's Last-Modified); `observed_at` is "
+        "when it was read. Absent when the cloud does not say.")]]

@@ -80,7 +80,9 @@ type → {"s": savings %, "r": band index}). Provenance: built from that documen
 (and the public document's band table); the per-type values are invented, drawn from
 ``seed`` for every GPU type of the price CSV in its regions, except that each region
 leaves one type out (``advisor_gaps``), like the real document, which lists only some
-types. ``set_interruption_band`` pins one entry.
+types. ``set_interruption_band`` pins one entry. Its ``Last-Modified`` is
+``advisor_modified`` (AWS republishes the document every few months), ``snapshot_time``
+while that is None.
 
 On-Demand Capacity Reservations (moto 5 has none: ``CreateCapacityReservation``,
 ``DescribeCapacityReservations`` and ``CancelCapacityReservation`` are served here, in
@@ -568,7 +570,8 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
       than MaxResults; the caps make every paginator take several pages);
       ``default_region`` — the region of unsigned requests that name none;
       ``spot_advisor`` — the Spot Instance Advisor document served (see module doc) and
-      ``advisor_gaps`` — region -> the GPU type it leaves out; ``chaos``/``faulted`` —
+      ``advisor_gaps`` — region -> the GPU type it leaves out; ``advisor_modified`` — the
+      document's ``Last-Modified`` (None: ``snapshot_time``); ``chaos``/``faulted`` —
       random faults (``fake_server``); ``throttle_headers`` — what a random throttle
       carries.
     """
@@ -613,6 +616,7 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
         self.advisor_gaps: dict[str, str] = {}
         self.throttle_headers: dict[str, str] = {"Retry-After": "1"}
         self.spot_advisor: dict[str, Any] = {}
+        self.advisor_modified: datetime | None = None
         self._load(prices_csv)
         self._session: aiohttp.ClientSession | None = None
         self._moto: Any = None  # werkzeug server running moto's app
@@ -1144,10 +1148,11 @@ class FakeAWS(FakeServer[tuple[str, str, str]]):
         """GetObject of the advisor document, as S3 answers it."""
         with self._lock:
             body = json.dumps(self.spot_advisor, separators=(",", ":")).encode()
+            modified = self.advisor_modified or self.snapshot_time
         headers = {
             "Content-Type": "application/json",
             "ETag": f'"{hashlib.md5(body, usedforsecurity=False).hexdigest()}"',
-            "Last-Modified": self.snapshot_time.strftime("%a, %d %b %Y %H:%M:%S GMT"),
+            "Last-Modified": modified.astimezone(UTC).strftime("%a, %d %b %Y %H:%M:%S GMT"),
             "Accept-Ranges": "bytes",
             "x-amz-request-id": uuid.uuid4().hex[:16].upper(),
         }

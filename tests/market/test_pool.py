@@ -267,6 +267,35 @@ def test_a_new_reading_of_the_same_state_is_not_a_change() -> None:
     assert pool.replace(SLICE, [dearer]).updated == {first.pool: again}
 
 
+def test_a_rate_source_republished_with_the_same_rate_is_not_a_change() -> None:
+    """AWS republishes its advisor document every few months: the same rate with a newer
+    `rate_observed_at` changes nothing, but the pool keeps the newer reading."""
+    clock = Clock()
+    first = replace(offer("us-east-1a", price=24.0), interruption_rate=1e-4,
+                    rate_observed_at=clock.advance(0))
+    pool = pool_of([first], clock=clock)
+    again = replace(first, rate_observed_at=clock.advance(90 * 86400))
+    change = pool.replace(SLICE, [again])
+    assert change.updated == {} and change.removed == {}
+    assert pool.get(first.pool) is again
+    other = replace(again, interruption_rate=2e-4)
+    assert pool.replace(SLICE, [other]).updated == {first.pool: again}
+
+
+def test_offer_records_carry_rate_observed_at_and_old_records_still_read() -> None:
+    """The leader shares its polls with the standbys as `Offer.to_record` lists: the
+    rate's time is a trailing element, and a record written without it reads as None."""
+    clock = Clock()
+    o = replace(offer("us-east-1a", price=24.0), interruption_rate=1e-4,
+                rate_observed_at=clock.advance(-86400))
+    record = o.to_record()
+    assert Offer.from_record(record) == o
+    plain = replace(o, rate_observed_at=None)
+    assert len(plain.to_record()) == len(record) - 1  # as written before the field
+    assert Offer.from_record(record[:-1]) == plain
+    assert "rate_observed_at" not in plain.to_json()
+
+
 def test_a_slice_not_polled_yet_is_unknown_not_stale_during_the_start_up_grace() -> None:
     clock = Clock()
     pool = ResourcePool(stale_after_seconds=300, clock=clock)

@@ -231,6 +231,33 @@ async def test_spot_offers_carry_the_advisors_interruption_rate(fake_aws: FakeAW
             if o.interruption_rate is not None} <= set(listed)
 
 
+async def test_spot_rates_carry_when_the_advisor_published_them(fake_aws: FakeAWS) -> None:
+    """AWS republishes the advisor document every few months: its Last-Modified, not the
+    fetch, is when the rate was observed; a re-read after a republication moves it."""
+    published = datetime(2026, 9, 1, 12, 0, tzinfo=UTC)
+    fake_aws.advisor_modified = published
+    clock = [1000.0]
+    a = AwsAdapter(regions=[REGION], endpoint=fake_aws.url, monotonic=lambda: clock[0])
+    try:
+        offers = await a.poll(REGION)
+        rated = [o for o in offers if o.interruption_rate is not None]
+        assert rated and all(o.pool.market is Market.SPOT for o in rated)
+        assert {o.rate_observed_at for o in rated} == {published}
+        assert all(o.observed_at > published for o in rated)  # the read, not the rate
+        assert all(o.rate_observed_at is None for o in offers if o.interruption_rate is None)
+        row = rated[0].to_json()
+        assert row["rate_observed_at"] == "2026-09-01T12:00:00.000Z"
+        assert Offer.from_record(rated[0].to_record()).rate_observed_at == published
+        assert "rate_observed_at" not in find(offers, "g5.xlarge", Market.ON_DEMAND)[0].to_json()
+        fake_aws.advisor_modified = republished = published + timedelta(days=90)
+        clock[0] += 6 * 3600 + 1
+        offers = await a.poll(REGION)
+        assert {o.rate_observed_at for o in offers if o.interruption_rate is not None} == {
+            republished}
+    finally:
+        await a.close()
+
+
 async def test_the_advisor_document_is_read_once_for_all_regions_and_cached(
         fake_aws: FakeAWS) -> None:
     clock = [1000.0]
