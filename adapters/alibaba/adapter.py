@@ -14,14 +14,17 @@ types the region sells) and runs after it:
    * where each type is sold, and its stock — `DescribeAvailableResource`
      (`DestinationResource=InstanceType`, `InstanceChargeType=PostPaid`), once with
      `SpotStrategy=NoSpot` (pay-as-you-go pools) and once with `SpotAsPriceGo` (spot
-     pools); every poll; required. `StatusCategory` → availability: `WithStock` 1.0,
-     `ClosedWithStock` 0.3, `WithoutStock` and `ClosedWithoutStock` 0.0 (the pool is
-     still listed: availability is a field, not a missing row).
+     pools, with `SpotDuration`, below); every poll; required. `StatusCategory` →
+     availability: `WithStock` 1.0, `ClosedWithStock` 0.3, `WithoutStock` and
+     `ClosedWithoutStock` 0.0 (the pool is still listed: availability is a field, not a
+     missing row).
    * quota headroom — `DescribeAccountAttributes` (`max-/used-postpaid-instance-vcpu-count`,
      `max-/used-spot-instance-vcpu-count`) → GPUs of each type that fit in the free
      vCPUs; every 10 min; optional: on failure the last good copy is kept (none yet:
      unknown, `None`).
-2. * spot prices — `DescribeSpotPriceHistory` (VPC, Linux; `Offset`/`NextOffset` pages),
+2. * spot prices — `DescribeSpotPriceHistory` (VPC, Linux, `SpotDuration`: the
+     configured `spot_duration`, hours of protection, 0 or 1, default 1 as Alibaba's;
+     a spot price is per protection period; `Offset`/`NextOffset` pages),
      one call per instance type sold as spot (the API takes one type), the newest point
      per type and zone; every 5 min, asking only for what changed since the last read,
      and at once for a type the region starts selling; required per type (below).
@@ -179,7 +182,7 @@ class AlibabaAdapter(CloudAdapter):
     def __init__(self, *, regions: Sequence[str], endpoint: str | None = None,  # noqa: PLR0913
                  anonymous: bool = False, usd_per_cny: float = 0.14,
                  refresh: Refresh | None = None, max_workers: int = 64,
-                 call_timeout: float = 10.0,
+                 call_timeout: float = 10.0, spot_duration: int = 1,
                  clock: Callable[[], datetime] = utcnow,
                  monotonic: Callable[[], float] = time.monotonic,
                  on_call: Callable[[str, str], None] | None = None) -> None:
@@ -194,7 +197,8 @@ class AlibabaAdapter(CloudAdapter):
         self._clock = clock
         self._mono = monotonic
         self.sdk = AlibabaSdk(endpoint=endpoint, anonymous=anonymous,
-                              call_timeout=call_timeout, on_call=on_call)
+                              call_timeout=call_timeout, spot_duration=spot_duration,
+                              on_call=on_call)
         self._executor = ThreadPoolExecutor(max_workers=max_workers,
                                             thread_name_prefix="alibaba")
         self._state = {r: _RegionState() for r in self._regions}
@@ -496,4 +500,5 @@ def from_config(section: Any, **kwargs: Any) -> AlibabaAdapter:
     """Build the adapter from the daemon configuration's `clouds.alibaba` section."""
     return AlibabaAdapter(regions=section.regions, endpoint=section.endpoint,
                           anonymous=section.anonymous, usd_per_cny=section.usd_per_cny,
-                          call_timeout=section.call_timeout_seconds, **kwargs)
+                          call_timeout=section.call_timeout_seconds,
+                          spot_duration=section.spot_duration, **kwargs)

@@ -298,16 +298,23 @@ class AlibabaSdk:
     """Blocking ECS calls, translated and retried. Thread-safe.
 
     `call_timeout` (seconds, `call_timeout_seconds` in the configuration) bounds one
-    call: to connect, and between bytes of the answer."""
+    call: to connect, and between bytes of the answer. `spot_duration` (hours of
+    protection of a spot instance, 0 or 1; `spot_duration` in the configuration) is the
+    `SpotDuration` the spot questions ask about: a spot price and stock are per
+    protection period, and Alibaba's default is 1."""
 
     def __init__(self, *, endpoint: str | None = None, anonymous: bool = False,
                  attempts: int = ATTEMPTS, max_backoff: float = MAX_BACKOFF,
-                 call_timeout: float = 10.0,
+                 call_timeout: float = 10.0, spot_duration: int = 1,
                  on_call: Callable[[str, str], None] | None = None) -> None:
         _tea()
         if anonymous and not endpoint:
             raise InvalidConfig("clouds.alibaba.anonymous: true is allowed only together "
                                 "with endpoint", cloud="alibaba")
+        if spot_duration not in (0, 1):
+            raise InvalidConfig("clouds.alibaba.spot_duration must be 0 or 1 (hours of "
+                                "protection)", cloud="alibaba")
+        self.spot_duration = spot_duration
         if not call_timeout > 0:
             raise InvalidConfig("clouds.alibaba.call_timeout_seconds must be positive",
                                 cloud="alibaba")
@@ -453,12 +460,14 @@ class AlibabaSdk:
                             ) -> list[tuple[str, str, str | None, str | None]]:
         """(zone, instance type, Status, StatusCategory) of every instance type the
         region sells pay-as-you-go (`spot=False`, `SpotStrategy=NoSpot`) or as spot
-        (`SpotAsPriceGo`), in stock or not. One call: the API has no paging."""
+        (`SpotAsPriceGo`, with the configured `SpotDuration`), in stock or not. One call:
+        the API has no paging."""
         body = self._call(region, "describe_available_resource", self._request(
             "DescribeAvailableResourceRequest", region_id=region,
             destination_resource="InstanceType", resource_type="instance",
             instance_charge_type="PostPaid", io_optimized="optimized",
-            spot_strategy="SpotAsPriceGo" if spot else "NoSpot"))
+            spot_strategy="SpotAsPriceGo" if spot else "NoSpot",
+            spot_duration=self.spot_duration if spot else None))
         out: list[tuple[str, str, str | None, str | None]] = []
         for zone in (body.get("AvailableZones") or {}).get("AvailableZone") or []:
             zone_id = zone.get("ZoneId")
@@ -475,7 +484,8 @@ class AlibabaSdk:
                            ) -> tuple[list[dict[str, Any]], str | None]:
         """(`SpotPriceType` entries, currency) of Linux VPC spot prices of one instance
         type in every zone of the region since `since` (the API allows 30 days back),
-        all pages (`Offset` / `NextOffset`)."""
+        for the configured protection period (`SpotDuration`), all pages (`Offset` /
+        `NextOffset`)."""
         points: list[dict[str, Any]] = []
         currency: str | None = None
         offset = 0
@@ -484,7 +494,8 @@ class AlibabaSdk:
             body = self._call(region, "describe_spot_price_history", self._request(
                 "DescribeSpotPriceHistoryRequest", region_id=region,
                 instance_type=instance_type, network_type="vpc", ostype="linux",
-                io_optimized="optimized", start_time=start, offset=offset or None))
+                io_optimized="optimized", start_time=start, offset=offset or None,
+                spot_duration=self.spot_duration))
             page = (body.get("SpotPrices") or {}).get("SpotPriceType") or []
             points.extend(page)
             currency = body.get("Currency") or currency

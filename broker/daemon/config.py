@@ -327,6 +327,9 @@ class AzureConfig(_CloudBase):
 
 class AlibabaConfig(_CloudBase):
     usd_per_cny: float = Field(default=0.14, gt=0)
+    spot_duration: Literal[0, 1] = 1
+    """Hours of protection of the spot instances priced (`SpotDuration`): 1, Alibaba's
+    default, or 0 (no protection period, a different price)."""
 
 
 class SimConfig(_Section):

@@ -175,9 +175,18 @@ def test_sim_next_to_a_real_cloud_it_does_not_simulate() -> None:
     ("clouds:\n  sim:\n    clouds: [ibm]\n", 3, "clouds.sim.clouds[0]"),
     ("clouds:\n  sim:\n    zones_per_region: 27\n", 3, "clouds.sim.zones_per_region"),
     ("clouds:\n  alibaba:\n    usd_per_cny: 0\n", 3, "clouds.alibaba.usd_per_cny"),
+    ("clouds:\n  alibaba:\n    spot_duration: 2\n", 3, "clouds.alibaba.spot_duration"),
 ])
 def test_cloud_section_errors_name_key_and_line(text: str, line: int, key: str) -> None:
     assert one_problem(text)[:2] == (line, key)
+
+
+def test_alibaba_spot_duration_is_0_or_1_default_1() -> None:
+    default = cfg("clouds:\n  alibaba: {regions: [cn-hangzhou]}\n").clouds.alibaba
+    unprotected = cfg("clouds:\n  alibaba: {regions: [cn-hangzhou], spot_duration: 0}\n"
+                      ).clouds.alibaba
+    assert default is not None and default.spot_duration == 1
+    assert unprotected is not None and unprotected.spot_duration == 0
 
 
 # --- other sections ----------------------------------------------------------------------
@@ -344,7 +353,7 @@ def test_the_example_config_shows_every_key_and_loads(tmp_path: Path) -> None:
                                 loaded.clouds.alibaba)
     assert aws is not None and aws.interruption_queue_url and aws.regions
     assert gcp is not None and gcp.project and azure is not None and azure.subscription_id
-    assert alibaba is not None and alibaba.usd_per_cny == 0.14
+    assert alibaba is not None and alibaba.usd_per_cny == 0.14 and alibaba.spot_duration == 1
     assert {c.call_timeout_seconds for c in (aws, gcp, azure, alibaba)} == {10}
     assert loaded.mqtt.password_file and loaded.http.token_file and loaded.policy_file
 

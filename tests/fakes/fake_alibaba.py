@@ -33,9 +33,14 @@ tests read them back (``stock``, ``spot_price``, ``on_demand_price`` ...) or pin
 
 Spot price history: per spot pool, a point every 3 hours over the last day (the newest
 at the last full hour before the fake was built, ``snapshot_time``); ``set_spot_price``
-adds points. A query returns the points with StartTime ≤ Timestamp ≤ EndTime, oldest
-first, ``page_size["DescribeSpotPriceHistory"]`` per page; ``NextOffset`` is the offset
-of the next page, or 0 after the last one.
+adds points. The points are for ``SpotDuration=1`` (one hour of protection, Alibaba's
+default when the parameter is left out); ``SpotDuration=0`` (none) answers each price
+``NO_PROTECTION_FACTOR`` times as much, so a client that asks for the wrong protection
+period reads another price. Any other ``SpotDuration`` is ``InvalidParameter``, in
+``DescribeAvailableResource`` too (which serves the same stock for 0 and 1). A query
+returns the points with StartTime ≤ Timestamp ≤ EndTime, oldest first,
+``page_size["DescribeSpotPriceHistory"]`` per page; ``NextOffset`` is the offset of the
+next page, or 0 after the last one.
 
 Credentials: the fake reads the access key id from the ``Authorization`` header and
 counts it in ``key_ids``. Keys in ``access_keys`` (id → secret) have their ACS3-HMAC-SHA256
@@ -94,6 +99,7 @@ from fake_server import FakeServer
 API_VERSION = "2014-05-26"
 USD_PER_CNY = 0.14  # the fake's own rate for its USD ("international site") answers
 SYSTEM_DISK_CNY_PER_HOUR = 0.0417  # the default 40 GiB system disk DescribePrice adds
+NO_PROTECTION_FACTOR = 0.85  # a SpotDuration=0 spot price against the 1-hour one (invented)
 
 
 @dataclass(frozen=True)
@@ -227,6 +233,19 @@ def _iso(ts: datetime) -> str:
 def _parse_ts(text: str) -> datetime:
     ts = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+
+
+def _spot_duration(p: dict[str, str]) -> int:
+    """A request's ``SpotDuration`` (hours of protection): 0 or 1, 1 when left out."""
+    raw = p.get("SpotDuration") or "1"
+    if raw not in ("0", "1"):
+        raise FakeAlibabaError("InvalidParameter",
+                               f"The specified parameter SpotDuration {raw} is not valid.")
+    return int(raw)
+
+
+def _duration_factor(spot_duration: int) -> float:
+    return NO_PROTECTION_FACTOR if spot_duration == 0 else 1.0
 
 
 def _indexed(params: dict[str, str], prefix: str) -> list[str]:
@@ -383,11 +402,15 @@ class FakeAlibaba(FakeServer[tuple[str, str]]):
             points.append((at or self.now, float(cny)))
             points.sort(key=lambda p: p[0])
 
-    def spot_price(self, region: str, zone: str, instance_type: str) -> float | None:
-        """The newest spot price of a pool, in the served currency (for assertions)."""
+    def spot_price(self, region: str, zone: str, instance_type: str,
+                   spot_duration: int = 1) -> float | None:
+        """The newest spot price of a pool for `spot_duration` hours of protection (the
+        one-hour price unless 0), in the served currency (for assertions)."""
         with self._lock:
             points = self._spot.get((region, zone, instance_type))
-            return self._money(points[-1][1]) if points else None
+            if not points:
+                return None
+            return self._money(points[-1][1] * _duration_factor(spot_duration))
 
     def on_demand_price(self, region: str, instance_type: str) -> float:
         """The pay-as-you-go instance price DescribePrice serves (TradePrice of the
@@ -595,6 +618,7 @@ class FakeAlibaba(FakeServer[tuple[str, str]]):
             raise FakeAlibabaError("InvalidParameter", "The fake serves PostPaid only.")
         strategy = p.get("SpotStrategy", "NoSpot")
         market = "postpaid" if strategy == "NoSpot" else "spot"
+        _spot_duration(p)
         zones = []
         for zone in REGIONS[region]:
             if p.get("ZoneId") and zone != p["ZoneId"]:
@@ -628,6 +652,7 @@ class FakeAlibaba(FakeServer[tuple[str, str]]):
             raise FakeAlibabaError("InvalidParameter", "StartTime must be within 30 days "
                                    "before EndTime.")
         windows = p.get("OSType", "linux") == "windows"
+        factor = _duration_factor(_spot_duration(p))
         rows = []
         for (r, zone, t), points in self._spot.items():
             if r != region or t != itype or (p.get("ZoneId") and zone != p["ZoneId"]):
@@ -635,7 +660,7 @@ class FakeAlibaba(FakeServer[tuple[str, str]]):
             od = self._list_price(region, itype)
             for ts, cny in points:
                 if start <= ts <= end:
-                    price = cny + (0.3 * TYPES[itype].vcpus / 4 if windows else 0.0)
+                    price = cny * factor + (0.3 * TYPES[itype].vcpus / 4 if windows else 0.0)
                     rows.append((ts, zone, {
                         "InstanceType": itype, "ZoneId": zone,
                         "SpotPrice": self._money(price), "OriginPrice": self._money(od),

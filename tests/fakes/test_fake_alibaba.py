@@ -92,6 +92,30 @@ def test_spot_price_history_pages_by_offset_within_the_window(
         assert p["OriginPrice"] > p["SpotPrice"] and p["NetworkType"] == "vpc"
 
 
+def test_spot_price_history_answers_the_price_of_the_spot_duration_asked(
+        fake_alibaba: FakeAlibaba) -> None:
+    ecs = fake_alibaba.client()
+    start = (fake_alibaba.snapshot_time - timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def newest(duration: int | None) -> dict[str, float]:
+        page = body(ecs.describe_spot_price_history(models.DescribeSpotPriceHistoryRequest(
+            region_id=REGION, instance_type="ecs.gn7i-c8g1.2xlarge", network_type="vpc",
+            start_time=start, spot_duration=duration)))
+        return {p["ZoneId"]: p["SpotPrice"] for p in page["SpotPrices"]["SpotPriceType"]}
+
+    default, one, none = newest(None), newest(1), newest(0)
+    assert default == one and default
+    for zone, price in none.items():
+        assert price == fake_alibaba.spot_price(REGION, zone, "ecs.gn7i-c8g1.2xlarge", 0)
+        assert price < one[zone]
+    for api in (lambda: newest(2), lambda: ecs.describe_available_resource(
+            models.DescribeAvailableResourceRequest(
+                region_id=REGION, destination_resource="InstanceType",
+                spot_strategy="SpotAsPriceGo", spot_duration=3))):
+        with pytest.raises(AlibabaCloudException, match="SpotDuration"):
+            api()
+
+
 def test_describe_price_itemises_instance_disk_and_bandwidth(fake_alibaba: FakeAlibaba
                                                              ) -> None:
     fake_alibaba.discount = 0.1

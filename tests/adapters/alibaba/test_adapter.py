@@ -414,6 +414,41 @@ async def test_from_config_takes_the_config_section(fake_alibaba: FakeAlibaba) -
         await a.close()
 
 
+@pytest.mark.parametrize("duration", [0, 1])
+async def test_the_configured_spot_duration_is_the_spot_price_read(
+        fake_alibaba: FakeAlibaba, duration: int) -> None:
+    """A spot price is per protection period (`SpotDuration`, default 1 h): configured
+    0, the spot offers carry the 0-hour price, and the spot questions ask for it."""
+    section = AlibabaConfig(regions=[REGION], endpoint=fake_alibaba.url, anonymous=True,
+                            usd_per_cny=RATE, spot_duration=duration)
+    a = from_config(section)
+    try:
+        spot = [o for o in await a.poll(REGION) if o.pool.market is Market.SPOT]
+    finally:
+        await a.close()
+    assert spot
+    for o in spot:
+        want = fake_alibaba.spot_price(REGION, o.pool.zone, o.pool.instance_type, duration)
+        other = fake_alibaba.spot_price(REGION, o.pool.zone, o.pool.instance_type,
+                                        1 - duration)
+        assert o.price_per_hour == pytest.approx(want * RATE, rel=1e-5)  # type: ignore[operator]
+        assert o.price_per_hour != pytest.approx(other * RATE, rel=1e-5)  # type: ignore[operator]
+    asked = [(action, p.get("SpotStrategy"), p.get("SpotDuration"))
+             for action, p in fake_alibaba.requests
+             if action in ("DescribeSpotPriceHistory", "DescribeAvailableResource")]
+    assert {x for x in asked if x[0] == "DescribeSpotPriceHistory"} == {
+        ("DescribeSpotPriceHistory", None, str(duration))}
+    assert {x for x in asked if x[0] == "DescribeAvailableResource"} == {
+        ("DescribeAvailableResource", "NoSpot", None),
+        ("DescribeAvailableResource", "SpotAsPriceGo", str(duration))}
+
+
+def test_spot_duration_is_0_or_1(fake_alibaba: FakeAlibaba) -> None:
+    with pytest.raises(InvalidConfig, match="spot_duration"):
+        AlibabaAdapter(regions=[REGION], endpoint=fake_alibaba.url, anonymous=True,
+                       spot_duration=2)
+
+
 # --- the SDK's default credential chain, in a fresh process ---------------------------
 # The chain reads its environment variables once, when first imported, so these run the
 # real command line in a child process with the environment under test.
