@@ -60,10 +60,11 @@ call per zone, shape and provisioning model (STANDARD for on-demand, SPOT for Sp
 at most `ADVICE_CONCURRENCY` at a time — every 30 min (`Refresh.advice`), on a task of
 its own that no poll waits for (a poll lists what the last read said; the first poll of
 a region lists none), within `Refresh.advice_budget` seconds, retried by `GcpSdk` like
-every call. The first call of a read goes alone: when it is refused (403: no
-`compute.advice.capacity` permission; or any other answer that will not heal), no
-other is made, the refusal is logged once (naming the permission), every pool's advice
-is dropped and none is asked for again for `Refresh.advice_denied` (6 h). A read that
+every call. The first call of a read goes alone: when the project is refused (401/403:
+no `compute.advice.capacity` permission), no other is made, the refusal is logged once
+(naming the permission), every pool's advice is dropped and none is asked for again for
+`Refresh.advice_denied` (6 h). A shape refused alone (a 400: a machine type the API does
+not advise on) only leaves that pool without advice; the others are asked. A read that
 fails for a while keeps the last answers, each for at most `Refresh.advice_max_age`.
 `obtainability` is the offer's `availability`; on Spot offers `estimatedUptime` gives
 `interruption_rate` (`adapters.hazard.hazard_from_uptime`: ln 2 / hours).
@@ -111,6 +112,7 @@ from adapters.common import (
 )
 from adapters.errors import (
     AdapterError,
+    AuthFailed,
     CloudUnavailable,
     InvalidConfig,
     RateLimited,
@@ -490,10 +492,13 @@ class GcpAdapter(CloudAdapter):
             return
         with poll_deadline(self._refresh.advice_budget):
             try:
-                first = await self._advise(region, *pools[0])
+                first: advice.Advice | AdapterError | None = await self._advise(region,
+                                                                                *pools[0])
             except AdapterError as exc:
-                self._advice_failed(region, st, exc)
-                return
+                if exc.retryable or isinstance(exc, AuthFailed):
+                    self._advice_failed(region, st, exc)
+                    return
+                first = exc  # this shape's own refusal (a 400 ...): the others are asked
             self._advice_allowed()
             gate = asyncio.Semaphore(ADVICE_CONCURRENCY)
 
@@ -508,19 +513,24 @@ class GcpAdapter(CloudAdapter):
         kept = dict(st.advice.value)
         errors: list[AdapterError] = []
         for (zone, shape, market), got in zip(pools, [first, *rest], strict=True):
-            if isinstance(got, AdapterError):
+            key = PoolKey("gcp", region, zone, shape.instance_type, market)
+            if isinstance(got, AdapterError) and (got.retryable or isinstance(got, AuthFailed)):
                 errors.append(got)
                 continue
-            if isinstance(got, BaseException):
+            if isinstance(got, AdapterError):  # refused for this shape alone: no advice
+                log.debug("gcp capacity advice refused for a shape", region=region,
+                          zone=zone, instance_type=shape.instance_type, market=market.value,
+                          error=type(got).__name__, detail=str(got))
+                got = None
+            elif isinstance(got, BaseException):
                 raise got
-            key = PoolKey("gcp", region, zone, shape.instance_type, market)
             if got is None:
                 kept.pop(key, None)
             else:
                 kept[key] = (got, now)
         st.advice.value = kept
         if errors:
-            refused = [e for e in errors if not e.retryable]
+            refused = [e for e in errors if isinstance(e, AuthFailed)]
             self._advice_failed(region, st, (refused or errors)[0])
         else:
             note_optional(log, "gcp", region, "capacity advice", st.advice, kept)
@@ -538,10 +548,12 @@ class GcpAdapter(CloudAdapter):
             return None
 
     def _advice_failed(self, region: str, st: _RegionState, exc: AdapterError) -> None:
-        """A transient failure keeps the last answers (logged once); a refusal (an error
-        that will not heal: 403, 404, 400 ...) drops every region's advice and is
-        remembered for `Refresh.advice_denied`, logged once until advice works again."""
-        if exc.retryable:
+        """A transient failure keeps the last answers (logged once); a refusal of the
+        project (`AuthFailed`: 401, 403, no permission) drops every region's advice and is
+        remembered for `Refresh.advice_denied`, logged once until advice works again. An
+        error that will not heal for one shape alone (a 400 ...) is not a refusal: that
+        pool has no advice, the others keep theirs (`_read_advice`)."""
+        if not isinstance(exc, AuthFailed):
             note_optional(log, "gcp", region, "capacity advice", st.advice, exc)
             return
         self._advice_denied = self._mono()

@@ -138,7 +138,8 @@ selections, each with ``machineTypes[]`` and optionally ``guestAccelerators[]``
 ``set_capacity_advice`` for (zone, machine type, attached accelerator, model), else a
 fixed function of the four (obtainability 0.30-1.00, Spot uptime 1-24 h). Machine types
 and accelerators the zone does not have, an unknown model or zone, or more than one
-zone answer 400. ``advice_denied = True`` answers 403 (``forbidden``: "Required
+zone answer 400, as does a machine type in ``advice_unsupported``. ``advice_denied = True``
+answers 403 (``forbidden``: "Required
 'compute.advice.capacity' permission ...", as a project without the permission is
 answered); ``advice_requests`` records each body. Calls are counted per zone asked.
 
@@ -584,6 +585,9 @@ class FakeGCP(FakeServer[tuple[str, str]]):
         # (zone, machine type, accelerator or "", model) -> (obtainability, uptime seconds)
         self._advice: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
         self.advice_denied = False
+        self.advice_unsupported: set[str] = set()
+        """Machine types advice is refused for with a 400, as the API refuses a shape it
+        does not advise on; the other shapes are answered."""
         self.advice_requests: list[dict[str, Any]] = []
         self.token_requests = 0
         self._world = _world(prices_csv)
@@ -1047,6 +1051,9 @@ class FakeGCP(FakeServer[tuple[str, str]]):
         selection = next(iter(selections.values()))
         machines = selection.get("machineTypes") or []
         names = {m[0] for m in self._world.machines[zone]}
+        if machines and machines[0] in self.advice_unsupported:
+            raise FakeGCPError(400, f"Invalid value for field 'machineTypes': {machines}: "
+                                    "capacity advice is not supported for this machine type.")
         if len(machines) != 1 or machines[0] not in names:
             raise FakeGCPError(400, f"Invalid value for field 'machineTypes': {machines}: "
                                     f"not a machine type of {zone}.")

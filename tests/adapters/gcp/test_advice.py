@@ -143,6 +143,27 @@ async def test_a_refusal_is_remembered_and_logged_once(fake_gcp: FakeGCP, clocks
     assert offers[pool(A2, OD)].availability is not None
 
 
+async def test_a_shape_refused_alone_leaves_the_others_advised(fake_gcp: FakeGCP,
+                                                               adapter: GcpAdapter) -> None:
+    """A 400 for one machine type is that shape's refusal, not the project's: the other
+    pools keep their advice, nothing is logged as a refusal, the next read asks again."""
+    fake_gcp.advice_unsupported = {A2}
+    fake_gcp.set_capacity_advice(ZONE, "n1-standard-8", "SPOT", obtainability=0.6,
+                                 uptime_seconds=1800, accelerator="nvidia-tesla-t4")
+    await adapter.poll(REGION)
+    with capture_logs() as logs:
+        await adapter.refresh_advice(REGION)
+    offers = listed(await adapter.poll(REGION))
+    assert not [e for e in logs if e["log_level"] == "warning"]
+    assert offers[pool(A2, SPOT)].availability is None
+    assert offers[pool(A2, OD)].availability is None
+    assert offers[pool(T4, SPOT)].availability == 0.6
+    asked = fake_gcp.call_count("advice.capacity")
+    assert asked == len(offers)  # every pool was asked, the refused ones included
+    await adapter.refresh_advice(REGION)
+    assert fake_gcp.call_count("advice.capacity") == 2 * asked
+
+
 async def test_a_failing_read_keeps_the_last_answers_for_a_while(
         fake_gcp: FakeGCP, clocks: Clocks, adapter: GcpAdapter) -> None:
     fake_gcp.set_capacity_advice(ZONE, A2, "SPOT", obtainability=0.5, uptime_seconds=3600)
