@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from gpubroker_client.calls import MAX_REQUEST, Requests, _Waiter
 from gpubroker_client.errors import (
     BrokerError,
     InvalidRequest,
@@ -35,7 +36,6 @@ from gpubroker_client.events import (
 from gpubroker_client.lease import Callback, Lease
 from gpubroker_client.model import SCHEDULER_ID, LeaseState, Placement, parse_iso
 from gpubroker_client.orphans import Abandoned
-from gpubroker_client.requests import MAX_REQUEST, Requests, _Waiter
 from gpubroker_client.watch import LeaseWatch
 
 __all__ = ["MAX_REQUEST", "BrokerClient"]

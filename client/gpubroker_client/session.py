@@ -32,7 +32,7 @@ from gpubroker_client.options import Protocol, check_options, unsupported_versio
 from gpubroker_client.watch import SYNC_FALLBACK_SECONDS, LeaseWatch
 
 if TYPE_CHECKING:
-    from gpubroker_client.requests import _Waiter
+    from gpubroker_client.calls import _Waiter
 
 __all__ = ["DEFAULT_PREFIX", "Session"]
 
