@@ -415,19 +415,27 @@ def _errors(err: ValidationError) -> list[FieldError]:
     return list(seen.values())
 
 
+_Model = TypeVar("_Model", bound=BaseModel)
 _Body = TypeVar("_Body", PlacePayload, QuotePayload)
 
 
-def _place_body(model: type[_Body], payload: bytes) -> _Body | Invalid:
-    """A `place` or `quote` body, decoded, validated and checked for a split."""
+def _validated(model: type[_Model], payload: bytes, *, echo_rid: bool = True
+               ) -> _Model | Invalid:
+    """A request body, decoded and validated by its model; else what is wrong with it
+    (with the body's valid `request_id` when `echo_rid`)."""
     data = _decode(payload)
     if isinstance(data, Invalid):
         return data
     try:
-        p = model.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as err:
-        return Invalid(_errors(err), _rid(data))
-    return _split_needs_no_gang(p) or p
+        return Invalid(_errors(err), _rid(data) if echo_rid else None)
+
+
+def _place_body(model: type[_Body], payload: bytes) -> _Body | Invalid:
+    """A `place` or `quote` body, decoded, validated and checked for a split."""
+    p = _validated(model, payload)
+    return p if isinstance(p, Invalid) else (_split_needs_no_gang(p) or p)
 
 
 def parse_place(scheduler: str, payload: bytes) -> PlaceRequest | Invalid:
@@ -512,25 +520,15 @@ def unknown_name(what: str, name: str, known: Collection[str],
 
 
 def parse_lease_ref(payload: bytes) -> LeaseRef | Invalid:
-    data = _decode(payload)
-    if isinstance(data, Invalid):
-        return data
-    try:
-        r = LeaseRefPayload.model_validate(data)
-    except ValidationError as err:
-        return Invalid(_errors(err))
-    return LeaseRef(r.lease_id, r.epoch)
+    r = _validated(LeaseRefPayload, payload, echo_rid=False)
+    return r if isinstance(r, Invalid) else LeaseRef(r.lease_id, r.epoch)
 
 
 def parse_release(payload: bytes) -> LeaseRef | Invalid:
     """A `release`: by `lease_id` (and `epoch`), or by `request_id`; exactly one."""
-    data = _decode(payload)
-    if isinstance(data, Invalid):
-        return data
-    try:
-        r = ReleasePayload.model_validate(data)
-    except ValidationError as err:
-        return Invalid(_errors(err), _rid(data))
+    r = _validated(ReleasePayload, payload)
+    if isinstance(r, Invalid):
+        return r
     if (r.lease_id is None) == (r.request_id is None):
         return Invalid([{"field": "lease_id" if r.lease_id is None else "",
                          "message": "exactly one of lease_id and request_id"}],
@@ -547,13 +545,8 @@ def parse_release(payload: bytes) -> LeaseRef | Invalid:
 
 def parse_lookup(payload: bytes) -> str | Invalid:
     """A `lookup`: its `request_id`."""
-    data = _decode(payload)
-    if isinstance(data, Invalid):
-        return data
-    try:
-        return LookupPayload.model_validate(data).request_id
-    except ValidationError as err:
-        return Invalid(_errors(err), _rid(data))
+    r = _validated(LookupPayload, payload)
+    return r if isinstance(r, Invalid) else r.request_id
 
 
 def echoed_lease_id(payload: bytes) -> str | None:
@@ -568,11 +561,5 @@ def echoed_lease_id(payload: bytes) -> str | None:
 
 
 def parse_report(payload: bytes) -> Report | Invalid:
-    data = _decode(payload)
-    if isinstance(data, Invalid):
-        return data
-    try:
-        r = ReportPayload.model_validate(data)
-    except ValidationError as err:
-        return Invalid(_errors(err))
-    return Report(r.lease_id, r.kind, r.detail, r.epoch)
+    r = _validated(ReportPayload, payload, echo_rid=False)
+    return r if isinstance(r, Invalid) else Report(r.lease_id, r.kind, r.detail, r.epoch)
