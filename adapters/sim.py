@@ -35,7 +35,9 @@ it behaves like the real thing where the broker can tell the difference:
   - Azure: the eviction-rate band (`0-5`, `5-10`, `10-15`, `15-20`, `20+` %) over
     28 days; `availability` a three-level placement score (High 0.9, Medium 0.5,
     Low 0.1).
-  - GCP: no spot risk signal at all: `availability` and `interruption_rate` are `None`.
+  - GCP: the capacity advice (`adapters/gcp/advice.py`): `availability` its
+    `obtainability` (0..1, two decimals); the hazard read from its `estimatedUptime`,
+    the time half of the Spot VMs outlive (2 significant digits of real time).
   - Alibaba: the `DescribeSpotAdvice` release rate (`InterruptionRate`, % to 0.1) over
     30 days; `availability` the stock category (`WithStock` 1.0, `ClosedWithStock` 0.3,
     `WithoutStock` 0.0).
@@ -78,7 +80,12 @@ from typing import ClassVar, Final
 from adapters.base import CloudAdapter, LeasedPools
 from adapters.errors import InvalidConfig
 from adapters.gpus import canonical, memory_gb
-from adapters.hazard import WINDOW_HOURS, hazard_from_band, hazard_from_percent
+from adapters.hazard import (
+    WINDOW_HOURS,
+    hazard_from_band,
+    hazard_from_percent,
+    hazard_from_uptime,
+)
 from broker.model import CapacitySignal, Market, Offer, PoolKey, SignalKind, utcnow
 
 __all__ = ["CATALOG", "CLOUDS", "REGION_NAMES", "SimAdapter", "SimInstanceType"]
@@ -298,6 +305,21 @@ def _release_rate(cloud: str) -> Callable[[float], float]:
     return publish
 
 
+def _uptime(rate: float) -> float:
+    """GCP: the capacity advice's `estimatedUptime` of a Spot VM, the time half of the
+    VMs outlive (ln 2 / the hazard), published as a Duration in whole seconds of real
+    time, given here to 2 significant digits (a real month is an hour here) → the
+    hazard the one interruption model reads from it (`hazard_from_uptime`), per sim
+    hour."""
+    real_hours = float(f"{math.log(2) / rate * _TIME_SCALE:.2g}")
+    return hazard_from_uptime(real_hours / _TIME_SCALE)
+
+
+def _obtainability(a: float) -> float:
+    """GCP: the capacity advice's `obtainability`, 0..1 to two decimals."""
+    return round(a, 2)
+
+
 def _window(cloud: str) -> float:
     """The cloud's trailing window (`adapters.hazard.WINDOW_HOURS`) in sim hours."""
     return WINDOW_HOURS[cloud] / _TIME_SCALE
@@ -333,7 +355,7 @@ _SIGNALS: Final[MappingProxyType[str, _Signal]] = MappingProxyType({
         "aws", ("<5%", "5-10%", "10-15%", "15-20%", ">20%"), (5, 10, 15, 20))),
     "azure": _Signal(3, _score_three, _banded(
         "azure", ("0-5", "5-10", "10-15", "15-20", "20+"), (5, 10, 15, 20))),
-    "gcp": _Signal(1, None, None),
+    "gcp": _Signal(1, _obtainability, _uptime),
     "alibaba": _Signal(2, _stock, _release_rate("alibaba")),
 })
 """Each cloud's spot signal (see the module docstring)."""

@@ -582,7 +582,7 @@ def test_the_draws_follow_the_hidden_truth_not_the_observed_signal() -> None:
     assert blind.rate(calm, 0) == 0.05
 
 
-def test_a_generated_market_hides_its_truth_and_gcp_shows_no_rate() -> None:
+def test_a_generated_market_hides_its_truth() -> None:
     from broker.backtest.market import SimSpec, simulate_market
 
     m = simulate_market(SimSpec(6 * 3600, 3, 1), step_seconds=STEP)
@@ -594,10 +594,10 @@ def test_a_generated_market_hides_its_truth_and_gcp_shows_no_rate() -> None:
                 if k.market is Market.SPOT and o is not None:
                     observed.setdefault(k, []).append(o.interruption_rate)
     assert set(m.truth) == set(observed)
-    gcp = [r for k, rs in observed.items() if k.cloud == "gcp" for r in rs]
-    assert gcp and set(gcp) == {None}
+    gcp = {r for k, rs in observed.items() if k.cloud == "gcp" for r in rs}
+    assert len(gcp - {None}) > 10  # GCP's estimated uptime, read as a hazard
     # the rows never carry the hidden hazard: AWS and Azure show a few bands, Alibaba
-    # a release rate to 0.1 %
+    # a release rate to 0.1 %, GCP an uptime to 2 digits
     shown = {r for rs in observed.values() for r in rs}
     banded = {r for k, rs in observed.items() if k.cloud in ("aws", "azure") for r in rs}
     true = {r for _, rates in m.truth.values() for r in rates}
