@@ -40,12 +40,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker.backtest.draws import hazard_schedule
+from broker.backtest.draws import HazardSchedule, hazard_schedule
 from broker.backtest.engine import simulate
 from broker.backtest.ledger import Settings, Tally
 from broker.backtest.market import MarketTrace
 from broker.backtest.private import PrivateSite, with_private
-from broker.backtest.strategies import build
+from broker.backtest.strategies import Strategy, build
 from broker.backtest.workload import Workload
 from broker.model import PoolKey
 from policies.model import Policy
@@ -74,6 +74,10 @@ class Result:
             "idle_gpu_hours": _r(t.idle_gpu_hours),
             "spot_share": _r(t.spot_gpu_hours / t.paid_gpu_hours) if t.paid_gpu_hours
             else None,
+            "spot_share_by_cloud": {
+                cloud: _r(hours / t.spot_gpu_hours)
+                for cloud, hours in sorted(t.spot_gpu_hours_by_cloud.items())}
+            if t.spot_gpu_hours else {},
             "interruptions": interruptions,
             "interrupted": t.interrupted,
             "capacity_lost": t.capacity_lost,
@@ -157,6 +161,8 @@ class Comparison:
     """The private pool, when the strategies also ran with it (`hybrid`)."""
     hybrid: tuple[Result, ...] = ()
     """Each strategy of `results` again, seeing the private pool (same order)."""
+    truth: str = ""
+    """What the interruption draws follow (`HazardSchedule.truth`)."""
 
     @property
     def simulated_hours(self) -> float:
@@ -184,6 +190,7 @@ class Comparison:
             "market": self.market.describe(),
             "workload": self.workload.describe(),
             "settings": self.settings.to_json(),
+            "interruptions_drawn_from": self.truth,
             "policy": self.policy,
             "strategies": [r.metrics() for r in self.results],
         }
@@ -212,9 +219,11 @@ class Comparison:
                 f"({self.cpu_seconds:.1f} s CPU): {rate:,.1f} simulated hours per second")
 
 
-REPORT_FORMAT = 2
-"""The JSON report's `report_format`: 2 added `report_format`, `market.zone_labels`,
-`seeds` and `summary` to the keys of 1 (which had no `report_format`). With a private
+REPORT_FORMAT = 3
+"""The JSON report's `report_format`: 3 added `interruptions_drawn_from`,
+`settings.pool_wide_share` and each strategy's `spot_share_by_cloud`; 2 added
+`report_format`, `market.zone_labels`, `seeds` and `summary` to the keys of 1 (which
+had no `report_format`). With a private
 pool it adds `private` at the top, in each entry of `seeds` and in `summary`; no key of
 a report without one changes."""
 
@@ -341,18 +350,32 @@ class Seeds:
                 f"({cpu:.1f} s CPU): {rate:,.1f} simulated hours per second")
 
 
-def compare(market: MarketTrace, workload: Workload, names: Sequence[str], policy: Policy,
+Extra = Callable[[HazardSchedule, MarketTrace], Sequence[Strategy]]
+"""Makes strategies to run beside the named ones, from the draws and the market."""
+
+
+# Many arguments: what is compared, then keyword-only options (each of its own).
+def compare(market: MarketTrace, workload: Workload, names: Sequence[str], policy: Policy,  # noqa: PLR0913
             settings: Settings, *, policy_name: str = "embedded",
             progress: Progress | None = None,
-            private: PrivateSite | None = None) -> Comparison:
+            private: PrivateSite | None = None,
+            extra: Extra | None = None) -> Comparison:
     """Run each strategy of `names` through `market` and `workload`; with a `private`
     pool, each twice in one lockstep: cloud only, and with the pool (see the module
-    docstring)."""
+    docstring). The strategies `extra` makes from the interruption draws and the market
+    (gpubroker under other settings; an `Oracle` that sees the draws' true hazards) run
+    in the same lockstep after them, without a private pool."""
+    if private is not None and extra is not None:
+        raise ValueError("compare: extra strategies run without a private pool")
     started, cpu = time.perf_counter(), time.process_time()
     replay = market if private is None else with_private(market, private)
     schedule = hazard_schedule(replay, seed=settings.seed, step_seconds=settings.step_seconds,
-                               default_rate=settings.default_interruption_rate)
+                               default_rate=settings.default_interruption_rate,
+                               pool_wide_share=settings.pool_wide_share)
     strategies = [build(name, policy) for name in names]
+    if extra is not None:
+        strategies += extra(schedule, replay)
+    ran = len(strategies)
     hidden: list[frozenset[PoolKey]] = [frozenset()] * len(strategies)
     if private is not None:
         hidden = [frozenset({private.key})] * len(strategies)
@@ -365,9 +388,9 @@ def compare(market: MarketTrace, workload: Workload, names: Sequence[str], polic
 
     tallies = simulate(replay, workload, strategies, schedule, settings, day, hidden=hidden)
     results = [Result(s.name, s.how, t) for s, t in zip(strategies, tallies, strict=True)]
-    return Comparison(market, workload, settings, policy_name, tuple(results[:len(names)]),
+    return Comparison(market, workload, settings, policy_name, tuple(results[:ran]),
                       time.perf_counter() - started, time.process_time() - cpu,
-                      private, tuple(results[len(names):]))
+                      private, tuple(results[ran:]), schedule.truth)
 
 
 def embedded_policy(restart_hours: float | None = None) -> tuple[Any, str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,32 @@ POOL_WIDE_SHARE = 0.25
 """The share of a spot pool's hazard that is pool-wide (a capacity reclaim hitting every
 lease on the pool at once); the rest strikes each instance on its own."""
 
+CORRELATED_POOL_WIDE_SHARE = 0.9
+"""The correlated market variant's pool-wide share (`--pool-wide-share`): interruptions
+are mostly capacity reclaims that take every lease of a pool at once, so a gang is
+hardly riskier than one instance, unlike what gang scoring (n × the rate) assumes."""
+
+HIDDEN_FACTOR_SIGMA = 0.5
+"""A market read from a file has no hidden truth: its draws use each pool's observed
+rate (or the default) times a hidden factor, lognormal with median 1 and this σ (the
+simulated market's persistent pool factor has the same), drawn once per pool from the
+draw seed (`hidden_factor`). A strategy sees the rate; the draws follow the rate times
+a factor no strategy sees, so replaying a trace that carries rates is no replay of
+the truth."""
+
+TRUTH_GENERATED = "the simulated market's hidden true hazard"
+TRUTH_FACTOR = (f"each row's rate (or the default) × a hidden per-pool factor "
+                f"(lognormal, median 1, σ {HIDDEN_FACTOR_SIGMA:g})")
+
+
+def hidden_factor(seed: int, key: PoolKey) -> float:
+    """The hidden factor of pool `key` under draw seed `seed` (`HIDDEN_FACTOR_SIGMA`): a
+    stable hash, the same in every process."""
+    h = hashlib.blake2b(f"factor\x1f{seed}\x1f{key.cloud}\x1f{key.region}\x1f{key.zone}"
+                        f"\x1f{key.instance_type}".encode(), digest_size=8).digest()
+    u = (int.from_bytes(h, "big") + 0.5) / 2.0**64
+    return math.exp(HIDDEN_FACTOR_SIGMA * statistics.NormalDist().inv_cdf(u))
+
 
 def _lease_draw(prefix: Any, k: int, job: int) -> tuple[float, float]:
     h = prefix.copy()
@@ -63,9 +90,15 @@ class HazardSchedule:
     rates: dict[PoolKey, tuple[list[int], list[float]]]
     """Per spot pool: the steps from which its rate changed, and the rate (per hour)."""
     hidden: bool
-    """The rates are the market's hidden truth (else the rows' observed rates)."""
+    """The rates are the generated market's hidden truth (else the rows' observed rates
+    times each pool's `hidden_factor`)."""
     pool_wide_share: float = POOL_WIDE_SHARE
     _prefixes: dict[PoolKey, Any] = field(default_factory=dict)
+
+    @property
+    def truth(self) -> str:
+        """What the draws follow, for the report."""
+        return TRUTH_GENERATED if self.hidden else TRUTH_FACTOR
 
     def __iter__(self) -> Iterator[tuple[float, PoolKey]]:
         return iter(self.pool_hits)
@@ -133,13 +166,15 @@ def hazard_schedule(market: MarketTrace, *, seed: int, step_seconds: float,
                     ) -> HazardSchedule:
     """The interruption draws of `market` (see the module docstring): the hidden truth's
     rates when the market has it, else the rows' (`default_rate` for a spot row without
-    one). The same for every strategy by construction."""
+    one) times each pool's `hidden_factor`. The same for every strategy by
+    construction."""
     pool_hits: list[tuple[float, PoolKey]] = []
     spot: dict[PoolKey, float] = {}
     prefixes: dict[PoolKey, Any] = {}
     rates: dict[PoolKey, tuple[list[int], list[float]]] = {}
     truth = market.truth
     cursor: dict[PoolKey, int] = {}
+    factors: dict[PoolKey, float] = {}
     gone: list[PoolKey] = []
     steps = market.steps
     i = 0
@@ -155,9 +190,13 @@ def hazard_schedule(market: MarketTrace, *, seed: int, step_seconds: float,
         gone.clear()
         hits = []
         for key, observed in spot.items():
-            rate = observed
             if truth is not None and (known := truth.get(key)) is not None:
                 rate = _true_rate(known, key, cursor, t_k)
+            else:
+                factor = factors.get(key)
+                if factor is None:
+                    factor = factors[key] = hidden_factor(seed, key)
+                rate = observed * factor
             seen = rates.get(key)
             if seen is None:
                 rates[key] = ([k], [rate])

@@ -358,6 +358,7 @@ class Run:
         tally.idle_gpu_hours += (p.total_gpus - job.gpus) * hours
         if p.pool.market is Market.SPOT:
             tally.spot_gpu_hours += p.total_gpus * hours
+            tally.spot_gpu_hours_by_cloud[p.pool.cloud] += p.total_gpus * hours
         elif p.pool.market is Market.RESERVED:
             key = p.pool
             tally.reserved_gpu_hours[key] = tally.reserved_gpu_hours.get(key, 0.0) \

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from broker.backtest.draws import POOL_WIDE_SHARE
 from broker.backtest.workload import Arrival
 from broker.market.hazard import HazardEstimator
 from broker.market.pool import ResourcePool
@@ -35,6 +36,10 @@ class Settings:
     """The generated market's seed, for the report (None: read from a file)."""
     workload_seed: int | None = None
     """The generated workload's seed, for the report (None: read from a file)."""
+    pool_wide_share: float = POOL_WIDE_SHARE
+    """The share of a spot pool's hazard that strikes every lease on it at once
+    (`--pool-wide-share`; `draws.CORRELATED_POOL_WIDE_SHARE` for the correlated
+    market variant)."""
 
     @property
     def draw_seed(self) -> int:
@@ -47,7 +52,8 @@ class Settings:
                 "restart_hours": self.restart_hours, "max_wait_hours": self.max_wait_hours,
                 "default_interruption_rate": self.default_interruption_rate,
                 "startup_minutes": self.startup_minutes,
-                "checkpoint_minutes": self.checkpoint_minutes}
+                "checkpoint_minutes": self.checkpoint_minutes,
+                "pool_wide_share": self.pool_wide_share}
 
 
 @dataclass(slots=True, eq=False)
@@ -90,6 +96,8 @@ class Tally:
     """The start-ups' part of `lost_gpu_hours`."""
     idle_gpu_hours: float = 0.0
     spot_gpu_hours: float = 0.0
+    spot_gpu_hours_by_cloud: Counter[str] = field(default_factory=Counter)
+    """`spot_gpu_hours` per cloud."""
     paid_gpu_hours: float = 0.0
     interrupted: int = 0
     capacity_lost: int = 0

@@ -14,14 +14,18 @@ true hazard at every step (`MarketTrace.truth`, from `SimAdapter.true_rates`): t
 simulated market's offers show only a lagged, noisy, quantised and sometimes missing
 signal of it (adapters/sim.py), and strategies see only those offers. The interruption
 draws use the truth. A market read from a trace file has none: its draws use each row's
-`interruption_rate` (`default_rate` when the row has none). `--save-market` writes the
-observed rows only (the trace format has no hidden column), so a saved simulated market
-replayed from its file draws from the observed rates, not from the truth.
+`interruption_rate` (`default_rate` when the row has none) times a hidden per-pool
+factor (`draws.hidden_factor`: lognormal, median 1, drawn from the draw seed), so a
+trace that carries rates, recorded by `gpubroker history` or saved by `--save-market`,
+is never replayed with the signal as the truth. `--save-market` writes the observed
+rows only (the trace format has no hidden column), so a saved simulated market replayed
+from its file draws from the observed rates times that factor, not from the truth.
 
 **Interruption draws** (`hazard_schedule`) are a property of the market and the draw
 seed, made once and shared by every strategy. For step k of the fixed grid (`step`
 seconds from the start) a spot pool offered at its start has the rate λ of `t_k` (the
-truth, else the row's rate). A share `POOL_WIDE_SHARE` of it is pool-wide, a capacity
+truth, else the row's rate times the pool's hidden factor). A share (`POOL_WIDE_SHARE`,
+or the settings' `pool_wide_share`) of it is pool-wide, a capacity
 reclaim that hits every lease on the pool at once: `u, v = H(seed, pool, k)` (a stable
 hash, BLAKE2b, not Python's salted `hash`), a hit at `t_k + v × step` when
 `u < 1 − exp(−share × λ × step)`. The rest is per instance: a lease of n instances held

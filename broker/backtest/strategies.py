@@ -13,13 +13,16 @@ cool-down. They differ only in which feasible offer they choose, first and on fa
   on-demand when no spot offer fits. `placement.place` with the zero-weight policy, once
   with the request narrowed to spot, then (for what is left) to on-demand; failover the
   same way through `failover.replacement`.
-* `price_capacity` — spot pools ranked by availability, then price (EC2 Fleet's
-  price-capacity-optimized allocation, which Karpenter uses for spot); on-demand when no
-  spot fits. The lexicographic ranking is not an expected cost, so spot is chosen by
-  `choose_price_capacity` below, over the same `PoolView` with the same feasibility
-  rules; the on-demand fallback goes through `placement.place` like `cheapest_spot`'s.
-  Availability is bucketed into ten levels (like EC2's spot placement scores 1-10) so
-  that price still decides between pools of about the same availability.
+* `price_capacity` — EC2 Fleet's price-capacity-optimized allocation (which Karpenter
+  uses for spot) as it really works, within one cloud on that cloud's own capacity
+  signal: in each cloud, spot pools ranked by availability, then price; across clouds,
+  the cheapest of each cloud's pick. On-demand when no spot fits. The lexicographic
+  ranking is not an expected cost, so spot is chosen by `choose_price_capacity` below,
+  over the same `PoolView` with the same feasibility rules; the on-demand fallback goes
+  through `placement.place` like `cheapest_spot`'s. Availability is bucketed into ten
+  levels relative to the cloud's most available pool (like EC2's spot placement scores
+  1-10, and because the clouds' scales differ) so that price still decides between
+  pools of about the same availability.
 * `gpubroker` — `placement.place` with the policy (the expected-cost optimizer and
   whatever the policy says), failover through `failover.replacement` and the policy's
   ladder: exactly what the daemon does.
@@ -47,8 +50,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime
+from typing import Any
 
 from broker.backtest import STRATEGIES
+from broker.backtest.draws import HazardSchedule
 from broker.leasing import failover
 from broker.model import (
     Lease,
@@ -206,7 +211,8 @@ class CheapestSpot(Strategy):
 
 class PriceCapacity(Strategy):
     name = "price_capacity"
-    how = ("spot by availability (10 levels), then price; on-demand if no spot fits "
+    how = ("spot by availability (10 levels of each cloud's own scale), then price, "
+           "within each cloud; the cheapest cloud's pick; on-demand if no spot fits "
            "(own chooser for spot, placement.place for on-demand)")
 
     def _spot(self, asks: Sequence[Ask], view: PoolView, now: datetime) -> list[Outcome]:
@@ -248,6 +254,68 @@ class Gpubroker(Strategy):
         return failover.replacement(lease, view, self.policy, self.resident, now)
 
 
+class TruthView:
+    """A `PoolView` whose spot offers carry the interruption draws' true hazard at `now`
+    (`HazardSchedule.rate` of the step) instead of the cloud's signal; everything else
+    read through from `view`. Offers are rewritten once per GPU, market and step."""
+
+    def __init__(self, view: PoolView, schedule: HazardSchedule, k: int) -> None:
+        self._view = view
+        self._schedule = schedule
+        self._k = k
+        self._lists: dict[tuple[str, Market | None], list[Offer]] = {}
+        self.hazard = None  # the truth is known: no history to estimate it from
+
+    def _true(self, offer: Offer) -> Offer:
+        if offer.pool.market is not Market.SPOT:
+            return offer
+        return replace(offer, interruption_rate=self._schedule.rate(offer.pool, self._k))
+
+    def by_gpu(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
+        got = self._lists.get((gpu, market))
+        if got is None:
+            got = self._lists[(gpu, market)] = [
+                self._true(o) for o in self._view.by_gpu(gpu, market)]
+        return got
+
+    def get(self, key: PoolKey) -> Offer | None:
+        offer = self._view.get(key)
+        return None if offer is None else self._true(offer)
+
+    def __getattr__(self, name: str) -> Any:  # stale_slices, slice_of, cooling, held, ...
+        return getattr(self._view, name)
+
+
+class Oracle(Strategy):
+    """gpubroker's placement and failover under `policy`, seeing each spot pool's true
+    hazard (what the interruption draws follow) where the others see the cloud's signal:
+    the reference for which clouds' spot capacity is worth taking. Not a strategy a
+    user could run; the benchmark reports it beside them."""
+
+    name = "oracle"
+    how = "gpubroker's optimizer seeing the true hazards instead of the clouds' signals"
+
+    def __init__(self, policy: Policy, schedule: HazardSchedule, start: datetime) -> None:
+        scoring = policy.scoring.model_copy(update={"hazard_half_life_hours": 0.0})
+        super().__init__(policy.model_copy(update={"scoring": scoring}))
+        self._schedule = schedule
+        self._start = start
+        self._view: tuple[int, PoolView, TruthView] | None = None
+
+    def _truth(self, view: PoolView, now: datetime) -> TruthView:
+        k = int((now - self._start).total_seconds() // self._schedule.step_seconds)
+        if self._view is None or self._view[0] != k or self._view[1] is not view:
+            self._view = (k, view, TruthView(view, self._schedule, k))
+        return self._view[2]
+
+    def place(self, asks: Sequence[Ask], view: PoolView, now: datetime) -> list[Outcome]:
+        return self._placement(asks, self._truth(view, now), now)
+
+    def move(self, lease: Lease, view: PoolView, now: datetime) -> Outcome:
+        return failover.replacement(lease, self._truth(view, now), self.policy,
+                                    self.resident, now)
+
+
 def build(name: str, policy: Policy) -> Strategy:
     """The strategy `name` under the gpubroker `policy` (baselines get its
     `baseline_policy`)."""
@@ -265,20 +333,42 @@ def build(name: str, policy: Policy) -> Strategy:
 
 # --- price-capacity-optimized --------------------------------------------------------------
 
-def availability_level(offer: Offer, unknown: float) -> int:
-    """Availability in ten levels, 0..10 (an unknown one at the policy's default)."""
-    a = offer.availability if offer.availability is not None else unknown
-    return min(10, max(0, math.floor(a * 10 + 1e-9)))
+def availability_level(availability: float, best: float) -> int:
+    """Availability in ten levels, 0..10, relative to `best`, the highest availability
+    among the pools compared: the top tenth of `best` is level 10, the next 9, ...; 0
+    only for no availability (all level 0 when `best` is 0)."""
+    if best <= 0:
+        return 0
+    return min(10, max(0, math.ceil(availability / best * 10 - 1e-9)))
+
+
+_Candidate = tuple[float, float, PoolKey, Offer, int]  # (availability, price, key, offer, n)
+
+
+def _price_capacity_pick(found: Sequence[_Candidate]) -> tuple[int, _Candidate]:
+    """Within one cloud: the highest availability level (relative to that cloud's best
+    pool here), then the lowest price, then the pool key."""
+    best = max(c[0] for c in found)
+    level, pick = min(((availability_level(c[0], best), c) for c in found),
+                      key=lambda lc: (-lc[0], lc[1][1], lc[1][2]))
+    return level, pick
 
 
 def choose_price_capacity(asks: Sequence[Ask], view: PoolView, policy: Policy, *,
                           now: datetime) -> list[Outcome]:
-    """For each ask, the feasible offer of the highest availability level, then the
-    lowest price for the GPUs asked (then the pool key). Feasibility is the placement
-    rules' table (`broker.placement.rules`): acceptable model/market/cloud/region, not
-    stale, not cooling, not excluded, under the price cap, free capacity and quota (less
-    what earlier asks of the batch took), the spot discount, within the team's remaining
-    budget."""
+    """EC2 Fleet's price-capacity-optimized allocation, used the way a multi-cloud user
+    would: within each cloud, on that cloud's own capacity signal, the feasible pool of
+    the highest availability level (ten levels, relative to the cloud's most available
+    feasible pool, since each cloud publishes on its own scale: Azure's top is 0.9,
+    Alibaba's stock 0 / 0.3 / 1, AWS's placement score in tenths, GCP's obtainability),
+    then the lowest price; then across clouds, paid-for capacity first (as EC2 Fleet
+    uses capacity reservations first), then the cheapest of those picks (then the pool
+    key). An unknown availability counts as the policy's `unknown_availability`.
+
+    Feasibility is the placement rules' table (`broker.placement.rules`): acceptable
+    model/market/cloud/region, not stale, not cooling, not excluded, under the price
+    cap, free capacity and quota (less what earlier asks of the batch took), the spot
+    discount, within the team's remaining budget."""
     stale, cooling = view.stale_slices(now), view.cooling(now)
     taken: Counter[PoolKey] = Counter()
     taken_gpus: Counter[PoolKey] = Counter()
@@ -290,7 +380,7 @@ def choose_price_capacity(asks: Sequence[Ask], view: PoolView, policy: Policy, *
         if isinstance(c, Denied):
             out.append(Rejection(ask, c.code, c.detail))
             continue
-        best: tuple[tuple[int, float, PoolKey], Offer, int] | None = None
+        by_cloud: dict[str, list[_Candidate]] = {}
         matching = under_cap = 0
         probe = rules.Probe(req, c, view, policy, ask.exclude, stale, cooling, taken,
                             taken_gpus)
@@ -307,20 +397,24 @@ def choose_price_capacity(asks: Sequence[Ask], view: PoolView, policy: Policy, *
                     under_cap += 1
                     if failed is not None:
                         continue
-                    price = instances * offer.price_per_hour
-                    rank = (-availability_level(offer, unknown), price, offer.pool)
-                    if best is None or rank < best[0]:
-                        best = (rank, offer, instances)
-        if best is None:
+                    a = offer.availability if offer.availability is not None else unknown
+                    by_cloud.setdefault(offer.pool.cloud, []).append(
+                        (a, instances * offer.price_per_hour, offer.pool, offer, instances))
+        if not by_cloud:
             out.append(_rejection(ask, c, matching, under_cap))
             continue
-        (_, price, _), offer, instances = best
+        picks = [_price_capacity_pick(found) for found in by_cloud.values()]
+        # paid-for capacity first (as EC2 Fleet uses capacity reservations first), then
+        # the cheapest pick
+        level, (_, price, _, offer, instances) = min(
+            picks, key=lambda lc: (lc[1][2].market is not Market.RESERVED, *lc[1][1:3]))
         chosen = Placement.of(offer, instances)
         taken[chosen.pool] += instances
         taken_gpus[chosen.pool] += chosen.total_gpus
         out.append(Decision(ask, chosen, price,
-                            f"price-capacity-optimized: availability level "
-                            f"{availability_level(offer, unknown)}/10, "
+                            f"price-capacity-optimized within {offer.pool.cloud}: "
+                            f"availability level {level}/10 of its best pool, the "
+                            f"cheapest of {len(picks)} clouds' picks at "
                             f"${chosen.price_per_gpu_hour:.4g}/GPU-h", ()))
     return out
 

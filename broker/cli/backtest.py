@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from broker.backtest import STRATEGIES
+from broker.backtest.draws import CORRELATED_POOL_WIDE_SHARE, POOL_WIDE_SHARE
 from broker.backtest.market import MAX_SPAN_DAYS
 from broker.backtest.private import PrivateSite
 from broker.cli.common import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, error_line, output_problem
@@ -77,6 +78,10 @@ def add_parser(sub: Any) -> None:
                    help="a request waiting longer is never placed / abandoned (24)")
     p.add_argument("--default-interruption-rate", type=float, default=0.05, metavar="R",
                    help="interruptions per hour of a spot pool the trace gives none (0.05)")
+    p.add_argument("--pool-wide-share", type=float, default=POOL_WIDE_SHARE, metavar="S",
+                   help="the share of a spot pool's hazard that strikes every lease on it at "
+                        f"once, 0..1 (default {POOL_WIDE_SHARE:g}; "
+                        f"{CORRELATED_POOL_WIDE_SHARE:g}: the correlated market variant)")
     p.add_argument("--format", choices=["table", "json"], default="table",
                    help="the report on stdout: table for people (default), or json")
     p.add_argument("--json-out", type=Path, metavar="FILE", help="also write the JSON report")
@@ -85,7 +90,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--save-market", type=Path, metavar="FILE",
                    help="write the market as a trace file (.jsonl or .csv, optionally .gz): "
                         "the observed rows only; a simulated market replayed from it draws "
-                        "interruptions from the observed rates, not its hidden truth")
+                        "interruptions from the observed rates times a hidden per-pool "
+                        "factor, not its hidden truth")
     p.add_argument("--save-workload", type=Path, metavar="FILE",
                    help="write the workload as a workload file")
     p.add_argument("--private-gpus", type=int, metavar="N",
@@ -138,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
                         max_wait_hours=args.max_wait_hours,
                         default_interruption_rate=args.default_interruption_rate,
                         startup_minutes=args.startup_minutes,
-                        checkpoint_minutes=args.checkpoint_minutes)
+                        checkpoint_minutes=args.checkpoint_minutes,
+                        pool_wide_share=args.pool_wide_share)
     if args.policy is not None:
         policy = load_policy(args.policy)  # SourceError: gpubroker main prints it, exit 2
         policy_name = str(args.policy)
@@ -202,6 +209,9 @@ def _range_problems(args: argparse.Namespace) -> list[str]:
             problems.append(f"{flag}: must be >= {low:g}, got {value!r}")
         elif value > high:
             problems.append(f"{flag}: must be at most {high:g}, got {value!r}")
+    if not 0.0 <= args.pool_wide_share <= 1.0:  # also NaN
+        problems.append(f"--pool-wide-share: must be within 0..1, got "
+                        f"{args.pool_wide_share!r}")
     if not args.step_minutes > 0:
         problems.append(f"--step-minutes: must be > 0, got {args.step_minutes!r}")
     elif args.step_minutes > MAX_STEP_MINUTES:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from broker.backtest import chart as charts
 from broker.backtest import compare as cmp
-from broker.backtest.draws import hazard_schedule, uniforms
+from broker.backtest.draws import HazardSchedule, hazard_schedule, hidden_factor, uniforms
 from broker.backtest.engine import simulate
 from broker.backtest.ledger import Settings, Tally
 from broker.backtest.market import (
@@ -28,7 +29,13 @@ from broker.backtest.market import (
     save_market,
 )
 from broker.backtest.report import write_table
-from broker.backtest.strategies import STRATEGIES, build, choose_price_capacity
+from broker.backtest.strategies import (
+    STRATEGIES,
+    Oracle,
+    Strategy,
+    build,
+    choose_price_capacity,
+)
 from broker.backtest.workload import (
     Arrival,
     Workload,
@@ -301,11 +308,33 @@ def test_price_capacity_prefers_availability_then_price() -> None:
                              market="spot"))]
     [got] = choose_price_capacity(asks, pool, policy, now=T0)
     assert isinstance(got, Decision)
-    # 0.93 and 0.97 are the same level (9); the cheaper of the two wins
+    # 0.93 and 0.97 are the same level (the top tenth of the best, 10); the cheaper wins
     assert got.placement.pool == deep_cheaper
     pool.hold(deep_cheaper, 10)  # full: the next of the top level
     [got] = choose_price_capacity(asks, pool, policy, now=T0)
     assert isinstance(got, Decision) and got.placement.pool == dear_deep
+
+
+def test_price_capacity_ranks_availability_within_each_cloud_then_takes_the_cheapest() -> None:
+    # Each cloud publishes availability on its own scale (Azure's top is 0.9): within a
+    # cloud the most available pool, then price; across clouds the cheapest pick. Ranked
+    # on one scale, AWS's 1.0 would beat Azure's top 0.9 whatever the price.
+    aws_deep, aws_scarce = key("us-east-1a", "spot"), key("us-east-1b", "spot")
+    az_deep = PoolKey("azure", "eastus", "eastus-1", "Standard_NC4as_T4_v3", Market.SPOT)
+    az_scarce = PoolKey("azure", "eastus", "eastus-2", "Standard_NC4as_T4_v3", Market.SPOT)
+    pool = ResourcePool(stale_after_seconds=300, clock=lambda: T0)
+    pool.replace(("aws", "us-east-1"), [_offer(aws_deep, 2.0, 1.0),
+                                        _offer(aws_scarce, 0.9, 0.5)])
+    pool.replace(("azure", "eastus"), [_offer(az_deep, 1.5, 0.9),
+                                       _offer(az_scarce, 0.8, 0.1)])
+    asks = [Ask(PlaceRequest(scheduler="s", request_id="r", gpu=("L4",), gpus=1,
+                             market="spot"))]
+    [got] = choose_price_capacity(asks, pool, Policy(), now=T0)
+    assert isinstance(got, Decision) and got.placement.pool == az_deep
+    assert "within azure" in got.reason and "level 10/10" in got.reason
+    pool.hold(az_deep, 10)  # full: Azure's best is now its scarce pool, still cheaper
+    [got] = choose_price_capacity(asks, pool, Policy(), now=T0)
+    assert isinstance(got, Decision) and got.placement.pool == az_scarce
 
 
 def _offer(pool: PoolKey, price: float, availability: float) -> Offer:
@@ -573,13 +602,29 @@ def test_the_draws_follow_the_hidden_truth_not_the_observed_signal() -> None:
             + sum(1 for _, q in schedule.pool_hits if q == p) for p in (calm, wild)}
     # expected about 0.02 × 500 = 10 and 0.2 × 500 = 100 interruptions
     assert 3 <= hits[calm] <= 20 and 70 <= hits[wild] <= 130
-    # the same market read from its rows has no truth: the observed rate is drawn
+    # the same market read from its rows has no truth: the observed rate times a hidden
+    # per-pool factor is drawn, never the signal itself
     plain = hazard_schedule(market(rows, hours=500), seed=7, step_seconds=STEP,
                             default_rate=0.05)
-    assert not plain.hidden and plain.rate(calm, 10) == plain.rate(wild, 10) == 0.1
+    assert not plain.hidden and "hidden per-pool factor" in plain.truth
+    for pool in (calm, wild):
+        assert plain.rate(pool, 10) == pytest.approx(0.1 * hidden_factor(7, pool))
+        assert plain.rate(pool, 10) != 0.1
+    assert plain.rate(calm, 10) != plain.rate(wild, 10)
     blind = hazard_schedule(market([row(0, calm, rate=None)], hours=1), seed=7,
                             step_seconds=STEP, default_rate=0.05)
-    assert blind.rate(calm, 0) == 0.05
+    assert blind.rate(calm, 0) == pytest.approx(0.05 * hidden_factor(7, calm))
+    assert "hidden true hazard" in schedule.truth
+
+
+def test_the_hidden_factor_is_lognormal_with_median_one_and_seeded() -> None:
+    keys = [key(f"us-east-1{chr(97 + i % 26)}", "spot", f"t{i}") for i in range(4000)]
+    factors = sorted(hidden_factor(7, k) for k in keys)
+    logs = [math.log(f) for f in factors]
+    assert 0.9 < factors[len(factors) // 2] < 1.1
+    assert 0.45 < statistics.pstdev(logs) < 0.55  # HIDDEN_FACTOR_SIGMA
+    assert hidden_factor(7, keys[0]) == hidden_factor(7, keys[0])
+    assert sum(hidden_factor(8, k) != hidden_factor(7, k) for k in keys[:50]) == 50
 
 
 def test_a_generated_market_hides_its_truth() -> None:
@@ -604,10 +649,41 @@ def test_a_generated_market_hides_its_truth() -> None:
     assert len(banded - {None}) <= 10 < len(true) and not (true & (shown - {None}))
 
 
+def test_the_oracle_places_by_the_true_hazard_the_others_cannot_see() -> None:
+    # Two spot pools on two clouds with the same published rate, the riskier one
+    # (by its hidden factor: the draws follow the rate times it) 0.5 % cheaper.
+    # gpubroker sees the same risk and takes the cheaper; the oracle sees the truth and
+    # takes the safer, and the report splits spot GPU-hours by cloud.
+    aws = key("us-east-1a", "spot")
+    gcp = PoolKey("gcp", "us-central1", "us-central1-a", "g2-standard-4", Market.SPOT)
+    seed = 7
+    safer, riskier = sorted((aws, gcp), key=lambda p: hidden_factor(seed, p))
+    assert hidden_factor(seed, riskier) > 1.3 * hidden_factor(seed, safer)
+    rows = [row(0, safer, price=1.0, rate=0.2, capacity=50),
+            row(0, riskier, price=0.995, rate=0.2, capacity=50)]
+    m = market(rows, hours=6)
+    w = workload(*(job(0.25 * i, f"j{i}", duration=1.0) for i in range(16)))
+    policy = Policy()
+    settings = Settings(seed=seed, step_seconds=STEP, startup_minutes=0.0)
+
+    def oracle(schedule: HazardSchedule, replay: MarketTrace) -> list[Strategy]:
+        return [Oracle(policy, schedule, replay.start)]
+
+    c = cmp.compare(m, w, ["gpubroker"], policy, settings, extra=oracle)
+    got = {r.strategy: r.metrics() for r in c.results}
+    assert list(got) == ["gpubroker", "oracle"]
+    assert got["oracle"]["spot_share_by_cloud"][safer.cloud] > 0.8, got["oracle"]
+    assert got["gpubroker"]["spot_share_by_cloud"][riskier.cloud] > 0.6, got
+    assert sum(got["gpubroker"]["spot_share_by_cloud"].values()) == pytest.approx(1.0)
+    assert "hidden per-pool factor" in c.to_json()["interruptions_drawn_from"]
+
+
 def test_a_gang_is_interrupted_more_often_than_one_instance() -> None:
     pool = key("us-east-1a", "spot")
-    m = market([row(0, pool, rate=0.02)], hours=1000)
+    rate = 0.02 / hidden_factor(7, pool)  # drawn at 0.02, the row's rate times the factor
+    m = market([row(0, pool, rate=rate)], hours=1000)
     schedule = hazard_schedule(m, seed=7, step_seconds=STEP, default_rate=0.05)
+    assert schedule.rate(pool, 0) == pytest.approx(0.02)
     steps = int(1000 * 3600 / STEP)
     one = sum(schedule.lease_hit(pool, k, 3, 1) is not None for k in range(steps))
     gang = sum(schedule.lease_hit(pool, k, 3, 16) is not None for k in range(steps))

@@ -15,7 +15,8 @@ from broker.backtest import STRATEGIES
 from broker.backtest.compare import t_interval
 from broker.cli.main import main
 
-SINGLE_SEED_KEYS = ["market", "workload", "settings", "policy", "strategies"]
+SINGLE_SEED_KEYS = ["market", "workload", "settings", "interruptions_drawn_from", "policy",
+                    "strategies"]
 
 
 def in_process(capsys: pytest.CaptureFixture[str], *args: str
@@ -48,7 +49,7 @@ def test_two_seeds_report_per_seed_figures_and_their_summary(
                      "--seeds", "2", "--seed", "5", "--format", "json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["report_format"] == 2
+    assert report["report_format"] == 3
     assert all(k in report for k in SINGLE_SEED_KEYS)
     # the market names its seed (3): fixed; the workload and the draws take 5 and 6
     assert [(s["market_seed"], s["workload_seed"], s["draw_seed"])
