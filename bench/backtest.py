@@ -1,30 +1,39 @@
-"""The four strategies over every market: the simulated one and the real traces, several
-seeds each; or one simulated week, with gpubroker under other scoring weights.
+"""The strategies over every market: the simulated one (independent and correlated
+interruptions) and the real traces, several held-out seeds each; or one simulated week,
+with gpubroker under other scoring weights.
 
-    python bench/backtest.py                       # every market, 5 seeds each
+    python bench/backtest.py                       # every market, 5 held-out seeds each
+    python bench/backtest.py --tune                # the risk presets' candidates, tuning seeds
     python bench/backtest.py --seeds 10 --policy policy.yaml
     python bench/backtest.py --single              # sim:7d, gen:3000, one seed
     python bench/backtest.py --variants            # + gpubroker under other scoring weights
     python bench/backtest.py --single --days 2 --requests 800 --json
 
-**Every market** (the default, `--all-markets`): `sim:7d` (`--days`) with `gen:1000`
-(`--requests`), and each trace in data/traces with a workload sized for it — the 9-zone
-AWS trace (1,091 h) `gen:2000`, the 16-node AWS trace (390 h, at most 16 instances a
-zone in 3 zones) `gen:400`, the GCP trace (336 h) `gen:1000` — each over `--seeds` runs
-(5): run i takes seed `--seed` + i for the market (the simulated market's, or the
-permutation of a trace's zone labels), the workload and the draws. For each market it
-prints the table of `gpubroker backtest --seeds N` (mean ± the 95 % Student-t interval's
-half-width per strategy, then each seed's figures), two goal lines —
+**Seeds.** The defaults — the risk levels' weights in `policies/risk.py` among them —
+were chosen on the tuning seeds 7-11 (`--tuning`, and `--tune` for the candidates) and
+are reported on the held-out seeds 101-105 (the default), never used to choose
+anything. `--seed N` starts elsewhere.
 
-    gpubroker $/useful ≤ cheapest_spot + 1 %: met/not met (x vs y)
-    gpubroker intr/1k ≤ price_capacity: met/not met (x vs y)
+**Every market** (the default): `sim:7d` (`--days`) with `gen:1000` (`--requests`), twice:
+with a quarter of each pool's hazard pool-wide (independent: most interruptions strike
+one instance, as gang scoring assumes) and with 90 % pool-wide (correlated: mostly
+capacity reclaims that take every lease of a pool at once); then each trace in
+data/traces with a workload sized for it — the 9-zone AWS trace (1,091 h) `gen:2000`,
+the 16-node AWS trace (390 h) `gen:400`, the GCP trace (336 h) `gen:1000` — each over
+`--seeds` runs (5): run i takes seed first + i for the market (the simulated market's,
+or the permutation of a trace's zone labels), the workload and the draws. The draws of
+the simulated market follow its hidden true hazard; those of a trace its rows' rates (or
+the default) times a hidden per-pool factor (the report says which).
 
-(means over the seeds; the figures add the paired difference, seed by seed, with its
-95 % interval) — and its wall and CPU time. `--policy FILE` runs gpubroker (and
-the baselines' copies of it, zero-weighted) under that policy instead of the embedded
-one (the daemon's default policy; `--restart-hours` sets its
-`scoring.restart_hours`). About 2 minutes of CPU
-at the defaults.
+Rows: the four strategies of `gpubroker backtest` (gpubroker at the policy's risk level,
+`balanced` by default), gpubroker at the other two risk levels, and the oracle —
+gpubroker's policy seeing the true hazards the draws follow. For each market it prints
+the table (mean ± the 95 % Student-t interval's half-width per strategy, then each
+seed's figures), the goal lines (`GOALS`, met on the means, with the paired difference
+to the bound seed by seed and its interval), the spot GPU-hours per cloud of
+cheapest_spot, price_capacity, gpubroker and the oracle, and its wall and CPU time.
+`--policy FILE` runs gpubroker (and the baselines' copies of it, zero-weighted) under
+that policy instead of the embedded one (the daemon's default policy).
 
 **One simulated week** (`--single`, or `--variants`): the backtest table (the same as
 `gpubroker backtest`), how long generating the market took, and the backtest's own speed
@@ -42,6 +51,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -50,23 +60,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from broker.backtest import STRATEGIES
 from broker.backtest.compare import (
     Comparison,
+    Extra,
     Result,
     Seeds,
     compare,
     embedded_policy,
     t_interval,
 )
-from broker.backtest.draws import hazard_schedule
+from broker.backtest.draws import (
+    CORRELATED_POOL_WIDE_SHARE,
+    POOL_WIDE_SHARE,
+    HazardSchedule,
+    hazard_schedule,
+)
 from broker.backtest.engine import simulate
 from broker.backtest.ledger import Settings
-from broker.backtest.market import SimSpec, load_market, simulate_market
+from broker.backtest.market import MarketTrace, SimSpec, load_market, simulate_market
 from broker.backtest.report import write_seeds_table, write_table
-from broker.backtest.strategies import Strategy, build
+from broker.backtest.strategies import Oracle, Strategy, build
 from broker.backtest.workload import generate_workload
 from policies.loader import load_policy
 from policies.model import Policy
 
 TRACES = Path(__file__).resolve().parent.parent / "data" / "traces"
+TUNING_SEED = 7
+"""The first of the seeds the defaults were chosen on (`--tuning`, `--tune`)."""
+HELD_OUT_SEED = 101
+"""The first of the seeds the results are reported on (the default)."""
+
 # (trace file, requests generated for it)
 TRACE_MARKETS = (
     ("aws-v100-p3-9az-2023-02-15.csv.gz", 2000),
@@ -97,72 +118,191 @@ VARIANTS: tuple[tuple[str, dict[str, float]], ...] = (
 )
 
 
+LEVELS = ("lowest-cost", "fewest-interruptions")
+"""The risk levels run beside gpubroker's own (the policy's `scoring.risk`, balanced by
+default), as rows `gpubroker <level>`."""
+
+# The candidate risk weights `--tune` compares: (restart_hours, availability_weight,
+# interruption_cost_per_gpu).
+CANDIDATES: tuple[tuple[float, float, float], ...] = (
+    (0.5, 0.25, 0.0), (0.5, 0.25, 0.5), (0.5, 0.25, 1.0), (0.5, 0.25, 2.0),
+    (1.0, 0.25, 1.0), (0.5, 0.5, 1.0), (0.5, 0.25, 5.0), (0.5, 0.25, 10.0),
+    (0.5, 0.25, 20.0), (1.0, 1.0, 10.0), (2.0, 1.0, 20.0), (0.5, 0.25, 40.0),
+)
+
+
+def at_risk(policy: Policy, level: str) -> Strategy:
+    s = build("gpubroker", policy.for_risk(level))  # type: ignore[arg-type]
+    s.name = f"gpubroker {level}"
+    return s
+
+
+def weighted(policy: Policy, weights: tuple[float, float, float]) -> Strategy:
+    r, a, c = weights
+    scoring = policy.scoring.model_copy(update={
+        "restart_hours": r, "availability_weight": a, "interruption_cost_per_gpu": c})
+    s = build("gpubroker", policy.model_copy(update={"scoring": scoring}))
+    s.name = f"gpubroker r={r:g} a={a:g} c={c:g}"
+    return s
+
+
+def extra_for(policy: Policy, tune: bool) -> Extra:
+    """The strategies run beside the four: gpubroker at the other risk levels and the
+    oracle (gpubroker's policy seeing the true hazards); with `tune`, gpubroker under
+    each of `CANDIDATES` instead."""
+    def extra(schedule: HazardSchedule, market: MarketTrace) -> list[Strategy]:
+        if tune:
+            return [weighted(policy, w) for w in CANDIDATES]
+        return [*(at_risk(policy, level) for level in LEVELS),
+                Oracle(policy, schedule, market.start)]
+    return extra
+
+
+def _means(seeds: Seeds) -> dict[str, dict[str, float | None]]:
+    return {row["strategy"]: {k: v["mean"] for k, v in row.items()
+                              if isinstance(v, dict) and "mean" in v}
+            for row in seeds.summary()["strategies"]}
+
+
+def _paired(seeds: Seeds, a: str, b: str, figure: str, scale: float = 1.0
+            ) -> tuple[float, float | None] | None:
+    """The mean of a's figure less `scale` × b's, seed by seed, with its 95 % interval."""
+    diffs = []
+    for run in seeds.per_seed():
+        rows = {f["strategy"]: f for f in run["strategies"]}
+        x, y = rows.get(a, {}).get(figure), rows.get(b, {}).get(figure)
+        if x is not None and y is not None:
+            diffs.append(x - scale * y)
+    return t_interval(diffs) if len(diffs) > 1 else None
+
+
+# (goal, strategy, its figure, the other strategy, the bound as a multiple of its figure)
+GOALS = (
+    ("balanced $/useful ≤ cheapest_spot + 1 %", "gpubroker", "cost_per_useful_gpu_hour",
+     "cheapest_spot", 1.01),
+    ("balanced interruptions ≥ 15 % under cheapest_spot", "gpubroker",
+     "interruptions_per_1000_gpu_hours", "cheapest_spot", 0.85),
+    ("fewest-interruptions interruptions ≤ price_capacity", "gpubroker fewest-interruptions",
+     "interruptions_per_1000_gpu_hours", "price_capacity", 1.0),
+    ("fewest-interruptions $/useful ≤ 80 % of price_capacity",
+     "gpubroker fewest-interruptions", "cost_per_useful_gpu_hour", "price_capacity", 0.8),
+)
+
+
 def goals(seeds: Seeds) -> list[tuple[str, bool | None, str]]:
-    """The two goal lines of a market: (goal, met (None: not measurable), x vs y), met
-    on the means over the seeds. The figures add the paired difference, gpubroker's
-    figure less the other's seed by seed, mean ± its 95 % t interval: the seeds move all
+    """The goal lines of a market: (goal, met (None: not measurable), figures), met on
+    the means over the seeds. The figures add the paired difference, the strategy's
+    figure less the bound seed by seed, mean ± its 95 % t interval: the seeds move all
     strategies together, so it is much tighter than either interval."""
-    means = {row["strategy"]: row for row in seeds.summary()["strategies"]}
-    runs = [{f["strategy"]: f for f in run["strategies"]} for run in seeds.per_seed()]
-
-    def mean(strategy: str, figure: str) -> float | None:
-        row = means.get(strategy)
-        return None if row is None else row[figure]["mean"]
-
+    means = _means(seeds)
     out: list[tuple[str, bool | None, str]] = []
-    for goal, figure, other, slack, fmt in (
-            ("gpubroker $/useful ≤ cheapest_spot + 1 %", "cost_per_useful_gpu_hour",
-             "cheapest_spot", 1.01, "{:.4f}"),
-            ("gpubroker intr/1k ≤ price_capacity", "interruptions_per_1000_gpu_hours",
-             "price_capacity", 1.0, "{:.2f}")):
-        x, y = mean("gpubroker", figure), mean(other, figure)
+    for goal, who, figure, other, scale in GOALS:
+        x = means.get(who, {}).get(figure)
+        y = means.get(other, {}).get(figure)
         if x is None or y is None:
             out.append((goal, None, "not measured"))
             continue
-        text = f"{fmt.format(x)} vs {fmt.format(y)}"
-        diffs = [r["gpubroker"][figure] - r[other][figure] for r in runs
-                 if r["gpubroker"][figure] is not None and r[other][figure] is not None]
-        if len(diffs) > 1:
-            d, half = t_interval(diffs)
-            text += f"; paired difference {fmt.format(d)} ± {fmt.format(half or 0.0)}"
-        out.append((goal, x <= y * slack, text))
+        text = f"{x:.4g} vs {scale * y:.4g} ({x / y - 1:+.1%} against {other})" if y \
+            else f"{x:.4g} vs {scale * y:.4g}"
+        paired = _paired(seeds, who, other, figure, scale)
+        if paired is not None:
+            d, half = paired
+            text += f"; paired difference to the bound {d:+.4g} ± {half or 0.0:.4g}"
+        out.append((goal, x <= y * scale, text))
+    return out
+
+
+def spot_shares(seeds: Seeds, names: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Per strategy of `names`, its spot GPU-hours per cloud as a share of its spot
+    GPU-hours, the mean over the seeds."""
+    out: dict[str, dict[str, float]] = {}
+    for name in names:
+        per_cloud: dict[str, list[float]] = {}
+        runs = 0
+        for run in seeds.runs:
+            for r in run.results:
+                if r.strategy == name:
+                    runs += 1
+                    for cloud, share in r.metrics()["spot_share_by_cloud"].items():
+                        per_cloud.setdefault(cloud, []).append(share)
+        out[name] = {c: sum(v) / runs for c, v in sorted(per_cloud.items())} if runs else {}
+    return out
+
+
+def tuning_table(seeds: Seeds) -> list[str]:
+    """Each candidate's mean cost and interruptions against cheapest_spot and
+    price_capacity's."""
+    means = _means(seeds)
+    cost, intr = "cost_per_useful_gpu_hour", "interruptions_per_1000_gpu_hours"
+    cs, pc = means["cheapest_spot"], means["price_capacity"]
+    lines = [f"{'strategy':44} {'$/useful':>9} {'vs cheap':>9} {'vs pc':>8} "
+             f"{'intr/1k':>8} {'vs cheap':>9} {'vs pc':>8}"]
+    for name, m in means.items():
+        c, i = m[cost], m[intr]
+        if c is None or i is None:
+            continue
+        lines.append(f"{name:44} {c:9.4f} {c / cs[cost] - 1:+9.1%} {c / pc[cost]:8.2f} "
+                     f"{i:8.2f} {i / cs[intr] - 1:+9.1%} {i / pc[intr]:8.2f}")
+    return lines
+
+
+def markets(args: argparse.Namespace) -> list[tuple[str, str, int, float]]:
+    """(label, market spec, requests, pool-wide share) of every market run."""
+    n = args.requests if args.requests is not None else 1000
+    sim = f"sim:{args.days:g}d"
+    out = [(f"{sim} independent", sim, n, POOL_WIDE_SHARE),
+           (f"{sim} correlated", sim, n, CORRELATED_POOL_WIDE_SHARE)]
+    if not args.tune:
+        out += [(name, os.path.relpath(TRACES / name), k, POOL_WIDE_SHARE)
+                for name, k in TRACE_MARKETS]
     return out
 
 
 def all_markets(args: argparse.Namespace, policy: Policy, policy_name: str) -> int:
     settings = Settings(step_seconds=args.step_minutes * 60,
                         restart_hours=policy.scoring.restart_hours)
-    markets = [(f"sim:{args.days:g}d", args.requests if args.requests is not None else 1000)]
-    markets += [(os.path.relpath(TRACES / name), n) for name, n in TRACE_MARKETS]
+    first = args.seed if args.seed is not None else (TUNING_SEED if args.tune or args.tuning
+                                                     else HELD_OUT_SEED)
     t_all, c_all = time.perf_counter(), time.process_time()
     reports = []
-    for text, requests in markets:
+    extra = extra_for(policy, args.tune)
+    for label, text, requests, share in markets(args):
         t0, c0 = time.perf_counter(), time.process_time()
         runs = []
         for i in range(args.seeds):
-            seed = args.seed + i
+            seed = first + i
             spec = f"{text}:{seed}:{args.regions}" if text.startswith("sim:") else text
-            print(f"{Path(text).name}: seed {i + 1}/{args.seeds}", file=sys.stderr,
-                  flush=True)
+            print(f"{label}: seed {seed} ({i + 1}/{args.seeds})", file=sys.stderr, flush=True)
             market = load_market(spec, seed=seed, step_seconds=settings.step_seconds)
             workload = generate_workload(requests, seed=seed, market=market)
             runs.append(compare(market, workload, STRATEGIES, policy,
                                 replace(settings, seed=seed, market_seed=market.seed,
-                                        workload_seed=workload.seed),
-                                policy_name=policy_name))
+                                        workload_seed=workload.seed, pool_wide_share=share),
+                                policy_name=policy_name, extra=extra))
         seeds = Seeds(tuple(runs))
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        met = goals(seeds)
+        met = [] if args.tune else goals(seeds)
+        shares = spot_shares(seeds, ["cheapest_spot", "price_capacity", "gpubroker",
+                                     "oracle"])
         if args.json:
-            reports.append({**seeds.to_json(), "goals": [
+            reports.append({"label": label, **seeds.to_json(), "goals": [
                 {"goal": g, "met": ok, "figures": f} for g, ok, f in met],
+                "spot_share_by_cloud": shares,
                 "timing": {"wall_seconds": round(wall, 2), "cpu_seconds": round(cpu, 2)}})
             continue
-        write_seeds_table(seeds, sys.stdout)
-        print()
-        for goal, ok, figures in met:
-            print(f"{goal}: {'not measured' if ok is None else 'met' if ok else 'not met'}"
-                  f" ({figures})")
+        print(f"## {label}: seeds {first}-{first + args.seeds - 1}, pool-wide share "
+              f"{share:g}; interruptions drawn from {runs[0].truth}\n")
+        if args.tune:
+            print("\n".join(tuning_table(seeds)))
+        else:
+            write_seeds_table(seeds, sys.stdout)
+            print()
+            for goal, ok, figures in met:
+                print(f"{goal}: {'not measured' if ok is None else 'met' if ok else 'NOT met'}"
+                      f" ({figures})")
+            print("spot GPU-hours by cloud (share of each strategy's spot GPU-hours, mean):")
+            for name, by_cloud in shares.items():
+                print(f"  {name:15} " + "  ".join(f"{c} {v:5.1%}" for c, v in by_cloud.items()))
         print(f"{args.seeds} seeds (market generation and simulation) in {wall:.1f} s wall "
               f"({cpu:.1f} s CPU)")
         print("\n")
@@ -186,7 +326,14 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=None,
                     help="requests generated for the simulated market (every market: "
                          "1000; --single: 3000)")
-    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--seed", type=int, default=None,
+                    help=f"the first seed (default: {HELD_OUT_SEED}, the held-out seeds; "
+                         f"--tuning: {TUNING_SEED})")
+    ap.add_argument("--tuning", action="store_true",
+                    help="every market on the tuning seeds (the defaults were chosen on them)")
+    ap.add_argument("--tune", action="store_true",
+                    help="gpubroker under each candidate risk weighting (CANDIDATES) on the "
+                         "simulated markets, tuning seeds")
     ap.add_argument("--seeds", type=int, default=5,
                     help="runs per market, seeds --seed, --seed+1, ... (every market; 5)")
     ap.add_argument("--regions", type=int, default=3, help="regions per cloud")
@@ -213,6 +360,8 @@ def main() -> int:
         return all_markets(args, policy, policy_name)
     if args.requests is None:
         args.requests = 3000
+    if args.seed is None:
+        args.seed = TUNING_SEED
 
     settings = Settings(seed=args.seed, step_seconds=args.step_minutes * 60,
                         restart_hours=policy.scoring.restart_hours)

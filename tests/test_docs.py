@@ -191,3 +191,13 @@ def hazard_table() -> str:
 def test_the_readme_hazard_table_is_the_interruption_models() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert hazard_table() in text
+    # GCP's estimated uptimes, and the AWS bands the last two stand beside
+    from adapters.hazard import WINDOW_HOURS, hazard_from_band, hazard_from_uptime
+    hours = (7, 24, 7 * 24, 30 * 24, 73 * 24, 2.3 * 8760)
+    rates = [_rate(hazard_from_uptime(h)) for h in hours]
+    rates[-2] += " (≈ AWS `>20%`)"
+    rates[-1] += " (≈ AWS `<5%`)"
+    assert "| λ /h | " + " | ".join(rates) + " |" in text
+    for band, h in ((">20%", 73 * 24), ("<5%", 2.3 * 8760)):
+        aws = hazard_from_band(band, WINDOW_HOURS["aws"])
+        assert aws is not None and abs(hazard_from_uptime(h) / aws - 1) < 0.01
