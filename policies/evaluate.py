@@ -9,6 +9,10 @@ Order of evaluation, each step able to deny with a detail that names the rule or
 3. the top-level `clouds` / `regions` / `gpus` allow and deny lists, and `gpus.equivalent`.
 4. what is left must still allow something (a GPU model, a market), else `policy_denied`.
 
+The request's risk level (the trade-off its placement is scored by, `policies.risk`) is
+the rule's `require.risk`, else the team's `risk`, else the policy's `scoring.risk`
+(`risk_for`); its costs are scored with `Policy.for_risk(constraints.risk)`.
+
 The team's `budget_per_hour` is a constraint on the placement's price (what remains of
 the budget), checked by the optimizer, which answers `over_budget` when only the budget
 stands in the way.
@@ -23,10 +27,11 @@ from typing import Any
 from broker.model import Market, PlaceRequest, PoolKey, RejectCode, markets_for
 from policies.model import Policy, Rule, Team
 from policies.residency import Residency
+from policies.risk import RiskLevel
 from policies.teams import TeamUsage, over_max_gpus
 
 __all__ = ["POLICY_RULES", "Constraints", "Denied", "OfferRule", "TeamUsage", "describe",
-           "evaluate", "forbids", "matching_rule"]
+           "evaluate", "forbids", "matching_rule", "risk_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,7 @@ class Constraints:
     rule: str | None = None  # the rule that matched, for explanations
     resident: Residency | None = None
     owned_left: float | None = None  # paid-for GPUs the team may still take (private_share)
+    risk: RiskLevel | None = None  # the risk level, resolved (`risk_for`); None: the policy's
     _region_ok: dict[tuple[str, str], bool] = field(default_factory=dict)
 
     def region_ok(self, cloud: str, region: str) -> bool:
@@ -146,6 +152,23 @@ def matching_rule(policy: Policy, request: PlaceRequest) -> Rule | None:
             continue
         return rule
     return None
+
+
+def _risk(policy: Policy, rule: Rule | None, team: Team | None) -> RiskLevel:
+    req = rule.require if rule else None
+    if req is not None and req.risk is not None:
+        return req.risk
+    if team is not None and team.risk is not None:
+        return team.risk
+    return policy.scoring.risk
+
+
+def risk_for(policy: Policy, request: PlaceRequest) -> RiskLevel:
+    """The risk level `request` is scored at: the matching rule's `require.risk`, else
+    its team's `risk`, else the policy's `scoring.risk` (`evaluate` puts it in the
+    constraints; this is for a request already placed, a lease's)."""
+    return _risk(policy, matching_rule(policy, request),
+                 policy.teams.get(request.team) if request.team else None)
 
 
 def _markets(policy: Policy, request: PlaceRequest, rule: Rule | None,
@@ -291,6 +314,7 @@ def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = No
         resident=resident,
         owned_left=(team.private_share * owned_gpus - usage.owned_gpus
                     if team and team.private_share is not None else None),
+        risk=_risk(policy, rule, team),
     )
 
 
@@ -317,4 +341,5 @@ def describe(c: Constraints) -> dict[str, Any]:
         "regions": sorted(c.regions) if c.regions is not None else None,
         "residency": [sorted(tags) for tags in c.residency] or None,
         "budget_left_per_hour": c.budget_left, "lease_seconds": c.lease_seconds,
+        "risk": c.risk,
     }

@@ -8,11 +8,20 @@ and the rules' coherence, with a suggestion for every near miss.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 from policies.residency import BUILT_IN_TAGS
+from policies.risk import DEFAULT_RISK, RISK_PRESETS, preset_of
+from policies.risk import RiskLevel as RiskLevel  # the levels, also named here
 
 MarketChoice = Literal["spot", "on_demand", "reserved", "any"]
 MarketName = Literal["spot", "on_demand", "reserved"]
@@ -78,6 +87,9 @@ class Team(_Strict):
     """At most this share of the paid-for GPUs (private servers and cloud reservations:
     the `reserved` market) may be the team's at once, so one team cannot take them all.
     Unset: no limit."""
+    risk: RiskLevel | None = None
+    """The team's trade-off between price and interruptions (`policies.risk`); unset:
+    the policy's `scoring.risk`."""
 
 
 class Scoring(_Strict):
@@ -88,10 +100,18 @@ class Scoring(_Strict):
     + GPUs × interruption_cost_per_gpu × n × interruption_rate (spot: the gang is
     interrupted when any of its n instances is).
     Unknown signals are taken at the `unknown_*` values; a spot pool's signals are the
-    ones expected over a job from its history (`hazard_half_life_hours`)."""
+    ones expected over a job from its history (`hazard_half_life_hours`).
 
-    restart_hours: float = Field(default=0.5, ge=0)
-    availability_weight: float = Field(default=0.25, ge=0)
+    `risk` names the trade-off between price and interruptions; the three risk weights
+    (`restart_hours`, `availability_weight`, `interruption_cost_per_gpu`) not written
+    take that level's values (`policies.risk.RISK_PRESETS`). Weights written tune this,
+    the policy-wide, level only: `Policy.for_risk` gives a team or rule that names
+    another level that level's weights."""
+
+    risk: RiskLevel = DEFAULT_RISK
+    restart_hours: float = Field(default=RISK_PRESETS[DEFAULT_RISK].restart_hours, ge=0)
+    availability_weight: float = Field(
+        default=RISK_PRESETS[DEFAULT_RISK].availability_weight, ge=0)
     spread_weight: float = Field(default=0.0, ge=0)
     unknown_interruption_rate: float = Field(default=0.05, ge=0)
     unknown_availability: float = Field(default=0.5, ge=0, le=1)
@@ -101,7 +121,8 @@ class Scoring(_Strict):
     spot_min_discount: float = Field(default=0.0, ge=0, lt=1)
     """Take a spot pool only when it is at least this much cheaper than on-demand for the
     same instance type in the same zone (0.3 = 30 % cheaper)."""
-    interruption_cost_per_gpu: float = Field(default=0.0, ge=0)
+    interruption_cost_per_gpu: float = Field(
+        default=RISK_PRESETS[DEFAULT_RISK].interruption_cost_per_gpu, ge=0)
     """What an interruption costs beyond the work lost (`restart_hours`), in $ per GPU of
     the lease: the hours of people and queues a restart takes. It adds GPUs ×
     interruption_rate × this to a spot pool's expected cost per hour, the same for every
@@ -111,6 +132,26 @@ class Scoring(_Strict):
     """Score a spot pool with the interruption rate and availability expected over a
     job from its history (`broker.market.hazard`: moving averages with this half-life, blended
     with the current values), not only the last poll's. 0: the last poll's."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _risk_preset(cls, data: Any) -> Any:
+        """The risk weights not written take the values of the level (`risk`, default
+        `balanced`); an unknown level is left to the field's own check, which names
+        the three."""
+        if not isinstance(data, dict):
+            return data
+        preset = preset_of(data.get("risk", DEFAULT_RISK))
+        if preset is None:
+            return data
+        return {**preset._asdict(), **data}
+
+    def at_risk(self, level: RiskLevel) -> Scoring:
+        """This scoring at another risk level: that level's risk weights
+        (`RISK_PRESETS`), everything else as here."""
+        if level == self.risk:
+            return self
+        return self.model_copy(update={"risk": level, **RISK_PRESETS[level]._asdict()})
 
 
 class Triggers(_Strict):
@@ -166,6 +207,9 @@ class Require(_Strict):
     clouds: list[Name] | None = None
     market: MarketName | None = None
     max_price_per_gpu_hour: Price | None = None
+    risk: RiskLevel | None = None
+    """The matching requests' trade-off between price and interruptions (over the
+    team's `risk` and the policy's `scoring.risk`)."""
 
 
 class Rule(_Strict):
@@ -196,6 +240,42 @@ class Policy(_Strict):
     failover: Failover = Field(default_factory=Failover)
     rules: list[Rule] = Field(default_factory=list)
 
+    _risk_copies: _RiskCopies = PrivateAttr(default_factory=lambda: _RiskCopies(None))
+
     @property
     def residency_tags(self) -> frozenset[str]:
         return BUILT_IN_TAGS | frozenset(self.residency.tags)
+
+    def for_risk(self, level: RiskLevel | None) -> Policy:
+        """The policy a request at risk `level` is scored with: this one at the
+        policy-wide level (`scoring.risk`, or None), else a copy (made once) whose
+        scoring has that level's risk weights and this one's other settings. Cost code
+        takes the copy like any policy: `expected_cost(offer, n, policy.for_risk(...))`."""
+        if level is None or level == self.scoring.risk:
+            return self
+        copies = self._risk_copies
+        if copies.owner is not self:
+            # None made yet, or those of the policy this one was `model_copy`'d from.
+            copies = self._risk_copies = _RiskCopies(self)
+        got = copies.get(level)
+        if got is None:
+            got = copies[level] = self.model_copy(
+                update={"scoring": self.scoring.at_risk(level)})
+            # The copy's way back to this level is this policy (its tuned weights).
+            got._risk_copies = _RiskCopies(got, {self.scoring.risk: self})
+        return got
+
+
+class _RiskCopies(dict[str, Policy]):
+    """A policy's copies at other risk levels (`Policy.for_risk`), made from it on first
+    use: derived, so no part of its value — any two compare equal, and a policy equals
+    another with the same settings whatever copies either has made."""
+
+    def __init__(self, owner: Policy | None, made: dict[str, Policy] | None = None) -> None:
+        super().__init__(made or {})
+        self.owner = owner
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _RiskCopies)
+
+    __hash__ = None

@@ -56,7 +56,7 @@ def policy_explain(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"  rule: {verdict['rule'] or '(no rule matched)'}")
     for k in ("gpus", "markets", "max_price_per_gpu_hour", "clouds", "regions", "residency",
-              "budget_left_per_hour"):
+              "budget_left_per_hour", "risk"):
         if verdict.get(k) is not None:
             print(f"  {k}: {verdict[k]}")
     print(f"  offers excluded ({sum(report['excluded'].values())}):")

@@ -49,7 +49,7 @@ from broker.model import (
     Target,
 )
 from broker.placement import optimizer
-from policies.evaluate import Constraints, Denied, evaluate
+from policies.evaluate import Constraints, Denied, evaluate, risk_for
 from policies.model import Failover, Policy
 from policies.residency import Residency
 
@@ -252,8 +252,8 @@ def replacement(lease: Lease, view: optimizer.PoolView, policy: Policy,
                 resident: Residency | None, now: datetime) -> optimizer.Outcome:
     """Where a failing lease goes: down the policy's fallback ladder, never back to the
     pool it leaves (on paid-for capacity, never back to its reservation or server: the
-    pool may give it another one); a move is not held back by the team's budget or GPU
-    limit."""
+    pool may give it another one), scored at the request's risk level (its verdict's);
+    a move is not held back by the team's budget or GPU limit."""
     verdict = evaluate(policy, lease.request, None, resident)
     here = view.get(lease.placement.pool)
     exclude = frozenset() if here is not None and here.targets else \
@@ -276,12 +276,14 @@ def replacement(lease: Lease, view: optimizer.PoolView, policy: Policy,
 
 
 def current_cost(lease: Lease, view: optimizer.PoolView, policy: Policy) -> float | None:
-    """The lease's expected cost per hour where it is, at the pool's price now."""
+    """The lease's expected cost per hour where it is, at the pool's price now, scored
+    at its request's risk level (as its replacement is: `risk_for`)."""
     offer = view.get(lease.placement.pool)
     if offer is None or offer.price_per_hour is None:
         return None
-    return optimizer.expected_cost(offer, lease.placement.instances, policy,
-                                   hazard=optimizer.hazard_for(view, policy, lease.request))
+    scored = policy.for_risk(risk_for(policy, lease.request))
+    return optimizer.expected_cost(offer, lease.placement.instances, scored,
+                                   hazard=optimizer.hazard_for(view, scored, lease.request))
 
 
 def saving(lease: Lease, outcome: optimizer.Outcome, view: optimizer.PoolView,

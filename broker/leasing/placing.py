@@ -142,7 +142,8 @@ class Placing:
             # outcome is committed, here, on the loop.
             view = optimizer.Snapshot(self.pool, now)
             costs = self._cost_index().frozen(
-                {horizon_bucket(a.request.duration_hours) for a in batch})
+                {horizon_bucket(a.request.duration_hours) for a in batch},
+                {a.constraints.risk for a in batch if a.constraints is not None})
             result = await asyncio.to_thread(
                 optimizer.solve, batch, view, self.policy, now=now,
                 retry_after_seconds=self._retry_after, settings=settings, costs=costs)

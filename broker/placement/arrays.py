@@ -9,12 +9,14 @@ from typing import Any, Protocol
 from broker.model import Offer
 from broker.placement.problem import Alive, Group, Option
 from broker.placement.rules import OfferArrays
+from policies.model import RiskLevel
 
 
 class Lister(Protocol):
     """What a `Source` needs of the builder that made it."""
 
-    def option(self, offer: Offer, instances: int, need: int, h: float) -> Option: ...
+    def option(self, offer: Offer, instances: int, need: int, h: float, risk: RiskLevel
+               ) -> Option: ...
 
     def live_room(self, alive: Alive | None) -> Any: ...
 
@@ -106,9 +108,11 @@ class Source:
 
     CHUNK = 256
 
-    def __init__(self, builder: Lister, ranked: Ranked, need: int, h: float) -> None:
+    def __init__(self, builder: Lister, ranked: Ranked, need: int, h: float,
+                 risk: RiskLevel) -> None:
         self.builder = builder
         self.h = h
+        self.risk = risk  # the level its candidates were costed at
         self.ranked = ranked
         self.need = need
         self.at = 0  # the candidates before it in order are read
@@ -151,7 +155,7 @@ class Source:
                 o = ranked.made[p][row]
                 if o is None:
                     o = ranked.made[p][row] = builder.option(ranked.arrays[p].offers[row],
-                                                             inst, need, self.h)
+                                                             inst, need, self.h, self.risk)
                 if alive is None or alive(o):
                     out.append(o)
                     added += 1

@@ -7,7 +7,10 @@ Requests asking for the same thing share one list, read further only when its op
 out. Small batches walk the pool's price index per request (`broker.placement.walk`); large
 ones (`index_min_batch`) filter each GPU model's offers as arrays by the rules' masks,
 once per batch (`broker.placement.arrays`), and while the solver places, an offer one list
-finds used up is skipped by every other list as it grows."""
+finds used up is skipped by every other list as it grows.
+
+Each request's costs are scored at its risk level (`Constraints.risk`): with the policy
+`Policy.for_risk` gives for it. Requests at different levels never share a list."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from broker.placement.rules import OfferArrays, Probe
 from broker.placement.view import Costs, PoolView
 from broker.placement.walk import walk
 from policies.evaluate import Constraints
-from policies.model import Policy
+from policies.model import Policy, RiskLevel
 from policies.teams import TeamRoom
 
 ALTERNATIVES = 3
@@ -51,7 +54,7 @@ class CandidateBuilder:
         self.costs = costs
         self._index: dict[tuple[str, Market], OfferArrays] = {}
         self._masks: dict[Hashable, Any] = {}
-        self._sizes: dict[tuple[str, Market, int, float], _Sized] = {}
+        self._sizes: dict[tuple[str, Market, int, float, RiskLevel], _Sized] = {}
         # Large batches: per offer of `_index`, the instances it may still have room
         # for while the solver places (see `Source`); inf: not known to be short.
         self.room: Any = None
@@ -63,7 +66,7 @@ class CandidateBuilder:
         self.limits: dict[Hashable, float] = {}
         self.teams: dict[str, TeamRoom] = {}
         self._groups: dict[Hashable, tuple[Group, Scan]] = {}
-        self._options: dict[tuple[PoolKey, int, int, float], Option] = {}
+        self._options: dict[tuple[PoolKey, int, int, float, RiskLevel], Option] = {}
         self._rules: list[str | None] = []
         # Spot risk is scored over each request's own horizon when an estimator is used;
         # otherwise every horizon scores alike and all share one.
@@ -85,20 +88,26 @@ class CandidateBuilder:
     def rule_of(self, n: int) -> str | None:
         return self._rules[n]
 
+    def risk(self, c: Constraints) -> RiskLevel:
+        """The risk level the request of verdict `c` is scored at."""
+        return c.risk or self.policy.scoring.risk
+
     def probe(self, ask: Ask, c: Constraints) -> Probe:
-        """The request as the rules read it, against this batch's view."""
-        return Probe(ask.request, c, self.view, self.policy, ask.exclude, self.stale,
-                     self.cooling)
+        """The request as the rules read it, against this batch's view, with the policy
+        at its risk level."""
+        return Probe(ask.request, c, self.view, self.policy.for_risk(self.risk(c)),
+                     ask.exclude, self.stale, self.cooling)
 
     def request(self, ask: Ask, c: Constraints) -> tuple[Request | None, Scan]:
         req = ask.request
         h = self.horizon(req)
+        risk = self.risk(c)
         sig = (req.gpus, c.gpus, c.markets, c.cap, c.clouds, c.deny_clouds, c.regions,
-               c.deny_regions, c.residency, req.clouds, req.regions, ask.exclude, h)
+               c.deny_regions, c.residency, req.clouds, req.regions, ask.exclude, h, risk)
         got = self._groups.get(sig)
         if got is None and self.indexed:
             probe = self.probe(ask, c)
-            source = Source(self, self._ranked(probe, h), req.gpus, h)
+            source = Source(self, self._ranked(probe, h), req.gpus, h, risk)
             group = Group([], 0.0, source.more)
             source.group = group
             group.options, group.upto = source.more(self.k, None, None)
@@ -169,7 +178,7 @@ class CandidateBuilder:
         of the request it covers, taken from `st` (given back if it does not fit; None).
         """
         req = ask.request
-        h = self.horizon(req)
+        h, risk = self.horizon(req), self.risk(c)
         offers = list(self._eligible(ask, c))
         parts: list[tuple[Option, int]] = []
         left = req.gpus
@@ -185,13 +194,13 @@ class CandidateBuilder:
                 if any(o.ref[0].pool == offer.pool for o, _ in parts):
                     continue  # one part per pool: a part is one lease of one pool
                 want = -(-left // offer.gpus)
-                fit = st.room(self.option(offer, 1, min(left, offer.gpus), h))
+                fit = st.room(self.option(offer, 1, min(left, offer.gpus), h, risk))
                 most = int(min(want, fit))
                 for n in {-(-share // offer.gpus), most}:
                     if n < 1 or n > most:
                         continue
                     covers = min(left, n * offer.gpus)
-                    o = self.option(offer, n, covers, h)
+                    o = self.option(offer, n, covers, h, risk)
                     if not st.allows(c.team, o):
                         continue
                     rank = (o.cost_per_hour / covers, -covers)
@@ -231,11 +240,14 @@ class CandidateBuilder:
             grace=c.spread_grace, total=c.team_gpus, by_zone=dict(c.gpus_by_zone),
             by_cloud=dict(by_cloud), owned_left=c.owned_left)
 
-    def option(self, offer: Offer, instances: int, need: int, h: float) -> Option:
-        """The option of `instances` of the offer for `need` GPUs (made once), and the
-        limits of the resources it uses."""
+    def option(self, offer: Offer, instances: int, need: int, h: float,
+               risk: RiskLevel | None = None) -> Option:
+        """The option of `instances` of the offer for `need` GPUs, costed over `h` hours
+        at risk level `risk` (None: the policy's own) (made once), and the limits of the
+        resources it uses."""
         key = offer.pool
-        got = self._options.get((key, instances, need, h))
+        risk = risk or self.policy.scoring.risk
+        got = self._options.get((key, instances, need, h, risk))
         if got is not None:
             return got
         if self.costs is not None:
@@ -252,14 +264,15 @@ class CandidateBuilder:
             self.limits.setdefault(qkey, have)
             uses.append((qkey, amount))
         price = instances * offer.price_per_hour  # type: ignore[operator]
-        cost = expected_cost(offer, instances, self.policy, hazard=self.hazard(h))
-        if self.policy.scoring.idle_gpu_weight:
+        policy = self.policy.for_risk(risk)
+        cost = expected_cost(offer, instances, policy, hazard=self.hazard(h))
+        if policy.scoring.idle_gpu_weight:
             paid = instances * offer.gpus
-            cost += idle_cost(self.policy, paid, need, price / paid)
+            cost += idle_cost(policy, paid, need, price / paid)
         o = Option(cost, tuple(uses), instances * offer.gpus, price, key.cloud,
                           key.zone, (offer, instances),
                           instances * offer.gpus if key.market is OWNED else 0)
-        self._options[(key, instances, need, h)] = o
+        self._options[(key, instances, need, h, risk)] = o
         return o
 
     def _arrays(self, gpu: str, m: Market) -> OfferArrays:
@@ -297,7 +310,7 @@ class CandidateBuilder:
         as they are read."""
         import numpy as np
 
-        need, c = p.request.gpus, p.c
+        need, c, risk = p.request.gpus, p.c, p.policy.scoring.risk
         arrays: list[OfferArrays] = []
         made: list[list[Option | None]] = []
         parts: list[Any] = []
@@ -311,7 +324,7 @@ class CandidateBuilder:
                 arr = self._arrays(gpu, m)
                 if not arr.offers:
                     continue
-                inst, cost, price, options = self._sized(gpu, m, arr, need, h)
+                inst, cost, price, options = self._sized(gpu, m, arr, need, h, risk)
                 idx = np.flatnonzero(self._listed(gpu, m, arr, p, need, inst))
                 parts.append(np.full(len(idx), len(arrays)))
                 arrays.append(arr)
@@ -324,20 +337,22 @@ class CandidateBuilder:
         return Ranked(arrays, made, parts, rows, insts, costs, prices, slots,
                       head=4 * self.k)
 
-    def _sized(self, gpu: str, m: Market, arr: OfferArrays, need: int, h: float) -> _Sized:
-        """Per offer of `arr`, for `need` GPUs: the instances, their expected cost and
-        price per hour, and the option once made; shared by the batch's requests for as
-        many GPUs."""
-        got = self._sizes.get((gpu, m, need, h))
+    def _sized(self, gpu: str, m: Market, arr: OfferArrays, need: int, h: float,
+               risk: RiskLevel) -> _Sized:
+        """Per offer of `arr`, for `need` GPUs: the instances, their expected cost (over
+        `h` hours, at risk level `risk`) and price per hour, and the option once made;
+        shared by the batch's requests for as many GPUs at that horizon and level."""
+        got = self._sizes.get((gpu, m, need, h, risk))
         if got is None:
+            policy = self.policy.for_risk(risk)
             inst = rules.instances_for(need, arr.gpus)
             paid = inst * arr.gpus
-            eff, gang = arr.eff(h, self.policy, self.hazard(h))
+            eff, gang = arr.eff(h, policy, self.hazard(h))
             cost = paid * (eff + (inst - 1) * gang)
-            if self.policy.scoring.idle_gpu_weight:
-                cost = cost + idle_cost(self.policy, paid, need, arr.ppg)
-            got = self._sizes[(gpu, m, need, h)] = (inst, cost, paid * arr.ppg,
-                                                 [None] * len(arr.offers))
+            if policy.scoring.idle_gpu_weight:
+                cost = cost + idle_cost(policy, paid, need, arr.ppg)
+            got = self._sizes[(gpu, m, need, h, risk)] = (inst, cost, paid * arr.ppg,
+                                                       [None] * len(arr.offers))
         return got
 
     def _scan(self, p: Probe) -> Scan:
@@ -404,12 +419,13 @@ class CandidateBuilder:
             ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
             yield ppg, offer, ppg, None  # free instances: computed where needed
 
-    def _by_cost(self, gpu: str, m: Market, h: float
+    def _by_cost(self, gpu: str, m: Market, h: float, risk: RiskLevel
                  ) -> Iterator[tuple[float, Offer, float, int | None]]:
-        """`_plain` in order of `unit_cost` (from the `CostIndex`), which is the bound."""
+        """`_plain` in order of `unit_cost` at risk level `risk` (from the `CostIndex`),
+        which is the bound."""
         assert self.costs is not None
         view, stale, cooling = self.view, self.stale, self.cooling
-        for u, key, offer in self.costs.sorted(gpu, m, h):
+        for u, key, offer in self.costs.sorted(gpu, m, h, risk):
             if (cooling and key in cooling) or (stale and view.slice_of(key) in stale):
                 continue
             yield u, offer, offer.price_per_hour / offer.gpus, None  # type: ignore[operator]

@@ -1,7 +1,7 @@
 """Why a request would be placed where it would (`gpubroker policy explain`): every offer
 judged by the rules' table (`broker.placement.rules`), the excluded counted by the first
 rule they fail, the rest ranked by the cost the optimizer ranks options by
-(`broker.placement.cost.option_cost`)."""
+(`broker.placement.cost.option_cost`, at the request's risk level)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def explain(ask: Ask, view: PoolView, policy: Policy, *, now: datetime, top: int
         out["verdict"] = {"denied": c.code.value, "detail": c.detail}
         return out
     out["verdict"] = describe_constraints(c)
+    policy = policy.for_risk(c.risk)  # the request's costs are scored at its level
     probe = Probe(req, c, view, policy, ask.exclude, view.stale_slices(now), view.cooling(now))
     excluded: Counter[str] = Counter()
     hazard = hazard_for(view, policy, req)

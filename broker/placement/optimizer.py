@@ -9,11 +9,14 @@ capacity and quota for it alone — cheapest expected cost per hour first:
                            + availability_weight × (1 − availability)
                            + spread_weight × share of the team's GPUs in that zone)
     + idle_gpu_weight × price of the GPUs paid for but not asked for
+    + GPUs × interruption_cost_per_gpu × instances × interruption_rate
 
 (interruption risk counts for spot only, over the request's own duration when the pools'
-history is kept: `broker.market.hazard`; unknown signals take the policy's `unknown_*` values;
-a spot pool not `scoring.spot_min_discount` under on-demand for the same type and zone
-is skipped). Requests asking for the same thing share one list, read further
+history is kept: `broker.market.hazard`; the risk weights — restart_hours,
+availability_weight, interruption_cost_per_gpu — are those of the request's risk level,
+`Constraints.risk`, through `Policy.for_risk`; unknown signals take the policy's
+`unknown_*` values; a spot pool not `scoring.spot_min_discount` under on-demand for the
+same type and zone is skipped). Requests asking for the same thing share one list, read further
 only when its options run out. `broker.placement.solver` then assigns the batch within every
 pool's free capacity, quota group, team `max_gpus`, `budget_per_hour` and spread limit;
 a request it leaves unplaced is rejected with the constraint that binds.

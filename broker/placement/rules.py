@@ -39,14 +39,16 @@ from broker.placement.cost import expected_cost
 from broker.placement.view import PoolView
 from policies import evaluate as verdict
 from policies.evaluate import Constraints, OfferRule
-from policies.model import Policy
+from policies.model import Policy, RiskLevel
 
 
 @dataclass(slots=True)
 class Probe:
     """One request under its verdict `c`, against a view at one instant: what the rules
-    read. `taken`/`taken_gpus`: instances and GPUs per pool that earlier choices of the
-    same pass hold beyond the view's (a chooser that places one request at a time)."""
+    read. `policy`: the one the request is scored with (the policy at its risk level,
+    `Policy.for_risk(c.risk)`). `taken`/`taken_gpus`: instances and GPUs per pool that
+    earlier choices of the same pass hold beyond the view's (a chooser that places one
+    request at a time)."""
 
     request: PlaceRequest
     c: Constraints
@@ -117,7 +119,7 @@ class OfferArrays:
     def __init__(self) -> None:
         self.offers: list[Offer] = []
         self.regions: list[tuple[str, str]] = []
-        self._eff: dict[float, Any] = {}
+        self._eff: dict[tuple[float, RiskLevel], Any] = {}
 
     @classmethod
     def of(cls, entries: Iterable[tuple[float, Offer, float, int | None]], policy: Policy,
@@ -151,12 +153,14 @@ class OfferArrays:
         return a
 
     def eff(self, h: float, policy: Policy, hazard: Hazard | None) -> tuple[Any, Any]:
-        """Per offer, spot risk over `h` hours (made on first use per horizon): the
-        expected cost per GPU-hour of one instance (`unit_cost`), and what each further
-        instance of a gang adds to it per GPU-hour (the interruption terms, which grow
-        with the instances: `expected_cost`), so that n instances cost
+        """Per offer, spot risk over `h` hours at `policy`'s risk level (made on first use
+        per horizon and level; `policy` is one policy's `Policy.for_risk`): the expected
+        cost per GPU-hour of one instance (`unit_cost`), and what each further instance
+        of a gang adds to it per GPU-hour (the interruption terms, which grow with the
+        instances: `expected_cost`), so that n instances cost
         n × GPUs × (eff + (n − 1) × gang). Both from the one cost formula."""
-        got = self._eff.get(h)
+        key = (h, policy.scoring.risk)
+        got = self._eff.get(key)
         if got is None:
             import numpy as np
 
@@ -169,7 +173,7 @@ class OfferArrays:
                 if o.pool.market is spot:  # only spot risk grows with the gang
                     gang[i] = max(0.0, (expected_cost(o, 2, policy, hazard=hazard) / 2 - one)
                                   / o.gpus)
-            got = self._eff[h] = (eff, gang)
+            got = self._eff[key] = (eff, gang)
         return got
 
     def per_offer(self, test: Callable[[Offer], bool]) -> Any:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from broker.market.hazard import DEFAULT_HORIZON, Hazard, HazardEstimator, horizon_bucket
 from broker.model import Market, Offer, PlaceRequest, PoolKey
 from broker.placement.cost import by_horizon, hazard_over, unit_cost
-from policies.model import Policy
+from policies.model import Policy, RiskLevel
 
 if TYPE_CHECKING:
     from broker.market.pool import ResourcePool
@@ -84,16 +84,19 @@ def _first_two(entry: tuple[float, PoolKey, Offer]) -> tuple[float, PoolKey]:
     return entry[0], entry[1]
 
 
-_Where = tuple[str, Market, float]  # (GPU model, market, horizon hours)
+_Where = tuple[str, Market, float, RiskLevel]  # (GPU model, market, horizon hours, risk)
 
 
 class CostIndex:
-    """The pool's priced offers per (GPU model, market, horizon) in order of `unit_cost`,
-    for placing on the event loop: a request's walk can stop as soon as the next offer's
-    cost per GPU times the GPUs it asks for exceeds the options it has, which in order
-    of price alone can take hundreds of offers more (prices alike, risks not). The
+    """The pool's priced offers per (GPU model, market, horizon, risk level) in order of
+    `unit_cost`, for placing on the event loop: a request's walk can stop as soon as the
+    next offer's cost per GPU times the GPUs it asks for exceeds the options it has,
+    which in order of price alone can take hundreds of offers more (prices alike, risks
+    not). The
     horizon is a request's (`broker.market.hazard.horizon_bucket`): spot risk is scored over
-    it, so a list is kept per horizon asked for (at most `broker.market.hazard.HORIZONS`).
+    it, so a list is kept per horizon asked for (at most `broker.market.hazard.HORIZONS`);
+    and a request's risk level (`Policy.for_risk`) weighs it, so a list is kept per level
+    asked for too (None: the policy's own, `scoring.risk`).
 
     Built per list on first use, then kept up to date from the pool's changes: an offer
     that changed or went (and with it the hazard estimate of its pool, which changes
@@ -119,15 +122,18 @@ class CostIndex:
     def _hazard(self, horizon: float) -> Hazard | None:
         return hazard_over(self.pool.hazard, self.policy, horizon)
 
+    def _risk(self, risk: RiskLevel | None) -> RiskLevel:
+        return risk or self.policy.scoring.risk
+
     def _horizon(self, horizon: float) -> float:
         """Every horizon scores alike without an estimator in use: one list for all."""
         return horizon if by_horizon(self.pool.hazard, self.policy) else DEFAULT_HORIZON
 
-    def sorted(self, gpu: str, market: Market, horizon: float = DEFAULT_HORIZON
-               ) -> list[tuple[float, PoolKey, Offer]]:
+    def sorted(self, gpu: str, market: Market, horizon: float = DEFAULT_HORIZON,
+               risk: RiskLevel | None = None) -> list[tuple[float, PoolKey, Offer]]:
         """(unit cost, pool key, offer) of the priced offers of `gpu` in `market`,
-        scored over `horizon` hours, cheapest first, as of now (an offer re-read
-        unchanged since may be newer in the pool: `ResourcePool.get`)."""
+        scored over `horizon` hours at risk level `risk`, cheapest first, as of now (an
+        offer re-read unchanged since may be newer in the pool: `ResourcePool.get`)."""
         hazard = self.pool.hazard
         seen = (id(hazard), hazard.refreshes if hazard is not None else 0)
         if seen != self._hazard_seen:
@@ -137,10 +143,10 @@ class CostIndex:
             self._hazard_seen = seen
         if self._dirty:
             self._place_again()
-        where = (gpu, market, self._horizon(horizon))
+        where = (gpu, market, self._horizon(horizon), self._risk(risk))
         got = self._lists.get(where)
         if got is None:
-            policy, hz = self.policy, self._hazard(where[2])
+            policy, hz = self.policy.for_risk(where[3]), self._hazard(where[2])
             got = sorted(((unit_cost(o, policy, hz), o.pool, o)
                           for o in self.pool.by_gpu(gpu, market)), key=_first_two)
             self._lists[where] = got
@@ -149,23 +155,26 @@ class CostIndex:
                 placed.setdefault(key, []).append((u, where))
         return got
 
-    def covers(self, horizon: float) -> bool:
-        """Every horizon's list is made when first asked for."""
+    def covers(self, horizon: float, risk: RiskLevel | None = None) -> bool:
+        """Every horizon's and level's list is made when first asked for."""
         return True
 
-    def frozen(self, horizons: Iterable[float] = (DEFAULT_HORIZON,)) -> FrozenCosts:
-        """Every list for these horizons, up to date now, copied: for a batch placed in a
-        worker thread on a `Snapshot` while the pool and this index go on changing (on
-        the loop)."""
+    def frozen(self, horizons: Iterable[float] = (DEFAULT_HORIZON,),
+               risks: Iterable[RiskLevel | None] = (None,)) -> FrozenCosts:
+        """Every list for these horizons and risk levels, up to date now, copied: for a
+        batch placed in a worker thread on a `Snapshot` while the pool and this index go
+        on changing (on the loop)."""
         want = sorted({self._horizon(h) for h in horizons})
+        levels = sorted({self._risk(r) for r in risks})
         for h in want:
             self._hazard(h)  # an estimator's view is made here, on the loop, not in a thread
         for gpu in self.pool.gpus():
             for market in Market:
                 for h in want:
-                    self.sorted(gpu, market, h)
+                    for level in levels:
+                        self.sorted(gpu, market, h, level)
         return FrozenCosts(self.policy, {k: list(v) for k, v in self._lists.items()
-                                         if k[2] in want},
+                                         if k[2] in want and k[3] in levels},
                            normalise=not by_horizon(self.pool.hazard, self.policy))
 
     def _place_again(self) -> None:
@@ -173,7 +182,7 @@ class CostIndex:
 
         dirty, self._dirty = self._dirty, set()
         lists, placed = self._lists, self._placed
-        horizons = {w[2] for w in lists}
+        scored = {w[2:] for w in lists}  # (horizon, risk level)
         for key in dirty:
             for u, where in placed.pop(key, ()):
                 entries = lists[where]
@@ -183,19 +192,20 @@ class CostIndex:
             offer = self.pool.get(key)
             if offer is None or offer.price_per_hour is None or offer.gpus <= 0:
                 continue
-            for h in horizons:
-                where = (offer.gpu, key.market, h)
+            for h, level in scored:
+                where = (offer.gpu, key.market, h, level)
                 entries_or_none = lists.get(where)
                 if entries_or_none is None:
                     continue  # that list is built when first asked for
-                u = unit_cost(offer, self.policy, self._hazard(h))
+                u = unit_cost(offer, self.policy.for_risk(level), self._hazard(h))
                 bisect.insort(entries_or_none, (u, key, offer), key=_first_two)
                 placed.setdefault(key, []).append((u, where))
 
 
 class FrozenCosts:
-    """A `CostIndex` as it was at one moment (`CostIndex.frozen`), for the horizons it
-    was frozen for (`normalise`: every horizon scores alike, one list serves all)."""
+    """A `CostIndex` as it was at one moment (`CostIndex.frozen`), for the horizons and
+    risk levels it was frozen for (`normalise`: every horizon scores alike, one list
+    serves all)."""
 
     def __init__(self, policy: Policy, lists: dict[_Where, list[tuple[float, PoolKey, Offer]]],
                  normalise: bool = False) -> None:
@@ -203,19 +213,25 @@ class FrozenCosts:
         self._lists = lists
         self._normalise = normalise
         self._horizons = {w[2] for w in lists}
+        self._risks = {w[3] for w in lists} or {policy.scoring.risk}
 
-    def covers(self, horizon: float) -> bool:
-        """Whether lists for `horizon` were frozen."""
-        return self._normalise or not self._horizons or horizon in self._horizons
+    def covers(self, horizon: float, risk: RiskLevel | None = None) -> bool:
+        """Whether lists for `horizon` and risk level `risk` were frozen."""
+        return (risk or self.policy.scoring.risk) in self._risks and \
+            (self._normalise or not self._horizons or horizon in self._horizons)
 
-    def sorted(self, gpu: str, market: Market, horizon: float = DEFAULT_HORIZON
-               ) -> list[tuple[float, PoolKey, Offer]]:
+    def sorted(self, gpu: str, market: Market, horizon: float = DEFAULT_HORIZON,
+               risk: RiskLevel | None = None) -> list[tuple[float, PoolKey, Offer]]:
+        level = risk or self.policy.scoring.risk
+        if level not in self._risks:
+            raise KeyError(f"costs frozen for risk levels {sorted(self._risks)}, "
+                           f"not {level!r}")
         if self._normalise:
             horizon = DEFAULT_HORIZON
         elif self._horizons and horizon not in self._horizons:
             raise KeyError(f"costs frozen for horizons {sorted(self._horizons)}, "
                            f"not {horizon:g} h")
-        return self._lists.get((gpu, market, horizon), [])
+        return self._lists.get((gpu, market, horizon, level), [])
 
 
 Costs = CostIndex | FrozenCosts

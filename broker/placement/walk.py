@@ -1,6 +1,7 @@
 """A request's options by walking the pool's offer lists (small batches): the offers that
 pass the rules (`broker.placement.rules`), cheapest expected cost per hour first, stopping
-as soon as no offer further on can make the list."""
+as soon as no offer further on can make the list. Costs are the request's: scored with
+the probe's policy, the policy at the request's risk level (`Policy.for_risk`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from broker.placement.outcomes import Scan
 from broker.placement.problem import Alive, Option
 from broker.placement.rules import Probe
 from broker.placement.view import Costs
+from policies.model import RiskLevel
 
 Entries = Iterator[tuple[float, Offer, float, int | None]]
 """(bound, offer, price per GPU-hour, _) in order of the bound: the offer's price per
@@ -30,11 +32,12 @@ class Walker(Protocol):
 
     def hazard(self, h: float) -> Hazard | None: ...
 
-    def option(self, offer: Offer, instances: int, need: int, h: float) -> Option: ...
+    def option(self, offer: Offer, instances: int, need: int, h: float, risk: RiskLevel
+               ) -> Option: ...
 
     def _plain(self, gpu: str, m: Market) -> Entries: ...
 
-    def _by_cost(self, gpu: str, m: Market, h: float) -> Entries: ...
+    def _by_cost(self, gpu: str, m: Market, h: float, risk: RiskLevel) -> Entries: ...
 
 
 class _Found:
@@ -113,12 +116,13 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
     `rules.MARKET`)."""
     scan = Scan()
     out = _Found(k if limit is None else None, limit)
+    risk = p.policy.scoring.risk
     # In order of price when there is a price cap (the walk ends at the cap), else in
     # order of cost when the index is there (it ends once no option can make the list).
-    by_price = b.costs is None or p.c.cap is not None or not b.costs.covers(h)
+    by_price = b.costs is None or p.c.cap is not None or not b.costs.covers(h, risk)
     for gpu in p.c.gpus:
         for m in p.c.markets:
-            _walk_list(b, p, b._plain(gpu, m) if by_price else b._by_cost(gpu, m, h),
+            _walk_list(b, p, b._plain(gpu, m) if by_price else b._by_cost(gpu, m, h, risk),
                        by_price, out, scan, alive, h)
     return (*out.result(), scan)
 
@@ -149,7 +153,7 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
             cost += idle_cost(policy, instances * offer.gpus, need, ppg)
         if out.beaten(cost):
             continue
-        o = b.option(offer, instances, need, h)
+        o = b.option(offer, instances, need, h, policy.scoring.risk)
         if alive is not None and not alive(o):
             continue
         out.add(o)

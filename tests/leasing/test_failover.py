@@ -20,6 +20,7 @@ from broker.model import (
     PoolKey,
     SignalKind,
 )
+from policies.loader import parse_policy
 
 LEASED = offer("us-east-1a", price=24.0)  # 3.0 per GPU-hour
 OTHER = offer("us-east-1b", price=24.0)
@@ -272,3 +273,51 @@ def test_price_spike_ratio_triggers_under_the_cap() -> None:
     assert t.reason is FailoverReason.PRICE_ABOVE_CAP and "1.5×" in t.detail
     change = pool.replace(SLICE, [offer(price=11.0)])
     assert failover.from_pool_change(change, book, p.failover) == []
+
+
+# --- risk levels ---------------------------------------------------------------------------
+# A spot pool often interrupted and a calm one a little dearer; the policy-wide level is
+# balanced, two teams name the others: 20 × (1 + 0.5 × 0.3) + 8 × $c × 0.3 against
+# 21 × (1 + 0.5 × 0.01) + 8 × $c × 0.01, c = $1 (balanced) or $10 (fewest-interruptions).
+STORMY = offer("us-east-1a", price=20.0, interruption_rate=0.3)
+CALM = offer("us-east-1b", price=21.0, interruption_rate=0.01)
+RISK_TEAMS = """\
+version: 1
+teams:
+  sweeps: {risk: lowest-cost}
+  serving: {risk: fewest-interruptions}
+failover:
+  reoptimize_min_saving: 0.3
+"""
+
+
+@pytest.mark.parametrize(("team", "zone"), [
+    ("sweeps", "us-east-1a"), ("serving", "us-east-1b"), (None, "us-east-1b")])
+def test_a_replacement_is_chosen_at_the_requests_risk_level(team: str | None,
+                                                           zone: str) -> None:
+    from broker.placement.optimizer import Decision
+
+    leaving = offer("us-east-1c", price=16.0)
+    lease = LeaseBook().create(request(market="spot", team=team), placement(leaving),
+                               lease_seconds=60, cap=None, now=T0)
+    p = parse_policy(RISK_TEAMS)
+    out = failover.replacement(lease, pool_of([leaving, STORMY, CALM]), p, None, T0)
+    assert isinstance(out, Decision) and out.placement.pool.zone == zone
+
+
+@pytest.mark.parametrize(("team", "now", "moves"), [
+    ("serving", 47.0, True),   # 21.905: 53 % less at fewest-interruptions
+    (None, 25.4, False),       # 21.185: 17 % less at balanced, under the 30 %
+    ("sweeps", 20.0, False),   # 21: dearer at lowest-cost
+])
+def test_reoptimising_weighs_a_lease_at_its_risk_level(team: str | None, now: float,
+                                                       moves: bool) -> None:
+    p = parse_policy(RISK_TEAMS)
+    pool = pool_of([STORMY, CALM])
+    lease = LeaseBook().create(request(market="spot", team=team), placement(STORMY),
+                               lease_seconds=60, cap=None, now=T0)
+    assert failover.current_cost(lease, pool, p) == pytest.approx(now)
+    triggers = failover.reoptimize([lease], pool, p, None, T0)
+    assert bool(triggers) is moves
+    if moves:
+        assert "53%" in triggers[0].detail

@@ -20,6 +20,7 @@ from broker.leasing.book import LeaseBook
 from broker.state.store import StateStore
 from broker.wire.commands import Command
 from broker.wire.messages import Envelopes, Messages, Topics
+from policies.loader import parse_policy
 from policies.model import Policy
 
 P = "gpubroker/v1"
@@ -114,6 +115,41 @@ async def test_a_quote_sees_the_placements_of_its_own_batch(
                 "p/requests/sched-a/place", answer=placed)])
     assert json.loads(placed.result())["data"]["placement"]["zone"] == "us-east-1a"
     assert json.loads(quoted.result())["data"]["placement"]["zone"] == "us-east-1b"
+
+
+async def test_a_quote_is_costed_at_the_requests_risk_level(tmp_path: Path) -> None:
+    # A spot pool often interrupted and a calm one 5 % dearer. The team `serving` wants
+    # fewest interruptions, except for its sweeps (a rule): lowest cost.
+    clock = Clock()
+    store = StateStore(tmp_path / "state.db")
+    await store.open()
+    pool = pool_of([offer("us-east-1a", price=20.0, interruption_rate=0.3),
+                    offer("us-east-1b", price=21.0, interruption_rate=0.01)],
+                   clock=clock, stale_after_seconds=300)
+    policy = parse_policy(
+        "version: 1\n"
+        "teams: {serving: {risk: fewest-interruptions}}\n"
+        "rules: [{name: sweeps, match: {labels: {kind: sweep}},"
+        " require: {risk: lowest-cost}}]\n")
+    b = Broker(pool=pool, book=LeaseBook(), store=store,
+               messages=Messages(Topics("p"), Envelopes("t", "boot", clock=clock)),
+               policy=policy, publish=Sink(), retry_after_seconds=60, clock=clock)
+    try:
+        body = {**BODY, "market": "spot", "team": "serving"}
+        calm = (await ask(b, "quote", body))["data"]
+        # 21 × (1 + 0.5 × 0.01) + 8 GPUs × $10 × 0.01
+        assert calm["placement"]["zone"] == "us-east-1b"
+        assert calm["expected_cost_per_hour"] == pytest.approx(21.905)
+        assert calm["expected_cost"] == pytest.approx(3 * 21.905)
+        cheap = (await ask(b, "quote", {**body, "labels": {"kind": "sweep"}}))["data"]
+        assert cheap["placement"]["zone"] == "us-east-1a"
+        assert cheap["expected_cost_per_hour"] == pytest.approx(20.0)
+        # A place gets what its quote said.
+        placed = await ask(b, "place", {**body, "labels": {"kind": "sweep"},
+                                        "request_id": "s1"})
+        assert placed["data"]["placement"] == cheap["placement"]
+    finally:
+        await store.close()
 
 
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])

@@ -16,7 +16,7 @@ from adapters.sim import SimAdapter
 from broker.market.pool import ResourcePool
 from broker.model import Market, Offer, PlaceRequest, PoolKey, RejectCode
 from broker.placement.optimizer import Ask, CostIndex, Decision, Outcome, Rejection, place, solve
-from policies.model import Defaults, Policy, Scoring
+from policies.model import Defaults, Policy, Scoring, Team
 
 POLICY = Policy()
 
@@ -56,15 +56,15 @@ def test_cheapest_expected_cost_wins() -> None:
 def test_spot_interruption_risk_can_make_on_demand_win() -> None:
     spot = offer("us-east-1a", market="spot", price=20.0, interruption_rate=1.0)
     od = offer("us-east-1a", market="on_demand", price=24.0, interruption_rate=None)
-    # spot: 20 × (1 + 0.5 h × 1.0) = 30 > on-demand 24
+    # spot: 20 × (1 + 0.5 h × 1.0) + 8 GPUs × $1 × 1.0 = 38 > on-demand 24 (balanced)
     d = decided(place_one(request(), pool_of([spot, od])))
     assert d.placement.pool.market is Market.ON_DEMAND
     assert d.expected_cost_per_hour == pytest.approx(24.0)
-    # the same spot pool at a low interruption rate wins
+    # the same spot pool at a low interruption rate wins: 20 × 1.1 + 8 × 0.2 = 23.6
     d = decided(place_one(request(), pool_of([
         offer("us-east-1a", market="spot", price=20.0, interruption_rate=0.2), od])))
     assert d.placement.pool.market is Market.SPOT
-    assert d.expected_cost_per_hour == pytest.approx(22.0)
+    assert d.expected_cost_per_hour == pytest.approx(23.6)
 
 
 def test_unknown_signals_take_the_policy_values() -> None:
@@ -72,8 +72,8 @@ def test_unknown_signals_take_the_policy_values() -> None:
                                     unknown_interruption_rate=0.1, unknown_availability=0.4))
     o = offer(price=10.0, availability=None, interruption_rate=None)
     d = decided(place_one(request(), pool_of([o]), policy))
-    # 10 × (1 + 2 × 0.1 + 0.5 × (1 − 0.4))
-    assert d.expected_cost_per_hour == pytest.approx(10.0 * 1.5)
+    # 10 × (1 + 2 × 0.1 + 0.5 × (1 − 0.4)) + 8 GPUs × $1 (balanced) × 0.1
+    assert d.expected_cost_per_hour == pytest.approx(10.0 * 1.5 + 8 * 0.1)
 
 
 def test_low_availability_costs_more() -> None:
@@ -340,7 +340,8 @@ def brute_force_costs(req: PlaceRequest, offers: Sequence[Offer], pool: Resource
             rate *= instances  # a gang is interrupted when any of its instances is
         avail = o.availability if o.availability is not None else s.unknown_availability
         costs.append(instances * o.price_per_hour
-                     * (1 + s.restart_hours * rate + s.availability_weight * (1 - avail)))
+                     * (1 + s.restart_hours * rate + s.availability_weight * (1 - avail))
+                     + instances * o.gpus * s.interruption_cost_per_gpu * rate)
     return sorted(costs)
 
 
@@ -606,11 +607,13 @@ def test_a_gang_of_many_small_instances_is_riskier_than_a_few_large_ones(batch: 
     assert decided(one[0]).placement.pool.zone == "us-east-1a"  # one GPU: no gang
     # The cost says so: sixteen instances pay 16 × the rate in lost work, two pay 2 ×.
     restart = POLICY.scoring.restart_hours
+    per_gpu = POLICY.scoring.interruption_cost_per_gpu
     costs = {decided(o).placement.instances: decided(o).expected_cost_per_hour for o in got}
-    assert costs[2] == pytest.approx(16.0 * (1 + restart * 2 * 0.05))
+    assert costs[2] == pytest.approx(16.0 * (1 + restart * 2 * 0.05) + 16 * per_gpu * 2 * 0.05)
     assert decided(got[0]).alternatives[0].instances == 16
     small_gang = expected_cost(offers[0], 16, POLICY)
-    assert small_gang == pytest.approx(16.0 * (1 + restart * 16 * 0.05))
+    assert small_gang == pytest.approx(16.0 * (1 + restart * 16 * 0.05)
+                                       + 16 * per_gpu * 16 * 0.05)
     assert small_gang > costs[2]
 
 
@@ -682,7 +685,8 @@ def test_an_interruption_cost_per_gpu_prices_interruptions_alike_for_every_model
 
     # Weighed by lost work, a share of the price: both models choose alike, since each
     # stormy pool is 10 % cheaper (0.9 × (1 + 0.3 × 0.2) < 1 + 0.3 × 0.01).
-    by_work = Policy(scoring=Scoring(restart_hours=0.3, availability_weight=0.0))
+    by_work = Policy(scoring=Scoring(restart_hours=0.3, availability_weight=0.0,
+                                     interruption_cost_per_gpu=0.0))
     assert zones(by_work, "H100-80GB", 8) == {"us-east-1a"}
     assert zones(by_work, "T4", 1) == {"us-east-1a"}
     # $1 per GPU and interruption: 0.2/h × $1 is over the T4 pools' $0.05 gap, and
@@ -703,3 +707,27 @@ def test_an_interruption_cost_per_gpu_prices_interruptions_alike_for_every_model
     # On-demand pools carry no interruption risk.
     od = offer(market="on_demand", price=40.0, interruption_rate=None)
     assert expected_cost(od, 1, per_gpu) == pytest.approx(40.0)
+
+
+# --- risk levels ------------------------------------------------------------------------
+
+
+def test_explain_ranks_candidates_at_the_requests_risk_level() -> None:
+    from broker.placement.optimizer import explain
+
+    risky = offer("us-east-1a", price=20.0, interruption_rate=0.3)
+    safe = offer("us-east-1b", price=21.0, interruption_rate=0.01)
+    pool = pool_of([risky, safe])
+    policy = Policy(scoring=Scoring(risk="lowest-cost"),
+                    teams={"serving": Team(risk="fewest-interruptions")})
+    cheap = explain(Ask(request(market="spot")), pool, policy, now=T0)
+    assert cheap["verdict"]["risk"] == "lowest-cost"
+    assert [c["placement"]["zone"] for c in cheap["candidates"]] == ["us-east-1a", "us-east-1b"]
+    assert cheap["candidates"][0]["expected_cost_per_hour"] == pytest.approx(20.0)
+    calm = explain(Ask(request(market="spot", team="serving")), pool, policy, now=T0)
+    assert calm["verdict"]["risk"] == "fewest-interruptions"
+    assert [c["placement"]["zone"] for c in calm["candidates"]] == ["us-east-1b", "us-east-1a"]
+    # 21 × (1 + 0.5 × 0.01) + 8 GPUs × $10 × 0.01, and its terms say the same
+    first = calm["candidates"][0]
+    assert first["expected_cost_per_hour"] == pytest.approx(21.905)
+    assert 21.0 * (1 + sum(first["terms"].values())) == pytest.approx(21.905)

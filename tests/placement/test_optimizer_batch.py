@@ -371,7 +371,7 @@ def test_idle_gpus_cost_only_when_the_policy_weighs_them() -> None:
 def test_interruption_and_availability_make_a_dearer_pool_the_better_one(
         settings: BatchSettings) -> None:
     risky = offer("us-east-1a", market="spot", price=20.0, capacity=1,
-                  interruption_rate=1.0)  # 20 × (1 + 0.5 h × 1.0) = 30
+                  interruption_rate=1.0)  # 20 × (1 + 0.5 h × 1.0) + 8 GPUs × $1 × 1.0 = 38
     scarce = offer("us-east-1b", market="spot", price=22.0, capacity=1,
                    availability=0.0)  # 22 × (1 + 0.25 × 1) = 27.5
     safe = offer("us-east-1c", market="on_demand", price=24.0, capacity=1)  # 24
@@ -382,10 +382,10 @@ def test_interruption_and_availability_make_a_dearer_pool_the_better_one(
     assert [decided(o).placement.pool for o in r.outcomes] == \
         [safe.pool, scarce.pool, risky.pool]
     assert [decided(o).expected_cost_per_hour for o in r.outcomes] == \
-        pytest.approx([24.0, 27.5, 30.0])
-    assert r.objective == pytest.approx(81.5)
+        pytest.approx([24.0, 27.5, 38.0])
+    assert r.objective == pytest.approx(89.5)
     # Without the risk terms, price alone decides.
-    plain = Policy(scoring=Scoring(restart_hours=0, availability_weight=0))
+    plain = Policy(scoring=Scoring(risk="lowest-cost"))
     r = run([request("r1")], pool, plain, settings)
     assert decided(r.outcomes[0]).placement.pool == risky.pool
 
@@ -606,3 +606,83 @@ def test_a_spent_solve_budget_places_the_heuristic_answer_without_the_milp() -> 
     r = run(reqs, pool, settings=spent)
     assert r.solver == "heuristic" and not r.optimal
     assert sorted(zones(r)) == ["us-east-1a", "us-east-1b"]
+
+
+# The one-word risk setting: two requests alike but for their risk level (a rule's), on
+# one view of the pool, in one batch: a cheap spot pool often interrupted, and a safe one
+# 5 % dearer. lowest-cost is plain price; fewest-interruptions weighs $10 per GPU and
+# interruption: 20 × (1 + 0.5 × 0.3) + 8 × 10 × 0.3 = 47 against 21 × (1 + 0.5 × 0.01)
+# + 8 × 10 × 0.01 = 21.905.
+RISKY = offer("us-east-1a", market="spot", price=20.0, interruption_rate=0.3)
+SAFE = offer("us-east-1b", market="spot", price=21.0, interruption_rate=0.01)
+BY_RISK = Policy(rules=[
+    Rule(name="serving-stays-up", match=Match(labels={"kind": "serving"}),
+         require=Require(risk="fewest-interruptions")),
+    Rule(name="sweeps-are-cheap", match=Match(labels={"kind": "sweep"}),
+         require=Require(risk="lowest-cost")),
+])
+
+
+@pytest.mark.parametrize("path", ["walk", "walk-by-cost", "frozen-costs", "arrays"])
+@BOTH
+def test_requests_at_different_risk_levels_in_one_batch_take_different_pools(
+        settings: BatchSettings, path: str) -> None:
+    from broker.placement.optimizer import CostIndex, expected_cost
+
+    pool = pool_of([RISKY, SAFE])
+    reqs = [request("serving", market="spot", labels={"kind": "serving"}),
+            request("sweep", market="spot", labels={"kind": "sweep"}),
+            request("other", market="spot")]  # the policy's level: balanced
+    asks = []
+    for r in reqs:
+        c = evaluate(BY_RISK, r)
+        assert not isinstance(c, Denied), c
+        asks.append(Ask(r, constraints=c))
+    assert [a.constraints.risk for a in asks if a.constraints] == \
+        ["fewest-interruptions", "lowest-cost", "balanced"]
+    costs = None
+    if path == "walk-by-cost":
+        costs = CostIndex(pool, BY_RISK)
+    elif path == "frozen-costs":
+        costs = CostIndex(pool, BY_RISK).frozen(
+            {1.0, 4.0}, {a.constraints.risk for a in asks if a.constraints})
+    # One option listed up front: a list in the wrong order would stop at the wrong one.
+    settings = replace(settings, candidates=1,
+                       index_min_batch=1 if path == "arrays" else settings.index_min_batch)
+    result = solve(asks, pool, BY_RISK, now=T0, settings=settings, costs=costs)
+    serving, sweep, other = (decided(o) for o in result.outcomes)
+    assert serving.placement.pool == SAFE.pool
+    assert sweep.placement.pool == RISKY.pool
+    assert other.placement.pool == SAFE.pool  # balanced: 25.4 against 21.185
+    # Each is costed at its own level, as the one cost formula has it.
+    assert sweep.expected_cost_per_hour == pytest.approx(20.0)
+    assert serving.expected_cost_per_hour == pytest.approx(
+        expected_cost(SAFE, 1, BY_RISK.for_risk("fewest-interruptions")))
+    assert serving.expected_cost_per_hour == pytest.approx(21.905)
+    assert other.expected_cost_per_hour == pytest.approx(expected_cost(SAFE, 1, BY_RISK))
+
+
+def test_the_cost_index_keeps_a_list_per_risk_level() -> None:
+    from broker.placement.optimizer import CostIndex
+
+    index = CostIndex(pool_of([RISKY, SAFE]), BY_RISK)
+    assert [e[1] for e in index.sorted(RISKY.gpu, Market.SPOT, 4.0, "lowest-cost")] == \
+        [RISKY.pool, SAFE.pool]
+    for level in ("fewest-interruptions", "balanced", None):
+        assert [e[1] for e in index.sorted(RISKY.gpu, Market.SPOT, 4.0, level)] == \
+            [SAFE.pool, RISKY.pool]
+    assert [e[0] for e in index.sorted(RISKY.gpu, Market.SPOT, 4.0, "lowest-cost")] == \
+        pytest.approx([20.0 / 8, 21.0 / 8])
+
+
+def test_costs_frozen_for_other_risk_levels_still_place_a_request_at_its_own() -> None:
+    from broker.placement.optimizer import CostIndex
+
+    pool = pool_of([RISKY, SAFE])
+    frozen = CostIndex(pool, BY_RISK).frozen({4.0})  # the policy's level only
+    assert frozen.covers(4.0) and not frozen.covers(4.0, "lowest-cost")
+    with pytest.raises(KeyError, match="lowest-cost"):
+        frozen.sorted(RISKY.gpu, Market.SPOT, 4.0, "lowest-cost")
+    sweep = request("sweep", market="spot", labels={"kind": "sweep"})
+    [out] = solve([Ask(sweep)], pool, BY_RISK, now=T0, costs=frozen).outcomes
+    assert decided(out).placement.pool == RISKY.pool  # walked by price instead

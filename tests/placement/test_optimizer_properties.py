@@ -276,7 +276,8 @@ def choices(w: World, req: PlaceRequest) -> list[Choice]:
     documented formula: instances × price × (1 + restart_hours × instances ×
     interruption rate (spot) +
     availability_weight × (1 − availability) + spread_weight × the team's share in the
-    zone), plus idle_gpu_weight × the idle GPUs' price, times the horizon."""
+    zone), plus GPUs × interruption_cost_per_gpu × instances × interruption rate (spot),
+    plus idle_gpu_weight × the idle GPUs' price, times the horizon."""
     c = w.constraints(req)
     if isinstance(c, Denied):
         return []
@@ -309,6 +310,7 @@ def choices(w: World, req: PlaceRequest) -> list[Choice]:
             share = u.gpus_by_zone.get((k.cloud, k.zone), 0) / u.gpus
         cost = price * (1 + s.restart_hours * rate + s.availability_weight * (1 - avail)
                         + s.spread_weight * share)
+        cost += n * o.gpus * s.interruption_cost_per_gpu * rate
         cost += s.idle_gpu_weight * (n * o.gpus - req.gpus) * ppg
         uses: list[tuple[Hashable, float]] = [(("pool", i), n)]
         if o.quota_group is not None:

@@ -1,0 +1,55 @@
+"""The one-word trade-off between price and interruptions (`risk`), and the table that
+says what each word means: the values of `scoring`'s three risk weights.
+
+A policy's `scoring.risk` sets the level for everyone; a team's `risk` or a rule's
+`require.risk` sets it for their requests (a matching rule's over the team's over the
+policy's). Weights written in `scoring:` tune the policy-wide level only; a request at
+another level is scored with that level's weights from `RISK_PRESETS`, every other
+scoring setting (unknown signals, spread, idle GPUs, spot discount, hazard half-life)
+kept from the policy.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple, get_args
+
+RiskLevel = Literal["lowest-cost", "balanced", "fewest-interruptions"]
+RISK_LEVELS: tuple[RiskLevel, ...] = get_args(RiskLevel)
+DEFAULT_RISK: RiskLevel = "balanced"
+
+
+class RiskWeights(NamedTuple):
+    """The scoring weights a risk level sets (`policies.model.Scoring` says what each
+    weighs)."""
+
+    restart_hours: float
+    availability_weight: float
+    interruption_cost_per_gpu: float
+
+
+# Chosen on the backtest's tuning seeds (bench/backtest.py) and reported on its held-out
+# seeds, never on the seeds they were chosen on. Tune them here and nowhere else.
+RISK_PRESETS: dict[RiskLevel, RiskWeights] = {
+    # Plain price for spot as for on-demand, as cheapest-spot chooses.
+    "lowest-cost": RiskWeights(restart_hours=0.0, availability_weight=0.0,
+                               interruption_cost_per_gpu=0.0),
+    # The work an interruption loses, the pool's capacity signal, and $1 per GPU for
+    # each interruption: fewer interruptions for a little more than the lowest price.
+    "balanced": RiskWeights(restart_hours=0.5, availability_weight=0.25,
+                            interruption_cost_per_gpu=1.0),
+    # $10 per GPU for each interruption: the calmest pools, at a higher price.
+    "fewest-interruptions": RiskWeights(restart_hours=0.5, availability_weight=0.25,
+                                        interruption_cost_per_gpu=10.0),
+}
+"""Per risk level, the values of the three risk weights."""
+
+RISK_WEIGHTS: tuple[str, ...] = RiskWeights._fields
+"""The names of the scoring fields a risk level sets."""
+
+
+def preset_of(level: object) -> RiskWeights | None:
+    """The weights of `level`, or None when it is not a risk level."""
+    for name, weights in RISK_PRESETS.items():
+        if level == name:
+            return weights
+    return None
