@@ -76,16 +76,22 @@ Placer = Callable[[Sequence[Ask], PoolView, datetime], list[Outcome]]
 
 
 def baseline_policy(policy: Policy) -> Policy:
-    """`policy` with every scoring weight zeroed (expected cost = price), no failover
-    ladder and no re-optimisation of running leases; everything else (lists, teams,
-    rules, triggers, anti-flap limits, cool-down) kept."""
+    """`policy` with every scoring weight zeroed (expected cost = price: the risk level
+    `lowest-cost`, and no team or rule naming another), no failover ladder and no
+    re-optimisation of running leases; everything else (lists, teams, rules, triggers,
+    anti-flap limits, cool-down) kept."""
     s = policy.scoring
-    scoring = Scoring(restart_hours=0.0, availability_weight=0.0, spread_weight=0.0,
+    scoring = Scoring(risk="lowest-cost", restart_hours=0.0, availability_weight=0.0,
+                      interruption_cost_per_gpu=0.0, spread_weight=0.0,
                       unknown_interruption_rate=s.unknown_interruption_rate,
                       unknown_availability=s.unknown_availability, spot_min_discount=0.0,
                       hazard_half_life_hours=0.0)
+    teams = {name: team.model_copy(update={"risk": None})
+             for name, team in policy.teams.items()}
+    rules_ = [r if r.require is None else r.model_copy(update={
+        "require": r.require.model_copy(update={"risk": None})}) for r in policy.rules]
     return policy.model_copy(update={
-        "scoring": scoring,
+        "scoring": scoring, "teams": teams, "rules": rules_,
         "failover": policy.failover.model_copy(update={"ladder": [],
                                                         "reoptimize_min_saving": None}),
     })
