@@ -201,3 +201,15 @@ def test_the_readme_hazard_table_is_the_interruption_models() -> None:
     for band, h in ((">20%", 73 * 24), ("<5%", 2.3 * 8760)):
         aws = hazard_from_band(band, WINDOW_HOURS["aws"])
         assert aws is not None and abs(hazard_from_uptime(h) / aws - 1) < 0.01
+
+
+def test_the_risk_levels_table_is_the_presets() -> None:
+    # README's table and the example policy's comment give the values of RISK_PRESETS.
+    from policies.risk import RISK_PRESETS
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    example = (ROOT / "deploy" / "policy.example.yaml").read_text(encoding="utf-8")
+    for level, w in RISK_PRESETS.items():
+        values = [f"{x:g}" for x in w]
+        assert f"| `{level}` | {', '.join(values)} |" in readme, level
+        line = next(ln for ln in example.splitlines() if ln.startswith(f"#   {level}"))
+        assert re.findall(r"\d+(?:\.\d+)?", line)[:3] == values, line

@@ -137,10 +137,10 @@ async def test_a_quote_is_costed_at_the_requests_risk_level(tmp_path: Path) -> N
     try:
         body = {**BODY, "market": "spot", "team": "serving"}
         calm = (await ask(b, "quote", body))["data"]
-        # 21 × (1 + 0.5 × 0.01) + 8 GPUs × $10 × 0.01
+        # 21 × (1 + 0.5 × 0.01) + 8 GPUs × $5 × 0.01
         assert calm["placement"]["zone"] == "us-east-1b"
-        assert calm["expected_cost_per_hour"] == pytest.approx(21.905)
-        assert calm["expected_cost"] == pytest.approx(3 * 21.905)
+        assert calm["expected_cost_per_hour"] == pytest.approx(21.505)
+        assert calm["expected_cost"] == pytest.approx(3 * 21.505)
         cheap = (await ask(b, "quote", {**body, "labels": {"kind": "sweep"}}))["data"]
         assert cheap["placement"]["zone"] == "us-east-1a"
         assert cheap["expected_cost_per_hour"] == pytest.approx(20.0)

@@ -56,15 +56,15 @@ def test_cheapest_expected_cost_wins() -> None:
 def test_spot_interruption_risk_can_make_on_demand_win() -> None:
     spot = offer("us-east-1a", market="spot", price=20.0, interruption_rate=1.0)
     od = offer("us-east-1a", market="on_demand", price=24.0, interruption_rate=None)
-    # spot: 20 × (1 + 0.5 h × 1.0) + 8 GPUs × $1 × 1.0 = 38 > on-demand 24 (balanced)
+    # spot: 20 × (1 + 0.5 h × 1.0) = 30 > on-demand 24 (balanced: no cost per GPU)
     d = decided(place_one(request(), pool_of([spot, od])))
     assert d.placement.pool.market is Market.ON_DEMAND
     assert d.expected_cost_per_hour == pytest.approx(24.0)
-    # the same spot pool at a low interruption rate wins: 20 × 1.1 + 8 × 0.2 = 23.6
+    # the same spot pool at a low interruption rate wins: 20 × 1.1 = 22
     d = decided(place_one(request(), pool_of([
         offer("us-east-1a", market="spot", price=20.0, interruption_rate=0.2), od])))
     assert d.placement.pool.market is Market.SPOT
-    assert d.expected_cost_per_hour == pytest.approx(23.6)
+    assert d.expected_cost_per_hour == pytest.approx(22.0)
 
 
 def test_unknown_signals_take_the_policy_values() -> None:
@@ -72,8 +72,8 @@ def test_unknown_signals_take_the_policy_values() -> None:
                                     unknown_interruption_rate=0.1, unknown_availability=0.4))
     o = offer(price=10.0, availability=None, interruption_rate=None)
     d = decided(place_one(request(), pool_of([o]), policy))
-    # 10 × (1 + 2 × 0.1 + 0.5 × (1 − 0.4)) + 8 GPUs × $1 (balanced) × 0.1
-    assert d.expected_cost_per_hour == pytest.approx(10.0 * 1.5 + 8 * 0.1)
+    # 10 × (1 + 2 × 0.1 + 0.5 × (1 − 0.4)) (balanced: no cost per GPU)
+    assert d.expected_cost_per_hour == pytest.approx(10.0 * 1.5)
 
 
 def test_low_availability_costs_more() -> None:
@@ -727,7 +727,7 @@ def test_explain_ranks_candidates_at_the_requests_risk_level() -> None:
     calm = explain(Ask(request(market="spot", team="serving")), pool, policy, now=T0)
     assert calm["verdict"]["risk"] == "fewest-interruptions"
     assert [c["placement"]["zone"] for c in calm["candidates"]] == ["us-east-1b", "us-east-1a"]
-    # 21 × (1 + 0.5 × 0.01) + 8 GPUs × $10 × 0.01, and its terms say the same
+    # 21 × (1 + 0.5 × 0.01) + 8 GPUs × $5 × 0.01, and its terms say the same
     first = calm["candidates"][0]
-    assert first["expected_cost_per_hour"] == pytest.approx(21.905)
-    assert 21.0 * (1 + sum(first["terms"].values())) == pytest.approx(21.905)
+    assert first["expected_cost_per_hour"] == pytest.approx(21.505)
+    assert 21.0 * (1 + sum(first["terms"].values())) == pytest.approx(21.505)
