@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from mqtt_helpers import ProbeFactory, payload_json, publish_properties
 
 from broker.leasing.authority import Broker
 from broker.leasing.book import LeaseBook
+from broker.model import Offer
 from broker.state.store import StateStore
 from broker.wire.commands import Command
 from broker.wire.messages import Envelopes, Messages, Topics
@@ -26,20 +28,31 @@ from policies.model import Policy
 P = "gpubroker/v1"
 
 
-@pytest.fixture
-async def broker(tmp_path: Path) -> AsyncIterator[tuple[Broker, Sink]]:
+@asynccontextmanager
+async def broker_on(tmp_path: Path, offers: list[Offer], policy: Policy
+                    ) -> AsyncIterator[tuple[Broker, Sink]]:
+    """An authority over `offers` under `policy`, with a real store, and what it
+    publishes."""
     clock = Clock()
     store = StateStore(tmp_path / "state.db")
     await store.open()
-    pool = pool_of([offer("us-east-1a", price=20.0, capacity=1),
-                    offer("us-east-1b", price=30.0, capacity=1)],
-                   clock=clock, stale_after_seconds=300)
     sink = Sink()
-    b = Broker(pool=pool, book=LeaseBook(), store=store,
+    b = Broker(pool=pool_of(offers, clock=clock, stale_after_seconds=300), book=LeaseBook(),
+               store=store,
                messages=Messages(Topics("p"), Envelopes("t", "boot", clock=clock)),
-               policy=Policy(), publish=sink, retry_after_seconds=60, clock=clock)
-    yield b, sink
-    await store.close()
+               policy=policy, publish=sink, retry_after_seconds=60, clock=clock)
+    try:
+        yield b, sink
+    finally:
+        await store.close()
+
+
+@pytest.fixture
+async def broker(tmp_path: Path) -> AsyncIterator[tuple[Broker, Sink]]:
+    async with broker_on(tmp_path, [offer("us-east-1a", price=20.0, capacity=1),
+                                    offer("us-east-1b", price=30.0, capacity=1)],
+                         Policy()) as got:
+        yield got
 
 
 async def ask(b: Broker, verb: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -120,21 +133,14 @@ async def test_a_quote_sees_the_placements_of_its_own_batch(
 async def test_a_quote_is_costed_at_the_requests_risk_level(tmp_path: Path) -> None:
     # A spot pool often interrupted and a calm one 5 % dearer. The team `serving` wants
     # fewest interruptions, except for its sweeps (a rule): lowest cost.
-    clock = Clock()
-    store = StateStore(tmp_path / "state.db")
-    await store.open()
-    pool = pool_of([offer("us-east-1a", price=20.0, interruption_rate=0.3),
-                    offer("us-east-1b", price=21.0, interruption_rate=0.01)],
-                   clock=clock, stale_after_seconds=300)
     policy = parse_policy(
         "version: 1\n"
         "teams: {serving: {risk: fewest-interruptions}}\n"
         "rules: [{name: sweeps, match: {labels: {kind: sweep}},"
         " require: {risk: lowest-cost}}]\n")
-    b = Broker(pool=pool, book=LeaseBook(), store=store,
-               messages=Messages(Topics("p"), Envelopes("t", "boot", clock=clock)),
-               policy=policy, publish=Sink(), retry_after_seconds=60, clock=clock)
-    try:
+    async with broker_on(tmp_path, [offer("us-east-1a", price=20.0, interruption_rate=0.3),
+                                    offer("us-east-1b", price=21.0, interruption_rate=0.01)],
+                         policy) as (b, _):
         body = {**BODY, "market": "spot", "team": "serving"}
         calm = (await ask(b, "quote", body))["data"]
         # 21 × (1 + 0.5 × 0.01) + 8 GPUs × $5 × 0.01
@@ -148,8 +154,6 @@ async def test_a_quote_is_costed_at_the_requests_risk_level(tmp_path: Path) -> N
         placed = await ask(b, "place", {**body, "labels": {"kind": "sweep"},
                                         "request_id": "s1"})
         assert placed["data"]["placement"] == cheap["placement"]
-    finally:
-        await store.close()
 
 
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])
