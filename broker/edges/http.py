@@ -175,12 +175,19 @@ def _standing_by(d: Served) -> web.Response | None:
     return _json({"error": f"this node is a {d.not_ready()[0]}; ask the leader"}, 503)
 
 
-async def _standby_leases(d: Served) -> list[Lease] | web.Response:
-    assert d.leadership is not None
-    if not d.leadership.database_ok:
-        return _json({"error": "this node is a standby and cannot reach the database"}, 503)
+async def _stored_leases(d: Served, state: str, scheduler: str | None,
+                         request_id: str | None) -> list[Lease] | web.Response:
+    """Leases as committed, from the store: active, and ended within
+    `state.keep_ended_hours` (the lease book holds the active ones only)."""
+    if d.role == "standby":
+        assert d.leadership is not None
+        if not d.leadership.database_ok:
+            return _json({"error": "this node is a standby and cannot reach the database"},
+                         503)
     try:
-        return await d.store.leases(ended_since=utcnow() - d.book.keep_ended)
+        return await d.store.leases(ended_since=utcnow() - d.book.keep_ended,
+                                    state=None if state == "all" else state,
+                                    scheduler=scheduler, request_id=request_id)
     except StoreFailed:
         return _store_failed()
 
@@ -220,16 +227,23 @@ async def leases(request: web.Request) -> web.Response:
     state = q.get("state") or ("all" if q.get("request_id") else LeaseState.ACTIVE.value)
     if state != "all" and state not in LEASE_STATES:
         return _json({"error": f"state must be one of {', '.join(LEASE_STATES)} or all"}, 400)
-    if d.role == "standby":
-        book = await _standby_leases(d)
-        if isinstance(book, web.Response):
-            return book
-    else:
+    if d.role != "standby" and state == LeaseState.ACTIVE.value:
         try:
             await d.broker.settled()
         except StoreFailed:
             return _store_failed()
-        book = d.book.all()
+        book = d.book.active()
+    else:  # ended leases are read from the store (the book holds the active ones)
+        if d.role != "standby":
+            try:
+                await d.broker.settled()
+            except StoreFailed:
+                return _store_failed()
+        stored = await _stored_leases(d, state, q.get("scheduler") or None,
+                                      q.get("request_id") or None)
+        if isinstance(stored, web.Response):
+            return stored
+        book = stored
     rows = [le for le in book
             if (state == "all" or le.state.value == state)
             and (not q.get("scheduler") or le.scheduler == q["scheduler"])
@@ -243,17 +257,23 @@ async def lease(request: web.Request) -> web.Response:
     if (refused := _view_refused(d, request)) is not None:
         return refused
     lease_id = request.match_info["lease_id"]
+    found = None
     if d.role == "standby":
-        book = await _standby_leases(d)
-        if isinstance(book, web.Response):
-            return book
-        found = next((le for le in book if le.lease_id == lease_id), None)
+        assert d.leadership is not None
+        if not d.leadership.database_ok:
+            return _json({"error": "this node is a standby and cannot reach the database"},
+                         503)
     else:
         try:
             await d.broker.settled()
         except StoreFailed:
             return _store_failed()
         found = d.book.get(lease_id)
+    if found is None:  # a standby's, or one that has ended and left the book's memory
+        try:
+            found = await d.store.lease(lease_id)
+        except StoreFailed:
+            return _store_failed()
     if found is None:
         return _json({"error": "no such lease"}, 404)
     return _json(found.to_json())

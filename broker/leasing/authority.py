@@ -504,6 +504,8 @@ class Broker(Placing, Verbs, Moves, Quoting):
             if self.failed is not None:
                 raise self.failed
             yield
+            # The change is committed: ended leases beyond the recent ones leave memory.
+            self.book.settle()
 
     async def settled(self) -> None:
         """Return when no change is being made or committed, so that the lease book, read

@@ -76,6 +76,7 @@ class Verbs:
         if parsed.request_id is not None:
             await self._release_request(b, cmd, parsed.request_id)
             return
+        await self._recall_lease(parsed.lease_id)
         lease = self._at_epoch(b, cmd, parsed.lease_id, parsed.epoch)
         if lease is None:
             return
@@ -141,6 +142,14 @@ class Verbs:
             parts = self.book.siblings(head) if head is not None else None
         return parts or []
 
+    async def _recall_lease(self, lease_id: str) -> None:
+        """A verb names a lease the book does not hold: every active lease is in the
+        book, so it has ended and left memory (or never was). Bring it back from the
+        store, so that the verb is answered with how it ended, as a moment after its
+        end (`_lease_error`)."""
+        if self.book.get(lease_id) is None and (lease := await self.store.lease(lease_id)):
+            self.book.remember(lease)
+
     def _at_epoch(self, b: Batch, cmd: Command, lease_id: str,
                   epoch: int | None) -> Lease | None:
         """The active lease a verb acts on; None when the verb is answered already: the
@@ -190,6 +199,7 @@ class Verbs:
         if isinstance(parsed, validation.Invalid):
             self._invalid(b, cmd, None, parsed.errors)
             return
+        await self._recall_lease(parsed.lease_id)
         lease = self._at_epoch(b, cmd, parsed.lease_id, parsed.epoch)
         if lease is None:
             return

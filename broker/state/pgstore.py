@@ -293,17 +293,20 @@ class PgStateStore(OneThreadStore[PgDb]):
 
         return await self._read("offers read", q)
 
-    async def lease_changes(self, after: int, *, ended_since: datetime
+    async def lease_changes(self, after: int, *, ended_since: datetime | None = None
                             ) -> tuple[int, list[Lease]]:
         """Follow the lease book (a standby): the leases written after change number
         `after`, and the number to ask after next time. `after` < 0: the whole book (the
-        active leases and those ended at or after `ended_since`), as `leases` reads it."""
+        active leases, and those ended at or after `ended_since` if given), as `leases`
+        reads it."""
         def q(db: PgDb) -> tuple[int, list[Lease]]:
             # The highest number first: a change committed meanwhile is read now and
             # again next time, never missed.
             row = db.execute("SELECT COALESCE(max(change), 0) FROM leases").fetchone()
             top = int(row[0]) if row else 0
-            if after < 0:
+            if after < 0 and ended_since is None:
+                rows = db.execute("SELECT body FROM leases WHERE state = 'active'")
+            elif after < 0:
                 rows = db.execute("SELECT body FROM leases WHERE state = 'active' OR "
                                   "updated_at >= ?", (iso(ended_since),))
             else:

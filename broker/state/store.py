@@ -172,7 +172,9 @@ class Store(Protocol):
 
     async def pending(self) -> list[OutboxRow]: ...
 
-    async def leases(self, *, ended_since: datetime | None = None) -> list[Lease]: ...
+    async def leases(self, *, ended_since: datetime | None = None, state: str | None = None,
+                     scheduler: str | None = None, request_id: str | None = None
+                     ) -> list[Lease]: ...
 
     async def find_leases(self, keys: Sequence[tuple[str, str]]
                           ) -> dict[tuple[str, str], list[Lease]]:
@@ -181,6 +183,12 @@ class Store(Protocol):
 
     async def find_lease(self, scheduler: str, request_id: str) -> Lease | None:
         """The lease of a request, or of a split request its head (part 1)."""
+
+    async def lease(self, lease_id: str) -> Lease | None:
+        """One lease by its id, in any state."""
+
+    async def ended_since(self, since: datetime) -> list[tuple[str, str]]:
+        """(scheduler, lease_id) of every lease that ended at or after `since`."""
 
 
 
@@ -253,15 +261,45 @@ class OneThreadStore(Generic[D]):
 
         return await self._read("schedseq read", q)
 
-    async def leases(self, *, ended_since: datetime | None = None) -> list[Lease]:
-        """Active leases, plus leases that ended at or after `ended_since`."""
+    async def leases(self, *, ended_since: datetime | None = None, state: str | None = None,
+                     scheduler: str | None = None, request_id: str | None = None
+                     ) -> list[Lease]:
+        """Active leases, plus leases that ended at or after `ended_since`; only those
+        in `state`, of `scheduler`, of `request_id` when given (the HTTP lease views)."""
         def q(db: D) -> list[Lease]:
-            sql = "SELECT body FROM leases WHERE state = 'active'"
-            args: tuple[str, ...] = ()
+            sql = "SELECT body FROM leases WHERE (state = 'active'"
+            args: list[str] = []
             if ended_since is not None:
                 sql += " OR updated_at >= ?"
-                args = (iso(ended_since),)
+                args.append(iso(ended_since))
+            sql += ")"
+            for column, value in (("state", state), ("scheduler", scheduler),
+                                  ("request_id", request_id)):
+                if value is not None:
+                    sql += f" AND {column} = ?"
+                    args.append(value)
             return [lease_from(json.loads(b)) for (b,) in db.execute(sql, args)]
+
+        return await self._read("lease read", q)
+
+    async def lease(self, lease_id: str) -> Lease | None:
+        """One lease by its id, in any state (a verb or a view of a lease that has ended
+        and left the lease book's memory)."""
+        def q(db: D) -> Lease | None:
+            row = db.execute("SELECT body FROM leases WHERE lease_id = ?",
+                             (lease_id,)).fetchone()
+            return None if row is None else lease_from(json.loads(row[0]))
+
+        return await self._read("lease lookup", q)
+
+    async def ended_since(self, since: datetime) -> list[tuple[str, str]]:
+        """(scheduler, lease_id) of every lease that ended at or after `since`, read
+        from the (state, updated_at) index: whose retained states a reconnect clears
+        again, without their bodies."""
+        def q(db: D) -> list[tuple[str, str]]:
+            return [(s, i) for s, i in db.execute(
+                "SELECT scheduler, lease_id FROM leases WHERE state IN "
+                "('released', 'expired', 'failed') AND updated_at >= ?", (iso(since),))]
 
         return await self._read("lease read", q)
 

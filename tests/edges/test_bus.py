@@ -10,11 +10,9 @@ import errno
 import gc
 import json
 import logging
-import sqlite3
 import time
 import uuid
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,6 @@ from broker.daemon.assembly.process import quiet_closed_socket_callbacks
 from broker.daemon.config import MqttConfig
 from broker.edges.bus import CONNECT_MARGIN, CONNECT_MIN, Bus
 from broker.edges.mqtt import describe, make_client, only
-from broker.model import iso, utcnow
 from broker.state.store import StateStore
 from broker.wire.messages import OutboxRow, Topics
 
@@ -205,39 +202,6 @@ async def test_a_lease_that_ended_is_cleared_again_after_a_reconnect(
     await mosquitto.astart()
     async with asyncio.timeout(15):
         await rd.daemon.bus.restored.wait()
-    late = await probe_factory([topic, f"{PREFIX}/status"])
-    await late.wait_for(f"{PREFIX}/status")  # retained ones come in subscription order
-    assert not late.matching(topic)
-
-
-async def test_a_lease_that_ended_hours_before_a_restart_is_cleared_again(
-        start_daemon: StartDaemon, probe_factory: ProbeFactory, tmp_path: Path) -> None:
-    """A lease that ended hours before the daemon stopped, whose state the MQTT server
-    holds again (restored from an older save): the first connection after a start
-    clears every ended lease the daemon keeps (`state.keep_ended_hours`), not only those
-    of the last hour, since when the retained state was last made true is not known."""
-    state = tmp_path / "state.db"
-    rd = await start_daemon(state=state)
-    probe = await probe_factory([f"{PREFIX}/events/#", f"{PREFIX}/leases/#"])
-    await probe.publish(f"{PREFIX}/requests/{S}/place", small("long-gone"))
-    lease_id = payload_json(await probe.wait_for(answered))["data"]["lease_id"]
-    topic = f"{PREFIX}/leases/{S}/{lease_id}"
-    stale = await probe.wait_for(lambda m: str(m.topic) == topic and m.payload)
-    await probe.publish(f"{PREFIX}/requests/{S}/release", {"lease_id": lease_id})
-    await probe.wait_for(lambda m: str(m.topic) == topic and not m.payload)
-    await rd.stop()
-    # It ended three hours ago, as far as the state store knows.
-    ended = iso(utcnow() - timedelta(hours=3))
-    with contextlib.closing(sqlite3.connect(state)) as db, db:
-        db.execute("UPDATE leases SET updated_at = ?, body = json_set(body, "
-                   "'$.updated_at', ?, '$.ended_at', ?) WHERE lease_id = ?",
-                   (ended, ended, ended, lease_id))
-    await probe.publish(topic, stale.payload, retain=True)  # type: ignore[arg-type]
-    again = await start_daemon(state=state)
-    lease = again.daemon.book.get(lease_id)
-    assert lease is not None and iso(lease.updated_at) == ended
-    async with asyncio.timeout(15):
-        await again.daemon.bus.restored.wait()
     late = await probe_factory([topic, f"{PREFIX}/status"])
     await late.wait_for(f"{PREFIX}/status")  # retained ones come in subscription order
     assert not late.matching(topic)

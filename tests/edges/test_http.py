@@ -165,9 +165,13 @@ async def test_every_verb_over_http_answers_like_mqtt(
         assert r.status == 404
 
 
+@pytest.mark.parametrize("keep_recent", [4096, 0], ids=["in memory", "left memory"])
 async def test_the_lease_list_holds_the_active_leases_unless_asked(
-        api: Any, probe_factory: ProbeFactory) -> None:
-    session, _ = api
+        api: Any, probe_factory: ProbeFactory, keep_recent: int) -> None:
+    """The ended leases listed and looked up are the store's, whether the lease book
+    still holds them (the recent ones) or not."""
+    session, rd = api
+    rd.daemon.book.keep_recent = keep_recent
     good = {"Authorization": f"Bearer {TOKEN}"}
     ids = {}
     for rid in ("keep", "drop"):
@@ -188,6 +192,10 @@ async def test_the_lease_list_holds_the_active_leases_unless_asked(
     assert await listed("/v1/leases?state=all") == [(ids["keep"], "active"),
                                                     (ids["drop"], "released")]
     assert await listed("/v1/leases?state=all&scheduler=s2") == []
+    assert await listed("/v1/leases?request_id=drop&scheduler=s1") == [(ids["drop"],
+                                                                        "released")]
+    assert (rd.daemon.book.get(ids["drop"]) is None) == (keep_recent == 0)
+    assert (await get_json(session, f"/v1/leases/{ids['drop']}"))["state"] == "released"
     async with session.get("/v1/leases?state=ended") as r:
         assert r.status == 400
         assert "active, released, expired, failed or all" in (await r.json())["error"]

@@ -220,35 +220,82 @@ def test_load_rebuilds_the_indexes() -> None:
     assert book.due(T0 + secs(1000)) == [live, moved]
 
 
-# --- prune and remember ------------------------------------------------------------------
+# --- ended leases: the recent ones in memory, the rest in the store -------------------
 
 
-def test_prune_forgets_only_old_ended_leases() -> None:
-    book = LeaseBook(keep_ended=timedelta(hours=1))
-    old = new(book, "old")
-    book.end(old.lease_id, LeaseState.RELEASED, T0)
-    recent = new(book, "recent")
-    book.end(recent.lease_id, LeaseState.EXPIRED, T0 + timedelta(minutes=50))
-    active = new(book, "active")  # updated_at T0, long ago, but active
-    assert book.prune(T0 + timedelta(hours=1, minutes=1)) == 1
-    assert book.get(old.lease_id) is None
-    assert book.find("sched-a", "old") is None
-    assert book.get(recent.lease_id) is not None
-    assert book.find("sched-a", "active") == active
-    assert book.prune(T0 + timedelta(hours=1, minutes=1)) == 0
+def test_an_ended_lease_leaves_memory_once_settled_beyond_the_recent_ones() -> None:
+    book = LeaseBook(keep_recent=2)
+    first, second, third = (new(book, f"r{i}") for i in range(3))
+    active = new(book, "active")
+    ended = [book.end(le.lease_id, LeaseState.RELEASED, T0 + secs(i))
+             for i, le in enumerate((first, second, third))]
+    # Until the change is committed (`settle`), every lease it ended stays.
+    assert [book.get(le.lease_id) for le in ended] == ended
+    assert book.ended_in_memory == 3
+    assert book.settle() == 1
+    assert book.get(first.lease_id) is None and book.find("sched-a", "r0") is None
+    assert book.find("sched-a", "r1") == ended[1] and book.find("sched-a", "r2") == ended[2]
+    assert book.active() == [active] and book.ended_in_memory == 2
+    assert book.all() == [active, ended[1], ended[2]]
+    assert book.settle() == 0
+
+
+def test_without_recent_ones_an_ended_lease_leaves_at_once() -> None:
+    book = LeaseBook(keep_recent=0)
+    lease = new(book)
+    ended = book.end(lease.lease_id, LeaseState.EXPIRED, T0 + secs(60))
+    assert book.get(lease.lease_id) == ended  # the batch that ended it finds it
+    book.settle()
+    assert book.get(lease.lease_id) is None and book.find("sched-a", "r1") is None
+    assert book.all() == [] and book.leased_pools() == set()
+    with pytest.raises(LeaseError, match="no lease"):
+        book.renew(lease.lease_id, "sched-a", T0)
+
+
+def test_ended_leases_in_memory_are_bounded_under_churn() -> None:
+    book = LeaseBook(keep_recent=100)
+    for i in range(5000):
+        lease = new(book, f"r{i}", at=i)
+        book.end(lease.lease_id, LeaseState.RELEASED, T0 + secs(i + 1))
+        book.settle()
+    assert book.ended_in_memory == 100
+    assert len(book._by_request) == 100
+    assert book.find("sched-a", "r4999") is not None and book.find("sched-a", "r4899") is None
+
+
+def test_load_keeps_the_active_leases_and_only_the_recent_ended_ones() -> None:
+    first = LeaseBook()
+    live = new(first, "live")
+    done = [first.end(new(first, f"done{i}").lease_id, LeaseState.RELEASED, T0)
+            for i in range(3)]
+    book = LeaseBook(keep_recent=1)
+    book.load([live, *done])
+    assert book.active() == [live]
+    assert book.all() == [live, done[2]]
 
 
 def test_remember_brings_back_an_ended_lease_without_overwriting() -> None:
-    book = LeaseBook(keep_ended=timedelta(hours=1))
+    book = LeaseBook(keep_recent=0)
     lease = new(book)
     ended = book.end(lease.lease_id, LeaseState.RELEASED, T0)
-    book.prune(T0 + timedelta(hours=2))
+    book.settle()
     assert book.find("sched-a", "r1") is None
     book.remember(ended)
     assert book.find("sched-a", "r1") == ended
     assert book.leased_pools() == set()
     book.remember(replace(ended, epoch=99))
     assert book.get(lease.lease_id) == ended
+    book.settle()  # remembered, it leaves again in its turn
+    assert book.get(lease.lease_id) is None
+
+
+def test_remember_keeps_the_books_lease_over_the_stores() -> None:
+    """Within a change the book is ahead of the store: what it holds stays."""
+    book = LeaseBook()
+    lease = new(book)
+    ended = book.end(lease.lease_id, LeaseState.RELEASED, T0 + secs(30))
+    book.remember(lease)  # the store has it active until the change is committed
+    assert book.get(lease.lease_id) == ended and book.active() == []
 
 
 # --- nothing grows without bound -----------------------------------------------------------

@@ -8,6 +8,7 @@ the repeated answers, `release` by `request_id`, `lookup`, and every verb answer
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -280,3 +281,58 @@ async def test_one_schedulers_reports_cool_a_limited_number_of_pools(
     await ask(probe, "s2", "report", {"lease_id": d["lease_id"], "kind": "interrupted"})
     assert PoolKey.from_json(d["placement"]) in cooling()
 
+
+
+LATE = (("release", "by lease_id"), ("renew", "by lease_id"), ("report", "by lease_id"),
+        ("release", "by request_id"), ("lookup", "by request_id"), ("place", "again"))
+
+
+def late_verb(verb: str, how: str, lease_id: str) -> dict[str, Any]:
+    if how == "by lease_id":
+        return {"lease_id": lease_id, **({"kind": "unhealthy"} if verb == "report" else {})}
+    return body("gone") if verb == "place" else {"request_id": "gone"}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_an_ended_lease_that_left_memory_is_answered_as_a_moment_after_its_end(
+        start_daemon: StartDaemon, probe_factory: ProbeFactory, protocol: Any) -> None:
+    """An ended lease leaves the book's memory once its end is committed (beyond the
+    recent ones): a repeated place gets the same lease, and every late verb the same
+    answer as while it was still in memory, read from the store (#31)."""
+    rd, probe = await started(start_daemon, probe_factory, protocol)
+    book = rd.daemon.book
+    placed = (await ask(probe, "s1", "place", body("gone")))[0]["data"]
+    lease_id = placed["lease_id"]
+    released, _ = await ask(probe, "s1", "release", {"lease_id": lease_id})
+    assert kind(released) == "lease.released"
+    assert book.get(lease_id) is not None  # among the recent ended leases
+    recent = [await ask(probe, "s1", verb, late_verb(verb, how, lease_id))
+              for verb, how in LATE]
+
+    book.keep_recent = 0
+    # Any change lets go of the ended leases beyond the recent ones once committed.
+    await ask(probe, "s1", "lookup", {"request_id": "nothing-placed"})
+    assert book.get(lease_id) is None and book.find("s1", "gone") is None
+    assert book.all() == [] and book.ended_in_memory == 0
+    stored = [await ask(probe, "s1", verb, late_verb(verb, how, lease_id))
+              for verb, how in LATE]
+    for (verb, how), (was, _), (now, _) in zip(LATE, recent, stored, strict=True):
+        assert (kind(now), now["data"]) == (kind(was), was["data"]), (verb, how)
+        assert book.get(lease_id) is None  # each answer brought it back only for itself
+    by_kind = {f"{verb} {how}": kind(ev) for (verb, how), (ev, _) in zip(LATE, stored,
+                                                                           strict=True)}
+    assert by_kind == {"release by lease_id": "lease.released",
+                       "renew by lease_id": "lease.released",
+                       "report by lease_id": "lease.released",
+                       "release by request_id": "lease.released",
+                       "lookup by request_id": "placement.decided",
+                       "place again": "placement.decided"}
+    again = stored[-1][0]["data"]
+    assert again["lease_id"] == lease_id and again["state"] == "released"
+    assert again["placement"] == placed["placement"]
+    assert len(await rd.daemon.store.leases(ended_since=utcnow() - timedelta(hours=1))) == 1
+    # Another scheduler's verb on it is still not its own.
+    theirs, _ = await ask(probe, "s2", "renew", {"lease_id": lease_id})
+    assert kind(theirs) == "request.invalid"
+    assert theirs["data"]["errors"] == [{"field": "lease_id",
+                                         "message": f"no lease {lease_id!r}"}]

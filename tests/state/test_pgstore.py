@@ -1145,6 +1145,9 @@ async def test_the_lease_book_is_followed_change_by_change(store: PgStateStore,
     await store.commit([a, b, ended], [])
     cursor, whole = await store.lease_changes(-1, ended_since=T0 - timedelta(days=1))
     assert sorted(le.request_id for le in whole) == ["r1", "r2"]  # the old ended one: no
+    # Without `ended_since`, the active leases only (what a standby follows).
+    assert sorted(le.request_id for le in (await store.lease_changes(-1))[1]) == ["r1", "r2"]
+    assert len((await store.lease_changes(-1, ended_since=T0 - timedelta(days=4)))[1]) == 3
     assert await store.lease_changes(cursor, ended_since=T0) == (cursor, [])
     renewed = book.renew(a.lease_id, "sched-a", T0 + timedelta(seconds=30))
     c = book.create(request("r3"), placement(), lease_seconds=600, cap=None, now=T0)

@@ -195,6 +195,44 @@ async def test_leases_lists_active_plus_recently_ended(store: Store) -> None:
     assert len(everything) == 3
 
 
+async def test_leases_by_state_scheduler_and_request_id(store: Store) -> None:
+    """The HTTP lease views' reads: the filters go to the database."""
+    a = lease("r1", scheduler="sched-a")
+    b = end(lease("r1", scheduler="sched-b"), LeaseState.RELEASED, T0 + timedelta(hours=2))
+    c = end(lease("r2", scheduler="sched-a"), LeaseState.EXPIRED, T0 + timedelta(hours=2))
+    old = end(lease("r3", scheduler="sched-a"), LeaseState.RELEASED, T0)
+    await store.commit([a, b, c, old], [])
+    since = T0 + timedelta(hours=1)
+    assert await store.leases(ended_since=since, state="released") == [b]
+    assert await store.leases(ended_since=since, state="active") == [a]
+    assert sorted(le.lease_id for le in await store.leases(
+        ended_since=since, scheduler="sched-a")) == sorted([a.lease_id, c.lease_id])
+    assert sorted(le.scheduler for le in await store.leases(
+        ended_since=since, request_id="r1")) == ["sched-a", "sched-b"]
+    assert await store.leases(ended_since=since, scheduler="sched-a", request_id="r3") == []
+    assert await store.leases(ended_since=T0, scheduler="sched-a", request_id="r3") == [old]
+
+
+async def test_one_lease_by_id_and_the_ended_since(store: Store) -> None:
+    """What answers a verb on a lease that left the book's memory, and what a reconnect
+    clears again: read by id, and (scheduler, lease_id) of the leases ended since."""
+    active = lease("active")
+    released = end(lease("released", scheduler="sched-b"), LeaseState.RELEASED,
+                   T0 + timedelta(hours=2))
+    failed = end(lease("failed"), LeaseState.FAILED, T0 + timedelta(hours=3))
+    old = end(lease("old"), LeaseState.EXPIRED, T0)
+    await store.commit([active, released, failed, old], [])
+    assert await store.lease(released.lease_id) == released
+    assert await store.lease(old.lease_id) == old  # whatever its age
+    assert await store.lease(active.lease_id) == active
+    assert await store.lease("L-none") is None
+    got = await store.ended_since(T0 + timedelta(hours=2))
+    assert sorted(got) == sorted([("sched-b", released.lease_id),
+                                  ("sched-a", failed.lease_id)])
+    assert len(await store.ended_since(T0)) == 3  # never the active one
+    assert await store.ended_since(T0 + timedelta(hours=4)) == []
+
+
 async def test_a_split_lease_round_trips_with_its_parts(store: Store) -> None:
     parts = split("s1", 3)
     whole = lease("w1")

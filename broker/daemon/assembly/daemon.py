@@ -231,7 +231,9 @@ class Daemon(PolicyReloading, StandingBy, Tasks):
         await self.broker.submit(command)
 
     async def _heard(self) -> int:
-        return await self.broker.heard()
+        extended = await self.broker.heard()
+        await self._read_ended_to_clear()
+        return extended
 
     def _deaf(self) -> None:
         self.broker.deaf()
@@ -306,9 +308,9 @@ class Daemon(PolicyReloading, StandingBy, Tasks):
         return True
 
     async def _restore(self) -> None:
-        """The lease book and the outbox, from the store."""
-        now = utcnow()
-        self.broker.restore(await self._lease_book(now - self.book.keep_ended))
+        """The lease book (its active leases: an ended one is read from the store when
+        asked for) and the outbox, from the store."""
+        self.broker.restore(await self._lease_book())
         # The restored book is long-lived: out of the cyclic collector's sight, a full
         # collection does not walk it (with a few hundred thousand leases one would
         # hold every thread, the leadership's renewals included, for seconds). Leases
@@ -333,7 +335,6 @@ class Daemon(PolicyReloading, StandingBy, Tasks):
                 min(30.0, self.cfg.poll.stale_after_seconds / 4))),
             tg.create_task(self._watch_policy()),
             tg.create_task(self._publish_capacity()),
-            tg.create_task(self._prune()),
             tg.create_task(self._mark_ready()),
             tg.create_task(self.warm_hazard()),
             tg.create_task(self._preload_solver()),

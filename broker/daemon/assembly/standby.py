@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import time
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -99,12 +98,13 @@ class StandingBy:
         return (status is not None and status.get("state") == "offline"
                 and status.get("boot_id") == boot_id)
 
-    async def _lease_book(self, ended_since: datetime) -> list[Lease]:
-        """The lease book to restore: read whole (SQLite), or — just elected — the book
-        followed while standing by brought up to date, so a takeover reads only what
-        changed since (a few hundred thousand leases take seconds to read whole)."""
+    async def _lease_book(self) -> list[Lease]:
+        """The active leases to restore the book with: read whole (SQLite), or — just
+        elected — the book followed while standing by brought up to date, so a takeover
+        reads only what changed since (a few hundred thousand leases take seconds to
+        read whole). Ended leases stay in the store (`broker.leasing.book`)."""
         if not isinstance(self.store, PgStateStore):
-            return await self.store.leases(ended_since=ended_since)
+            return await self.store.leases()
         started = time.monotonic()
         reading = self._reading_book
         if reading is not None:
@@ -112,34 +112,33 @@ class StandingBy:
             # seconds): wait for it rather than read the book a second time.
             with contextlib.suppress(StoreFailed):
                 await reading
-        await self._catch_up_book(self.store, ended_since)
+        await self._catch_up_book(self.store)
         followed, self._followed = self._followed, {}
-        leases = [le for le in followed.values()
-                  if le.state is LeaseState.ACTIVE or le.updated_at >= ended_since]
+        leases = list(followed.values())
         log.info("lease book taken over", leases=len(leases),
                  seconds=round(time.monotonic() - started, 3))
         return leases
 
-    async def _catch_up_book(self, store: PgStateStore, ended_since: datetime) -> None:
-        cursor, changed = await store.lease_changes(self._follow_cursor,
-                                                    ended_since=ended_since)
+    async def _catch_up_book(self, store: PgStateStore) -> None:
+        """The changes since the last read: an active lease is kept, an ended one let
+        go at once (as the leader's book does)."""
+        cursor, changed = await store.lease_changes(self._follow_cursor)
         for lease in changed:
-            self._followed[lease.lease_id] = lease
+            if lease.state is LeaseState.ACTIVE:
+                self._followed[lease.lease_id] = lease
+            else:
+                self._followed.pop(lease.lease_id, None)
         self._follow_cursor = cursor
 
     async def _follow_book(self, every: float = 1.0) -> None:
         """Standing by: follow the leader's lease book in the database, change by change
-        (`PgStateStore.lease_changes`), so that a takeover does not read it whole. Ended
-        leases older than `keep_ended_hours` are let go, as the leader does."""
+        (`PgStateStore.lease_changes`), so that a takeover does not read it whole."""
         store = self.store
         assert isinstance(store, PgStateStore)
         failing = False
-        pruned = time.monotonic()
         while True:
-            ended_since = utcnow() - self.book.keep_ended
             # Shielded: a takeover cancels this task but takes over the read in flight.
-            self._reading_book = asyncio.ensure_future(self._catch_up_book(store,
-                                                                           ended_since))
+            self._reading_book = asyncio.ensure_future(self._catch_up_book(store))
             try:
                 await asyncio.shield(self._reading_book)
             except StoreFailed as exc:
@@ -149,11 +148,6 @@ class StandingBy:
                                 detail=str(exc)[:300])
             else:
                 failing = False
-            if time.monotonic() - pruned > 600:
-                pruned = time.monotonic()
-                self._followed = {k: le for k, le in self._followed.items()
-                                  if le.state is LeaseState.ACTIVE
-                                  or le.updated_at >= ended_since}
             await asyncio.sleep(every)
 
     async def _take_over_polls(self, store: PgStateStore) -> None:

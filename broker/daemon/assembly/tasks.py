@@ -1,6 +1,6 @@
 """The daemon's background tasks besides the broker's own: the hazard estimator warmed
 from the market history, readiness and systemd's status and watchdog, the clouds'
-capacity signals, the capacity summaries and retained states published, pruning."""
+capacity signals, the capacity summaries and retained states published."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
@@ -28,7 +28,7 @@ from broker.market.hazard import HazardEstimator
 from broker.market.poller import Poller
 from broker.market.pool import ResourcePool
 from broker.market.recorder import HistoryReader, MarketRecorder
-from broker.model import LeaseState, Market, utcnow
+from broker.model import Market, utcnow
 from broker.placement import solver
 from broker.state.store import Db, Store, StoreFailed, db_errors
 from broker.wire.messages import Messages, Topics, dumps
@@ -47,6 +47,9 @@ under 2^-4 of its averages)."""
 
 class Tasks:
     """The background tasks' part of the daemon (`Daemon` is made of it)."""
+
+    _ended_to_clear: Sequence[tuple[str, str]] = ()
+    """At a reconnect: the ended leases whose retained state the restore clears again."""
 
     if TYPE_CHECKING:
         cfg: Config
@@ -189,16 +192,28 @@ class Tasks:
         """What the retained topics hold when they are true (SPEC §3): every active
         lease's state; an empty payload for each lease that ended since the retained
         state was last made true (`Bus.retained_true_since`, less `RETAINED_ENDED_MARGIN`:
-        a server restored from an older save may still hold its state) — at the first
-        connection of a start, every ended lease the book holds (`keep_ended_hours`),
-        since when the last daemon made them true is not known; the capacity summaries
-        of every slice of the pool. Lease states are read when sent, and only once
-        committed. `P/status` is published by the bus."""
-        since = retained_ended_since(self.bus.retained_true_since)
-        for lease in self.book.all():
-            if lease.state is LeaseState.ACTIVE or since is None or lease.updated_at >= since:
-                yield (self.topics.lease(lease.scheduler, lease.lease_id),
-                       functools.partial(self._committed_lease_state, lease.lease_id), None)
+        a server restored from an older save may still hold its state), as read from the
+        store at the connect (`_read_ended_to_clear`); the capacity summaries of every
+        slice of the pool. Lease states are read when sent, and only once committed.
+        `P/status` is published by the bus.
+
+        At the first connection of a start no ended lease is cleared here: the only
+        ended leases whose retained state the server may not hold cleared are those
+        whose clear it has not acknowledged, and those are the outbox rows the start
+        sent again before this (`Store.pending`: a row leaves the outbox only once
+        acknowledged). Clearing every ended lease the daemon used to keep in memory
+        made a start's work grow with the churn before it — an empty message for each
+        lease of the last day, 95,000 after eight minutes at 200 places a second (#31).
+        What that gave up: a server that lost acknowledged messages while the daemon was
+        down (restored from an older save) is not corrected for leases that ended
+        before the daemon stopped; one that does so while the daemon is connected is
+        (the reconnect's window)."""
+        for lease in self.book.active():
+            yield (self.topics.lease(lease.scheduler, lease.lease_id),
+                   functools.partial(self._committed_lease_state, lease.lease_id), None)
+        ended, self._ended_to_clear = self._ended_to_clear, ()
+        for scheduler, lease_id in ended:
+            yield self.topics.lease(scheduler, lease_id), functools.partial(_ready, b""), None
         expiry = int(3 * self.cfg.poll.interval_seconds)
         for health in self.pool.health():
             offers = self.pool.slice_offers(health.slice)
@@ -214,12 +229,26 @@ class Tasks:
         except StoreFailed:
             return None
         lease = self.book.get(lease_id)
-        return None if lease is None else self.messages.lease_state(lease).payload
+        # Not in the book: it has ended (and left memory) since it was listed; ended is
+        # final, and its retained state empty.
+        return b"" if lease is None else self.messages.lease_state(lease).payload
 
-    async def _prune(self) -> None:
-        while True:
-            await asyncio.sleep(3600)
-            self.book.prune(utcnow())
+    async def _read_ended_to_clear(self) -> None:
+        """At a connect that is not the first of the start: the leases whose retained
+        state the restore clears again (`_retained_state`), read from the store — those
+        that ended since the retained state was last made true, less
+        `RETAINED_ENDED_MARGIN`, and within `state.keep_ended_hours` — as (scheduler,
+        lease_id), without their bodies."""
+        self._ended_to_clear = ()
+        since = retained_ended_since(self.bus.retained_true_since)
+        if since is None:
+            return
+        try:
+            self._ended_to_clear = await self.store.ended_since(
+                max(since, utcnow() - self.book.keep_ended))
+        except StoreFailed as exc:  # the broker stops on it; nothing to clear meanwhile
+            log.warning("ended leases not read; their retained states are not cleared "
+                        "again", detail=str(exc)[:300])
 
 
 
