@@ -213,3 +213,11 @@ def test_the_risk_levels_table_is_the_presets() -> None:
         assert f"| `{level}` | {', '.join(values)} |" in readme, level
         line = next(ln for ln in example.splitlines() if ln.startswith(f"#   {level}"))
         assert re.findall(r"\d+(?:\.\d+)?", line)[:3] == values, line
+
+
+def test_the_restore_cap_in_the_docs_is_the_constant() -> None:
+    from broker.daemon.assembly.tasks import RESTORE_ENDED_MAX
+    cap = f"{RESTORE_ENDED_MAX:,}"
+    assert f"{cap} most recent" in (ROOT / "README.md").read_text(encoding="utf-8")
+    contract = (ROOT / "docs" / "contract.md").read_text(encoding="utf-8")
+    assert contract.count(f"{cap} most recent at most") == 2

@@ -187,8 +187,10 @@ class Store(Protocol):
     async def lease(self, lease_id: str) -> Lease | None:
         """One lease by its id, in any state."""
 
-    async def ended_since(self, since: datetime) -> list[tuple[str, str]]:
-        """(scheduler, lease_id) of every lease that ended at or after `since`."""
+    async def ended_since(self, since: datetime, *, limit: int | None = None
+                          ) -> list[tuple[str, str]]:
+        """(scheduler, lease_id) of the leases that ended at or after `since`, the most
+        recent first; at most `limit` of them."""
 
 
 
@@ -292,14 +294,20 @@ class OneThreadStore(Generic[D]):
 
         return await self._read("lease lookup", q)
 
-    async def ended_since(self, since: datetime) -> list[tuple[str, str]]:
-        """(scheduler, lease_id) of every lease that ended at or after `since`, read
-        from the (state, updated_at) index: whose retained states a reconnect clears
-        again, without their bodies."""
+    async def ended_since(self, since: datetime, *, limit: int | None = None
+                          ) -> list[tuple[str, str]]:
+        """(scheduler, lease_id) of the leases that ended at or after `since`, the most
+        recent first, at most `limit` (None: all), read from the (state, updated_at)
+        index: whose retained states a restore clears again, without their bodies."""
+        sql = ("SELECT scheduler, lease_id FROM leases WHERE state IN "
+               "('released', 'expired', 'failed') AND updated_at >= ? "
+               "ORDER BY updated_at DESC, lease_id")
+        args: tuple[Any, ...] = (iso(since),)
+        if limit is not None:  # (SQLite reads no LIMIT NULL, PostgreSQL no LIMIT -1)
+            sql, args = sql + " LIMIT ?", (*args, limit)
+
         def q(db: D) -> list[tuple[str, str]]:
-            return [(s, i) for s, i in db.execute(
-                "SELECT scheduler, lease_id FROM leases WHERE state IN "
-                "('released', 'expired', 'failed') AND updated_at >= ?", (iso(since),))]
+            return [(s, i) for s, i in db.execute(sql, args)]
 
         return await self._read("lease read", q)
 

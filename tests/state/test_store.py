@@ -195,6 +195,21 @@ async def test_leases_lists_active_plus_recently_ended(store: Store) -> None:
     assert len(everything) == 3
 
 
+async def test_ended_since_gives_the_most_recent_first_and_at_most_the_limit(
+        store: Store) -> None:
+    """What a restore clears again: ended leases of a window, as (scheduler, lease_id),
+    the most recent first, capped (a start's work is bounded whatever the churn)."""
+    active = lease("active")
+    ended = [end(lease(f"e{h}", scheduler=f"sched-{h % 2}"), LeaseState.RELEASED,
+                 T0 + timedelta(hours=h)) for h in range(5)]
+    await store.commit([active, *ended], [])
+    newest_first = [(le.scheduler, le.lease_id) for le in reversed(ended)]
+    assert await store.ended_since(T0) == newest_first
+    assert await store.ended_since(T0, limit=2) == newest_first[:2]
+    assert await store.ended_since(T0 + timedelta(hours=3)) == newest_first[:2]
+    assert await store.ended_since(T0 + timedelta(hours=9), limit=10) == []
+
+
 async def test_leases_by_state_scheduler_and_request_id(store: Store) -> None:
     """The HTTP lease views' reads: the filters go to the database."""
     a = lease("r1", scheduler="sched-a")

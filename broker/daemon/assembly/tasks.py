@@ -40,6 +40,10 @@ RETAINED_ENDED_MARGIN = timedelta(hours=1)
 this long before the retained state was last made true (the previous connection's
 restore): an MQTT server restored from a save of that age may still hold them
 (mosquitto's default autosave interval is 30 minutes)."""
+RESTORE_ENDED_MAX = 10_000
+"""The most ended leases a restore clears again (the most recent ones of its window), so
+that the work of a start or a reconnect is bounded whatever the churn before it: at 200
+places a second an hour's window holds 720,000 (#31)."""
 HAZARD_HISTORY_HALF_LIVES = 4.0
 """How much recorded history warms the hazard estimator at start (older rows weigh
 under 2^-4 of its averages)."""
@@ -197,17 +201,15 @@ class Tasks:
         slice of the pool. Lease states are read when sent, and only once committed.
         `P/status` is published by the bus.
 
-        At the first connection of a start no ended lease is cleared here: the only
-        ended leases whose retained state the server may not hold cleared are those
-        whose clear it has not acknowledged, and those are the outbox rows the start
-        sent again before this (`Store.pending`: a row leaves the outbox only once
-        acknowledged). Clearing every ended lease the daemon used to keep in memory
-        made a start's work grow with the churn before it — an empty message for each
-        lease of the last day, 95,000 after eight minutes at 200 places a second (#31).
-        What that gave up: a server that lost acknowledged messages while the daemon was
-        down (restored from an older save) is not corrected for leases that ended
-        before the daemon stopped; one that does so while the daemon is connected is
-        (the reconnect's window)."""
+        At the first connection of a start, when the retained state was last made true
+        is not known: the leases that ended in the `RETAINED_ENDED_MARGIN` before the
+        start, besides the clears the server never acknowledged (the outbox rows the
+        start sent again before this: a row leaves the outbox only once acknowledged).
+        Every window is capped at the `RESTORE_ENDED_MAX` most recent: clearing every
+        ended lease of the last day made a start's work grow with the churn before it
+        — 95,000 empty messages after eight minutes at 200 places a second (#31). What
+        the cap gives up: after more than that many leases ended in the window, a
+        server restored from an older save keeps the stale states of the older ones."""
         for lease in self.book.active():
             yield (self.topics.lease(lease.scheduler, lease.lease_id),
                    functools.partial(self._committed_lease_state, lease.lease_id), None)
@@ -234,18 +236,18 @@ class Tasks:
         return b"" if lease is None else self.messages.lease_state(lease).payload
 
     async def _read_ended_to_clear(self) -> None:
-        """At a connect that is not the first of the start: the leases whose retained
-        state the restore clears again (`_retained_state`), read from the store — those
-        that ended since the retained state was last made true, less
-        `RETAINED_ENDED_MARGIN`, and within `state.keep_ended_hours` — as (scheduler,
-        lease_id), without their bodies."""
+        """At a connect: the leases whose retained state the restore clears again
+        (`_retained_state`), read from the store — those that ended since the retained
+        state was last made true, less `RETAINED_ENDED_MARGIN` (at a start, in the
+        margin before it), and within `state.keep_ended_hours`; the most recent
+        `RESTORE_ENDED_MAX` — as (scheduler, lease_id), without their bodies."""
         self._ended_to_clear = ()
-        since = retained_ended_since(self.bus.retained_true_since)
-        if since is None:
-            return
+        now = utcnow()
+        since = retained_ended_since(self.bus.retained_true_since) or \
+            now - RETAINED_ENDED_MARGIN
         try:
             self._ended_to_clear = await self.store.ended_since(
-                max(since, utcnow() - self.book.keep_ended))
+                max(since, now - self.book.keep_ended), limit=RESTORE_ENDED_MAX)
         except StoreFailed as exc:  # the broker stops on it; nothing to clear meanwhile
             log.warning("ended leases not read; their retained states are not cleared "
                         "again", detail=str(exc)[:300])
@@ -258,8 +260,8 @@ async def _ready(payload: bytes) -> bytes:
 
 def retained_ended_since(true_since: datetime | None) -> datetime | None:
     """The ended leases whose retained state a restore clears again: those that ended at
-    or after this (None: every one held). `true_since`: when the retained state was last
-    made true (`Bus.retained_true_since`)."""
+    or after this (None: not known, at a start). `true_since`: when the retained state
+    was last made true (`Bus.retained_true_since`)."""
     return None if true_since is None else true_since - RETAINED_ENDED_MARGIN
 
 
