@@ -180,3 +180,22 @@ def test_market_workload_and_draw_seeds_are_independent(
     assert work[0]["workload"]["source"] == "gen:40:6"
     # the market seed changes the market
     assert mkt[1] != base[1] and mkt[0]["market"]["source"] == "sim:4h:6:3"
+
+
+def test_the_pool_wide_share_is_checked_and_reported(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    for bad in ("1.5", "-0.1", "nan"):
+        out = in_process(capsys, "backtest", "--market", "sim:1h:3:1", "--workload", "gen:5",
+                         "--pool-wide-share", bad)
+        assert out.returncode == 2, bad
+        assert "--pool-wide-share: must be within 0..1" in out.stderr, out.stderr
+    reports = {}
+    for share in ("0.25", "0.9"):
+        out = in_process(capsys, "backtest", "--market", "sim:2h:3:1", "--workload",
+                         "gen:40:3", "--pool-wide-share", share, "--format", "json")
+        assert out.returncode == 0, out.stderr
+        reports[share] = json.loads(out.stdout)
+        assert reports[share]["settings"]["pool_wide_share"] == float(share)
+        assert "hidden true hazard" in reports[share]["interruptions_drawn_from"]
+    # the same market, requests and draws' seed; interruptions drawn otherwise
+    assert reports["0.25"]["market"] == reports["0.9"]["market"]
