@@ -347,7 +347,9 @@ class CandidateBuilder:
             policy = self.policy.for_risk(risk)
             inst = rules.instances_for(need, arr.gpus)
             paid = inst * arr.gpus
-            eff, gang = arr.eff(h, policy, self.hazard(h))
+            memo = self.costs.memo.table(self.view.hazard, policy, h) \
+                if self.costs is not None else None
+            eff, gang = arr.eff(h, policy, self.hazard(h), memo)
             cost = paid * (eff + (inst - 1) * gang)
             if policy.scoring.idle_gpu_weight:
                 cost = cost + idle_cost(policy, paid, need, arr.ppg)

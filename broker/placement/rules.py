@@ -152,13 +152,17 @@ class OfferArrays:
         a.disc_ok = np.array(disc, dtype=bool)
         return a
 
-    def eff(self, h: float, policy: Policy, hazard: Hazard | None) -> tuple[Any, Any]:
+    def eff(self, h: float, policy: Policy, hazard: Hazard | None,
+            memo: dict[PoolKey, tuple[Offer, float, float]] | None = None
+            ) -> tuple[Any, Any]:
         """Per offer, spot risk over `h` hours at `policy`'s risk level (made on first use
         per horizon and level; `policy` is one policy's `Policy.for_risk`): the expected
         cost per GPU-hour of one instance (`unit_cost`), and what each further instance
         of a gang adds to it per GPU-hour (the interruption terms, which grow with the
         instances: `expected_cost`), so that n instances cost
-        n × GPUs × (eff + (n − 1) × gang). Both from the one cost formula."""
+        n × GPUs × (eff + (n − 1) × gang). Both from the one cost formula. `memo`
+        (`CostMemo.table`) keeps both per pool across batches, for the offer they were
+        computed for."""
         key = (h, policy.scoring.risk)
         got = self._eff.get(key)
         if got is None:
@@ -168,11 +172,17 @@ class OfferArrays:
             eff, gang = np.empty(n, dtype=float), np.zeros(n, dtype=float)
             spot = Market.SPOT
             for i, o in enumerate(self.offers):
+                kept = memo.get(o.pool) if memo is not None else None
+                if kept is not None and kept[0] is o:
+                    eff[i], gang[i] = kept[1], kept[2]
+                    continue
                 one = expected_cost(o, 1, policy, hazard=hazard)
                 eff[i] = one / o.gpus
                 if o.pool.market is spot:  # only spot risk grows with the gang
                     gang[i] = max(0.0, (expected_cost(o, 2, policy, hazard=hazard) / 2 - one)
                                   / o.gpus)
+                if memo is not None:
+                    memo[o.pool] = (o, float(eff[i]), float(gang[i]))
             got = self._eff[key] = (eff, gang)
         return got
 

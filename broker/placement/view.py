@@ -87,6 +87,35 @@ def _first_two(entry: tuple[float, PoolKey, Offer]) -> tuple[float, PoolKey]:
 _Where = tuple[str, Market, float, RiskLevel]  # (GPU model, market, horizon hours, risk)
 
 
+class CostMemo:
+    """`OfferArrays.eff`'s figures per pool, kept from one batch to the next: a batch
+    builds its arrays afresh, but most offers and their pools' hazard estimates have not
+    changed since the last one, and the cost formula per offer was the largest part of
+    a batch's placing (py-spy at 500 requests/s). An entry serves only the very offer
+    it was computed for (a changed offer is a new object, its pool's estimate changed
+    with it), at one horizon and one scoring; every entry goes when the hazard
+    estimator is refreshed or replaced (its estimates of unchanged pools move then
+    only: the `CostIndex`'s rule too). One entry per pool, horizon and scoring."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[int, int] | None = None
+        self._tables: dict[tuple[float, Any], dict[PoolKey, tuple[Offer, float, float]]] = {}
+
+    def table(self, estimator: Any, policy: Policy, h: float
+              ) -> dict[PoolKey, tuple[Offer, float, float]]:
+        """The entries for horizon `h` under `policy`'s scoring, as of `estimator` (the
+        view's hazard estimator, or None)."""
+        seen = (id(estimator), getattr(estimator, "refreshes", 0))
+        if seen != self._seen:
+            self._tables = {}
+            self._seen = seen
+        key = (h, policy.scoring)
+        got = self._tables.get(key)
+        if got is None:
+            got = self._tables[key] = {}
+        return got
+
+
 class CostIndex:
     """The pool's priced offers per (GPU model, market, horizon, risk level) in order of
     `unit_cost`, for placing on the event loop: a request's walk can stop as soon as the
@@ -111,6 +140,8 @@ class CostIndex:
         self._placed: dict[PoolKey, list[tuple[float, _Where]]] = {}
         self._dirty: set[PoolKey] = set()
         self._hazard_seen: tuple[int, int] = (0, -1)
+        self.memo = CostMemo()
+        """The arrays' costs per pool, kept across batches (`CostMemo`)."""
         self.close = pool.subscribe(self._observe)
         """Stop following the pool (the index is not used any more)."""
 
@@ -175,7 +206,8 @@ class CostIndex:
                         self.sorted(gpu, market, h, level)
         return FrozenCosts(self.policy, {k: list(v) for k, v in self._lists.items()
                                          if k[2] in want and k[3] in levels},
-                           normalise=not by_horizon(self.pool.hazard, self.policy))
+                           normalise=not by_horizon(self.pool.hazard, self.policy),
+                           memo=self.memo)
 
     def _place_again(self) -> None:
         import bisect
@@ -208,8 +240,12 @@ class FrozenCosts:
     serves all)."""
 
     def __init__(self, policy: Policy, lists: dict[_Where, list[tuple[float, PoolKey, Offer]]],
-                 normalise: bool = False) -> None:
+                 normalise: bool = False, memo: CostMemo | None = None) -> None:
         self.policy = policy
+        self.memo = memo if memo is not None else CostMemo()
+        """The index's `CostMemo` (a batch in a worker thread adds to it; entries are
+        per offer object, so one made from a later reading is never taken for an
+        earlier one)."""
         self._lists = lists
         self._normalise = normalise
         self._horizons = {w[2] for w in lists}

@@ -686,3 +686,37 @@ def test_costs_frozen_for_other_risk_levels_still_place_a_request_at_its_own() -
     sweep = request("sweep", market="spot", labels={"kind": "sweep"})
     [out] = solve([Ask(sweep)], pool, BY_RISK, now=T0, costs=frozen).outcomes
     assert decided(out).placement.pool == RISKY.pool  # walked by price instead
+
+
+@BOTH
+def test_the_arrays_costs_kept_across_batches_serve_only_the_offer_they_were_made_for(
+        settings: BatchSettings) -> None:
+    from broker.placement.optimizer import CostIndex
+
+    # Large batches cost their offers through the index's memo, kept from one batch to
+    # the next: an unchanged offer is not costed again, a changed one (a new reading of
+    # its pool) is.
+    cheap = offer("us-east-1a", market="spot", price=10.0, capacity=1,
+                  interruption_rate=0.01)
+    dear = offer("us-east-1b", market="spot", price=11.0, capacity=1,
+                 interruption_rate=0.01)
+    pool = pool_of([cheap, dear])
+    index = CostIndex(pool, POLICY)
+    settings = replace(settings, index_min_batch=1)
+
+    def batch() -> list[str | None]:
+        asks = [Ask(request(f"r{i}", market="spot")) for i in range(2)]
+        costs = index.frozen({1.0, 4.0})
+        return zones(solve(asks, pool, POLICY, now=T0, settings=settings, costs=costs))
+
+    assert batch() == ["us-east-1a", "us-east-1b"]
+    kept = {key: entry for table in index.memo._tables.values()
+            for key, entry in table.items()}
+    assert kept[cheap.pool][0] is pool.get(cheap.pool)  # entries for the offers read
+    assert batch() == ["us-east-1a", "us-east-1b"]
+    # us-east-1a is read again, now the dearer (and riskier) one: the memo's entry for
+    # its pool was made for the old reading and must not serve the new one.
+    pool.replace(("aws", "us-east-1"), [
+        offer("us-east-1a", market="spot", price=12.0, capacity=1, interruption_rate=0.2),
+        dear])
+    assert batch() == ["us-east-1b", "us-east-1a"]
