@@ -19,14 +19,21 @@ from broker.placement.problem import (
 )
 from broker.placement.residual import State, trivial_bound
 
+RECLAIM = 500
+"""Requests the heuristic's last two phases (`_spare_limits`, `_reclaim`) look at each,
+those that stand to gain most first: a bound on their work, so that the answer does not
+depend on the machine's speed (the deadline stops them only on a machine far slower
+than this one: at 10,000 requests they take about 0.3 s here, bench/placement.py b)."""
 
 # Complex: an inner loop of the heuristic (10,000-request batches, bench/placement.py part b):
 # kept whole, no call per option; checked against brute force in tests/placement/test_solver.py.
-def heuristic(p: AssignmentProblem, *, improve_rounds: int = 2, chains: bool = True,  # noqa: C901
-              deadline: float = math.inf) -> Solution:
-    """Regret greedy, then local improvement. Never exceeds a resource or a limit.
-    `deadline` (a `time.perf_counter()` instant) stops the improvement early: the
-    greedy answer is always finished, the improvement only while time is left."""
+def heuristic(p: AssignmentProblem, *, improve_rounds: int = 2, chains: bool = True,  # noqa: C901, PLR0915
+              deadline: float = math.inf, reclaim: int | None = None) -> Solution:
+    """Regret greedy, then local improvement (`_improve`, then `_polish`). Never
+    exceeds a resource or a limit. `deadline` (a `time.perf_counter()` instant) stops
+    the improvement early: the greedy answer is always finished, the improvement only
+    while time is left. `reclaim`: how many requests each of the last two phases
+    (`_polish`) looks at at most, `RECLAIM` unless given; 0 leaves them out."""
     started = time.perf_counter()
     bound = trivial_bound(p)  # before lists grow without what this answer used up
     st = State(p)
@@ -104,6 +111,7 @@ def heuristic(p: AssignmentProblem, *, improve_rounds: int = 2, chains: bool = T
     alive = global_ok  # from here on resources are freed as well as taken
     _improve(st, rounds=improve_rounds, best_two=best_two, chains=chains,
              deadline=deadline)
+    _polish(st, best_two, limit=RECLAIM if reclaim is None else reclaim, deadline=deadline)
     objective = st.objective()
     # A request alone is placed on the first option, in order of cost, that every
     # constraint admits (or on none when none does, the list grown to its end): the
@@ -255,45 +263,64 @@ def _improve(st: State, *, rounds: int,  # noqa: C901, PLR0912
 # Complex: an inner loop of the heuristic (10,000-request batches, bench/placement.py part b):
 # kept whole, no call per option; checked against brute force in tests/placement/test_solver.py.
 def _make_room(st: State, i: int, users: dict[Hashable, list[int]], tries: int = 4,  # noqa: C901, PLR0912
-               per_key: int = 32, scan: int = 16, worth: float | None = None) -> bool:
+               per_key: int = 32, scan: int = 16, worth: float | None = None,
+               weigh: Callable[[Option], float] | None = None) -> bool:
     """Place request `i` (not placed now) on one of its cheapest options by moving as
     many placed requests off the resources it lacks as it takes, each to its cheapest
     other option that does not use that resource, while the moves together cost less
     than `worth` (what `i` costs where it is: its penalty unless given). Undone unless
     `i` then fits. `users`: who used each resource when the round began (checked
-    before use)."""
+    before use). `weigh` adds to the cost of `i`'s options, and of those of the requests
+    of its team it moves, what they take of a limit of the team (`_spare`)."""
     p = st.p
     r = p.requests[i]
+    left = st.left
     if worth is None:
         worth = r.penalty
     for o in r.options[:tries]:
-        gain = worth - r.cost(o)
+        gain = worth - r.cost(o) - (weigh(o) if weigh is not None else 0.0)
         if gain <= EPS:
+            if weigh is not None:
+                continue  # (cheapest first by cost, not by cost and price)
             break
         if not st.team_ok(i, o):
             continue  # moving other requests frees no room in i's own team
         moves: list[tuple[int, Option, Option]] = []
         spent = 0.0
         for key, amount in o.uses:
-            while (have := st.left.get(key)) is not None and have < amount - EPS:
+            while (have := left.get(key)) is not None and have < amount - EPS:
                 best: tuple[float, int, Option, Option] | None = None
                 for j in users.get(key, ())[:per_key]:
                     oj = st.choice[j]
                     if oj is None or all(k != key for k, _ in oj.uses):
                         continue
                     rj = p.requests[j]
-                    base = rj.cost(oj)
-                    st.take(j, oj, -1)
+                    # The same team's limit counts for it as for `i`.
+                    w = weigh if weigh is not None and rj.team == r.team else None
+                    base = rj.cost(oj) + (w(oj) if w is not None else 0.0)
+                    off = False  # j taken off oj (only once an option needs the check)
+                    own = [k for k, _ in oj.uses]
                     opts = rj.options
                     for alt in opts[rj.group.dead:rj.group.dead + scan]:
-                        delta = rj.cost(alt) - base
+                        delta = rj.cost(alt) + (w(alt) if w is not None else 0.0) - base
                         if spent + delta >= gain or (best is not None and delta >= best[0]):
                             break
-                        if alt is not oj and all(k != key for k, _ in alt.uses) and \
-                                st.fits(j, alt):
-                            best = (delta, j, oj, alt)
-                            break
-                    st.take(j, oj)
+                        if alt is oj:
+                            continue
+                        # Not on `key`, and (first, cheaply) room in what oj does not use.
+                        for k, amount_k in alt.uses:
+                            if k == key or ((h := left.get(k)) is not None and
+                                            h < amount_k - EPS and k not in own):
+                                break
+                        else:
+                            if not off:
+                                st.take(j, oj, -1)
+                                off = True
+                            if st.fits(j, alt):
+                                best = (delta, j, oj, alt)
+                                break
+                    if off:
+                        st.take(j, oj)
                 if best is None:
                     break
                 delta, j, oj, alt = best
@@ -380,3 +407,193 @@ def _team_swaps(st: State) -> int:  # noqa: C901, PLR0912
             st.take(j, oj)
     return placed
 
+
+
+
+def _polish(st: State, best_two: Callable[[int], tuple[Option | None, float, float]], *,
+            limit: int, deadline: float) -> None:
+    """The heuristic's last two phases, each looking at `limit` requests at most (none
+    when 0): a team's budget or spread limit spared for its unplaced requests
+    (`_spare_limits`), then cheaper options for the requests that lose most where they
+    are (`_reclaim`)."""
+    if limit > 0:
+        _spare_limits(st, best_two, limit=limit, deadline=deadline)
+        _reclaim(st, limit=limit, deadline=deadline)
+
+
+def _late(deadline: float, n: int) -> bool:
+    """Past `deadline`, looked at every 16th step `n` (and the first)."""
+    return deadline < math.inf and n % 16 == 0 and time.perf_counter() > deadline
+
+
+def _users(st: State) -> dict[Hashable, list[int]]:
+    """The placed requests using each resource, in request order."""
+    users: dict[Hashable, list[int]] = {}
+    for j, o in enumerate(st.choice):
+        if o is not None:
+            for key, _ in o.uses:
+                users.setdefault(key, []).append(j)
+    return users
+
+
+def _moved(users: dict[Hashable, list[int]], st: State, i: int) -> None:
+    """Count request `i`, just placed, among the users of its option's resources."""
+    o = st.choice[i]
+    assert o is not None
+    for key, _ in o.uses:
+        users.setdefault(key, []).append(i)
+
+
+def _reclaim(st: State, *, limit: int, deadline: float = math.inf, tries: int = 64,
+             per_key: int = 4, scan: int = 16) -> int:
+    """The requests that lose most by sitting where they are (cost where placed less
+    cost of their cheapest option, most first: the greedy's regret looks one option
+    ahead, so a long request may find every cheap pool taken by short ones that would
+    lose little elsewhere) each try their cheapest `tries` options again, moving the
+    requests in the way on to their next option (`_make_room`) when that costs less
+    than it saves. At most `limit` requests; stops at `deadline`. Returns how many
+    moved."""
+    reqs = st.p.requests
+    users = _users(st)
+    losses: list[tuple[float, int]] = []
+    for i, o in enumerate(st.choice):
+        opts = reqs[i].options
+        if o is not None and opts and opts[0] is not o:
+            loss = reqs[i].cost(o) - reqs[i].cost(opts[0])
+            if loss > EPS:
+                losses.append((-loss, i))
+    losses.sort()
+    moved = 0
+    for n, (_, i) in enumerate(losses[:limit]):
+        if _late(deadline, n):
+            break
+        cur = st.choice[i]  # (moved on as another's holder since, perhaps)
+        if cur is None:
+            continue
+        st.take(i, cur, -1)
+        if _make_room(st, i, users, tries=tries, per_key=per_key, scan=scan,
+                      worth=reqs[i].cost(cur)):
+            moved += 1
+            _moved(users, st, i)
+        else:
+            st.take(i, cur)
+    return moved
+
+
+def _spare_limits(st: State, best_two: Callable[[int], tuple[Option | None, float, float]],
+                  *, limit: int, deadline: float = math.inf, tries: int = 48) -> None:
+    """For each team whose `budget_left` or spread limit leaves some of its requests
+    unplaced: move its placed requests to options that take less of that limit —
+    lower price, or GPUs outside the zones and clouds at their share — moving others
+    out of their way (`_make_room`), each $ or GPU spared weighed at what the team's
+    unplaced requests are worth per $ or GPU (the median of their penalty less cost
+    over it); then place the unplaced ones, those of highest penalty first (as phase
+    2 of `_improve` does); all of it undone unless the objective is then lower."""
+    reqs = st.p.requests
+    for name in sorted(st.teams):
+        t = st.teams[name]
+        if (t.budget_left is None and not t.spreads) or _late(deadline, 0):
+            continue
+        waiting = [i for i, o in enumerate(st.choice)
+                   if o is None and reqs[i].team == name and reqs[i].options]
+        if not waiting:
+            continue
+        if t.budget_left is not None:
+            for g in {id(r.group): r.group for r in reqs if r.team == name}.values():
+                if len(g.options) < tries:  # options of lower price lie further down
+                    g.unfilter()  # (every option listed stays listed)
+                    g.grow(k=tries)
+            _spare(st, best_two, waiting, lambda o: o.price, limit=limit, deadline=deadline,
+                   tries=tries)
+        waiting = [i for i in waiting if st.choice[i] is None]
+        crowded = _crowded(st, waiting, tries) if t.spreads else set()
+        if crowded:
+            _spare(st, best_two, waiting, _gpus_in(crowded), limit=limit,
+                   deadline=deadline, tries=tries)
+
+
+def _gpus_in(places: set[object]) -> Callable[[Option], float]:
+    """What an option takes of the spread limits of `places` (clouds, and (cloud,
+    zone)s): its GPUs, once for its cloud and once for its zone when they are there."""
+
+    def takes(o: Option) -> float:
+        return float(o.gpus) * ((o.cloud in places) + ((o.cloud, o.zone) in places))
+
+    return takes
+
+
+def _crowded(st: State, waiting: list[int], tries: int) -> set[object]:
+    """The clouds and (cloud, zone)s whose share keeps `waiting` off the cheapest of
+    their options that fit otherwise."""
+    reqs = st.p.requests
+    out: set[object] = set()
+    for i in waiting:
+        t = st.teams[reqs[i].team or ""]
+        o = next((x for x in reqs[i].options[:tries] if st.fits_static(i, x)), None)
+        if o is None or st.fits_spread(i, o):
+            continue
+        total = t.total + o.gpus
+        if t.zone_share is not None and t.by_zone.get((o.cloud, o.zone), 0) + o.gpus > \
+                t.zone_share * total + t.grace + EPS:
+            out.add((o.cloud, o.zone))
+        if t.cloud_share is not None and t.by_cloud.get(o.cloud, 0) + o.gpus > \
+                t.cloud_share * total + t.grace + EPS:
+            out.add(o.cloud)
+    return out
+
+
+def _spare(st: State, best_two: Callable[[int], tuple[Option | None, float, float]],
+           waiting: list[int], takes: Callable[[Option], float], *, limit: int,
+           deadline: float, tries: int) -> None:
+    """Move the placed requests of the team of `waiting`, those whose option `takes` most
+    of a limit first (at most `limit`), to options that take less of it, moving others
+    out of the way (`_make_room`), each unit spared weighed at what `waiting` are worth
+    per unit (the median of penalty less cost over what their cheapest option takes);
+    then place `waiting`, those of highest penalty first. Undone unless the objective
+    is then lower."""
+    reqs = st.p.requests
+    team = reqs[waiting[0]].team
+    worth = sorted((reqs[i].penalty - reqs[i].cost(reqs[i].options[0]))
+                   / takes(reqs[i].options[0]) for i in waiting
+                   if takes(reqs[i].options[0]) > EPS)
+    if not worth:
+        return
+    per_unit = worth[len(worth) // 2]
+
+    def weigh(o: Option) -> float:
+        return per_unit * takes(o)
+
+    before = st.objective()
+    saved = (list(st.choice), dict(st.left), {k: t.copy() for k, t in st.teams.items()})
+    users = _users(st)
+    over: list[tuple[float, int]] = []
+    for j, o in enumerate(st.choice):
+        r = reqs[j]
+        if o is not None and r.team == team and r.options:
+            over.append((min(takes(x) for x in r.options[:tries]) - takes(o), j))
+    over.sort()
+    for n, (less, j) in enumerate(over[:limit]):
+        if less > -EPS or _late(deadline, n):
+            break
+        cur = st.choice[j]
+        assert cur is not None
+        st.take(j, cur, -1)
+        if _make_room(st, j, users, tries=tries, per_key=8,
+                      worth=reqs[j].cost(cur) + weigh(cur), weigh=weigh):
+            _moved(users, st, j)
+        else:
+            st.take(j, cur)
+    for n, i in enumerate(sorted(waiting, key=lambda i: (-reqs[i].penalty, i))):
+        if _late(deadline, n):
+            break
+        first, c1, _ = best_two(i)
+        if first is not None and c1 < reqs[i].penalty:
+            st.take(i, first)
+        elif _make_room(st, i, users, tries=tries, per_key=8):
+            _moved(users, st, i)
+    if st.objective() >= before - EPS:
+        st.choice[:] = saved[0]
+        st.left.clear()
+        st.left.update(saved[1])
+        st.teams.clear()
+        st.teams.update(saved[2])

@@ -14,8 +14,15 @@ and then place it as cheaply as they can.
   per GPU or $ first) plus local improvement (move a request to a cheaper option that
   has become free; re-try unplaced requests, making room by moving the placed requests
   in their way; in a team short of GPUs or budget, swap its least valuable placed
-  requests for a more valuable unplaced one). Linear-ish in the number of requests;
-  used for every batch.
+  requests for a more valuable unplaced one), then two phases bounded in work (`RECLAIM`
+  requests each) and by the deadline: a team whose budget or spread limit leaves
+  requests unplaced moves its placed ones to options of lower price, or out of the zone
+  or cloud at its share, each $ or GPU weighed at what its unplaced ones are worth per $
+  or GPU, and places them in what that spares (kept if the objective is lower); then the
+  requests placed furthest above their cheapest option take a cheaper one, moving the
+  requests in its way on when that costs less (the greedy's regret looks one option
+  ahead: a long request may find the cheap pools taken by short ones that lose little
+  elsewhere). Linear-ish in the number of requests; used for every batch.
 * `exact` — the mixed-integer program solved by HiGHS (highspy, its Python interface), with a
   time limit. Its LP relaxation is solved first by column generation over each request's
   options (cheapest first) until no left-out option could lower it: a valid lower bound
@@ -34,7 +41,15 @@ teams' tallies of an answer (`broker.placement.residual`; the team limits themse
 
 from __future__ import annotations
 
-from broker.placement.heuristic import _improve, _make_room, _team_swaps, heuristic
+from broker.placement.heuristic import (
+    RECLAIM,
+    _improve,
+    _make_room,
+    _reclaim,
+    _spare_limits,
+    _team_swaps,
+    heuristic,
+)
 from broker.placement.milp import _LP, PRICE_STEP, _price_out, exact, preload
 from broker.placement.problem import (
     EPS,
@@ -51,8 +66,8 @@ from broker.placement.residual import State, trivial_bound, why_unplaced
 from policies.teams import TeamRoom
 
 __all__ = [
-    "EPS", "PRICE_STEP", "_LP", "Alive", "AssignmentProblem", "Group", "More", "Option",
-    "Request", "Shrinking", "Solution", "State", "TeamRoom", "_improve", "_make_room",
-    "_price_out", "_team_swaps", "exact", "heuristic", "preload", "trivial_bound",
-    "why_unplaced",
+    "EPS", "PRICE_STEP", "RECLAIM", "_LP", "Alive", "AssignmentProblem", "Group", "More",
+    "Option", "Request", "Shrinking", "Solution", "State", "TeamRoom", "_improve",
+    "_make_room", "_price_out", "_reclaim", "_spare_limits", "_team_swaps", "exact",
+    "heuristic", "preload", "trivial_bound", "why_unplaced",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
@@ -66,7 +67,8 @@ def short_group(full: list[Option], listed: int) -> Group:
 # --- brute force -----------------------------------------------------------------------
 
 
-def violations(p: AssignmentProblem, choice: Sequence[Option | None]) -> list[str]:
+# Complex: one check per constraint, written out from the problem's definition.
+def violations(p: AssignmentProblem, choice: Sequence[Option | None]) -> list[str]:  # noqa: C901, PLR0912
     """Every constraint the assignment breaks, from the problem's definition."""
     out: list[str] = []
     assert len(choice) == len(p.requests)
@@ -512,7 +514,7 @@ def test_a_group_grows_when_its_source_leaves_out_the_listed_options_used_up() -
     group = short_group(full, 2)
     p = AssignmentProblem([Request(group, 1.0, 100.0) for _ in range(3)],
                 limits={"A": 1, "B": 1, "C": 1})
-    h = solver.heuristic(p, improve_rounds=0)
+    h = solver.heuristic(p, improve_rounds=0, reclaim=0)
     assert [o.uses[0][0] if o else None for o in h.choice] == ["A", "B", "C"]
     assert h.objective == pytest.approx(5 + 6 + 7)
 
@@ -520,7 +522,9 @@ def test_a_group_grows_when_its_source_leaves_out_the_listed_options_used_up() -
 def test_a_team_short_of_budget_for_every_unlisted_option_lists_no_more() -> None:
     # The group lists A; B and C, not listed yet, cost 20 and 30 an hour, and the group's
     # source says so (`unlisted_price`). TeamRoom t has 15 an hour left: once A is taken,
-    # its request is unplaced without listing more.
+    # its request is unplaced without listing more (by the greedy and `_improve`; the
+    # last phases, left out here, list more to spare the budget: see
+    # test_a_team_short_of_budget_gets_the_low_price_pool_its_budget_affords).
     full = [opt(10, ("A", 1)), opt(20, ("B", 1)), opt(30, ("C", 1))]
     group = short_group(full, 1)
     group.unlisted_price = 20.0
@@ -537,7 +541,7 @@ def test_a_team_short_of_budget_for_every_unlisted_option_lists_no_more() -> Non
     teams = {"t": TeamRoom(budget_left=15.0)}
     p = AssignmentProblem([Request(group, 1.0, 100.0), Request(group, 1.0, 100.0, team="t")],
                 limits={"A": 1, "B": 1, "C": 1}, teams=teams)
-    h = solver.heuristic(p)
+    h = solver.heuristic(p, reclaim=0)
     check_solution(p, h)
     assert [o.uses[0][0] if o else None for o in h.choice] == ["A", None]
     assert not asked
@@ -545,7 +549,7 @@ def test_a_team_short_of_budget_for_every_unlisted_option_lists_no_more() -> Non
     group = short_group(full, 1)
     p = AssignmentProblem([Request(group, 1.0, 100.0), Request(group, 1.0, 100.0, team="t")],
                 limits={"A": 1, "B": 1, "C": 1}, teams=teams)
-    assert solver.heuristic(p).objective == pytest.approx(h.objective)
+    assert solver.heuristic(p, reclaim=0).objective == pytest.approx(h.objective)
     assert group.complete
 
 
@@ -574,7 +578,7 @@ def test_a_team_short_of_budget_takes_the_cheap_pools_before_teams_without_limit
     want, _ = brute_force(p)
     assert want == pytest.approx(10 + 10 + 10.5 + 1000)
     for rounds in (0, 4):  # the greedy phase alone finds it; improvement keeps it
-        h = solver.heuristic(p, improve_rounds=rounds)
+        h = solver.heuristic(p, improve_rounds=rounds, reclaim=0 if rounds == 0 else None)
         check_solution(p, h)
         assert h.objective == pytest.approx(want)
         assert h.choice[0] is not None and h.choice[0].uses[0][0] == "D"
@@ -659,7 +663,7 @@ def test_a_team_short_of_budget_takes_the_lower_price_when_it_places_more() -> N
                 limits={"A": 3, "B": 3}, teams={"t": TeamRoom(budget_left=20)})
     want, _ = brute_force(p)
     assert want == pytest.approx(3 * 10.5)
-    h = solver.heuristic(p, improve_rounds=0)
+    h = solver.heuristic(p, improve_rounds=0, reclaim=0)
     check_solution(p, h)
     assert h.objective == pytest.approx(want)
     assert all(o is not None and o.uses[0][0] == "B" for o in h.choice)
@@ -701,10 +705,168 @@ def test_the_exact_solver_prints_nothing(capfd: pytest.CaptureFixture[str]) -> N
 @FAST
 @given(specs())
 def test_a_deadline_already_past_keeps_the_greedy_answer_unimproved(spec: Spec) -> None:
-    greedy = solver.heuristic(spec.build(), improve_rounds=0)
+    greedy = solver.heuristic(spec.build(), improve_rounds=0, reclaim=0)
     p = spec.build()
     late = solver.heuristic(p, deadline=0.0)  # perf_counter() is past 0 already
     check_solution(p, late)
     assert late.choice == greedy.choice or \
         [o and o.uses for o in late.choice] == [o and o.uses for o in greedy.choice]
     assert late.objective == pytest.approx(greedy.objective)
+
+
+# --- the last phases (`_polish`): what the greedy and `_improve` leave ---------------------
+
+
+def long_after_short_problem() -> AssignmentProblem:
+    """A 10-hour request L wants pool A or C (1.0 and 1.05 an hour), else D (2.0). Two
+    1-hour requests want A (else B at 3.0) and C (else E at 3.0): each stands to lose 2
+    by waiting, L only 0.5 (10 × 0.05), so the regret greedy places them first and L on
+    D: 1 + 1 + 20. The optimum moves the first on to B and gives A to L: 3 + 1 + 10."""
+    return AssignmentProblem(
+        [req(opt(1.0, ("A", 1)), opt(3.0, ("B", 1))),
+         req(opt(1.0, ("C", 1)), opt(3.0, ("E", 1))),
+         req(opt(1.0, ("A", 1)), opt(1.05, ("C", 1)), opt(2.0, ("D", 1)), horizon=10.0)],
+        limits={"A": 1, "B": 1, "C": 1, "D": 1, "E": 1})
+
+
+def test_the_request_that_loses_most_takes_the_cheap_pool_moving_its_holder_on() -> None:
+    want, _ = brute_force(long_after_short_problem())
+    assert want == pytest.approx(14)
+    # Without the chains of `_improve` (as for batches above `chain_max_batch`).
+    plain = solver.heuristic(long_after_short_problem(), chains=False, reclaim=0)
+    assert plain.objective == pytest.approx(22)
+    p = long_after_short_problem()
+    h = solver.heuristic(p, chains=False)
+    check_solution(p, h)
+    assert h.objective == pytest.approx(14)
+    assert [o.uses[0][0] if o else None for o in h.choice] == ["B", "C", "A"]
+
+
+def budget_problem() -> AssignmentProblem:
+    """Team t has 30 an hour left for two requests. t1's nine cheapest pools cost 20 an
+    hour each; its tenth, L, 10 (at an expected cost of 12, above theirs); t2's one
+    pool, K, 20. The greedy puts t1 on the lowest price among the cheapest it looks at
+    (`_thrifty`: 20) and leaves t2 out (10 left): 9 + 100. On L, t1 spares what t2
+    needs: 12 + 9."""
+    t1 = [opt(9 + k / 10, (f"H{k}", 1), price=20) for k in range(9)]
+    return AssignmentProblem(
+        [req(*t1, opt(12, ("L", 1), price=10), team="t", penalty=100.0),
+         req(opt(9, ("K", 1), price=20), team="t", penalty=100.0)],
+        limits={**{f"H{k}": 1 for k in range(9)}, "L": 1, "K": 1},
+        teams={"t": TeamRoom(budget_left=30.0)})
+
+
+def test_a_team_short_of_budget_moves_to_a_lower_price_to_place_one_more() -> None:
+    want, _ = brute_force(budget_problem())
+    assert want == pytest.approx(21)
+    plain = solver.heuristic(budget_problem(), reclaim=0)
+    assert plain.objective == pytest.approx(109)
+    p = budget_problem()
+    h = solver.heuristic(p)
+    check_solution(p, h)
+    assert h.objective == pytest.approx(21)
+    assert [o.uses[0][0] if o else None for o in h.choice] == ["L", "K"]
+
+
+def test_a_team_short_of_budget_gets_the_low_price_pool_its_budget_affords() -> None:
+    # Pools A, B, C at 10, 20, 30 an hour, one instance each; the group lists A only
+    # (B and C come from `more`). r0 takes A (first in line); r1's team has 15 left, so
+    # B and C are beyond it and it stays out: 10 + 100. Listing more, the last phases
+    # move r0 on to B and give A to r1: 20 + 10.
+    full = [opt(10, ("A", 1)), opt(20, ("B", 1)), opt(30, ("C", 1))]
+
+    def problem(listed: int = 1) -> AssignmentProblem:
+        group = short_group(full, listed)
+        return AssignmentProblem(
+            [Request(group, 1.0, 100.0), Request(group, 1.0, 100.0, team="t")],
+            limits={"A": 1, "B": 1, "C": 1}, teams={"t": TeamRoom(budget_left=15.0)})
+
+    assert brute_force(problem(listed=3))[0] == pytest.approx(30)
+    assert solver.heuristic(problem(), reclaim=0).objective == pytest.approx(110)
+    p = problem()
+    h = solver.heuristic(p)
+    check_solution(p, h)
+    assert h.objective == pytest.approx(30)
+    assert [o.uses[0][0] if o else None for o in h.choice] == ["B", "A"]
+
+
+
+def spread_problem() -> AssignmentProblem:
+    """Team t holds 8 GPUs in gcp and may put at most half of its GPUs in one cloud.
+    m, with the larger regret (10 an hour, else 20 in azure), goes first, to aws; then
+    `big` (aws only, at 10 or 11; 400 if left out) would make aws 16 of 24: it stays
+    out, 10 + 400. With m in azure, aws holds 8 of 24: 20 + 10."""
+    held = TeamRoom(cloud_share=0.5, total=8, by_zone={("gcp", "g"): 8}, by_cloud={"gcp": 8})
+    return AssignmentProblem(
+        [req(opt(10, ("A", 1)), opt(20, ("Z", 1), cloud="azure", zone="z"), team="t"),
+         req(opt(10, ("B", 1)), opt(11, ("C", 1)), team="t", penalty=400.0)],
+        limits={"A": 1, "B": 1, "C": 1, "Z": 1}, teams={"t": held})
+
+
+def test_a_team_at_its_cloud_share_moves_one_out_of_that_cloud_to_place_one_more() -> None:
+    want, _ = brute_force(spread_problem())
+    assert want == pytest.approx(30)
+    assert solver.heuristic(spread_problem(), reclaim=0).objective == pytest.approx(410)
+    p = spread_problem()
+    h = solver.heuristic(p)
+    check_solution(p, h)
+    assert h.objective == pytest.approx(30)
+    assert [o.uses[0][0] if o else None for o in h.choice] == ["Z", "B"]
+
+@FAST
+@given(specs(), st.sampled_from([None, 1]))
+def test_the_last_phases_break_no_constraint_and_never_raise_the_objective(
+        spec: Spec, listed: int | None) -> None:
+    plain = solver.heuristic(spec.build(listed), chains=False, reclaim=0)
+    p = spec.build(listed)
+    h = solver.heuristic(p, chains=False)
+    # A list `short_group` regrows without what is used up may leave out the option a
+    # request sits on (the greedy's doing, with or without the last phases): with
+    # `listed`, every constraint but that one.
+    assert [v for v in violations(p, h.choice)
+            if listed is None or "is not an option" not in v] == []
+    assert h.objective == pytest.approx(objective(p, h.choice), abs=TOL)
+    assert h.objective <= plain.objective + TOL
+    # The same input, the same answer.
+    again = solver.heuristic(spec.build(listed), chains=False)
+    assert [o and o.uses for o in again.choice] == [o and o.uses for o in h.choice]
+
+
+@pytest.mark.parametrize("phase", ["reclaim", "spare_budget"])
+def test_the_last_phases_change_nothing_past_their_deadline(phase: str) -> None:
+    p = long_after_short_problem() if phase == "reclaim" else budget_problem()
+    st_ = solver.State(p)
+    # The greedy's answer (as `heuristic(..., reclaim=0)` finds it), placed by hand.
+    placed = solver.heuristic(p if phase == "reclaim" else budget_problem(), chains=False,
+                              reclaim=0).choice
+    for i, o in enumerate(placed):
+        if o is not None:
+            st_.take(i, o)
+    before = list(st_.choice)
+    if phase == "reclaim":
+        assert solver._reclaim(st_, limit=10, deadline=0.0) == 0
+    else:
+        solver._spare_limits(st_, lambda i: (None, p.requests[i].penalty,
+                                             p.requests[i].penalty), limit=10, deadline=0.0)
+    assert st_.choice == before
+
+
+def test_the_reclaim_phase_stops_at_its_deadline() -> None:
+    # 64 cheap pools, each held by a request with nowhere else to go; 5,000 long requests
+    # on a dear pool try each of them in turn (about 1 s of work here, given the time).
+    cheap = [opt(1.0, (f"P{k}", 1)) for k in range(64)]
+    dear = opt(5.0, ("D", 1))
+    group = Group([*cheap, dear])
+    n = 5000
+    holders = [Request(Group([o]), 1.0, 100.0) for o in cheap]
+    p = AssignmentProblem([*holders, *(Request(group, 10.0, 1000.0) for _ in range(n))],
+                          limits={**{f"P{k}": 1 for k in range(64)}, "D": n})
+    state = solver.State(p)
+    for i, o in enumerate(cheap):
+        state.take(i, o)
+    for i in range(64, 64 + n):
+        state.take(i, dear)
+    started = time.perf_counter()
+    assert solver._reclaim(state, limit=n, deadline=started + 0.02) == 0
+    assert time.perf_counter() - started < 0.02 + 0.2  # it looks every 16 requests
+    assert violations(p, state.choice) == []
