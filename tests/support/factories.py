@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -19,6 +20,19 @@ from broker.model import Market, Offer, Placement, PlaceRequest, PoolKey, Target
 from broker.wire.messages import OutboxRow
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+
+@dataclass
+class Clocks:
+    """An adapter's injectable clocks, moved on by hand: `mono` for its monotonic
+    timers (caches, back-offs), `now` for the wall clock it stamps offers with."""
+
+    mono: float = 1000.0
+    now: datetime = field(default_factory=lambda: T0)
+
+    def advance(self, seconds: float) -> None:
+        self.mono += seconds
+        self.now += timedelta(seconds=seconds)
 SLICE: SliceId = ("sim", "aws:us-east-1")
 
 

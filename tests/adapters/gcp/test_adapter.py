@@ -11,13 +11,12 @@ import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from factories import Clocks
 from fake_gcp import LOCAL_SSD, LOCAL_SSD_GIB, FakeGCP, fake_gcp_fixture, sku_series  # noqa: F401
 from fake_server import CHAOS_KINDS, Chaos
 
@@ -38,16 +37,6 @@ from broker.model import Market, Offer, PoolKey
 REGION = "us-central1"
 ZONE = "us-central1-a"
 OD, SPOT = Market.ON_DEMAND, Market.SPOT
-
-
-@dataclass
-class Clocks:
-    mono: float = 1000.0
-    now: datetime = field(default_factory=lambda: datetime(2026, 11, 30, 12, tzinfo=UTC))
-
-    def advance(self, seconds: float) -> None:
-        self.mono += seconds
-        self.now += timedelta(seconds=seconds)
 
 
 @pytest.fixture

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from factories import Clocks
 from fake_gcp import FakeGCP, fake_gcp_fixture  # noqa: F401
 from structlog.testing import capture_logs
 
@@ -22,16 +21,6 @@ REGION, ZONE = "us-central1", "us-central1-a"
 OD, SPOT = Market.ON_DEMAND, Market.SPOT
 A2 = "a2-highgpu-1g"
 T4 = "n1-standard-8+nvidia-tesla-t4x1"
-
-
-@dataclass
-class Clocks:
-    mono: float = 1000.0
-    now: datetime = field(default_factory=lambda: datetime(2026, 11, 30, 12, tzinfo=UTC))
-
-    def advance(self, seconds: float) -> None:
-        self.mono += seconds
-        self.now += timedelta(seconds=seconds)
 
 
 @pytest.fixture
