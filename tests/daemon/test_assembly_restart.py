@@ -92,29 +92,3 @@ async def test_a_restart_republishes_the_active_leases_and_the_recent_clears(
     repeated = payload_json(await events.wait_for(answered))["data"]
     assert (repeated["lease_id"], repeated["state"]) == (ids["done-1"], "released")
 
-
-async def test_a_reconnect_clears_again_the_leases_that_left_memory(
-        start_daemon: StartDaemon, probe_factory: ProbeFactory, mosquitto: Mosquitto) -> None:
-    """A server restored from an older save while the daemon is connected may hold the
-    state of a lease that ended since: after the reconnect the daemon clears it, read
-    from the store although the lease has left the book's memory."""
-    rd = await start_daemon()
-    rd.daemon.book.keep_recent = 0
-    probe = await probe_factory([f"{PREFIX}/events/#", f"{PREFIX}/leases/#"])
-    await probe.publish(f"{PREFIX}/requests/{S}/place", small("gone"))
-    lease_id = payload_json(await probe.wait_for(answered))["data"]["lease_id"]
-    topic = LEASES + lease_id
-    stale = await probe.wait_for(lambda m: str(m.topic) == topic and m.payload)
-    await probe.publish(f"{PREFIX}/requests/{S}/release", {"lease_id": lease_id})
-    await probe.wait_for(lambda m: str(m.topic) == topic and not m.payload)
-    assert rd.daemon.book.get(lease_id) is None
-    # The old state comes back, as from a save made before the release.
-    await probe.publish(topic, stale.payload, retain=True)
-    rd.daemon.bus.restored.clear()
-    await mosquitto.astop()
-    await mosquitto.astart()
-    async with asyncio.timeout(15):
-        await rd.daemon.bus.restored.wait()
-    late = await probe_factory([topic, f"{PREFIX}/status"])
-    await late.wait_for(f"{PREFIX}/status")  # retained ones come in subscription order
-    assert not late.matching(topic)

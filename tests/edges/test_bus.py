@@ -181,11 +181,16 @@ async def test_retained_state_is_restored_after_the_server_loses_it(
     assert payload_json(status)["state"] == "online"
 
 
+@pytest.mark.parametrize("left_memory", [False, True], ids=["in-memory", "left-memory"])
 async def test_a_lease_that_ended_is_cleared_again_after_a_reconnect(
-        start_daemon: StartDaemon, probe_factory: ProbeFactory, mosquitto: Mosquitto) -> None:
+        start_daemon: StartDaemon, probe_factory: ProbeFactory, mosquitto: Mosquitto,
+        left_memory: bool) -> None:
     """An MQTT server restored from an older save may hold the state of a lease that has
-    ended since: the daemon clears it after the reconnect."""
+    ended since: the daemon clears it after the reconnect, read from the store whether
+    or not the lease is still in the book's memory."""
     rd = await start_daemon()
+    if left_memory:
+        rd.daemon.book.keep_recent = 0
     probe = await probe_factory([f"{PREFIX}/events/#", f"{PREFIX}/leases/#"])
     await probe.publish(f"{PREFIX}/requests/{S}/place", small("gone"))
     ev = payload_json(await probe.wait_for(answered))
@@ -195,6 +200,7 @@ async def test_a_lease_that_ended_is_cleared_again_after_a_reconnect(
     await probe.publish(f"{PREFIX}/requests/{S}/release", {"lease_id": lease_id})
     await probe.wait_for(EVENTS + "lease.released")
     await probe.wait_for(lambda m: str(m.topic) == topic and not m.payload)
+    assert (rd.daemon.book.get(lease_id) is None) is left_memory
     # The old state comes back, as from a save made before the release.
     await probe.publish(topic, stale.payload, retain=True)  # type: ignore[arg-type]
     rd.daemon.bus.restored.clear()
