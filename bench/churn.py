@@ -38,11 +38,8 @@ import heapq
 import json
 import os
 import random
-import shutil
-import signal
 import sqlite3
 import sys
-import tempfile
 import time
 import uuid
 from collections import Counter
@@ -57,6 +54,7 @@ from latency import (  # bench/latency.py: the same mosquitto and daemon
     ROOT,
     Daemon,
     Mosquitto,
+    bench_workdir,
     cpu_seconds,
     free_port,
     mqtt_client,
@@ -403,19 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = p.parse_args(argv)
     args.root = args.root.resolve()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
-    workdir = Path(tempfile.mkdtemp(prefix="gpubroker-churn-"))
-    try:
+    with bench_workdir("bench", keep=args.keep, prefix="churn") as workdir:
         out = asyncio.run(amain(args, workdir))
-    except KeyboardInterrupt:
-        print("bench: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        if args.keep:
-            print(f"bench: files kept in {workdir}", file=sys.stderr)
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0

@@ -26,10 +26,7 @@ import asyncio
 import contextlib
 import json
 import random
-import shutil
-import signal
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -46,6 +43,7 @@ from latency import (  # noqa: E402  (bench/latency.py: the same mosquitto and d
     PREFIX,
     Daemon,
     Mosquitto,
+    bench_workdir,
     cpu_seconds,
     mqtt_client,
     percentile,
@@ -380,19 +378,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
-    workdir = Path(tempfile.mkdtemp(prefix="gpubroker-fuzz-"))
-    try:
+    with bench_workdir("fuzz", keep=args.keep) as workdir:
         return asyncio.run(run(args, workdir))
-    except KeyboardInterrupt:
-        print("fuzz: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        if args.keep:
-            print(f"fuzz: files kept in {workdir}", file=sys.stderr)
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,28 @@ MIX: tuple[dict[str, Any], ...] = (
 # processes: mosquitto, the daemon, the echo responder
 # --------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def bench_workdir(name: str, *, keep: bool, prefix: str | None = None,
+                  parent: str | None = None) -> Iterator[Path]:
+    """A bench run's temporary directory, and how it ends: Ctrl-C (even where a shell
+    started us with SIGINT ignored) and SIGTERM both cancel the run (its `finally`
+    blocks stop the daemon, the echo and mosquitto) and exit 130 with "NAME:
+    interrupted"; the directory is removed afterwards unless `keep`."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    workdir = Path(tempfile.mkdtemp(prefix=f"gpubroker-{prefix or name}-", dir=parent))
+    try:
+        yield workdir
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        if keep:
+            print(f"{name}: files kept in {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -904,21 +926,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.echo:
         run_echo(args.echo, args.nodelay)
         return 0
-    # Ctrl-C (even where a shell started us with SIGINT ignored) and SIGTERM both cancel
-    # the run; the phases' `finally` blocks stop the daemon, the echo and mosquitto.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
-    workdir = Path(tempfile.mkdtemp(prefix="gpubroker-bench-", dir=args.dir))
-    try:
+    with bench_workdir("bench", keep=args.keep, parent=args.dir) as workdir:
         results = asyncio.run(amain(args, workdir))
-    except KeyboardInterrupt:
-        print("bench: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        if args.keep:
-            print(f"bench: files kept in {workdir}", file=sys.stderr)
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         print(json.dumps(report(results, args), indent=2))
     else:
