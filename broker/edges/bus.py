@@ -167,6 +167,12 @@ class Bus:
     def outbox_depth(self) -> int:
         return len(self._pending)
 
+    def pending_clears(self) -> set[str]:
+        """The retained topics that outbox rows not yet acknowledged clear (an empty
+        retained payload). Every such row is sent on the current connection (or on the
+        next, if this one is lost first), so a restore need not clear them again."""
+        return {r.topic for r in self._pending.values() if r.retain and not r.payload}
+
     async def connection_after(self, n: int) -> None:
         """Wait until more than `n` sessions were made (`connections`): after a server
         restart, `connected` may still be set from before the loss was noticed; this

@@ -205,6 +205,8 @@ class Tasks:
         is not known: the leases that ended in the `RETAINED_ENDED_MARGIN` before the
         start, besides the clears the server never acknowledged (the outbox rows the
         start sent again before this: a row leaves the outbox only once acknowledged).
+        An ended lease whose clear still waits in the outbox is not cleared twice: the
+        outbox sends it on this connection (`Bus.pending_clears`).
         Every window is capped at the `RESTORE_ENDED_MAX` most recent: clearing every
         ended lease of the last day made a start's work grow with the churn before it
         — 95,000 empty messages after eight minutes at 200 places a second (#31). What
@@ -214,8 +216,11 @@ class Tasks:
             yield (self.topics.lease(lease.scheduler, lease.lease_id),
                    functools.partial(self._committed_lease_state, lease.lease_id), None)
         ended, self._ended_to_clear = self._ended_to_clear, ()
+        cleared = self.bus.pending_clears()  # the outbox sends these clears itself
         for scheduler, lease_id in ended:
-            yield self.topics.lease(scheduler, lease_id), functools.partial(_ready, b""), None
+            topic = self.topics.lease(scheduler, lease_id)
+            if topic not in cleared:
+                yield topic, functools.partial(_ready, b""), None
         expiry = int(3 * self.cfg.poll.interval_seconds)
         for health in self.pool.health():
             offers = self.pool.slice_offers(health.slice)
