@@ -209,6 +209,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """User + system CPU time of each thread of a process so far, by thread id (the
+    main thread's id is the process id)."""
+    out: dict[int, float] = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+                out[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def split_by_thread(pid: int, before: dict[int, float], after: dict[int, float],
+                    seconds: float) -> dict[str, float]:
+    """% of one core over `seconds`: the main thread (the daemon's event loop) and the
+    other threads together (the placement workers, the store's thread, the SDKs')."""
+    used = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+    main = used.pop(pid, 0.0)
+    return {"loop": round(100 * main / seconds, 1),
+            "other threads": round(100 * sum(used.values()) / seconds, 1)}
+
+
 class Daemon:
     """`python -m broker.cli run --config FILE` as a subprocess; stdout (JSON log lines)
     is read all along so the pipe never fills."""
@@ -396,6 +418,7 @@ class PhaseResult:
     codes: dict[str, int] = field(default_factory=dict)  # rejection code -> count
     other_events: dict[str, int] = field(default_factory=dict)
     cpu: dict[str, float] = field(default_factory=dict)  # process -> % of one core
+    server_threads: dict[str, float] = field(default_factory=dict)  # the server's, by thread
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -463,6 +486,8 @@ async def run_load(name: str, host: str, port: int, *, rate: float, duration: fl
         receiver = asyncio.create_task(receive())
         try:
             cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+            server = next(iter(pids.values()))  # the echo or the daemon, listed first
+            threads0 = thread_cpu_seconds(server)
             t_cpu0 = time.monotonic()
             t0 = time.monotonic() + 0.05
             i = 0
@@ -486,6 +511,8 @@ async def run_load(name: str, host: str, port: int, *, rate: float, duration: fl
             t_sent = time.monotonic()
             cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
             res.cpu = {k: round(100 * (cpu1[k] - cpu0[k]) / (t_sent - t_cpu0), 1) for k in pids}
+            res.server_threads = split_by_thread(server, threads0,
+                                                 thread_cpu_seconds(server), t_sent - t_cpu0)
             # Drain: until everything is answered, or no progress for `drain` seconds.
             last, last_change = len(answers), time.monotonic()
             while len(answers) < len(sent_at) and time.monotonic() - last_change < drain:
@@ -808,6 +835,9 @@ def print_table(results: list[PhaseResult], args: argparse.Namespace) -> None:
                   f"{e['loop_lag_over_100ms']} more than 100 ms; longest lag "
                   + (f"{during} ms (during the load)" if during is not None else
                      f"since the start {e.get('loop_lag_max_ms')} ms (before the load)"))
+        if r.server_threads:
+            print(f"  {r.name} CPU by thread (% of a core): " + ", ".join(
+                f"{k} {v:.0f}" for k, v in r.server_threads.items()))
         codes = ", ".join(f"{k} {v}" for k, v in sorted(r.codes.items()))
         kinds = r.kinds
         print(f"  answers (warm-up included, {r.sent_total} sent): "
