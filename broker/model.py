@@ -12,6 +12,8 @@ and the like keep working across the daemon. The client never imports this modul
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -225,9 +227,29 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 6)
 
 
+NO_LABELS: Mapping[str, str] = MappingProxyType({})
+"""A request's labels when it has none: one read-only empty mapping shared by every such
+request instead of an empty dict in each."""
+
+_ONE_GPU: Mapping[str, tuple[str]] = MappingProxyType({name: (name,) for name in GPU_MODELS})
+"""The `gpu` of a request for one canonical model, shared by every such request."""
+
+
+def _names(names: tuple[str, ...]) -> tuple[str, ...]:
+    if len(names) == 1 and (one := _ONE_GPU.get(names[0])) is not None:
+        return one
+    return tuple(map(sys.intern, names))
+
+
 @dataclass(frozen=True, slots=True)
 class PlaceRequest:
-    """A validated placement request (SPEC §4). `market` None means "policy default"."""
+    """A validated placement request (SPEC §4). `market` None means "policy default".
+
+    In memory, the names many requests repeat (scheduler, team, market, GPU models) are
+    interned, one canonical GPU model is a shared tuple and no labels are `NO_LABELS`
+    (`__post_init__`): a request held by an active lease costs no copy of them (#31).
+    Interned strings are freed with their last reference (CPython's interning is not
+    immortal before 3.12), so a scheduler's made-up names do not pile up."""
 
     scheduler: str
     request_id: str
@@ -241,8 +263,19 @@ class PlaceRequest:
     team: str | None = None
     duration_hours: float | None = None
     lease_seconds: int | None = None
-    labels: dict[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=lambda: NO_LABELS)
     max_parts: int = 1  # with gang False: how many leases (pools) it may be split into
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__  # the dataclass is frozen; this is its construction
+        put(self, "scheduler", sys.intern(self.scheduler))
+        put(self, "gpu", _names(self.gpu))
+        if self.market is not None:
+            put(self, "market", sys.intern(self.market))
+        if self.team is not None:
+            put(self, "team", sys.intern(self.team))
+        if not self.labels:
+            put(self, "labels", NO_LABELS)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -313,6 +346,23 @@ class Lease:
     ended_reason: str | None = None
     ended_detail: str | None = None
     ended_at: datetime | None = None
+
+    def __post_init__(self) -> None:
+        # In memory, a lease shares what it repeats: its request's strings, one object for
+        # equal times (a lease read back from the store has a copy of each; one made by
+        # the lease book shares them already). Equal values, so nothing else sees it.
+        put = object.__setattr__  # the dataclass is frozen; this is its construction
+        r = self.request
+        if self.scheduler is not r.scheduler and self.scheduler == r.scheduler:
+            put(self, "scheduler", r.scheduler)
+        if self.request_id is not r.request_id and self.request_id == r.request_id:
+            put(self, "request_id", r.request_id)
+        if self.updated_at is not self.created_at and self.updated_at == self.created_at:
+            put(self, "updated_at", self.created_at)
+        if self.ended_at is not None and self.ended_at == self.updated_at:
+            put(self, "ended_at", self.updated_at)
+        if self.ended_reason is not None:
+            put(self, "ended_reason", sys.intern(self.ended_reason))
 
     def to_json(self) -> dict[str, Any]:
         """The retained `P/leases/S/<lease_id>` payload and the HTTP lease shape (with
