@@ -11,7 +11,15 @@ daemon's), and with a fresh one per batch (as before it existed), alternating
 `--rounds` times; CPU time (`time.process_time`) per batch, median and p90, and their
 ratio. Placements are compared between the two runs: they must be the same.
 
+`--fill N`: instead, CPU per batch as the pool fills — N placements held and never given
+back, batch after batch, one region polled every `--poll-every` batches; the CPU counted
+is all a batch costs the daemon: the `Snapshot`, `CostIndex.frozen`, `solve`, holding
+its placements and the polls (copies the pool makes of what a snapshot borrowed are
+made there); median per `--fill-step` placements, `--rounds` runs, and a digest of the
+placements (the same on every run).
+
     python bench/batches.py [--batches 400] [--batch-size 8] [--rounds 2]
+    python bench/batches.py --fill 12000 [--fill-step 2000] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -123,6 +131,61 @@ def run(args: argparse.Namespace, *, keep: bool) -> tuple[list[float], list[Any]
     return cpu, placed
 
 
+def fill(args: argparse.Namespace) -> tuple[dict[int, list[float]], str]:
+    """CPU per batch by placements held before it (in steps of `--fill-step`), and a
+    digest of the placements."""
+    import hashlib
+
+    world = World(args.regions_per_cloud, args.seed)
+    policy = Policy()
+    index = CostIndex(world.pool, policy)
+    settings = BatchSettings(exact_max_batch=0)
+    cpu: dict[int, list[float]] = {}
+    digest = hashlib.sha256()
+    placed = 0
+    for b in range(args.fill // args.batch_size):
+        asks = []
+        for req in requests(args.batch_size, b):
+            c = evaluate(policy, req)
+            if not isinstance(c, Denied):
+                asks.append(Ask(req, constraints=c))
+        step = placed // args.fill_step * args.fill_step
+        c0 = time.process_time()
+        if b and b % args.poll_every == 0:
+            world.poll_next()
+        view = Snapshot(world.pool, world.now)
+        costs = index.frozen({horizon_bucket(a.request.duration_hours) for a in asks},
+                             {a.constraints.risk for a in asks if a.constraints})
+        result = solve(asks, view, policy, now=world.now, settings=settings, costs=costs)
+        for out in result.outcomes:
+            if isinstance(out, Decision):
+                world.pool.hold(out.placement.pool, out.placement.instances)
+                placed += 1
+        cpu.setdefault(step, []).append(time.process_time() - c0)
+        for out in result.outcomes:
+            p = out.placement if isinstance(out, Decision) else None
+            digest.update(repr((out.ask.request.request_id, p and p.pool,
+                                p and p.instances)).encode())
+    return cpu, digest.hexdigest()[:16]
+
+
+def main_fill(args: argparse.Namespace) -> int:
+    figures: dict[int, list[float]] = {}
+    digests = set()
+    for r in range(args.rounds):
+        cpu, digest = fill(args)
+        digests.add(digest)
+        for step, xs in cpu.items():
+            figures.setdefault(step, []).append(statistics.median(xs))
+        print(f"round {r + 1}: placements {digest}", file=sys.stderr, flush=True)
+    print(f"CPU a batch of {args.batch_size} (median of batch medians over {args.rounds} "
+          f"round(s)) as the pool fills, a region polled every {args.poll_every} batches")
+    for step in sorted(figures):
+        print(f"  {step:>6} placements held: {statistics.median(figures[step]) * 1e3:.2f} ms")
+    print(f"  placements: {' '.join(sorted(digests))}")
+    return 0 if len(digests) == 1 else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=400)
@@ -134,7 +197,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--regions-per-cloud", type=int, default=88)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--fill", type=int, default=0,
+                    help="placements to hold, reporting CPU a batch as the pool fills")
+    ap.add_argument("--fill-step", type=int, default=2000)
     args = ap.parse_args()
+    if args.fill:
+        return main_fill(args)
     figures: dict[bool, list[float]] = {True: [], False: []}
     placements: dict[bool, list[Any]] = {}
     for r in range(args.rounds):
