@@ -281,8 +281,22 @@ PRICE_CAP = _of_policy(verdict.PRICE_CAP, lambda p: p.c.cap,
                        lambda p, a, n: _all(a) if p.c.cap is None else a.ppg <= p.c.cap)
 
 
+def _fits(o: Offer, held: int, n: int) -> bool:
+    """Whether `n` instances fit in the offer's capacity when `held` of it are held."""
+    return o.capacity is None or o.capacity - held >= n
+
+
 def _capacity_ok(p: Probe, o: Offer, n: int) -> bool:
-    return o.capacity is None or o.capacity - p.held(o.pool) >= n
+    return _fits(o, p.held(o.pool), n)
+
+
+def no_room(offer: Offer, held: int, need: int) -> bool:
+    """Whether the offer has no room for the instances `need` GPUs take when `held` of
+    it are held (a view's `PoolView.held`): then it fails `capacity` for a request of
+    `need` GPUs judged on that view, whatever a pass has taken besides (`Probe.held`
+    only adds to the view's). What a walk may skip without judging
+    (`broker.placement.walk`); the rule stays the judge."""
+    return not _fits(offer, held, instances_for(need, offer.gpus))
 
 
 def _capacity_mask(p: Probe, a: OfferArrays, n: Any) -> Any:

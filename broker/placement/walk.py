@@ -42,14 +42,17 @@ class Walker(Protocol):
 
 class _Found:
     """The options a walk keeps: the best `keep` (a heap), or all of them up to `limit`
-    per hour; `cut` once it left one out."""
+    per hour; `cut` once it left one out. `skip`: whether the walk passes over offers
+    with no room unjudged (`rules.no_room`), and `skipped` how many it did."""
 
-    def __init__(self, keep: int | None, limit: float | None) -> None:
+    def __init__(self, keep: int | None, limit: float | None, skip: bool = False) -> None:
         self.keep, self.limit = keep, limit
         self.heap: list[tuple[float, int, Option]] = []
         self.found: list[Option] = []
         self.tiebreak = 0
         self.cut = False
+        self.skip = skip
+        self.skipped = 0
 
     def full(self, cost: float) -> bool:
         """Whether an option costing `cost` per hour or more cannot make the list."""
@@ -108,22 +111,30 @@ def _judge(p: Probe, offer: Offer, ppg: float, scan: Scan) -> int:
 
 
 def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive | None,
-         h: float) -> tuple[list[Option], float, Scan]:
+         h: float, *, skip: bool = True) -> tuple[list[Option], float, Scan]:
     """The request's options, cheapest expected cost per hour first: the best `k`, or all
     of them up to `limit` per hour; the cost per hour below which the list holds every
     option (inf: it holds them all); and what the walk saw. The offer lists are fresh
     (`rules.FRESH`) and of the verdict's models and markets (`rules.MODEL`,
-    `rules.MARKET`)."""
-    scan = Scan()
-    out = _Found(k if limit is None else None, limit)
+    `rules.MARKET`). `skip`: pass over offers with no room unjudged (the same options;
+    False: judge every one)."""
     risk = p.policy.scoring.risk
     # In order of price when there is a price cap (the walk ends at the cap), else in
     # order of cost when the index is there (it ends once no option can make the list).
     by_price = b.costs is None or p.c.cap is not None or not b.costs.covers(h, risk)
-    for gpu in p.c.gpus:
-        for m in p.c.markets:
-            _walk_list(b, p, b._plain(gpu, m) if by_price else b._by_cost(gpu, m, h, risk),
-                       by_price, out, scan, alive, h)
+    # Offers with no room (`rules.no_room`) are passed over unjudged: once the pool
+    # fills, the cheap offers ahead of the first with room are most of a walk. They are
+    # then missing from `scan`, which names why a request has no option: a walk that
+    # finds none is made again judging every offer.
+    for skipping in ((True, False) if skip else (False,)):
+        scan = Scan()
+        out = _Found(k if limit is None else None, limit, skipping)
+        for gpu in p.c.gpus:
+            for m in p.c.markets:
+                _walk_list(b, p, b._plain(gpu, m) if by_price else b._by_cost(gpu, m, h, risk),
+                           by_price, out, scan, alive, h)
+        if not out.skipped or out.heap or out.found:
+            break
     return (*out.result(), scan)
 
 
@@ -131,7 +142,18 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
                scan: Scan, alive: Alive | None, h: float) -> None:
     need = p.request.gpus
     policy, hazard = p.policy, b.hazard(h)
+    skip, held, no_room = out.skip, p.view.held, rules.no_room
     for bound, offer, ppg, _ in entries:
+        # An offer with no room can never be an option: passed over unjudged unless the
+        # walk would stop at it. Where the next offer that passes the rules up to `fit`
+        # would end the walk (`out.full`), so might this one: judged then, so that the
+        # walk ends where it would have (and `out.cut` says the same). In order of
+        # price, one over the cap ends it (the rest are dearer).
+        if skip and no_room(offer, held(offer.pool), need) and not out.full(need * bound):
+            out.skipped += 1
+            if by_price and not rules.PRICE_CAP.check(p, offer, 1):
+                break
+            continue
         judged = _judge(p, offer, ppg, scan)
         if judged == _SKIP:
             continue
