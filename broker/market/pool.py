@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -69,7 +69,13 @@ class ResourcePool:
         # change them (a poll changes a few dozen offers; re-sorting thousands each time
         # would cost more than placing).
         self._by_gpu: dict[tuple[str, Market | None], list[Offer]] = {}
+        # Those of `_by_gpu` lent out (`lend`): copied before their next change.
+        self._lent: set[tuple[str, Market | None]] = set()
         self._held: Counter[PoolKey] = Counter()
+        # `held` of every pool in `_held`, kept as they change (`held_now`); copied before
+        # the next change once lent out.
+        self._held_now: dict[PoolKey, int] = {}
+        self._held_now_lent = False
         self._held_targets: dict[PoolKey, Counter[str]] = {}
         self._owned: dict[SliceId, int] = {}
         self._held_at_poll: dict[PoolKey, Counter[str]] = {}
@@ -134,6 +140,9 @@ class ResourcePool:
             self._held_at_poll.pop(key, None)
             self._owned_keys.discard(key)
             self._rooms.pop(key, None)
+        for key in (*removed, *new):
+            if key in self._held:
+                self._note_held(key)  # a paid-for pool's `held` reads its offer
         health = self._health.setdefault(slice_id, SliceHealth(slice_id))
         health.ok, health.last_error = True, None
         health.last_ok_at = self._clock() if polled_at is None else polled_at
@@ -177,6 +186,7 @@ class ResourcePool:
         for target, n in targets:
             self._held_targets.setdefault(key, Counter())[target] += n
         self._rooms.pop(key, None)
+        self._note_held(key)
         if self.on_holdings is not None and key.market is Market.RESERVED:
             self.on_holdings()
 
@@ -194,6 +204,7 @@ class ResourcePool:
             if not by_target:
                 del self._held_targets[key]
         self._rooms.pop(key, None)
+        self._note_held(key)
         if self.on_holdings is not None and key.market is Market.RESERVED:
             self.on_holdings()
 
@@ -264,6 +275,23 @@ class ResourcePool:
 
     def held_pools(self) -> set[PoolKey]:
         return set(self._held)
+
+    def held_now(self) -> Mapping[PoolKey, int]:
+        """`held` of every pool in `held_pools`, as of now, not to be changed: lent out
+        (a placement `Snapshot` reads it in a worker thread), so the pool copies it
+        before its next change instead of the reader copying it every time."""
+        self._held_now_lent = True
+        return self._held_now
+
+    def _note_held(self, key: PoolKey) -> None:
+        """`held_now` after a change of what `held(key)` reads."""
+        if self._held_now_lent:
+            self._held_now = dict(self._held_now)
+            self._held_now_lent = False
+        if key in self._held:
+            self._held_now[key] = self.held(key)
+        else:
+            self._held_now.pop(key, None)
 
     @property
     def owned_gpus(self) -> int:
@@ -348,12 +376,24 @@ class ResourcePool:
                 key=_order)
         return index
 
+    def lend(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
+        """`by_gpu`, not to be changed: lent out (a placement `Snapshot` reads it in a
+        worker thread), so the pool copies it before its next change instead of the
+        reader copying it every time."""
+        index = self.by_gpu(gpu, market)
+        self._lent.add((gpu, market))
+        return index
+
     def _views(self, offer: Offer) -> list[list[Offer]]:
-        """The built indexes `offer` belongs in."""
+        """The built indexes `offer` belongs in, to be changed (copies of those lent)."""
         views = []
         for market in (None, offer.pool.market):
-            index = self._by_gpu.get((offer.gpu, market))
+            where = (offer.gpu, market)
+            index = self._by_gpu.get(where)
             if index is not None:
+                if where in self._lent:
+                    index = self._by_gpu[where] = list(index)
+                    self._lent.discard(where)
                 views.append(index)
         return views
 

@@ -41,20 +41,21 @@ class PoolView(Protocol):
 
 class Snapshot:
     """A `PoolView` frozen at one moment, for placing in a worker thread while the event
-    loop goes on changing the pool: every GPU's sorted offer lists (copies of the lists,
-    not of the offers, which are immutable), the stale slices and cooling pools at `now`,
-    and the instances held. Offers looked up by key (`get`, `slice_of`) and the hazard
-    estimator are read live: single lookups, each consistent on its own."""
+    loop goes on changing the pool: every GPU's sorted offer lists and the instances
+    held (lent by the pool, which copies what it changes after: `ResourcePool.lend`,
+    `held_now`; the offers are immutable), the stale slices and cooling pools at `now`.
+    Offers looked up by key (`get`, `slice_of`) and the hazard estimator are read live:
+    single lookups, each consistent on its own."""
 
     def __init__(self, pool: ResourcePool, now: datetime) -> None:
         self._pool = pool
-        self._lists: dict[tuple[str, Market | None], list[Offer]] = {}
+        self._lists: dict[tuple[str, Market | None], Sequence[Offer]] = {}
         for gpu in pool.gpus():
             for market in (None, *Market):
-                self._lists[(gpu, market)] = list(pool.by_gpu(gpu, market))
+                self._lists[(gpu, market)] = pool.lend(gpu, market)
         self._stale = frozenset(pool.stale_slices(now))
         self._cooling = frozenset(pool.cooling(now))
-        self._held = {key: pool.held(key) for key in pool.held_pools()}
+        self._held = pool.held_now()
         self._hazard = pool.hazard
 
     def by_gpu(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
@@ -137,6 +138,7 @@ class CostIndex:
         self.pool = pool
         self.policy = policy
         self._lists: dict[_Where, list[tuple[float, PoolKey, Offer]]] = {}
+        self._lent: set[_Where] = set()  # of `_lists`, lent out by `frozen`: copied first
         self._placed: dict[PoolKey, list[tuple[float, _Where]]] = {}
         self._dirty: set[PoolKey] = set()
         self._hazard_seen: tuple[int, int] = (0, -1)
@@ -169,6 +171,7 @@ class CostIndex:
         seen = (id(hazard), hazard.refreshes if hazard is not None else 0)
         if seen != self._hazard_seen:
             self._lists.clear()
+            self._lent.clear()
             self._placed.clear()
             self._dirty.clear()
             self._hazard_seen = seen
@@ -192,9 +195,10 @@ class CostIndex:
 
     def frozen(self, horizons: Iterable[float] = (DEFAULT_HORIZON,),
                risks: Iterable[RiskLevel | None] = (None,)) -> FrozenCosts:
-        """Every list for these horizons and risk levels, up to date now, copied: for a
-        batch placed in a worker thread on a `Snapshot` while the pool and this index go
-        on changing (on the loop)."""
+        """Every list for these horizons and risk levels, up to date now: for a batch
+        placed in a worker thread on a `Snapshot` while the pool and this index go on
+        changing (on the loop). Lent, not copied: the index copies a list lent out
+        before it next changes it (`_place_again`)."""
         want = sorted({self._horizon(h) for h in horizons})
         levels = sorted({self._risk(r) for r in risks})
         for h in want:
@@ -204,8 +208,9 @@ class CostIndex:
                 for h in want:
                     for level in levels:
                         self.sorted(gpu, market, h, level)
-        return FrozenCosts(self.policy, {k: list(v) for k, v in self._lists.items()
-                                         if k[2] in want and k[3] in levels},
+        lists = {k: v for k, v in self._lists.items() if k[2] in want and k[3] in levels}
+        self._lent.update(lists)
+        return FrozenCosts(self.policy, lists,
                            normalise=not by_horizon(self.pool.hazard, self.policy),
                            memo=self.memo)
 
@@ -213,11 +218,18 @@ class CostIndex:
         import bisect
 
         dirty, self._dirty = self._dirty, set()
-        lists, placed = self._lists, self._placed
+        lists, placed, lent = self._lists, self._placed, self._lent
         scored = {w[2:] for w in lists}  # (horizon, risk level)
+
+        def to_change(where: _Where) -> list[tuple[float, PoolKey, Offer]]:
+            if where in lent:
+                lists[where] = list(lists[where])
+                lent.discard(where)
+            return lists[where]
+
         for key in dirty:
             for u, where in placed.pop(key, ()):
-                entries = lists[where]
+                entries = to_change(where)
                 i = bisect.bisect_left(entries, (u, key), key=_first_two)
                 if i < len(entries) and entries[i][1] == key:
                     del entries[i]
@@ -226,11 +238,10 @@ class CostIndex:
                 continue
             for h, level in scored:
                 where = (offer.gpu, key.market, h, level)
-                entries_or_none = lists.get(where)
-                if entries_or_none is None:
+                if where not in lists:
                     continue  # that list is built when first asked for
                 u = unit_cost(offer, self.policy.for_risk(level), self._hazard(h))
-                bisect.insort(entries_or_none, (u, key, offer), key=_first_two)
+                bisect.insort(to_change(where), (u, key, offer), key=_first_two)
                 placed.setdefault(key, []).append((u, where))
 
 

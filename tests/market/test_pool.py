@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from factories import SLICE, Clock, key, offer, pool_of
+from factories import SLICE, Clock, key, offer, owned, pool_of
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from broker.market.changes import PoolChange
 from broker.market.pool import ResourcePool
-from broker.model import Market, Offer
+from broker.model import Market, Offer, Target
 
 OTHER: tuple[str, str] = ("sim", "gcp:us-central1")
 
@@ -305,3 +307,58 @@ def test_a_slice_not_polled_yet_is_unknown_not_stale_during_the_start_up_grace()
     clock.advance(301)
     assert not pool.in_grace(clock())
     assert pool.stale_slices(clock()) == {("aws", "us-west-2")}
+
+
+# --- what a placement snapshot borrows: the sorted lists and the holdings ---------------
+
+
+def _targets(free: tuple[int, int]) -> tuple[Target, Target]:
+    return Target("a", 2, free[0]), Target("b", 2, free[1])
+
+
+_Op = tuple[str, int, int]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(("hold", "unhold", "poll")), st.integers(0, 2),
+                          st.integers(0, 3)), max_size=25))
+def test_the_holdings_lent_out_are_held_as_of_the_lending_and_the_new_ones_as_of_now(
+        ops: list[_Op]) -> None:
+    # `held_now` is `held` of each pool in `held_pools`, whatever happened since (a
+    # paid-for pool's `held` reads its offer's targets: a poll changes it too); what was
+    # lent before stays as it was.
+    spot = offer("us-east-1a", gpus=1, price=1.0, capacity=3)
+    reserved = owned("us-east-1b", cloud="aws", region="us-east-1",
+                     targets=_targets((2, 2)))
+    keys = [spot.pool, reserved.pool, offer("us-east-1c", gpus=1, capacity=None).pool]
+    pool = pool_of([spot, reserved])
+    lent: list[tuple[object, dict[object, int]]] = []
+    for op, which, n in ops:
+        k = keys[which]
+        if op == "hold":
+            pool.hold(k, n, [("a", n)] if k == reserved.pool else ())
+        elif op == "unhold":
+            pool.unhold(k, n, [("a", n)] if k == reserved.pool else ())
+        else:
+            pool.replace(SLICE, [replace(spot, capacity=n),
+                                 replace(reserved, targets=_targets((n % 3, 2)))][:1 + which % 2])
+        now = pool.held_now()
+        assert dict(now) == {k: pool.held(k) for k in pool.held_pools()}
+        lent.append((now, dict(now)))
+    for now, then in lent:
+        assert dict(now) == then  # type: ignore[call-overload]
+
+
+def test_a_sorted_list_lent_out_is_not_changed_by_a_later_poll() -> None:
+    a = offer("us-east-1a", gpus=1, price=1.0)
+    b = offer("us-east-1b", gpus=1, price=2.0)
+    pool = pool_of([a, b])
+    mine = pool.lend("H100-80GB", Market.SPOT)
+    assert list(mine) == [a, b]
+    c = offer("us-east-1c", gpus=1, price=1.5)
+    pool.replace(SLICE, [replace(a, price_per_hour=3.0), b, c])
+    assert list(mine) == [a, b]
+    assert [o.pool.zone for o in pool.by_gpu("H100-80GB", Market.SPOT)] == \
+        ["us-east-1c", "us-east-1b", "us-east-1a"]
+    assert [o.pool.zone for o in pool.by_gpu("H100-80GB")] == \
+        ["us-east-1c", "us-east-1b", "us-east-1a"]

@@ -2,7 +2,8 @@
 without judging them: on random pools with some of their offers held, it lists the same
 options, in the same order, up to the same cost, as a walk that judges every offer, and a
 request left without any option is told the same reason. Offers that fill up, are
-released or are polled again are seen as they are now."""
+released or are polled again are seen as they are now, through the lists a `Snapshot`
+and `CostIndex.frozen` share with the pool."""
 
 from __future__ import annotations
 
@@ -185,3 +186,26 @@ def test_a_request_that_finds_every_offer_full_is_told_so() -> None:
     assert out.code is RejectCode.NO_CAPACITY
     assert "2 pool(s) offer" in out.detail and "none has free capacity" in out.detail
 
+
+def test_a_snapshot_and_frozen_costs_keep_what_they_saw_while_the_pool_changes() -> None:
+    pool = pool_of([CHEAP, DEAR])
+    index = CostIndex(pool, Policy())
+    pool.hold(CHEAP.pool, 1)
+    view, costs = Snapshot(pool, T0), index.frozen()
+    lists = {m: list(view.by_gpu(GPU, m)) for m in (None, *Market)}
+    entries = list(costs.sorted(GPU, Market.SPOT))
+    # Everything a batch placed in a worker thread must not see change under it.
+    pool.hold(CHEAP.pool, 1)
+    pool.hold(DEAR.pool, 5)
+    cheaper = replace(DEAR, price_per_hour=0.5)
+    pool.replace(SLICE, [CHEAP, cheaper, offer("us-east-1c", gpus=1, price=2.0)])
+    index.frozen()  # the index places the changed offers again
+    assert view.held(CHEAP.pool) == 1 and view.held(DEAR.pool) == 0
+    assert {m: list(view.by_gpu(GPU, m)) for m in (None, *Market)} == lists
+    assert list(costs.sorted(GPU, Market.SPOT)) == entries
+    # A new one sees it all.
+    now = Snapshot(pool, T0)
+    assert now.held(CHEAP.pool) == 2 and now.held(DEAR.pool) == 5
+    assert [o.pool.instance_type for o in now.by_gpu(GPU, Market.SPOT)] == \
+        ["dear", "cheap", "p5.48xlarge"]
+    assert index.frozen().sorted(GPU, Market.SPOT)[0][2] == cheaper
