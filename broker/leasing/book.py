@@ -28,6 +28,7 @@ sent again a moment later — out of the store.
 from __future__ import annotations
 
 import heapq
+import sys
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
@@ -64,15 +65,30 @@ class LeaseBook:
         # Ended leases in memory, oldest end first (`settle` lets go of the oldest).
         self._ended: OrderedDict[str, Lease] = OrderedDict()
         # Each (scheduler, request_id) of a lease in memory: its lease, a split's head.
-        self._by_request: dict[tuple[str, str], str] = {}
-        self._by_pool: dict[PoolKey, set[str]] = {}
+        # (scheduler → request_id → lease id): no (scheduler, request_id) tuple per lease.
+        self._by_request: dict[str, dict[str, str]] = {}
+        # Each pool's active leases: the lease id while it is one, a set once several
+        # (a set of one would cost ~200 bytes, and one more tracked object, per lease).
+        self._by_pool: dict[PoolKey, str | set[str]] = {}
         # A lazy heap: a renewal pushes a new entry and leaves the old one, skipped when it
         # comes up; compacted when stale entries outnumber the leases (`_put`).
         self._expiry: list[tuple[datetime, str]] = []
         self._teams: dict[str, _TeamTally] = {}
 
     def load(self, leases: Iterable[Lease]) -> None:
+        """Hold `leases` (read from the store). Each placement read back has its own pool
+        key (a tuple and four strings), GPU name and price time: leases on the same pool
+        share one of each instead, which a book of 100,000 leases notices (#31)."""
+        keys: dict[PoolKey, PoolKey] = {}
+        times: dict[datetime, datetime] = {}
         for lease in leases:
+            p = lease.placement
+            key = keys.setdefault(p.pool, p.pool)
+            at = times.setdefault(p.price_observed_at, p.price_observed_at)
+            gpu = sys.intern(p.gpu)
+            if key is not p.pool or at is not p.price_observed_at or gpu is not p.gpu:
+                lease = replace(lease, placement=replace(p, pool=key, price_observed_at=at,
+                                                         gpu=gpu))
             self._put(lease)
         self.settle()
 
@@ -84,7 +100,7 @@ class LeaseBook:
         return self._leases.get(lease_id) or self._ended.get(lease_id)
 
     def find(self, scheduler: str, request_id: str) -> Lease | None:
-        lease_id = self._by_request.get((scheduler, request_id))
+        lease_id = self._by_request.get(scheduler, {}).get(request_id)
         return self.get(lease_id) if lease_id else None
 
     def active(self) -> list[Lease]:
@@ -99,7 +115,12 @@ class LeaseBook:
         return len(self._ended)
 
     def on_pool(self, key: PoolKey) -> list[Lease]:
-        return [self._leases[i] for i in self._by_pool.get(key, ())]
+        ids = self._by_pool.get(key)
+        if ids is None:
+            return []
+        if isinstance(ids, str):
+            return [self._leases[ids]]
+        return [self._leases[i] for i in ids]
 
     def team_usage(self, team: str | None) -> TeamUsage:
         """GPUs and decided price per hour that `team`'s active leases hold now."""
@@ -133,8 +154,7 @@ class LeaseBook:
     def create(self, request: PlaceRequest, placement: Placement, *, lease_seconds: int,
                cap: float | None, now: datetime) -> Lease:
         now = _ms(now)
-        key = (request.scheduler, request.request_id)
-        if key in self._by_request:
+        if self._requested(request):
             raise LeaseError(f"request {request.request_id!r} already has a lease")
         lease = Lease(
             lease_id=f"L-{uuid.uuid4().hex}",
@@ -159,7 +179,7 @@ class LeaseBook:
         covers). Each part's own request asks for its GPUs in one pool (what a failover
         of it places again); all keep the request's id and labels."""
         now = _ms(now)
-        if (request.scheduler, request.request_id) in self._by_request:
+        if self._requested(request):
             raise LeaseError(f"request {request.request_id!r} already has a lease")
         parts = list(parts)
         ids = tuple(f"L-{uuid.uuid4().hex}" for _ in parts)
@@ -224,9 +244,11 @@ class LeaseBook:
         gone = 0
         while len(self._ended) > self.keep_recent:
             lease_id, lease = self._ended.popitem(last=False)
-            key = (lease.scheduler, lease.request_id)
-            if self._by_request.get(key) == lease_id:
-                del self._by_request[key]
+            ids = self._by_request.get(lease.scheduler)
+            if ids is not None and ids.get(lease.request_id) == lease_id:
+                del ids[lease.request_id]
+                if not ids:
+                    del self._by_request[lease.scheduler]
             gone += 1
         return gone
 
@@ -238,6 +260,9 @@ class LeaseBook:
             self._put(lease)
 
     # --- internals -------------------------------------------------------------------
+
+    def _requested(self, request: PlaceRequest) -> bool:
+        return request.request_id in self._by_request.get(request.scheduler, ())
 
     def _active(self, lease_id: str, scheduler: str | None) -> Lease:
         lease = self.get(lease_id)
@@ -251,11 +276,7 @@ class LeaseBook:
         old = self._leases.get(lease.lease_id)
         if old is not None and old.state is LeaseState.ACTIVE:
             self._tally(old, -1)
-            ids = self._by_pool.get(old.placement.pool)
-            if ids is not None:
-                ids.discard(lease.lease_id)
-                if not ids:
-                    del self._by_pool[old.placement.pool]
+            self._off_pool(old.placement.pool, lease.lease_id)
         if lease.state is LeaseState.ACTIVE:
             self._leases[lease.lease_id] = lease
         else:
@@ -263,15 +284,37 @@ class LeaseBook:
             self._ended[lease.lease_id] = lease
             self._ended.move_to_end(lease.lease_id)
         if lease.part <= 1:  # the request's idempotency finds a split's head
-            self._by_request[(lease.scheduler, lease.request_id)] = lease.lease_id
+            self._by_request.setdefault(lease.scheduler, {})[lease.request_id] = lease.lease_id
         if lease.state is LeaseState.ACTIVE:
             self._tally(lease, +1)
-            self._by_pool.setdefault(lease.placement.pool, set()).add(lease.lease_id)
+            self._on_pool(lease.placement.pool, lease.lease_id)
             if old is None or old.expires_at != lease.expires_at:
                 heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
                 if len(self._expiry) > 2 * len(self._leases) + 64:
                     self._compact_expiry()
         return lease
+
+    def _on_pool(self, key: PoolKey, lease_id: str) -> None:
+        ids = self._by_pool.get(key)
+        if ids is None:
+            self._by_pool[key] = lease_id
+        elif isinstance(ids, str):
+            if ids != lease_id:
+                self._by_pool[key] = {ids, lease_id}
+        else:
+            ids.add(lease_id)
+
+    def _off_pool(self, key: PoolKey, lease_id: str) -> None:
+        ids = self._by_pool.get(key)
+        if ids is None:
+            return
+        if isinstance(ids, str):
+            if ids == lease_id:
+                del self._by_pool[key]
+            return
+        ids.discard(lease_id)
+        if len(ids) == 1:
+            self._by_pool[key] = next(iter(ids))
 
     def _compact_expiry(self) -> None:
         """Keep one heap entry per active lease (renewals leave stale ones behind)."""

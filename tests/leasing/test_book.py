@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from datetime import timedelta
 
@@ -10,6 +11,7 @@ from factories import T0, offer, placement, request
 
 from broker.leasing.book import LeaseBook, LeaseError
 from broker.model import Lease, LeaseState, Placement
+from broker.state.schema import lease_from, lease_row
 
 A = placement(offer("us-east-1a"))
 B = placement(offer("us-east-1b"))
@@ -259,7 +261,7 @@ def test_ended_leases_in_memory_are_bounded_under_churn() -> None:
         book.end(lease.lease_id, LeaseState.RELEASED, T0 + secs(i + 1))
         book.settle()
     assert book.ended_in_memory == 100
-    assert len(book._by_request) == 100
+    assert sum(len(ids) for ids in book._by_request.values()) == 100
     assert book.find("sched-a", "r4999") is not None and book.find("sched-a", "r4899") is None
 
 
@@ -326,3 +328,41 @@ def test_a_team_that_holds_nothing_is_forgotten() -> None:
     assert list(book._teams) == ["research"]
     assert book.team_usage("research").gpus == held.placement.total_gpus
     assert book.team_usage("team-1").gpus == 0
+
+
+def test_a_pool_holds_one_lease_then_several_then_one_again() -> None:
+    book = LeaseBook()
+    one = new(book, "r1")
+    assert [le.lease_id for le in book.on_pool(A.pool)] == [one.lease_id]
+    book.renew(one.lease_id, "sched-a", T0 + secs(1))  # put again: still one
+    assert [le.lease_id for le in book.on_pool(A.pool)] == [one.lease_id]
+    two = new(book, "r2")
+    assert {le.lease_id for le in book.on_pool(A.pool)} == {one.lease_id, two.lease_id}
+    book.end(one.lease_id, LeaseState.RELEASED, T0 + secs(2))
+    assert [le.lease_id for le in book.on_pool(A.pool)] == [two.lease_id]
+    three = new(book, "r3")
+    assert {le.lease_id for le in book.on_pool(A.pool)} == {two.lease_id, three.lease_id}
+    book.failover(two.lease_id, B, T0 + secs(3))
+    book.end(three.lease_id, LeaseState.RELEASED, T0 + secs(3))
+    assert book.on_pool(A.pool) == []
+    assert book.leased_pools() == {B.pool}
+
+
+def test_load_shares_what_leases_read_back_from_the_store_repeat() -> None:
+    """Leases read back from their stored form each have their own pool key, GPU name
+    and price time; loaded, leases on one pool share them, and equal what was stored."""
+    first = LeaseBook()
+    made = [new(first, f"r{i}", where=A if i % 2 else B) for i in range(4)]
+    read = [lease_from(json.loads(lease_row(le, 1)[5])) for le in made]
+    assert read == made
+    assert read[1].placement.pool is not read[3].placement.pool
+    book = LeaseBook()
+    book.load(read)
+    got = sorted(book.active(), key=lambda le: le.request_id)
+    assert got == made
+    on_a = [le.placement for le in got if le.placement.pool == A.pool]
+    assert len(on_a) == 2
+    assert on_a[0].pool is on_a[1].pool
+    assert on_a[0].gpu is on_a[1].gpu
+    assert on_a[0].price_observed_at is on_a[1].price_observed_at
+    assert {le.lease_id for le in book.on_pool(A.pool)} == {made[1].lease_id, made[3].lease_id}
