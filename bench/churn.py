@@ -21,6 +21,13 @@ measured inside the daemon by a `sitecustomize` module this bench puts first on 
 daemon's PYTHONPATH: a `gc.callbacks` hook that times each collection and a thread that
 writes the totals to a file once a second (the daemon's code is not changed for it).
 
+`--poll-interval` polls again during the load (each round replaces the offers);
+`--hold N` first places N leases, at `--hold-rate` a second, that are never released
+(the book the churn then runs beside). The probe also writes how many objects are
+frozen (`gc.get_freeze_count()`), and `--audit`, after the load, has it collect, thaw
+the frozen objects and collect again: the second finds what was frozen alive and is
+garbage now (leaked cycles), counted by type.
+
 After the load (`--no-restart` skips it): SIGTERM, and the daemon started again on the
 same state; printed are the seconds to `ready`, the retained messages the restart
 published (its `retained state restored` log line) and how long that took, and the RSS.
@@ -92,12 +99,36 @@ if _path:
         if took > 0.005 and len(_pauses) < 100000:
             _pauses.append((time.monotonic(), info["generation"], took))
 
+    def _audit():
+        # What the permanent generation holds that nothing reaches any more: cycles
+        # frozen while alive (they leak). Collect the rest first, then the frozen.
+        gc.collect()
+        frozen = gc.get_freeze_count()
+        gc.unfreeze()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        t = time.perf_counter()
+        found = gc.collect()
+        took = (time.perf_counter() - t) * 1000
+        gc.set_debug(0)
+        kinds = {}
+        for o in gc.garbage:
+            name = type(o).__module__ + "." + type(o).__qualname__
+            kinds[name] = kinds.get(name, 0) + 1
+        gc.garbage.clear()
+        top = dict(sorted(kinds.items(), key=lambda kv: -kv[1])[:12])
+        return {"frozen": frozen, "unreachable_frozen": found,
+                "unfrozen_collection_ms": took, "unreachable_by_type": top}
+
     def _write():
+        audit = None
         while True:
             time.sleep(1.0)
+            if audit is None and os.path.exists(_path + ".audit"):
+                audit = _audit()
             tmp = _path + ".tmp"
             with open(tmp, "w") as f:
-                json.dump({"totals": _totals, "pauses": _pauses[-5000:]}, f)
+                json.dump({"totals": _totals, "pauses": _pauses[-5000:],
+                           "frozen": gc.get_freeze_count(), "audit": audit}, f)
             os.replace(tmp, _path)
 
     gc.callbacks.append(_timed)
@@ -150,6 +181,18 @@ class ChurnDaemon(Daemon):
             if event == "retained state restored":
                 self.restored.set()
 
+    def ask_audit(self) -> None:
+        Path(str(self.gc_file) + ".audit").touch()
+
+    async def audit(self) -> dict[str, Any] | None:
+        """The probe's audit of the permanent generation (`_audit`), run once."""
+        self.ask_audit()
+        for _ in range(120):
+            await asyncio.sleep(0.5)
+            if (got := self.gc_totals().get("audit")) is not None:
+                return dict(got)
+        return None
+
     def gc_totals(self) -> dict[str, Any]:
         try:
             got: dict[str, Any] = json.loads(self.gc_file.read_text())
@@ -179,6 +222,8 @@ class Load:
         self.lease_of: dict[str, str] = {}  # request_id -> lease_id, while held
         self.counts: Counter[str] = Counter()
         self.repeat_of: dict[str, str] = {}  # request_id asked again -> its lease_id
+        self.held: set[str] = set()  # `--hold`'s requests, never released
+        self.held_decided = asyncio.Event()
         self.woken = asyncio.Event()
 
     def body(self, i: int) -> tuple[str, str, bytes]:
@@ -205,6 +250,13 @@ class Load:
             self.counts["repeat place: same lease, released" if same
                         else "repeat place: WRONG ANSWER"] += 1
             return
+        if request_id in self.held:
+            if kind in ("placement.decided", "placement.rejected"):
+                self.held.discard(request_id)
+                self.counts[f"held {kind}"] += 1
+                if not self.held:
+                    self.held_decided.set()
+            return
         if kind in ("placement.decided", "placement.rejected") and request_id in self.sent_at:
             self.latency.append((time.monotonic() - self.sent_at.pop(request_id)) * 1000)
             self.counts[kind] += 1
@@ -215,6 +267,19 @@ class Load:
             return
         if kind in ("lease.released", "request.invalid"):
             self.counts[kind] += 1
+
+    async def hold(self, client: aiomqtt.Client, n: int, rate: float) -> None:
+        """Place `n` leases that are never released, at `rate` a second, and wait for
+        every answer."""
+        self.held = {f"{self.tag}-held-{i:08d}" for i in range(n)}
+        t0 = time.monotonic()
+        for i in range(n):
+            await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+            scheduler, _, payload = self.body(i)
+            payload = payload.replace(f"{self.tag}-{i:08d}".encode(),
+                                      f"{self.tag}-held-{i:08d}".encode())
+            await client.publish(f"{PREFIX}/requests/{scheduler}/place", payload, qos=1)
+        await asyncio.wait_for(self.held_decided.wait(), 600)
 
     async def run(self, client: aiomqtt.Client, until: float) -> None:
         rate = self.args.rate
@@ -291,17 +356,39 @@ def row(t: float, daemon: ChurnDaemon, state: Path, load: Load, cpu: tuple[float
         "full_gcs": full_now[0] - full_before[0],
         "full_gc_total_ms": round((full_now[1] - full_before[1]) * 1000, 1),
         "full_gc_max_ms": round(max((p[2] for p in pauses), default=0.0) * 1000, 1),
+        "frozen": gcs.get("frozen"),
     }
     gcs["read_at"] = time.monotonic()
     gcs["cpu"] = now_cpu
     return out, gcs
 
 
+async def hold(args: argparse.Namespace, daemon: ChurnDaemon, load: Load,
+               client: aiomqtt.Client) -> dict[str, Any]:
+    """`--hold`: its places, their answers and the full collections meanwhile."""
+    t = time.monotonic()
+    before = daemon.gc_totals()["totals"].get("2", [0, 0.0])
+    await load.hold(client, args.hold, args.hold_rate)
+    await asyncio.sleep(1.5)  # the probe's next write
+    gcs = daemon.gc_totals()
+    full = gcs["totals"].get("2", [0, 0.0])
+    got = {"places": args.hold, "seconds": round(time.monotonic() - t, 1),
+           "answers": {k: v for k, v in load.counts.items() if "held" in k},
+           "full_gcs": full[0] - before[0],
+           "full_gc_total_ms": round((full[1] - before[1]) * 1000, 1),
+           "full_gc_max_ms": round(max((p[2] for p in gcs["pauses"]
+                                        if p[0] > t and p[1] == 2), default=0.0) * 1000, 1),
+           "rss_mib": round(proc_status(daemon.pid).get("VmRSS", 0) / 1024, 1)}
+    print("held:", json.dumps(got), flush=True)
+    return got
+
+
 def print_row(r: dict[str, Any]) -> None:
     print(f"{r['t_s']:>5} s  RSS {r['rss_mib']:7.1f} MiB  CPU {r['cpu_pct']:5.1f} %  "
           f"active {r['active']:>6}  ended {r['ended']:>7}  place p50/p99 "
           f"{r['place_p50_ms']!s:>6}/{r['place_p99_ms']!s:>7} ms  full GCs {r['full_gcs']:>3}"
-          f" ({r['full_gc_total_ms']} ms, longest {r['full_gc_max_ms']} ms)", flush=True)
+          f" ({r['full_gc_total_ms']} ms, longest {r['full_gc_max_ms']} ms)  frozen "
+          f"{r['frozen']}", flush=True)
 
 
 async def amain(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -309,7 +396,7 @@ async def amain(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     mosq.start()
     listen = f"127.0.0.1:{free_port()}"
     daemon = ChurnDaemon(workdir / "daemon", mosq.url, seed=args.seed,
-                         regions=args.regions_per_cloud, poll_interval=3600.0,
+                         regions=args.regions_per_cloud, poll_interval=args.poll_interval,
                          http_listen=listen, root=args.root)
     state = workdir / "daemon" / "state.db"
     out: dict[str, Any] = {"rate": args.rate, "duration_s": args.duration,
@@ -329,6 +416,8 @@ async def amain(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     load.on_event(msg)
 
             receiver = asyncio.create_task(receive())
+            if args.hold:
+                out["hold"] = await hold(args, daemon, load, client)
             start = time.monotonic()
             gc_state = daemon.gc_totals()
             gc_state["read_at"] = time.monotonic()
@@ -352,26 +441,7 @@ async def amain(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 await receiver
         out["answers"] = dict(load.counts)
         print("answers:", json.dumps(dict(load.counts)), flush=True)
-        if args.restart:
-            rss_before = proc_status(daemon.pid).get("VmRSS", 0) / 1024
-            await daemon.stop()
-            t = time.monotonic()
-            await daemon.start()
-            await daemon.wait_ready()
-            ready_s = daemon.records["ready"]["at"] - t
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(daemon.restored.wait(), 600)
-            restored = daemon.records.get("retained state restored", {})
-            await daemon.settle()
-            out["restart"] = {
-                "rss_before_mib": round(rss_before, 1),
-                "ready_s": round(ready_s, 2),
-                "leases_loaded": daemon.records.get("starting", {}).get("leases"),
-                "retained_messages": restored.get("messages"),
-                "retained_seconds": restored.get("seconds"),
-                "rss_after_mib": round(proc_status(daemon.pid).get("VmRSS", 0) / 1024, 1),
-            }
-            print("restart:", json.dumps(out["restart"]), flush=True)
+        await after_load(args, daemon, out)
     finally:
         rc = await daemon.stop()
         if rc not in (0, None):
@@ -379,6 +449,34 @@ async def amain(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                   file=sys.stderr)
         mosq.stop()
     return out
+
+
+async def after_load(args: argparse.Namespace, daemon: ChurnDaemon, out: dict[str, Any]
+                     ) -> None:
+    """`--audit`, then the restart (unless `--no-restart`)."""
+    if args.audit:
+        out["audit"] = await daemon.audit()
+        print("audit of the permanent generation:", json.dumps(out["audit"]), flush=True)
+    if args.restart:
+        rss_before = proc_status(daemon.pid).get("VmRSS", 0) / 1024
+        await daemon.stop()
+        t = time.monotonic()
+        await daemon.start()
+        await daemon.wait_ready()
+        ready_s = daemon.records["ready"]["at"] - t
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(daemon.restored.wait(), 600)
+        restored = daemon.records.get("retained state restored", {})
+        await daemon.settle()
+        out["restart"] = {
+            "rss_before_mib": round(rss_before, 1),
+            "ready_s": round(ready_s, 2),
+            "leases_loaded": daemon.records.get("starting", {}).get("leases"),
+            "retained_messages": restored.get("messages"),
+            "retained_seconds": restored.get("seconds"),
+            "rss_after_mib": round(proc_status(daemon.pid).get("VmRSS", 0) / 1024, 1),
+        }
+        print("restart:", json.dumps(out["restart"]), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,6 +492,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--regions-per-cloud", type=int, default=88,
                    help="sim regions per cloud (88: about 20,000 offers)")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--poll-interval", type=float, default=3600.0,
+                   help="seconds between the daemon's polls (3600: at the start only)")
+    p.add_argument("--hold", type=int, default=0,
+                   help="leases placed before the churn and never released (0)")
+    p.add_argument("--hold-rate", type=float, default=1000.0,
+                   help="places per second for --hold (1000)")
+    p.add_argument("--audit", action="store_true",
+                   help="after the load: how many frozen objects nothing reaches (leaked "
+                        "cycles); unfreezes the daemon's heap, so use --no-restart or "
+                        "read the restart's figures with that in mind")
     p.add_argument("--root", type=Path, default=ROOT,
                    help="the checkout the daemon runs from (default: this one)")
     p.add_argument("--no-restart", dest="restart", action="store_false")
