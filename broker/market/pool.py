@@ -141,8 +141,7 @@ class ResourcePool:
             self._owned_keys.discard(key)
             self._rooms.pop(key, None)
         for key in (*removed, *new):
-            if key in self._held:
-                self._note_held(key)  # a paid-for pool's `held` reads its offer
+            self._note_held(key)  # a paid-for pool's `held` reads its offer
         health = self._health.setdefault(slice_id, SliceHealth(slice_id))
         health.ok, health.last_error = True, None
         health.last_ok_at = self._clock() if polled_at is None else polled_at
@@ -277,9 +276,11 @@ class ResourcePool:
         return set(self._held)
 
     def held_now(self) -> Mapping[PoolKey, int]:
-        """`held` of every pool in `held_pools`, as of now, not to be changed: lent out
-        (a placement `Snapshot` reads it in a worker thread), so the pool copies it
-        before its next change instead of the reader copying it every time."""
+        """`held` of every pool it is not 0 for, as of now — a paid-for pool's too when
+        the broker holds none of it and its cloud counts some of it used — not to be
+        changed: lent out (a placement `Snapshot` reads it in a worker thread), so the
+        pool copies it before its next change instead of the reader copying it every
+        time."""
         self._held_now_lent = True
         return self._held_now
 
@@ -288,8 +289,9 @@ class ResourcePool:
         if self._held_now_lent:
             self._held_now = dict(self._held_now)
             self._held_now_lent = False
-        if key in self._held:
-            self._held_now[key] = self.held(key)
+        held = self.held(key) if key in self._held or key in self._owned_keys else 0
+        if held:
+            self._held_now[key] = held
         else:
             self._held_now.pop(key, None)
 
