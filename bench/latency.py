@@ -569,6 +569,102 @@ async def run_load(name: str, host: str, port: int, *, rate: float, duration: fl
 # the phases
 # --------------------------------------------------------------------------------------
 
+class RawPublisher(asyncio.Protocol):
+    """A connection that only publishes, in hand-written MQTT packets (no client
+    library): QoS 1 PUBLISHes written back to back, their PUBACKs counted. What a bench
+    uses when its own client must not be what it measures (a burst of thousands sent
+    at once), and the floor bench/mqtt_layer.py measures clients against. No
+    reconnects, no sessions; MQTT 3.1.1 ("3.1.1") or 5 ("5")."""
+
+    def __init__(self, version: str = "3.1.1") -> None:
+        self.version = version
+        self.buf = bytearray()
+        self.acks = 0
+        self.connacked = asyncio.get_running_loop().create_future()
+        self.wake: asyncio.Future[None] | None = None
+        self.want = 0
+        self.transport: asyncio.Transport | None = None
+        self._mid = 0
+
+    @classmethod
+    async def connect(cls, host: str, port: int, client_id: str, version: str = "3.1.1"
+                      ) -> RawPublisher:
+        loop = asyncio.get_running_loop()
+        _, proto = await loop.create_connection(lambda: cls(version), host, port)
+        assert proto.transport is not None
+        proto.transport.get_extra_info("socket").setsockopt(
+            socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        level, props = (5, b"\x00") if version == "5" else (4, b"")
+        proto.transport.write(_packet(0x10, _mqtt_str("MQTT") + bytes([level, 0x02])
+                                      + (60).to_bytes(2, "big") + props
+                                      + _mqtt_str(client_id)))
+        await proto.connacked
+        return proto
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def publish(self, topic: str, payload: bytes) -> None:
+        """Write one QoS 1 PUBLISH (not waiting for anything)."""
+        assert self.transport is not None
+        self._mid = self._mid % 65535 + 1
+        props = b"\x00" if self.version == "5" else b""
+        self.transport.write(_packet(0x32, _mqtt_str(topic) + self._mid.to_bytes(2, "big")
+                                     + props + payload))
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        while len(buf) >= 2:
+            length, shift, i = 0, 0, 1
+            while True:
+                if i >= len(buf):
+                    return
+                byte = buf[i]
+                length |= (byte & 0x7F) << shift
+                shift += 7
+                i += 1
+                if not byte & 0x80:
+                    break
+            if len(buf) < i + length:
+                return
+            kind = buf[0] >> 4
+            del buf[:i + length]
+            if kind == 2:
+                self.connacked.set_result(None)
+            elif kind == 4:
+                self.acks += 1
+                if self.wake is not None and self.acks >= self.want and not self.wake.done():
+                    self.wake.set_result(None)
+
+    async def until(self, acks: int) -> None:
+        """Wait until `acks` PUBACKs are in."""
+        if self.acks < acks:
+            self.want = acks
+            self.wake = asyncio.get_running_loop().create_future()
+            await self.wake
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.write(b"\xe0\x00")  # DISCONNECT
+            self.transport.close()
+
+
+def _packet(kind: int, body: bytes) -> bytes:
+    n, length = len(body), bytearray()
+    while True:
+        n, byte = divmod(n, 128)
+        length.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes([kind]) + bytes(length) + body
+
+
+def _mqtt_str(text: str) -> bytes:
+    raw = text.encode()
+    return len(raw).to_bytes(2, "big") + raw
+
+
 def host_port(url: str) -> tuple[str, int]:
     host, port = url.removeprefix("mqtt://").rsplit(":", 1)
     return host, int(port)

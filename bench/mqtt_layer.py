@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import struct
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ import aiomqtt
 SCRIPT = Path(__file__).resolve()
 sys.path[:0] = [str(SCRIPT.parent)]
 
-from latency import Mosquitto  # noqa: E402  (bench/latency.py: the private broker)
+from latency import Mosquitto, RawPublisher  # noqa: E402  (bench/latency.py)
 
 TOPIC = "bench/layer/req"
 PAYLOAD = json.dumps({
@@ -150,90 +149,17 @@ async def sub_gmqtt(port: int, version: str, n: int, feed: Callable[[], None]) -
 
 # --- raw packets ------------------------------------------------------------------------
 
-def _length(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        n, byte = divmod(n, 128)
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _packet(kind: int, body: bytes) -> bytes:
-    return bytes([kind]) + _length(len(body)) + body
-
-
-def _s(text: str) -> bytes:
-    raw = text.encode()
-    return struct.pack("!H", len(raw)) + raw
-
-
-def _connect(version: str, client_id: str) -> bytes:
-    level = 5 if version == "5" else 4
-    props = b"\x00" if version == "5" else b""
-    return _packet(0x10, _s("MQTT") + bytes([level, 0x02]) + struct.pack("!H", 60)
-                   + props + _s(client_id))
-
-
-class _Raw(asyncio.Protocol):
-    """Counts PUBACKs (and the CONNACK) of a connection that only publishes."""
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-        self.acks = 0
-        self.connacked = asyncio.get_running_loop().create_future()
-        self.wake: asyncio.Future[None] | None = None
-        self.want = 0
-
-    def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        buf += data
-        while len(buf) >= 2:
-            length, shift, i = 0, 0, 1
-            while True:
-                if i >= len(buf):
-                    return
-                byte = buf[i]
-                length |= (byte & 0x7F) << shift
-                shift += 7
-                i += 1
-                if not byte & 0x80:
-                    break
-            if len(buf) < i + length:
-                return
-            kind = buf[0] >> 4
-            del buf[:i + length]
-            if kind == 2:
-                self.connacked.set_result(None)
-            elif kind == 4:
-                self.acks += 1
-                if self.wake is not None and self.acks >= self.want and not self.wake.done():
-                    self.wake.set_result(None)
-
-    async def until(self, acks: int) -> None:
-        if self.acks < acks:
-            self.want = acks
-            self.wake = asyncio.get_running_loop().create_future()
-            await self.wake
-
-
 async def pub_raw(port: int, version: str, n: int, window: int) -> Result:
-    loop = asyncio.get_running_loop()
-    transport, proto = await loop.create_connection(_Raw, "127.0.0.1", port)
-    transport.write(_connect(version, f"layer-raw-{time.monotonic_ns()}"))
-    await proto.connacked
-    props = b"\x00" if version == "5" else b""
-    head = _s(TOPIC)
+    raw = await RawPublisher.connect("127.0.0.1", port, f"layer-raw-{time.monotonic_ns()}",
+                                     version)
     t0, c0 = time.perf_counter(), time.process_time()
     for i in range(n):
-        mid = i % 65535 + 1
-        transport.write(_packet(0x32, head + struct.pack("!H", mid) + props + PAYLOAD))
-        if i - window + 1 >= proto.acks:
-            await proto.until(i - window + 2)
-    await proto.until(n)
+        raw.publish(TOPIC, PAYLOAD)
+        if i - window + 1 >= raw.acks:
+            await raw.until(i - window + 2)
+    await raw.until(n)
     result = time.perf_counter() - t0, time.process_time() - c0
-    transport.write(b"\xe0\x00")  # DISCONNECT
-    transport.close()
+    raw.close()
     return result
 
 
