@@ -114,6 +114,11 @@ class LeaseBook:
     def ended_in_memory(self) -> int:
         return len(self._ended)
 
+    @property
+    def in_memory(self) -> int:
+        """The leases the book holds: the active ones and the ended ones in memory."""
+        return len(self._leases) + len(self._ended)
+
     def on_pool(self, key: PoolKey) -> list[Lease]:
         ids = self._by_pool.get(key)
         if ids is None:

@@ -59,3 +59,18 @@ def test_a_cycle_frozen_while_alive_is_freed_by_the_thaw_growth_triggers() -> No
     after = sweep_heap(sweep_heap(base))  # the first freezes them, the second thaws
     assert leaked() is None
     assert after >= len(grown)
+
+
+@pytest.mark.usefixtures("thawed_after")
+def test_the_lease_books_growth_triggers_no_thaw() -> None:
+    alive = Node()
+    leaked = weakref.ref(alive)
+    sweep_heap(gc.get_freeze_count() * 2 + 10)
+    base = gc.get_freeze_count()
+    del alive
+    book = [Node() for _ in range(base)]  # the frozen objects more than doubled
+    sweep_heap(base)
+    assert sweep_heap(base, leases=len(book)) == base  # the book's: no thaw
+    assert leaked() is not None
+    sweep_heap(base, leases=0)
+    assert leaked() is None
