@@ -65,8 +65,9 @@ A full (generation 2) collection walks every tracked object not frozen and holds
 thread meanwhile: the offers a poll round replaces (~20,000, each with its index
 entries), the leases placed since the start (three objects each: lease, request,
 placement). With only the start's freeze, under churn (`bench/churn.py --rate 200`) the
-collector's own full collections took 50–127 ms, 1–3 every 30 s. Swept every second, a
-collection walks what a second made and kept: 1–16 ms, about one a second.
+collector's own full collections took 50–127 ms, 1–3 every 30 s (234 ms over 100,000
+leases). Swept every second, a collection walks what a second made and kept: about one a
+second, mostly under 5 ms (bench/README.md, `churn.py`).
 
 Frozen objects are still freed by reference counting when let go (offers, leases, their
 indexes and messages are no part of a cycle), so the heap does not grow with them. What
@@ -80,35 +81,50 @@ aiomqtt or asyncio cycle in flight) is bounded by `HEAP_THAW_GROWTH`."""
 
 HEAP_THAW_GROWTH = 1.5
 """Once the frozen objects, less the lease book's (`HEAP_OBJECTS_PER_LEASE` per lease
-it holds), outnumber those after the first poll round or the last thaw by this much, a
-sweep thaws them and collects everything once: that one collection is as long as those
-without sweeps (234 ms with 100,000 leases), and frees what cycles were frozen, so they
-never hold more than half as many objects again as the long-lived heap besides the
-leases. `bench/churn.py --audit` found 0 such objects after 24,000 leases placed and
-released (twice), 32 (closures' cells) with 100,000 leases held and 12,000 churned;
-sweeps that did not wait for an idle broker froze 516 in 70 s and 14,347 in 150 s
-(placement's options and groups)."""
+it holds), outnumber their first count or their count after the last thaw by this much
+(counted every `HEAP_THAW_CHECK_SECONDS`), a sweep thaws them and collects everything
+once: that one collection is as long as those without sweeps (234 ms with 100,000
+leases), and frees what cycles were frozen, so they never hold more than half as many
+objects again as the long-lived heap besides the leases. `bench/churn.py --audit` found
+no such object after 24,000 leases placed and released (four runs), nor with 100,000
+leases held and 12,000 churned; sweeps that did not wait for an idle broker froze 516
+in 70 s and 14,347 in 150 s (placement's options and groups)."""
+
+HEAP_THAW_CHECK_SECONDS = 600.0
+"""How often a sweep counts the frozen objects for `HEAP_THAW_GROWTH`: the count walks
+them all (`gc.get_freeze_count()`, ~8 ms over 300,000 objects), too long for every
+sweep. The first count, the one later counts are measured against, is made this long
+after the start: the placement's caches, built by the first requests, are no leak
+(counted at the first poll round, they brought a thaw of 138 ms in the first seconds
+of `bench/churn.py`)."""
 
 HEAP_OBJECTS_PER_LEASE = 4
 """Tracked objects per lease in the book, rounded up: 3.2 made here, 3.8 read back from
 the store (`bench/lease_memory.py`). A book that grows is no leak, and a thaw over
 100,000 leases would hold the loop for hundreds of milliseconds."""
 
-def sweep_heap(thawed: int, leases: int = 0) -> int:
-    """One sweep: a full collection and what survived it frozen; or, once the frozen
-    objects less the lease book's (`leases` it holds) outnumber `thawed` (the same
-    after the last thaw) by `HEAP_THAW_GROWTH`, every frozen object thawed and collected
-    with the rest first. Returns what the next sweep measures against: `thawed`, or
-    the frozen objects less the book's after this thaw."""
-    book = HEAP_OBJECTS_PER_LEASE * leases
-    if gc.get_freeze_count() - book > HEAP_THAW_GROWTH * thawed:
-        gc.unfreeze()
-        gc.collect()
-        gc.freeze()
-        return gc.get_freeze_count() - book
+
+def sweep_heap() -> None:
+    """One sweep: a full collection, and what survived it frozen."""
     gc.collect()
     gc.freeze()
-    return thawed
+
+
+def heap_measure(leases: int) -> int:
+    """The frozen objects less the lease book's (`leases` it holds): what grows when
+    frozen cycles leak. Counting walks every frozen object."""
+    return gc.get_freeze_count() - HEAP_OBJECTS_PER_LEASE * leases
+
+
+def thaw_if_grown(thawed: int, leases: int) -> int:
+    """Once `heap_measure` is beyond `HEAP_THAW_GROWTH` times `thawed` (its value after
+    the last thaw or the first count), every frozen object thawed, collected with the
+    rest and frozen again. Returns what the next count is measured against."""
+    if heap_measure(leases) <= HEAP_THAW_GROWTH * thawed:
+        return thawed
+    gc.unfreeze()
+    sweep_heap()
+    return heap_measure(leases)
 
 
 class Daemon(PolicyReloading, StandingBy, Tasks):
@@ -379,10 +395,10 @@ class Daemon(PolicyReloading, StandingBy, Tasks):
         """Every `HEAP_SWEEP_SECONDS`, once no request is queued or being decided: a full
         collection, then what survived it frozen (`gc.freeze`), so that no collection
         walks it again; the frozen thawed and collected at `HEAP_THAW_GROWTH`."""
-        await self.poller.first_round.wait()  # the pool's first offers: not growth
-        gc.collect()
-        gc.freeze()
-        thawed = gc.get_freeze_count() - HEAP_OBJECTS_PER_LEASE * self.book.in_memory
+        await self.poller.first_round.wait()
+        sweep_heap()
+        thawed: int | None = None  # counted first after HEAP_THAW_CHECK_SECONDS
+        counted = time.monotonic()
         while True:
             await asyncio.sleep(HEAP_SWEEP_SECONDS)
             try:
@@ -390,7 +406,12 @@ class Daemon(PolicyReloading, StandingBy, Tasks):
                     await self.broker.idle()
             except TimeoutError:
                 continue
-            thawed = sweep_heap(thawed, self.book.in_memory)
+            sweep_heap()
+            if time.monotonic() - counted >= HEAP_THAW_CHECK_SECONDS:
+                counted = time.monotonic()
+                leases = self.book.in_memory
+                thawed = (heap_measure(leases) if thawed is None
+                          else thaw_if_grown(thawed, leases))
 
     def _start(self, tg: asyncio.TaskGroup
                ) -> tuple[list[asyncio.Task[Any]], asyncio.Task[None] | None]:
