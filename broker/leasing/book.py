@@ -50,7 +50,7 @@ class LeaseError(Exception):
 
 
 KEEP_RECENT = 4096
-"""Ended leases kept in memory beyond those of the change being committed (~1.4 KiB
+"""Ended leases kept in memory beyond those of the change being committed (~1 KiB
 each): about 20 s of ends at 200 a second."""
 
 
