@@ -126,6 +126,7 @@ class Bus:
         it acknowledged); None before the first in this process."""
         self._pending: dict[int, OutboxRow] = {}
         self._queue: deque[int] = deque()
+        self._resent_clears: set[str] = set()  # the clears sent again on this connection
         self._new = asyncio.Event()
         self._acked: list[int] = []
         self._acked_event = asyncio.Event()
@@ -168,10 +169,13 @@ class Bus:
         return len(self._pending)
 
     def pending_clears(self) -> set[str]:
-        """The retained topics that outbox rows not yet acknowledged clear (an empty
-        retained payload). Every such row is sent on the current connection (or on the
-        next, if this one is lost first), so a restore need not clear them again."""
-        return {r.topic for r in self._pending.values() if r.retain and not r.payload}
+        """The retained topics that outbox rows clear (an empty retained payload) on this
+        connection: those not acknowledged yet, and those sent again when it was made
+        (acknowledged since, perhaps before a restore asks). Every such row is sent on
+        the current connection (or on the next, if this one is lost first), so a restore
+        need not clear them again."""
+        pending = {r.topic for r in self._pending.values() if r.retain and not r.payload}
+        return pending | self._resent_clears
 
     async def connection_after(self, n: int) -> None:
         """Wait until more than `n` sessions were made (`connections`): after a server
@@ -361,6 +365,8 @@ class Bus:
         await self._publish(client, self.topics.status, self._status("online"), retain=True,
                             timeout=10)
         self._queue = deque(self._pending)  # everything not acknowledged, in order
+        self._resent_clears = {r.topic for r in self._pending.values()
+                               if r.retain and not r.payload}
         self._new.set()
         self.connections += 1
         self._connection_made.set()
