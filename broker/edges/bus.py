@@ -17,7 +17,9 @@ On MQTT 5 an incoming request is acknowledged (PUBACK) only once its outcome is
 committed (`Command.done`), in the order the requests came, and the daemon announces a
 Receive Maximum: a request received before a crash, a takeover or a lost connection is
 not lost but delivered again, and the backlog waits at the MQTT server, not in the
-daemon. On MQTT 3.1.1 requests are acknowledged on receipt (paho's default).
+daemon. On MQTT 3.1.1 requests are acknowledged on receipt.
+
+The MQTT client is gmqtt, one `broker.edges.mqtt.Connection` per connection.
 """
 
 from __future__ import annotations
@@ -32,11 +34,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-import aiomqtt
 import structlog
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
-from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from broker import __version__
 from broker.daemon.config import MqttConfig
@@ -44,13 +42,14 @@ from broker.edges.incoming import command_of
 from broker.edges.mqtt import (
     RECEIVE_MAXIMUM,
     Acks,
+    Connection,
     Fenced,
+    MqttError,
     Unpublishable,
+    Will,
+    connect,
     describe,
-    drop,
-    make_client,
     only,
-    settle,
     stopping,
 )
 from broker.model import iso, utcnow
@@ -132,7 +131,7 @@ class Bus:
         self._acked_event = asyncio.Event()
         self._drained = asyncio.Event()
         self._drained.set()
-        self._client: aiomqtt.Client | None = None
+        self._client: Connection | None = None
         self._receiving = True
         self.connected = asyncio.Event()
         self.reconnects = 0
@@ -224,19 +223,14 @@ class Bus:
                 return budget
             await asyncio.sleep(0.05)
 
-    def _client_for(self, budget: float = CONNECT_TIMEOUT) -> aiomqtt.Client:
+    async def _connect(self, budget: float = CONNECT_TIMEOUT) -> Connection:
+        """Connect as the site. The TCP connect and the TLS handshake are bounded by
+        `budget` together: CONNECT is sent within `budget` of the start, or never."""
         if not self.may_publish():
             raise Fenced("this node does not lead the site (any more)")
-        client = make_client(self.cfg, self.client_id, will=aiomqtt.Will(
+        return await connect(self.cfg, self.client_id, will=Will(
             self.topics.status, self._status("offline"), qos=1, retain=True),
-            manual_ack=True, receive_maximum=self.receive_maximum)
-        client.pending_calls_threshold = 100_000  # the outbox window bounds them, not this
-        # paho bounds the TCP connect and the TLS handshake by this, each: CONNECT is
-        # sent within `budget` of the start, or never.
-        paho = getattr(client, "_client", None)
-        if paho is not None:
-            paho.connect_timeout = budget / 2
-        return client
+            manual_ack=True, receive_maximum=self.receive_maximum, handshake_timeout=budget)
 
     async def run(self) -> None:
         """Stay connected until cancelled.
@@ -283,7 +277,7 @@ class Bus:
             if first:
                 log.info("mqtt closed: this node does not lead the site", error=describe(exc))
             return
-        expected = only(exc, (aiomqtt.MqttError, OSError))
+        expected = only(exc, (MqttError, OSError))
         detail = describe(exc)
         if not expected:
             # Not a network or protocol failure: a bug. Reconnecting keeps the daemon
@@ -298,8 +292,7 @@ class Bus:
     async def _connection(self) -> None:
         """One connection: connect, run a session until it fails or the task is
         cancelled, then close it the way the SPEC asks for that way out."""
-        client = self._client_for(await self._connect_window())
-        await client.__aenter__()
+        client = await self._connect(await self._connect_window())
         clean = True
         leading = False  # the connection was made while this node led
         try:
@@ -311,11 +304,6 @@ class Bus:
                 raise Fenced("connected to the MQTT server after the leadership lapsed")
             leading = True
             self._client = client
-            if stopping():
-                # Cancelled while connecting, and aiomqtt's `asyncio.wait_for` swallowed
-                # it (CPython gh-86296): the session would run on, and the stop wait
-                # for it for good.
-                raise asyncio.CancelledError
             await self._session(client)
         except asyncio.CancelledError:
             # Not leading (CONNACK after the lapse, cancelled on the way): no will.
@@ -338,30 +326,21 @@ class Bus:
             self._client = None
             await self._close(client, clean=clean)
 
-    async def _close(self, client: aiomqtt.Client, *, clean: bool) -> None:
+    async def _close(self, client: Connection, *, clean: bool) -> None:
         """Leave the connection. `clean=False`: the process is going away without having
         retained `offline` (an error, not an orderly stop) — drop the socket without a
         DISCONNECT so the server sends the will. Never raises; bounded in time."""
-        if not clean:
-            drop(client)
-        with contextlib.suppress(Exception, TimeoutError):
-            async with asyncio.timeout(2.0):
-                await client.__aexit__(None, None, None)
-        settle(client)
+        await client.close(clean=clean, timeout=2.0)
 
-    async def _session(self, client: aiomqtt.Client) -> None:
-        options = None
-        if self.v5:
-            # No replay of retained requests on subscribe; a live publish keeps its retain
-            # flag, so a retained request is recognised and refused (SPEC §3).
-            options = SubscribeOptions(qos=1, retainHandling=2,
-                                       retainAsPublished=True)
+    async def _session(self, client: Connection) -> None:
         async with asyncio.timeout(10):
-            if options is not None:
-                await client.subscribe(self.topics.requests, options=options,
-                                       timeout=math.inf)
+            if self.v5:
+                # No replay of retained requests on subscribe; a live publish keeps its
+                # retain flag, so a retained request is recognised and refused (SPEC §3).
+                await client.subscribe(self.topics.requests, qos=1, retain_handling=2,
+                                       retain_as_published=True)
             else:
-                await client.subscribe(self.topics.requests, qos=1, timeout=math.inf)
+                await client.subscribe(self.topics.requests, qos=1)
         await self._publish(client, self.topics.status, self._status("online"), retain=True,
                             timeout=10)
         self._queue = deque(self._pending)  # everything not acknowledged, in order
@@ -373,7 +352,7 @@ class Bus:
         self.connected.set()
         log.info("mqtt connected", url=self.cfg.url, outbox=len(self._pending),
                  protocol=self.cfg.protocol)
-        acks = self._acks = Acks(client) if self.v5 else None
+        acks = self._acks = Acks() if self.v5 else None
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._send(client))
@@ -386,9 +365,9 @@ class Bus:
                 acks.close()
             if self._acks is acks:
                 self._acks = None
-        raise aiomqtt.MqttError("the MQTT server ended the session")
+        raise MqttError("the MQTT server ended the session")
 
-    async def _connected(self, client: aiomqtt.Client) -> None:
+    async def _connected(self, client: Connection) -> None:
         """`on_connect`, then the retained states restored: what it committed (the leases
         it extended) is what they publish."""
         if self._on_connect is not None:
@@ -396,7 +375,7 @@ class Bus:
         if self._retained is not None:
             await self._restore_retained(client, self._retained)
 
-    async def _restore_retained(self, client: aiomqtt.Client, source: RetainedSource) -> None:
+    async def _restore_retained(self, client: Connection, source: RetainedSource) -> None:
         """Make the retained topics true again after a (re)connect: a server that
         restarted without persistence has lost them, one with persistence may hold
         states that changed while it was down. Paced (a bounded window of
@@ -419,7 +398,7 @@ class Bus:
         log.info("retained state restored", messages=sent,
                  seconds=round(time.monotonic() - started, 3))
 
-    async def _restore_one(self, client: aiomqtt.Client, topic: str, read: RetainedRead,
+    async def _restore_one(self, client: Connection, topic: str, read: RetainedRead,
                            expiry: int | None, window: asyncio.Semaphore) -> None:
         try:
             payload = await read()
@@ -435,7 +414,7 @@ class Bus:
         finally:
             window.release()
 
-    async def _send(self, client: aiomqtt.Client) -> None:
+    async def _send(self, client: Connection) -> None:
         window = asyncio.Semaphore(200)
         async with asyncio.TaskGroup() as tg:
             while True:
@@ -450,7 +429,7 @@ class Bus:
                 await window.acquire()
                 tg.create_task(self._publish_one(client, row, window))
 
-    async def _publish_one(self, client: aiomqtt.Client, row: OutboxRow,
+    async def _publish_one(self, client: Connection, row: OutboxRow,
                            window: asyncio.Semaphore) -> None:
         try:
             props = self._props(row.props) if row.props and self.v5 else None
@@ -471,35 +450,37 @@ class Bus:
             if not self._pending:
                 self._drained.set()
 
-    async def _publish(self, client: aiomqtt.Client, topic: str, payload: bytes, *,
+    async def _publish(self, client: Connection, topic: str, payload: bytes, *,
                        qos: int = 1, retain: bool = False,
-                       properties: Properties | None = None, timeout: float = 30.0) -> None:
+                       properties: dict[str, Any] | None = None,
+                       timeout: float = 30.0) -> None:
         """Publish and wait for the acknowledgement, within `timeout`; `Fenced` (a
         session error) once this node does not lead its site.
 
-        aiomqtt applies its timeouts with `asyncio.wait_for`, which on Python 3.11 can
-        swallow a cancellation that races with completion (CPython gh-86296) and leave
-        a task that never stops; `asyncio.timeout` has no such race.
+        The wait is an `asyncio.timeout`, not an `asyncio.wait_for`: on Python 3.11 that
+        can swallow a cancellation that races with completion (CPython gh-86296) and
+        leave a task that never stops.
         """
         if not self.may_publish():
             raise Fenced("this node does not lead the site (any more)")
         try:
             async with asyncio.timeout(timeout):
                 await client.publish(topic, payload, qos=qos, retain=retain,
-                                     properties=properties, timeout=math.inf)
+                                     properties=properties)
         except TimeoutError:
-            raise aiomqtt.MqttError(f"no acknowledgement within {timeout:g}s") from None
+            raise MqttError(f"no acknowledgement within {timeout:g}s") from None
         except (ValueError, TypeError) as exc:
-            # paho checks topic and payload before sending (wildcards, size, encoding)
+            # checked before sending (wildcards, NUL, size, encoding: `check_topic`)
             raise Unpublishable(f"{type(exc).__name__}: {exc}") from exc
 
     @staticmethod
-    def _props(p: dict[str, Any]) -> Properties:
-        props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    def _props(p: dict[str, Any]) -> dict[str, Any]:
+        """An outbox row's MQTT 5 properties, in the client's names."""
+        props: dict[str, Any] = {}
         if "correlation_data" in p:
-            props.CorrelationData = bytes.fromhex(p["correlation_data"])
+            props["correlation_data"] = bytes.fromhex(p["correlation_data"])
         if "message_expiry" in p:
-            props.MessageExpiryInterval = int(p["message_expiry"])
+            props["message_expiry_interval"] = int(p["message_expiry"])
         return props
 
     async def _ack_loop(self) -> None:
@@ -517,11 +498,11 @@ class Bus:
             batch, self._acked = self._acked[:ACK_BATCH], self._acked[ACK_BATCH:]
             await self.store.ack(batch)
 
-    async def _receive(self, client: aiomqtt.Client, acks: Acks | None = None) -> None:
+    async def _receive(self, client: Connection, acks: Acks | None = None) -> None:
         """Turn each request message into a `Command` for the broker. With `acks` (MQTT
         5) a message is acknowledged when its command is done; one dropped here, without
         a command, is done at once, or it would hold back every later acknowledgement."""
-        async for message in client.messages:
+        async for message in client.messages():
             if not self._receiving:
                 continue  # shutting down: not acknowledged, so the next boot gets it
             self.received += 1
@@ -552,7 +533,7 @@ class Bus:
         try:
             await self._publish(client, topic, payload, retain=retain, properties=props,
                                 timeout=10)
-        except aiomqtt.MqttError:
+        except MqttError:
             return False
         except Unpublishable as exc:
             log.error("message cannot be published; skipped", topic=topic[:200],
@@ -567,7 +548,7 @@ class Bus:
         client = self._client
         if client is None or not self.connected.is_set() or not self.may_publish():
             return
-        with contextlib.suppress(aiomqtt.MqttError):
+        with contextlib.suppress(MqttError):
             await self._publish(client, self.topics.status, self._status("offline"),
                                 retain=True, timeout=timeout)
             self._farewell = True

@@ -28,7 +28,7 @@ from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, payload_json
 
 from broker.daemon.config import MqttConfig
 from broker.edges.bus import Bus
-from broker.edges.mqtt import RECEIVE_MAXIMUM, drop
+from broker.edges.mqtt import RECEIVE_MAXIMUM
 from broker.leasing.authority import REPEATED
 from broker.state.store import StateStore, StoreFailed
 from broker.wire.commands import Command
@@ -148,7 +148,7 @@ async def test_a_request_not_done_is_delivered_again_on_the_next_connection(
         connections = r.bus.connections
         client = r.bus._client
         assert client is not None
-        drop(client)  # the connection dies (no DISCONNECT), the daemon lives on
+        client.drop()  # the connection dies (no DISCONNECT), the daemon lives on
         again = (await r.got(2))[1]
         assert r.bus.connections == connections + 1
         assert (again.topic, again.payload) == (first.topic, first.payload)
@@ -159,7 +159,7 @@ async def test_a_request_not_done_is_delivered_again_on_the_next_connection(
         # Acknowledged now: after one more lost connection, only new requests come.
         client = r.bus._client
         assert client is not None
-        drop(client)
+        client.drop()
         await r.bus.connection_after(connections + 1)
         await scheduler.publish(PLACE, body("r2"))
         commands = await r.got(3)
@@ -312,7 +312,7 @@ async def test_a_request_delivered_again_gets_the_lease_it_already_has(
         connections = bus.connections
         client = bus._client
         assert client is not None
-        drop(client)
+        client.drop()
         await bus.connection_after(connections)
         await _until(lambda: bus.received == 2)  # delivered again, not acknowledged yet
         assert probe.matching(decided("held")) == []  # the commit is still held

@@ -14,7 +14,7 @@ import structlog
 
 from adapters.base import CloudAdapter
 from broker.daemon.config import Config
-from broker.edges.mqtt import make_client
+from broker.edges.mqtt import connected
 from broker.edges.sdnotify import Notifier, watchdog_seconds
 from broker.leasing.book import LeaseBook
 from broker.market.changes import SliceId
@@ -219,11 +219,12 @@ class StandingBy:
         failures = 0
         while True:
             try:
-                async with make_client(mqtt, client_id, session=False) as client:
-                    await client.subscribe(self.topics.status, qos=1)
+                async with connected(mqtt, client_id, session=False) as client:
+                    async with asyncio.timeout(10):
+                        await client.subscribe(self.topics.status, qos=1)
                     self.standby_mqtt = True
                     failures = 0
-                    async for message in client.messages:
+                    async for message in client.messages():
                         status = _json_object(message.payload)
                         if status is not None and not _older(status, self.leader_status):
                             self.leader_status = status
@@ -284,9 +285,9 @@ def _epoch_of(status: dict[str, Any]) -> int:
 
 async def _cancel_and_wait(tasks: list[asyncio.Task[None]], every: float = 0.5) -> None:
     """Cancel `tasks` and wait until they have ended, cancelling again those that live
-    on. aiomqtt waits for its CONNACK and SUBACK with `asyncio.wait_for`, which on Python
-    3.11 swallows a cancellation that arrives as the wait completes (CPython gh-86296):
-    the task then carries on, subscribed, and one `cancel()` is not enough."""
+    on: code that waits with `asyncio.wait_for` may swallow a cancellation that arrives
+    as the wait completes (CPython gh-86296 on Python 3.11), and one `cancel()` is then
+    not enough."""
     pending = {t for t in tasks if not t.done()}
     while pending:
         for task in pending:
