@@ -25,7 +25,7 @@ from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, payload_json
 from broker.daemon.assembly.process import quiet_closed_socket_callbacks
 from broker.daemon.config import MqttConfig
 from broker.edges.bus import CONNECT_MARGIN, CONNECT_MIN, Bus
-from broker.edges.mqtt import IN_FLIGHT, connected, describe, only
+from broker.edges.mqtt import IN_FLIGHT, MqttError, connect, connected, describe, only
 from broker.state.store import StateStore
 from broker.wire.messages import OutboxRow, Topics
 
@@ -305,6 +305,41 @@ async def test_an_acknowledgement_after_a_cancelled_call_is_not_an_error(
             await client.publish("late/ack/last", b"x")
             # SUBACKs come in order: once this one is back, the late one was handled.
             await client.subscribe("late/ack/2", qos=1)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_a_puback_after_the_end_is_not_sent_nor_logged_as_a_warning(
+        mosquitto: Mosquitto, probe_factory: ProbeFactory,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A request held unacknowledged when its connection ends: the client would send its
+    PUBACK into the closed socket and log that as a warning (gmqtt's `[TRYING WRITE TO
+    CLOSED SOCKET]`); nothing is sent, the server delivers it again on the session's
+    next connection, and the line is a debug one."""
+    caplog.set_level(logging.DEBUG)
+    cfg = MqttConfig(url=mosquitto.url)
+    client_id = f"gb-held-{uuid.uuid4().hex[:8]}"
+    scheduler = await probe_factory([])
+    conn = await connect(cfg, client_id, manual_ack=True)
+    await conn.subscribe("held/#", qos=1)
+    await scheduler.publish("held/a", b"once")
+    messages = conn.messages()
+    async with asyncio.timeout(5):
+        held = await anext(messages)
+    assert held.ack is not None and not held.ack.done()
+    conn.drop()
+    with pytest.raises(MqttError):
+        await anext(messages)
+
+    def late() -> list[logging.LogRecord]:
+        return [r for r in caplog.records
+                if r.name.startswith("gmqtt") and "CLOSED SOCKET" in r.getMessage()]
+
+    await _until(lambda: bool(late()))  # the PUBACK tried, after the end
+    assert all(r.levelno == logging.DEBUG for r in late())
+    async with connected(cfg, client_id, manual_ack=True) as again:
+        async with asyncio.timeout(5):
+            redelivered = await anext(again.messages())
+    assert (redelivered.topic, redelivered.payload) == ("held/a", b"once")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
