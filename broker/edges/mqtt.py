@@ -136,6 +136,14 @@ class _Client(gmqtt.Client):  # type: ignore[misc]  # gmqtt has no type hints
         if connection is not None:
             connection._transport.abort()
 
+    def leave(self) -> None:
+        """Send DISCONNECT and close the socket, without waiting: the server discards the
+        will. Nothing if the socket is closed already."""
+        connection = self._connection
+        if connection is not None and not connection.is_closing():
+            connection.send_disconnect()
+            connection._transport.close()
+
     def refusal(self) -> Exception | None:
         """The server's refusal of the CONNECT (a CONNACK with an error), if any."""
         error: Exception | None = self._package_handler._error
@@ -331,7 +339,12 @@ class Connection:
         except BaseException as exc:
             attempt.cancel()
             attempt.add_done_callback(_retrieve)
-            self.drop()
+            # CONNECT may have reached the server (a CONNACK late, or lost on the way):
+            # it would publish the will of a connection that never served, after
+            # whatever a newer leader published. Leave with a DISCONNECT, as a
+            # connection made after the leadership lapsed is left.
+            self._client.leave()
+            self._lose(MqttError("the connection was given up"))
             if isinstance(exc, TimeoutError):
                 raise MqttError(f"no CONNACK within {CONNACK_TIMEOUT:g}s") from None
             raise
