@@ -10,10 +10,11 @@ One private mosquitto (bench/latency.py's), then for each client and protocol ve
   at QoS 1; the client under test, subscribed at QoS 1, takes each one and decodes its
   JSON: messages per second from the first to the last, and CPU per message.
 
-The clients: `aiomqtt` (the daemon's, over paho-mqtt), `gmqtt` (if installed: `pip
-install gmqtt`; another maintained asyncio client), and `raw` — hand-written MQTT packets
-on an asyncio `Protocol`, no client library at all: the floor a client sits on, not a
-candidate (no reconnects, no sessions, no flow control).
+The clients: `aiomqtt` (over paho-mqtt: the schedulers' client library's, and the
+daemon's before #31), `gmqtt` (the daemon's since: broker/edges/mqtt.py), and `raw` —
+hand-written MQTT packets (bench/latency.py's `RawPublisher`), no client library at all:
+the floor a client sits on, not a candidate (no reconnects, no sessions, no flow
+control).
 
 Prints the table (`--json`: as JSON); pass/fail is not its business.
 
