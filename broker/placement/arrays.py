@@ -7,7 +7,7 @@ import math
 from typing import Any, Protocol
 
 from broker.model import Offer
-from broker.placement.problem import Alive, Group, Option
+from broker.placement.problem import Alive, Group, Option, Shrinking
 from broker.placement.rules import OfferArrays
 from policies.model import RiskLevel
 
@@ -131,6 +131,8 @@ class Source:
             out = list(g.options)
         builder, ranked, need = self.builder, self.ranked, self.need
         room = builder.live_room(alive)
+        # (a `Shrinking` filter's own check, without its call per option)
+        ok = alive.ok if isinstance(alive, Shrinking) else alive
         added = 0
         while k is None or added < k:
             chunk = ranked.read(self.at, self.CHUNK)
@@ -156,12 +158,12 @@ class Source:
                 if o is None:
                     o = ranked.made[p][row] = builder.option(ranked.arrays[p].offers[row],
                                                              inst, need, self.h, self.risk)
-                if alive is None or alive(o):
+                if ok is None or ok(o):
                     out.append(o)
                     added += 1
                 else:
                     self.dropped = True
-                    if room is not None:
+                    if room is not None and alive is not None:
                         builder.used_up(slot, o, alive)
             self.at += end
             if end < len(chunk):

@@ -38,7 +38,7 @@ def heuristic(p: AssignmentProblem, *, improve_rounds: int = 2, chains: bool = T
     bound = trivial_bound(p)  # before lists grow without what this answer used up
     st = State(p)
     reqs = p.requests
-    global_ok, team_ok, fits_spread = st.global_ok, st.team_ok, st.fits_spread
+    global_ok = st.global_ok
 
     def best_two(i: int) -> tuple[Option | None, float, float]:
         """The request's cheapest option that fits now, its cost, and the cost of the
@@ -49,8 +49,9 @@ def heuristic(p: AssignmentProblem, *, improve_rounds: int = 2, chains: bool = T
         budget = t.budget_left if t is not None else None
         if t is not None and t.binding(r.min_gpus) is not None:
             return None, r.penalty, r.penalty  # the team has no room for any option
-        limited = t is not None and t.limited
-        spread = t is not None and t.spreads
+        # The team's checks straight on its `TeamRoom` (`State.team_ok`, `fits_spread`).
+        binding = t.binding if t is not None and t.limited else None
+        spread = t.spread_allows if t is not None and t.spreads else None
         while True:
             opts = g.options
             n = len(opts)
@@ -65,8 +66,9 @@ def heuristic(p: AssignmentProblem, *, improve_rounds: int = 2, chains: bool = T
             for j in range(k, n):
                 o = opts[j]
                 # The spread limit first: where it binds, it rules out the most.
-                if (spread and not fits_spread(i, o)) or (j > k and not global_ok(o)) or \
-                        (limited and not team_ok(i, o)):
+                if (spread is not None and not spread(o.gpus, o.cloud, o.zone)) or \
+                        (j > k and not global_ok(o)) or \
+                        (binding is not None and binding(o.gpus, o.price, o.owned) is not None):
                     if budget is not None and budget < o.price - EPS and \
                             budget < g.price_floor(j) - EPS:
                         # Nothing from here on, listed or not, is within the budget.
