@@ -25,7 +25,15 @@ from hypothesis import strategies as st
 
 from broker.market.pool import ResourcePool
 from broker.model import Market, Offer, PlaceRequest
-from broker.placement.optimizer import Ask, BatchResult, BatchSettings, Decision, Rejection, solve
+from broker.placement.optimizer import (
+    Ask,
+    BatchResult,
+    BatchSettings,
+    CandidateBuilder,
+    Decision,
+    Rejection,
+    solve,
+)
 from policies.evaluate import Constraints, Denied, TeamUsage, evaluate
 from policies.model import Clouds, Gpus, Policy, Scoring, Team
 
@@ -478,3 +486,35 @@ def test_splits_keep_every_constraint(path: dict[str, int], w: World) -> None:
     for s in (HEURISTIC, MILP):
         check_constraints(w, solve(w.asks(), w.pool(), w.policy, now=T0,
                                    settings=replace(s, **path)), bound=False)
+
+
+def listed(builder: CandidateBuilder, w: World, req: PlaceRequest
+           ) -> list[tuple[object, int, float]] | None:
+    """Every option the builder lists for the request (grown to the end): pool, instances
+    and expected cost per hour, in order; None when it has none."""
+    c = w.constraints(req)
+    assert not isinstance(c, Denied)
+    r, _ = builder.request(w.ask(req), c)
+    if r is None:
+        return None
+    r.group.grow()
+    return [(o.ref[0].pool, o.ref[1], o.cost_per_hour) for o in r.options]
+
+
+@FAST
+@given(w=worlds())
+def test_a_large_batchs_lists_are_those_of_each_request_alone(w: World) -> None:
+    """On the offer arrays, requests share rules' masks, and their product, across the
+    batch; what each request lists is what it lists in a batch of its own. Each request
+    comes with variants that ask for the same but in other clouds or under other caps
+    (lists of their own that share masks)."""
+    reqs = [v for r in w.requests for v in (
+        r, replace(r, request_id=f"{r.request_id}-aws", clouds=("aws",)),
+        replace(r, request_id=f"{r.request_id}-gcp", clouds=("gcp",)),
+        replace(r, request_id=f"{r.request_id}-cap", max_price_per_gpu_hour=2.0))
+        if not isinstance(w.constraints(v), Denied)]
+    pool = w.pool()
+    batch = CandidateBuilder(pool, w.policy, T0, 1, indexed=True)
+    together = [listed(batch, w, r) for r in reqs]
+    alone = [listed(CandidateBuilder(pool, w.policy, T0, 1, indexed=True), w, r) for r in reqs]
+    assert together == alone
