@@ -376,7 +376,8 @@ class CandidateBuilder:
 
     def _scan(self, p: Probe) -> Scan:
         """What the candidates of a request that has none say about why (large batches):
-        the first rule each offer fails (`rules.first_failing_masks`)."""
+        the first rule each offer fails (`rules.first_failing_masks`, with the masks the
+        lists keep)."""
         import numpy as np
 
         scan = Scan()
@@ -387,7 +388,13 @@ class CandidateBuilder:
                 arr = self._arrays(gpu, m)
                 if not arr.offers:
                     continue
-                failing = rules.first_failing_masks(p, arr, 1, table)
+
+                def mask(r: rules.Rule, gpu: str = gpu, m: Market = m,
+                         arr: OfferArrays = arr) -> Any:
+                    return r.mask(p, arr, 1) if r is _OWN else \
+                        self._mask(gpu, m, arr, p, 1, 1, r)
+
+                failing = rules.first_failing_masks(p, arr, 1, table, mask)
                 matching = failing > region
                 scan.policy_excluded += int(np.count_nonzero(failing == region))
                 scan.matching += int(np.count_nonzero(matching))

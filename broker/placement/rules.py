@@ -364,11 +364,15 @@ def first_failing(p: Probe, offer: Offer, instances: int,
 
 
 def first_failing_masks(p: Probe, a: OfferArrays, instances: Any,
-                        rules: Sequence[Rule] = RULES) -> Any:
-    """Per offer of `a`, the index in `rules` of the first it fails (len(rules): none)."""
+                        rules: Sequence[Rule] = RULES,
+                        mask: Callable[[Rule], Any] | None = None) -> Any:
+    """Per offer of `a`, the index in `rules` of the first it fails (len(rules): none).
+    `mask(rule)`: the rule's mask for them, where the caller keeps it (`Rule.mask` when
+    None)."""
     import numpy as np
 
     out = np.full(len(a.offers), len(rules), dtype=np.int64)
     for i in reversed(range(len(rules))):
-        out[~rules[i].mask(p, a, instances)] = i
+        ok = mask(rules[i]) if mask is not None else rules[i].mask(p, a, instances)
+        out[~ok] = i
     return out
