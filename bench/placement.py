@@ -33,14 +33,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import copyreg
 import cProfile
 import hashlib
 import io
 import math
 import multiprocessing
 import os
-import pickle
 import pstats
 import shlex
 import shutil
@@ -54,7 +52,6 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 SCRIPT = Path(__file__).resolve()
@@ -375,14 +372,7 @@ def _milp_child(n_requests: int, n_offers: int, seed: int, seconds: float,
                 conn: Any) -> None:
     inst = instance(n_requests, n_offers, seed)
     ans = batch(inst, milp_settings(seconds), "MILP")
-    # A request's labels may be a read-only mapping (broker.model.NO_LABELS), which
-    # pickle refuses: it goes to the parent as a plain dict.
-    buf = io.BytesIO()
-    p = pickle.Pickler(buf)
-    p.dispatch_table = {**copyreg.dispatch_table,
-                        MappingProxyType: lambda m: (dict, (dict(m),))}
-    p.dump(ans)
-    conn.send_bytes(buf.getvalue())
+    conn.send(ans)
     conn.close()
 
 
@@ -397,7 +387,7 @@ def milp(n_requests: int, n_offers: int, seed: int, seconds: float, wall: float
     send.close()
     try:
         if recv.poll(wall):
-            ans: Answer = pickle.loads(recv.recv_bytes())
+            ans: Answer = recv.recv()
             return ans
         return None
     finally:

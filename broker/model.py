@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -227,7 +227,30 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 6)
 
 
-NO_LABELS: Mapping[str, str] = MappingProxyType({})
+class _NoLabels(Mapping[str, str]):
+    """The type of `NO_LABELS`: an empty mapping that cannot be changed, equal to `{}`,
+    and pickled and copied as that one object (a `MappingProxyType` would be refused
+    by pickle, and so would every request holding it)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key: str) -> str:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "{}"
+
+    def __reduce__(self) -> str:
+        return "NO_LABELS"  # this module's global of that name
+
+
+NO_LABELS: Mapping[str, str] = _NoLabels()
 """A request's labels when it has none: one read-only empty mapping shared by every such
 request instead of an empty dict in each."""
 

@@ -3,7 +3,9 @@ a lease share with others (#31), and that their JSON does not change with it."""
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 
 from factories import T0, offer, placement
 
@@ -49,6 +51,22 @@ def test_shared_values_change_neither_equality_nor_json() -> None:
     assert labelled.to_json()["labels"] == {"job": "llm"}
     assert PlaceRequest.from_json("s", labelled.to_json()) == labelled
     assert PlaceRequest.from_json("s", plain.to_json()) == plain
+
+
+def test_requests_and_leases_pickle_and_copy_whatever_their_labels() -> None:
+    # The shared empty labels must not make a request, or a lease holding one,
+    # something pickle or copy refuses (a process pool, a deep copy).
+    book = LeaseBook()
+    for n, labels in enumerate(({}, {"job": "llm"})):
+        req = decoded("slurm-eu", request_id=f"r{n}", gpu="L4", gpus=1, labels=labels)
+        lease = book.create(req, placement(offer()), lease_seconds=60, cap=None, now=T0)
+        for original in (req, lease):
+            for again in (pickle.loads(pickle.dumps(original)), copy.deepcopy(original)):
+                assert again == original
+        if not labels:
+            assert pickle.loads(pickle.dumps(req)).labels is NO_LABELS
+    assert copy.copy(NO_LABELS) is NO_LABELS
+    assert NO_LABELS == {} and not NO_LABELS and repr(NO_LABELS) == "{}"
 
 
 def test_a_lease_read_back_shares_its_requests_strings_and_equal_times() -> None:
