@@ -37,6 +37,7 @@ SCRIPT = Path(__file__).resolve()
 sys.path[:0] = [str(SCRIPT.parent)]
 
 from latency import Mosquitto  # noqa: E402  (bench/latency.py: the private broker)
+from mqtt_layer import PAYLOAD  # noqa: E402  (a request-sized JSON payload, as bytes)
 
 from broker.daemon.config import MqttConfig  # noqa: E402
 from broker.edges.bus import Bus  # noqa: E402
@@ -45,13 +46,6 @@ from broker.wire.commands import Command  # noqa: E402
 from broker.wire.messages import OutboxRow, Topics  # noqa: E402
 
 PREFIX = "gpubroker/v1"
-PAYLOAD = json.dumps({
-    "request_id": "r-000000000001", "gpu": ["H100-80GB", "A100-80GB"], "gpus": 8,
-    "market": "spot", "team": "research", "max_price_per_gpu_hour": 4.5,
-    "duration_hours": 6, "lease_seconds": 900, "labels": {"job": "train-llm-7b",
-                                                          "owner": "alice"},
-    "clouds": ["aws", "gcp", "azure"], "regions": ["us-east-1", "us-central1", "eastus"],
-})
 
 
 async def measure(mosq: Mosquitto, workdir: Path, protocol: str, n: int) -> dict[str, Any]:
@@ -76,7 +70,7 @@ async def measure(mosq: Mosquitto, workdir: Path, protocol: str, n: int) -> dict
         async with asyncio.timeout(10):
             await bus.connected.wait()
         lines = workdir / "lines.txt"
-        lines.write_text((PAYLOAD + "\n") * n)
+        lines.write_bytes((PAYLOAD + b"\n") * n)
         cpu, wall = time.thread_time(), time.monotonic()
         with lines.open("rb") as stdin:
             feeder = await asyncio.create_subprocess_exec(
@@ -93,7 +87,7 @@ async def measure(mosq: Mosquitto, workdir: Path, protocol: str, n: int) -> dict
         rows: list[OutboxRow] = []
         for start in range(0, n, 1000):
             rows += await store.commit([], [
-                OutboxRow(f"{PREFIX}/events/bench/e{i}", PAYLOAD.encode(), props=props)
+                OutboxRow(f"{PREFIX}/events/bench/e{i}", PAYLOAD, props=props)
                 for i in range(start, min(n, start + 1000))])
         cpu, wall = time.thread_time(), time.monotonic()
         bus.enqueue(rows)
