@@ -51,6 +51,8 @@ server's Receive Maximum (CONNACK) says so. More wait for a slot."""
 KEEPALIVE = 30
 CONNACK_TIMEOUT = 10.0
 """The longest the server may take to answer CONNECT."""
+NO_MQTT5 = ("connection refused: the server does not take MQTT 5 (CONNACK 1, unacceptable "
+            "protocol version); set mqtt.protocol to \"3.1.1\" for it")
 
 
 class MqttError(Exception):
@@ -148,6 +150,15 @@ class _Client(gmqtt.Client):  # type: ignore[misc]  # gmqtt has no type hints
         """The server's refusal of the CONNECT (a CONNACK with an error), if any."""
         error: Exception | None = self._package_handler._error
         return error
+
+    def refused_mqtt5(self) -> bool:
+        """Whether the server answered an MQTT 5 CONNECT with CONNACK 1 (unacceptable
+        protocol version: a 3.1.1 server). gmqtt then switches itself to 3.1.1 and asks
+        for a reconnect, which this client never makes: the bus says why instead."""
+        return bool(self._connection_state.protocol_version == MQTTv311
+                    and self._asked_mqtt5)
+
+    _asked_mqtt5 = False
 
     def server_receive_maximum(self) -> int:
         """The server's Receive Maximum (its CONNACK; 65535 when it sent none)."""
@@ -311,6 +322,7 @@ class Connection:
                     handshake_timeout: float) -> None:
         client = self._client
         client.handshake_timeout = handshake_timeout
+        client._asked_mqtt5 = self.v5
         if cfg.username is not None:
             client.set_auth_credentials(cfg.username, password)
         tls: ssl.SSLContext | bool = False
@@ -325,6 +337,8 @@ class Connection:
                 await asyncio.wait((attempt, self.gone), return_when=asyncio.FIRST_COMPLETED)
             if not attempt.done():
                 refusal = client.refusal()
+                if refusal is None and client.refused_mqtt5():
+                    raise MqttError(NO_MQTT5)
                 raise MqttError(f"connection refused: {refusal}" if refusal is not None
                                 else "the connection was lost before its CONNACK")
             try:
@@ -346,7 +360,8 @@ class Connection:
             self._client.leave()
             self._lose(MqttError("the connection was given up"))
             if isinstance(exc, TimeoutError):
-                raise MqttError(f"no CONNACK within {CONNACK_TIMEOUT:g}s") from None
+                raise MqttError(NO_MQTT5 if client.refused_mqtt5() else
+                                f"no CONNACK within {CONNACK_TIMEOUT:g}s") from None
             raise
         self._connected()
 
