@@ -1217,10 +1217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parts = set(args.part)
     print("placement bench: " + " ".join(shlex.quote(a) for a in
                                          [sys.executable, *sys.argv]))
+    sources = sorted((ROOT / "broker" / "placement").glob("*.py"))
+    digest = hashlib.sha1(b"".join(f.name.encode() + f.read_bytes() for f in sources))
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {load()}; "
-          f"snapshot {inst_mod.DATA_DIR}; sources: " + ", ".join(
-              f"{name} {hashlib.sha1((ROOT / name).read_bytes()).hexdigest()[:10]}"
-              for name in ("broker/placement/optimizer.py", "broker/placement/solver.py")))
+          f"snapshot {inst_mod.DATA_DIR}; sources: broker/placement ({len(sources)} files) "
+          f"{digest.hexdigest()[:10]}")
     started = time.perf_counter()
     if "a" in parts:
         part_a(args)
