@@ -312,9 +312,11 @@ class Connection:
         without one (as `drop`). Never raises but a cancellation; bounded in time."""
         try:
             if clean and self._error is None:
-                with contextlib.suppress(Exception):
+                try:
                     async with asyncio.timeout(timeout):
                         await self._client.disconnect()
+                except Exception as exc:  # the connection ends below all the same
+                    log.debug("mqtt disconnect not clean", error=describe(exc))
         finally:
             self._lose(MqttError("the connection was closed"))
 
