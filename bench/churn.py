@@ -393,7 +393,8 @@ def print_row(r: dict[str, Any]) -> None:
     print(f"{r['t_s']:>5} s  RSS {r['rss_mib']:7.1f} MiB  CPU {r['cpu_pct']:5.1f} %  "
           f"active {r['active']:>6}  ended {r['ended']:>7}  place p50/p99 "
           f"{r['place_p50_ms']!s:>6}/{r['place_p99_ms']!s:>7} ms  full GCs {r['full_gcs']:>3}"
-          f" ({r['full_gc_total_ms']} ms, longest {r['full_gc_max_ms']} ms)  frozen "
+          f" ({r['full_gc_total_ms']} ms, longest "
+          f"{r['full_gc_max_ms'] or '< 5'} ms)  frozen "
           f"{r['frozen']}", flush=True)
 
 

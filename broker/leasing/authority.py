@@ -127,6 +127,10 @@ class Broker(Placing, Verbs, Moves, Quoting):
         self.hearing.set()
         self.observers: list[Observer] = []
         self.batch_observers: list[Callable[[optimizer.BatchResult], None]] = []
+        self.between_batches: Callable[[], None] | None = None
+        """Called between two batches of requests when no change is under way (nothing
+        of a batch is alive then): the daemon's heap sweep, so that a broker with a
+        backlog is swept too."""
         self.decision_latency: Callable[[float], None] | None = None
         self.on_launch_failed: Callable[[PoolKey, str], None] | None = None
         self.region_tags: list[Callable[[], Mapping[str, Sequence[str]]]] = []
@@ -229,6 +233,8 @@ class Broker(Placing, Verbs, Moves, Quoting):
         # whole backlog's solve; doubling reaches `max_batch` within a few batches.
         limit = min(self._max_batch, FIRST_BATCH)
         while True:
+            if self.between_batches is not None and not self._lock.locked():
+                self.between_batches()
             batch = [await self._requests.get()]
             start = loop.time()
             busy = self._requests.qsize() >= BURST
@@ -252,6 +258,7 @@ class Broker(Placing, Verbs, Moves, Quoting):
             finally:
                 for _ in batch:
                     self._requests.task_done()
+            del batch
             limit = min(self._max_batch, 2 * limit)
 
     async def idle(self) -> None:

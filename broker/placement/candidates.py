@@ -79,6 +79,18 @@ class CandidateBuilder:
         self._by_horizon = by_horizon(view.hazard, policy)
         self._hazards: dict[float, Hazard | None] = {}
 
+    def release(self) -> None:
+        """Break the batch's cycles once it is solved: each group's `more` is a closure
+        over this builder (or a `Source` that names the group), and the builder holds
+        the groups. Released, what the batch made is freed by reference counting as it
+        is let go, not left for a collection, and none of it is frozen alive by a heap
+        sweep between batches (broker.daemon's `HEAP_SWEEP_SECONDS`)."""
+        for group, _ in self._groups.values():
+            group.more = None
+        for cache in (self._groups, self._options, self._index, self._masks,
+                      self._rule_masks, self._sizes, self._hazards):
+            cache.clear()
+
     def horizon(self, req: PlaceRequest) -> float:
         """The horizon (hours) the request's spot risk is scored over."""
         return horizon_bucket(req.duration_hours) if self._by_horizon else DEFAULT_HORIZON

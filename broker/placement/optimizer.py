@@ -165,6 +165,16 @@ def _solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime
     deadline = time.perf_counter() + settings.budget_seconds
     builder = CandidateBuilder(view, policy, now, settings.candidates,
                        indexed=len(asks) >= settings.index_min_batch, costs=costs)
+    try:
+        return _decide(builder, asks, policy, deadline=deadline,
+                       retry_after_seconds=retry_after_seconds, settings=settings)
+    finally:
+        builder.release()
+
+
+def _decide(builder: CandidateBuilder, asks: Sequence[Ask], policy: Policy, *,
+            deadline: float, retry_after_seconds: float | None,
+            settings: BatchSettings) -> BatchResult:
     resident = Residency(policy.residency.tags)
     outcomes: list[Outcome | None] = [None] * len(asks)
     index: list[int] = []  # request of the problem -> ask

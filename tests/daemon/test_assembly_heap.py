@@ -11,7 +11,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from broker.daemon.assembly.daemon import heap_measure, sweep_heap, thaw_if_grown
+from broker.daemon.assembly.daemon import (
+    HEAP_SWEEP_SECONDS,
+    HeapSweeper,
+    heap_measure,
+    sweep_heap,
+    thaw_if_grown,
+)
 
 
 class Node:
@@ -74,3 +80,20 @@ def test_the_lease_books_growth_triggers_no_thaw() -> None:
     assert leaked() is not None
     thaw_if_grown(base, leases=0)
     assert leaked() is None
+
+
+
+def test_the_sweeper_sweeps_at_most_once_a_period() -> None:
+    """Called between every two batches and when idle, it sweeps at most every
+    `HEAP_SWEEP_SECONDS`."""
+    now = [1000.0]
+    sweeper = HeapSweeper(lambda: 0, clock=lambda: now[0])
+    sweeper()
+    frozen = gc.get_freeze_count()
+    made = [Node() for _ in range(100)]
+    now[0] += HEAP_SWEEP_SECONDS / 2
+    sweeper()  # within the period: nothing made since is frozen
+    assert gc.get_freeze_count() == frozen
+    now[0] += HEAP_SWEEP_SECONDS / 2
+    sweeper()
+    assert gc.get_freeze_count() >= frozen + len(made)

@@ -213,6 +213,37 @@ async def test_a_backlog_found_at_start_is_answered_in_small_batches_first(
     assert sizes[:3] == [FIRST_BATCH, 2 * FIRST_BATCH, 3 * FIRST_BATCH]  # the rest: 3 x 16
 
 
+async def test_a_backlog_calls_between_batches_after_each_batch_with_no_change_under_way(
+        setup: Any) -> None:
+    """The daemon's heap sweep runs there: a broker with a backlog is never idle, so the
+    sweep must be offered a moment between batches, when nothing of a batch is alive."""
+    import asyncio
+
+    from broker.leasing.authority import FIRST_BATCH
+
+    broker, _, _ = setup
+    observed: list[Any] = []
+    broker.batch_observers.append(observed.append)
+    seen: list[tuple[int, bool, int]] = []  # batches done, lock held, requests queued
+    broker.between_batches = lambda: seen.append(
+        (len(observed), broker._lock.locked(), broker._requests.qsize()))
+    for i in range(3 * FIRST_BATCH):
+        await broker.submit(_place_cmd(f"b{i}", gpus=1))
+    ready = asyncio.Event()
+    ready.set()
+    task = asyncio.create_task(broker.run_requests(ready))
+    try:
+        async with asyncio.timeout(20):
+            await broker.idle()  # the last batch's task_done, then the call: no await between
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert [n for n, _, _ in seen] == list(range(len(observed) + 1))
+    assert not any(locked for _, locked, _ in seen)
+    assert seen[1][2] > 0  # after the first batch, the backlog still waited
+
+
 # --- a commit the store refuses: crash-only --------------------------------------------
 
 

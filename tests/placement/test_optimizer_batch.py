@@ -592,6 +592,47 @@ def test_a_batch_leaves_the_garbage_collector_as_it_found_it() -> None:
         (gc.enable if was else gc.disable)()
 
 
+@pytest.mark.parametrize("path", ["walk", "milp", "arrays", "spread", "split"])
+def test_a_solved_batch_leaves_no_cycle_for_the_collector(path: str) -> None:
+    """What a batch made is freed by reference counting once let go: no cycle is left
+    for a collection (the daemon's heap sweeps run between batches; a cycle alive then
+    would stay frozen until a thaw)."""
+    offers = [offer(f"us-east-1{z}", instance_type=f"p5.{i}", price=10.0 + i, capacity=2)
+              for z in "ab" for i in range(6)]
+    pool = pool_of(offers)
+    policy = POLICY
+    settings = MILP if path == "milp" else HEURISTIC
+    if path == "arrays":
+        settings = replace(settings, index_min_batch=1)
+    if path == "spread":
+        policy = Policy(teams={"ml": Team()}, scoring=Scoring(spread_weight=1.0))
+    usage = TeamUsage(gpus=8, price_per_hour=10.0, gpus_by_zone={("aws", "us-east-1a"): 8})
+
+    def batch(tag: str) -> list[Ask]:
+        reqs = [request(f"{tag}{i}", team="ml" if path == "spread" else None,
+                        gpus=16 if path == "split" else 8,
+                        **({"gang": False, "max_parts": 4} if path == "split" else {}))
+                for i in range(5)]
+        return [with_usage(r, policy, usage) if path == "spread" else Ask(r) for r in reqs]
+
+    run(batch("warm"), pool, policy, settings)  # what is made once (caches, types)
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        result = run(batch("r"), pool, policy, settings)
+        assert any(isinstance(o, Decision) for o in result.outcomes)
+        del result
+        gc.collect()
+        left = sorted({type(o).__qualname__ for o in gc.garbage})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        (gc.enable if was else gc.disable)()
+    assert left == []
+
+
 def test_a_spent_solve_budget_places_the_heuristic_answer_without_the_milp() -> None:
     # Both want a (one instance); the trivial bound (both on a) is below any answer, so
     # only the MILP proves the heuristic's answer optimal. With the whole solve's budget
