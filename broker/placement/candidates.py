@@ -277,9 +277,13 @@ class CandidateBuilder:
         quota = rules.quota_use(offer, instances)
         if quota is not None:
             qkey, amount, have = quota
-            # The first offer of a group sets its limit (members differ only by rounding
-            # vCPUs to whole instances); a limit never changes once the solver has it.
-            self.limits.setdefault(qkey, have)
+            # A group's members read what is left of it rounded down to their own whole
+            # instances (vCPUs per instance differ): each reading is at most what is
+            # left, so the largest is the limit, whichever member is made an option
+            # first. It only grows as members are listed, so the solver never counts
+            # more than is left.
+            if have > self.limits.get(qkey, -math.inf):
+                self.limits[qkey] = have
             uses.append((qkey, amount))
         price = instances * offer.price_per_hour  # type: ignore[operator]
         policy = self.policy.for_risk(risk)
