@@ -76,6 +76,10 @@ class ResourcePool:
         # the next change once lent out.
         self._held_now: dict[PoolKey, int] = {}
         self._held_now_lent = False
+        # Pools with no instance free (`full`), kept as holdings and offers change; the
+        # listeners hear of each pool that fills or has room again.
+        self._full: set[PoolKey] = set()
+        self._room_listeners: list[Callable[[PoolKey], None]] = []
         self._held_targets: dict[PoolKey, Counter[str]] = {}
         self._owned: dict[SliceId, int] = {}
         self._held_at_poll: dict[PoolKey, Counter[str]] = {}
@@ -294,6 +298,27 @@ class ResourcePool:
             self._held_now[key] = held
         else:
             self._held_now.pop(key, None)
+        offer = self._offers.get(key)
+        full = offer is not None and offer.capacity is not None and offer.capacity <= held
+        if full != (key in self._full):
+            if full:
+                self._full.add(key)
+            else:
+                self._full.discard(key)
+            for listener in self._room_listeners:
+                listener(key)
+
+    def full(self, key: PoolKey) -> bool:
+        """Whether pool `key` has no instance free: what the broker holds of it is all its
+        `capacity` (`free_capacity` 0). Then it has no room for any request
+        (`broker.placement.rules.no_room`, whatever the request's size)."""
+        return key in self._full
+
+    def subscribe_room(self, listener: Callable[[PoolKey], None]) -> Callable[[], None]:
+        """`listener(key)` whenever pool `key` fills (`full`) or has room again, by a change
+        of the broker's holdings or of its offer. Returns the unsubscribe."""
+        self._room_listeners.append(listener)
+        return lambda: self._room_listeners.remove(listener)
 
     @property
     def owned_gpus(self) -> int:

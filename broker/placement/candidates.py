@@ -461,13 +461,13 @@ class CandidateBuilder:
             ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
             yield ppg, offer, ppg, None  # free instances: computed where needed
 
-    def _by_cost(self, gpu: str, m: Market, h: float, risk: RiskLevel
+    def _by_cost(self, gpu: str, m: Market, h: float, risk: RiskLevel, roomy: bool = False
                  ) -> Iterator[tuple[float, Offer, float, int | None]]:
         """`_plain` in order of `unit_cost` at risk level `risk` (from the `CostIndex`),
-        which is the bound."""
+        which is the bound; `roomy`: without the offers of full pools."""
         assert self.costs is not None
         view, stale, cooling = self.view, self.stale, self.cooling
-        for u, key, offer in self.costs.sorted(gpu, m, h, risk):
+        for u, key, offer in self.costs.sorted(gpu, m, h, risk, roomy=roomy):
             if (cooling and key in cooling) or (stale and view.slice_of(key) in stale):
                 continue
             yield u, offer, offer.price_per_hour / offer.gpus, None  # type: ignore[operator]

@@ -132,25 +132,42 @@ class CostIndex:
     that changed or went (and with it the hazard estimate of its pool, which changes
     only with such a change) is placed again; a `refresh` of the hazard estimator, or
     another estimator, rebuilds every list. One policy's scoring: a new policy needs a
-    new index. The offers are read from the pool when walked (the newest reading)."""
+    new index. The offers are read from the pool when walked (the newest reading).
+
+    Each list has a twin without the offers of full pools (`ResourcePool.full`: no room
+    for any request), kept as pools fill and are given back: as the broker's leases
+    fill the cheapest pools, a walk would otherwise step over all of them, request after
+    request (`sorted(roomy=True)`)."""
 
     def __init__(self, pool: ResourcePool, policy: Policy) -> None:
         self.pool = pool
         self.policy = policy
         self._lists: dict[_Where, list[tuple[float, PoolKey, Offer]]] = {}
+        self._roomy: dict[_Where, list[tuple[float, PoolKey, Offer]]] = {}
         self._lent: set[_Where] = set()  # of `_lists`, lent out by `frozen`: copied first
         self._placed: dict[PoolKey, list[tuple[float, _Where]]] = {}
         self._dirty: set[PoolKey] = set()
+        self._room_dirty: set[PoolKey] = set()  # filled or given room since
         self._hazard_seen: tuple[int, int] = (0, -1)
         self.memo = CostMemo()
         """The arrays' costs per pool, kept across batches (`CostMemo`)."""
-        self.close = pool.subscribe(self._observe)
+        unsubscribe = pool.subscribe(self._observe), pool.subscribe_room(self._room)
+
+        def close() -> None:
+            for stop in unsubscribe:
+                stop()
+
+        self.close = close
         """Stop following the pool (the index is not used any more)."""
 
     def _observe(self, change: Any) -> None:
         if self._lists:
             self._dirty.update(change.updated)
             self._dirty.update(change.removed)
+
+    def _room(self, key: PoolKey) -> None:
+        if self._lists:
+            self._room_dirty.add(key)
 
     def _hazard(self, horizon: float) -> Hazard | None:
         return hazard_over(self.pool.hazard, self.policy, horizon)
@@ -163,20 +180,26 @@ class CostIndex:
         return horizon if by_horizon(self.pool.hazard, self.policy) else DEFAULT_HORIZON
 
     def sorted(self, gpu: str, market: Market, horizon: float = DEFAULT_HORIZON,
-               risk: RiskLevel | None = None) -> list[tuple[float, PoolKey, Offer]]:
+               risk: RiskLevel | None = None, *, roomy: bool = False
+               ) -> list[tuple[float, PoolKey, Offer]]:
         """(unit cost, pool key, offer) of the priced offers of `gpu` in `market`,
         scored over `horizon` hours at risk level `risk`, cheapest first, as of now (an
-        offer re-read unchanged since may be newer in the pool: `ResourcePool.get`)."""
+        offer re-read unchanged since may be newer in the pool: `ResourcePool.get`).
+        `roomy`: only those of pools not full (`ResourcePool.full`)."""
         hazard = self.pool.hazard
         seen = (id(hazard), hazard.refreshes if hazard is not None else 0)
         if seen != self._hazard_seen:
             self._lists.clear()
+            self._roomy.clear()
             self._lent.clear()
             self._placed.clear()
             self._dirty.clear()
+            self._room_dirty.clear()
             self._hazard_seen = seen
         if self._dirty:
             self._place_again()
+        if self._room_dirty:
+            self._reroom()
         where = (gpu, market, self._horizon(horizon), self._risk(risk))
         got = self._lists.get(where)
         if got is None:
@@ -184,10 +207,12 @@ class CostIndex:
             got = sorted(((unit_cost(o, policy, hz), o.pool, o)
                           for o in self.pool.by_gpu(gpu, market)), key=_first_two)
             self._lists[where] = got
+            full = self.pool.full
+            self._roomy[where] = [e for e in got if not full(e[1])]
             placed = self._placed
             for u, key, _ in got:
                 placed.setdefault(key, []).append((u, where))
-        return got
+        return self._roomy[where] if roomy else got
 
     def covers(self, horizon: float, risk: RiskLevel | None = None) -> bool:
         """Every horizon's and level's list is made when first asked for."""
@@ -212,27 +237,29 @@ class CostIndex:
         self._lent.update(lists)
         return FrozenCosts(self.policy, lists,
                            normalise=not by_horizon(self.pool.hazard, self.policy),
-                           memo=self.memo)
+                           memo=self.memo, roomy={k: self._roomy[k] for k in lists})
+
+    def _to_change(self, where: _Where) -> tuple[list[tuple[float, PoolKey, Offer]],
+                                                 list[tuple[float, PoolKey, Offer]]]:
+        """The list at `where` and its twin of pools not full, to be changed (copies of
+        them once lent out)."""
+        if where in self._lent:
+            self._lists[where] = list(self._lists[where])
+            self._roomy[where] = list(self._roomy[where])
+            self._lent.discard(where)
+        return self._lists[where], self._roomy[where]
 
     def _place_again(self) -> None:
         import bisect
 
         dirty, self._dirty = self._dirty, set()
-        lists, placed, lent = self._lists, self._placed, self._lent
+        self._room_dirty -= dirty  # placed again below, in both lists as the pool is now
+        lists, placed, full = self._lists, self._placed, self.pool.full
         scored = {w[2:] for w in lists}  # (horizon, risk level)
-
-        def to_change(where: _Where) -> list[tuple[float, PoolKey, Offer]]:
-            if where in lent:
-                lists[where] = list(lists[where])
-                lent.discard(where)
-            return lists[where]
-
         for key in dirty:
             for u, where in placed.pop(key, ()):
-                entries = to_change(where)
-                i = bisect.bisect_left(entries, (u, key), key=_first_two)
-                if i < len(entries) and entries[i][1] == key:
-                    del entries[i]
+                for entries in self._to_change(where):
+                    _remove(entries, u, key)
             offer = self.pool.get(key)
             if offer is None or offer.price_per_hour is None or offer.gpus <= 0:
                 continue
@@ -241,8 +268,35 @@ class CostIndex:
                 if where not in lists:
                     continue  # that list is built when first asked for
                 u = unit_cost(offer, self.policy.for_risk(level), self._hazard(h))
-                bisect.insort(to_change(where), (u, key, offer), key=_first_two)
+                entries, roomy = self._to_change(where)
+                bisect.insort(entries, (u, key, offer), key=_first_two)
+                if not full(key):
+                    bisect.insort(roomy, (u, key, offer), key=_first_two)
                 placed.setdefault(key, []).append((u, where))
+
+    def _reroom(self) -> None:
+        """Take the offers of the pools that filled out of the lists of pools not full,
+        and put back those of pools given room again."""
+        import bisect
+
+        keys, self._room_dirty = self._room_dirty, set()
+        full = self.pool.full
+        for key in keys:
+            for u, where in self._placed.get(key, ()):
+                entries, roomy = self._to_change(where)
+                _remove(roomy, u, key)
+                i = bisect.bisect_left(entries, (u, key), key=_first_two)
+                if not full(key) and i < len(entries) and entries[i][1] == key:
+                    bisect.insort(roomy, entries[i], key=_first_two)
+
+
+def _remove(entries: list[tuple[float, PoolKey, Offer]], u: float, key: PoolKey) -> None:
+    """Take pool `key`'s entry at cost `u` out of `entries`, if it is there."""
+    import bisect
+
+    i = bisect.bisect_left(entries, (u, key), key=_first_two)
+    if i < len(entries) and entries[i][1] == key:
+        del entries[i]
 
 
 class FrozenCosts:
@@ -251,13 +305,17 @@ class FrozenCosts:
     serves all)."""
 
     def __init__(self, policy: Policy, lists: dict[_Where, list[tuple[float, PoolKey, Offer]]],
-                 normalise: bool = False, memo: CostMemo | None = None) -> None:
+                 normalise: bool = False, memo: CostMemo | None = None,
+                 roomy: dict[_Where, list[tuple[float, PoolKey, Offer]]] | None = None
+                 ) -> None:
         self.policy = policy
         self.memo = memo if memo is not None else CostMemo()
         """The index's `CostMemo` (a batch in a worker thread adds to it; entries are
         per offer object, so one made from a later reading is never taken for an
         earlier one)."""
         self._lists = lists
+        self._roomy = roomy if roomy is not None else lists
+        """Each list's twin without the offers of pools full when frozen."""
         self._normalise = normalise
         self._horizons = {w[2] for w in lists}
         self._risks = {w[3] for w in lists} or {policy.scoring.risk}
@@ -268,7 +326,8 @@ class FrozenCosts:
             (self._normalise or not self._horizons or horizon in self._horizons)
 
     def sorted(self, gpu: str, market: Market, horizon: float = DEFAULT_HORIZON,
-               risk: RiskLevel | None = None) -> list[tuple[float, PoolKey, Offer]]:
+               risk: RiskLevel | None = None, *, roomy: bool = False
+               ) -> list[tuple[float, PoolKey, Offer]]:
         level = risk or self.policy.scoring.risk
         if level not in self._risks:
             raise KeyError(f"costs frozen for risk levels {sorted(self._risks)}, "
@@ -278,7 +337,7 @@ class FrozenCosts:
         elif self._horizons and horizon not in self._horizons:
             raise KeyError(f"costs frozen for horizons {sorted(self._horizons)}, "
                            f"not {horizon:g} h")
-        return self._lists.get((gpu, market, horizon, level), [])
+        return (self._roomy if roomy else self._lists).get((gpu, market, horizon, level), [])
 
 
 Costs = CostIndex | FrozenCosts

@@ -11,6 +11,7 @@ import contextlib
 import math
 import warnings
 from dataclasses import replace
+from typing import Any
 
 from factories import SLICE, T0, offer, pool_of, request
 from hypothesis import HealthCheck, given, settings
@@ -22,6 +23,8 @@ from broker.model import Market, Offer, PoolKey, RejectCode
 from broker.placement import rules
 from broker.placement.candidates import CandidateBuilder
 from broker.placement.optimizer import Ask, Decision, Rejection, solve
+from broker.placement.outcomes import Scan
+from broker.placement.problem import Option
 from broker.placement.rules import Probe
 from broker.placement.view import CostIndex, Costs, PoolView, Snapshot
 from broker.placement.walk import walk
@@ -99,9 +102,46 @@ def test_the_walk_lists_the_same_options_whether_it_skips_offers_with_no_room(
     plain = walk(b, p, k, limit, None, DEFAULT_HORIZON, skip=False)
     assert [(o.ref[0].pool, o.ref[1]) for o in fast[0]] == \
         [(o.ref[0].pool, o.ref[1]) for o in plain[0]]
-    assert fast[1] == plain[1]
+    assert_same_upto(b, p, fast, plain)
     if not plain[0]:
         assert fast[2] == plain[2]  # what a rejection names
+
+
+def assert_same_upto(b: CandidateBuilder, p: Probe, fast: tuple[list[Option], float, Scan],
+                     plain: tuple[list[Option], float, Scan]) -> None:
+    """The same `upto`; or, where the judging walk ended at a full pool's offer, which the
+    walk over the index's lists without them never sees, inf: the list then holds every
+    option there is."""
+    if fast[1] == plain[1]:
+        return
+    assert fast[1] == math.inf
+    every = walk(b, p, None, math.inf, None, DEFAULT_HORIZON, skip=False)[0]
+    assert {(o.ref[0].pool, o.ref[1]) for o in every} == \
+        {(o.ref[0].pool, o.ref[1]) for o in fast[0]}
+
+
+def test_a_walk_that_would_end_at_a_full_pool_lists_every_option_there_is() -> None:
+    """In order of cost the index's lists without full pools are walked: a walk that
+    would have ended at a full pool's offer (cut, `upto` its last option's cost) goes to
+    the end of the lists instead and says it holds every option (`upto` inf)."""
+    cheap = offer("us-east-1a", instance_type="b1", gpus=1, price=1.0, capacity=3)
+    full = offer("us-east-1a", instance_type="a", gpus=1, price=2.0, capacity=1)
+    pool = pool_of([cheap, full])
+    pool.hold(full.pool, 1)
+    policy = Policy()
+    b = builder(pool, policy, indexed_costs=True)
+    c = Constraints(gpus=(GPU,), markets=(Market.SPOT,), cap=None)
+    p = Probe(request("r1", GPU, 1), c, b.view, policy)
+    fast = walk(b, p, 1, None, None, DEFAULT_HORIZON)
+    plain = walk(b, p, 1, None, None, DEFAULT_HORIZON, skip=False)
+    assert [o.ref[0].pool for o in fast[0]] == [o.ref[0].pool for o in plain[0]] == \
+        [cheap.pool]
+    assert (fast[1], plain[1]) == (math.inf, 1.0)
+    assert_same_upto(b, p, fast, plain)
+    pool.unhold(full.pool, 1)  # given back: walked again, and the walk ends at it
+    b = builder(pool, policy, indexed_costs=True)
+    p = Probe(request("r1", GPU, 1), c, b.view, policy)
+    assert walk(b, p, 1, None, None, DEFAULT_HORIZON)[1] == 1.0
 
 
 @FAST
@@ -194,6 +234,7 @@ def test_a_snapshot_and_frozen_costs_keep_what_they_saw_while_the_pool_changes()
     view, costs = Snapshot(pool, T0), index.frozen()
     lists = {m: list(view.by_gpu(GPU, m)) for m in (None, *Market)}
     entries = list(costs.sorted(GPU, Market.SPOT))
+    roomy = list(costs.sorted(GPU, Market.SPOT, roomy=True))
     # Everything a batch placed in a worker thread must not see change under it.
     pool.hold(CHEAP.pool, 1)
     pool.hold(DEAR.pool, 5)
@@ -203,9 +244,56 @@ def test_a_snapshot_and_frozen_costs_keep_what_they_saw_while_the_pool_changes()
     assert view.held(CHEAP.pool) == 1 and view.held(DEAR.pool) == 0
     assert {m: list(view.by_gpu(GPU, m)) for m in (None, *Market)} == lists
     assert list(costs.sorted(GPU, Market.SPOT)) == entries
+    assert list(costs.sorted(GPU, Market.SPOT, roomy=True)) == roomy
     # A new one sees it all.
     now = Snapshot(pool, T0)
     assert now.held(CHEAP.pool) == 2 and now.held(DEAR.pool) == 5
     assert [o.pool.instance_type for o in now.by_gpu(GPU, Market.SPOT)] == \
         ["dear", "cheap", "p5.48xlarge"]
     assert index.frozen().sorted(GPU, Market.SPOT)[0][2] == cheaper
+
+
+@FAST
+@given(pools(), st.data())
+def test_the_index_lists_without_full_pools_follow_holdings_and_polls(
+        world: tuple[ResourcePool, list[Offer]], data: st.DataObject) -> None:
+    """After any holds, releases, polls and lendings, each list of the index without full
+    pools is the list less the offers of pools with no instance free, which are those
+    the capacity rule would reject for any request (`rules.no_room`); what was lent
+    stays as it was lent."""
+    pool, offers = world
+    index = CostIndex(pool, Policy())
+    wheres = [(GPU, m) for m in (Market.SPOT, Market.ON_DEMAND)]
+    lent: list[tuple[Any, list[Any], list[Any]]] = []
+
+    def check() -> None:
+        for gpu, m in wheres:
+            every = index.sorted(gpu, m)
+            assert index.sorted(gpu, m, roomy=True) == \
+                [e for e in every if not pool.full(e[1])]
+        for o in pool:
+            assert pool.full(o.pool) == rules.no_room(o, pool.held(o.pool), 1)
+        for costs, every, roomy in lent:
+            for (gpu, m), was, was_roomy in zip(wheres, every, roomy, strict=True):
+                assert costs.sorted(gpu, m) == was
+                assert costs.sorted(gpu, m, roomy=True) == was_roomy
+
+    check()
+    for _ in range(data.draw(st.integers(1, 12))):
+        live = list(pool)
+        what = data.draw(st.sampled_from(("hold", "unhold", "poll", "lend")))
+        if what == "hold" and live:
+            o = data.draw(st.sampled_from(live))
+            pool.hold(o.pool, data.draw(st.integers(1, 3)))
+        elif what == "unhold" and pool.held_pools():
+            key = data.draw(st.sampled_from(sorted(pool.held_pools())))
+            pool.unhold(key, data.draw(st.integers(1, pool.held(key))))
+        elif what == "poll":
+            polled = [replace(o, capacity=data.draw(st.none() | st.integers(0, 4)))
+                      if data.draw(st.booleans()) else o for o in offers]
+            pool.replace(SLICE, [o for o in polled if data.draw(st.integers(0, 5))])
+        elif what == "lend":
+            costs = index.frozen()
+            lent.append((costs, [list(costs.sorted(g, m)) for g, m in wheres],
+                         [list(costs.sorted(g, m, roomy=True)) for g, m in wheres]))
+        check()
