@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -79,6 +79,7 @@ class ResourcePool:
         # Pools with no instance free (`full`), kept as holdings and offers change; the
         # listeners hear of each pool that fills or has room again.
         self._full: set[PoolKey] = set()
+        self._full_lent = False  # `full_now` lent out: copied before the next change
         self._room_listeners: list[Callable[[PoolKey], None]] = []
         self._held_targets: dict[PoolKey, Counter[str]] = {}
         self._owned: dict[SliceId, int] = {}
@@ -301,6 +302,9 @@ class ResourcePool:
         offer = self._offers.get(key)
         full = offer is not None and offer.capacity is not None and offer.capacity <= held
         if full != (key in self._full):
+            if self._full_lent:
+                self._full = set(self._full)
+                self._full_lent = False
             if full:
                 self._full.add(key)
             else:
@@ -313,6 +317,11 @@ class ResourcePool:
         `capacity` (`free_capacity` 0). Then it has no room for any request
         (`broker.placement.rules.no_room`, whatever the request's size)."""
         return key in self._full
+
+    def full_now(self) -> Collection[PoolKey]:
+        """The pools `full` now, not to be changed: lent out, like `held_now`."""
+        self._full_lent = True
+        return self._full
 
     def subscribe_room(self, listener: Callable[[PoolKey], None]) -> Callable[[], None]:
         """`listener(key)` whenever pool `key` fills (`full`) or has room again, by a change

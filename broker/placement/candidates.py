@@ -29,7 +29,7 @@ from broker.placement.outcomes import Ask, Scan
 from broker.placement.problem import Alive, Group, Option, Request, Shrinking
 from broker.placement.residual import State
 from broker.placement.rules import OfferArrays, Probe
-from broker.placement.view import Costs, PoolView
+from broker.placement.view import WHOLE, Costs, Part, PoolView
 from broker.placement.walk import walk
 from policies.evaluate import Constraints
 from policies.model import Policy, RiskLevel
@@ -461,13 +461,13 @@ class CandidateBuilder:
             ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
             yield ppg, offer, ppg, None  # free instances: computed where needed
 
-    def _by_cost(self, gpu: str, m: Market, h: float, risk: RiskLevel, roomy: bool = False
+    def _by_cost(self, gpu: str, m: Market, h: float, risk: RiskLevel, part: Part = WHOLE
                  ) -> Iterator[tuple[float, Offer, float, int | None]]:
         """`_plain` in order of `unit_cost` at risk level `risk` (from the `CostIndex`),
-        which is the bound; `roomy`: without the offers of full pools."""
+        which is the bound; only the offers of `part`."""
         assert self.costs is not None
         view, stale, cooling = self.view, self.stale, self.cooling
-        for u, key, offer in self.costs.sorted(gpu, m, h, risk, roomy=roomy):
+        for u, key, offer in self.costs.sorted(gpu, m, h, risk, part=part):
             if (cooling and key in cooling) or (stale and view.slice_of(key) in stale):
                 continue
             yield u, offer, offer.price_per_hour / offer.gpus, None  # type: ignore[operator]

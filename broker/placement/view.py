@@ -3,7 +3,8 @@ worker thread, and the offers in order of their cost per GPU (`CostIndex`)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -117,6 +118,48 @@ class CostMemo:
         return got
 
 
+_Entry = tuple[float, PoolKey, Offer]
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Which of a list's offers a walk reads: with `roomy`, none of a full pool's (no
+    room for any request); with `clouds` or `regions`, only those within them (a
+    request's own, `PlaceRequest.clouds`/`.regions`: what `rules.REQUEST_REGION` lets
+    through)."""
+
+    roomy: bool = False
+    clouds: frozenset[str] | None = None
+    regions: frozenset[str] | None = None
+
+    def admits(self, key: PoolKey, full: Callable[[PoolKey], bool]) -> bool:
+        return (self.clouds is None or key.cloud in self.clouds) and \
+            (self.regions is None or key.region in self.regions) and \
+            not (self.roomy and full(key))
+
+    def of(self, entries: list[_Entry], full: Callable[[PoolKey], bool]) -> list[_Entry]:
+        """This part of `entries`."""
+        if self.clouds is None and self.regions is None:
+            return [e for e in entries if not full(e[1])] if self.roomy else entries
+        return [e for e in entries if self.admits(e[1], full)]
+
+
+WHOLE = Part()
+ROOMY = Part(roomy=True)
+PARTS = 8
+"""Parts kept per list: the roomy one, and those of the requests' own clouds or regions
+asked for since (all made again when more are asked for)."""
+
+
+def _remove(entries: list[_Entry], u: float, key: PoolKey) -> None:
+    """Take pool `key`'s entry at cost `u` out of `entries`, if it is there."""
+    import bisect
+
+    i = bisect.bisect_left(entries, (u, key), key=_first_two)
+    if i < len(entries) and entries[i][1] == key:
+        del entries[i]
+
+
 class CostIndex:
     """The pool's priced offers per (GPU model, market, horizon, risk level) in order of
     `unit_cost`, for placing on the event loop: a request's walk can stop as soon as the
@@ -134,16 +177,19 @@ class CostIndex:
     another estimator, rebuilds every list. One policy's scoring: a new policy needs a
     new index. The offers are read from the pool when walked (the newest reading).
 
-    Each list has a twin without the offers of full pools (`ResourcePool.full`: no room
-    for any request), kept as pools fill and are given back: as the broker's leases
-    fill the cheapest pools, a walk would otherwise step over all of them, request after
-    request (`sorted(roomy=True)`)."""
+    Each list has parts (`Part`), kept as it changes: the list less the offers of full
+    pools (`ResourcePool.full`: no room for any request), kept as pools fill and are
+    given back: as the broker's leases fill the cheapest pools, a walk would otherwise
+    step over all of them, request after request; and the list within a request's own
+    clouds or regions (`PlaceRequest.clouds`, `.regions`), made when first asked for
+    (at most `PARTS` per list), so that such a request does not walk every other
+    region's offers."""
 
     def __init__(self, pool: ResourcePool, policy: Policy) -> None:
         self.pool = pool
         self.policy = policy
-        self._lists: dict[_Where, list[tuple[float, PoolKey, Offer]]] = {}
-        self._roomy: dict[_Where, list[tuple[float, PoolKey, Offer]]] = {}
+        self._lists: dict[_Where, list[_Entry]] = {}
+        self._parts: dict[_Where, dict[Part, list[_Entry]]] = {}
         self._lent: set[_Where] = set()  # of `_lists`, lent out by `frozen`: copied first
         self._placed: dict[PoolKey, list[tuple[float, _Where]]] = {}
         self._dirty: set[PoolKey] = set()
@@ -180,17 +226,16 @@ class CostIndex:
         return horizon if by_horizon(self.pool.hazard, self.policy) else DEFAULT_HORIZON
 
     def sorted(self, gpu: str, market: Market, horizon: float = DEFAULT_HORIZON,
-               risk: RiskLevel | None = None, *, roomy: bool = False
-               ) -> list[tuple[float, PoolKey, Offer]]:
+               risk: RiskLevel | None = None, *, part: Part = WHOLE) -> list[_Entry]:
         """(unit cost, pool key, offer) of the priced offers of `gpu` in `market`,
         scored over `horizon` hours at risk level `risk`, cheapest first, as of now (an
-        offer re-read unchanged since may be newer in the pool: `ResourcePool.get`).
-        `roomy`: only those of pools not full (`ResourcePool.full`)."""
+        offer re-read unchanged since may be newer in the pool: `ResourcePool.get`);
+        only those of `part` (`Part`)."""
         hazard = self.pool.hazard
         seen = (id(hazard), hazard.refreshes if hazard is not None else 0)
         if seen != self._hazard_seen:
             self._lists.clear()
-            self._roomy.clear()
+            self._parts.clear()
             self._lent.clear()
             self._placed.clear()
             self._dirty.clear()
@@ -207,12 +252,25 @@ class CostIndex:
             got = sorted(((unit_cost(o, policy, hz), o.pool, o)
                           for o in self.pool.by_gpu(gpu, market)), key=_first_two)
             self._lists[where] = got
-            full = self.pool.full
-            self._roomy[where] = [e for e in got if not full(e[1])]
+            self._parts[where] = {}
             placed = self._placed
             for u, key, _ in got:
                 placed.setdefault(key, []).append((u, where))
-        return self._roomy[where] if roomy else got
+            self._part(where, ROOMY)  # kept from the start: most walks read it
+        return self._part(where, part)
+
+    def _part(self, where: _Where, part: Part) -> list[_Entry]:
+        if part == WHOLE:
+            return self._lists[where]
+        parts = self._parts[where]
+        got = parts.get(part)
+        if got is None:
+            if len(parts) >= PARTS:  # the roomy part stays; the others are made again
+                roomy = parts[ROOMY]
+                parts.clear()
+                parts[ROOMY] = roomy
+            got = parts[part] = part.of(self._lists[where], self.pool.full)
+        return got
 
     def covers(self, horizon: float, risk: RiskLevel | None = None) -> bool:
         """Every horizon's and level's list is made when first asked for."""
@@ -237,29 +295,31 @@ class CostIndex:
         self._lent.update(lists)
         return FrozenCosts(self.policy, lists,
                            normalise=not by_horizon(self.pool.hazard, self.policy),
-                           memo=self.memo, roomy={k: self._roomy[k] for k in lists})
+                           memo=self.memo, parts={k: dict(self._parts[k]) for k in lists},
+                           full=self.pool.full_now())
 
-    def _to_change(self, where: _Where) -> tuple[list[tuple[float, PoolKey, Offer]],
-                                                 list[tuple[float, PoolKey, Offer]]]:
-        """The list at `where` and its twin of pools not full, to be changed (copies of
-        them once lent out)."""
+    def _to_change(self, where: _Where) -> tuple[list[_Entry], dict[Part, list[_Entry]]]:
+        """The list at `where` and its parts, to be changed (copies of them once lent
+        out)."""
         if where in self._lent:
             self._lists[where] = list(self._lists[where])
-            self._roomy[where] = list(self._roomy[where])
+            self._parts[where] = {k: list(v) for k, v in self._parts[where].items()}
             self._lent.discard(where)
-        return self._lists[where], self._roomy[where]
+        return self._lists[where], self._parts[where]
 
     def _place_again(self) -> None:
         import bisect
 
         dirty, self._dirty = self._dirty, set()
-        self._room_dirty -= dirty  # placed again below, in both lists as the pool is now
+        self._room_dirty -= dirty  # placed again below, in every part as the pool is now
         lists, placed, full = self._lists, self._placed, self.pool.full
         scored = {w[2:] for w in lists}  # (horizon, risk level)
         for key in dirty:
             for u, where in placed.pop(key, ()):
-                for entries in self._to_change(where):
-                    _remove(entries, u, key)
+                entries, parts = self._to_change(where)
+                _remove(entries, u, key)
+                for part in parts.values():
+                    _remove(part, u, key)
             offer = self.pool.get(key)
             if offer is None or offer.price_per_hour is None or offer.gpus <= 0:
                 continue
@@ -268,14 +328,16 @@ class CostIndex:
                 if where not in lists:
                     continue  # that list is built when first asked for
                 u = unit_cost(offer, self.policy.for_risk(level), self._hazard(h))
-                entries, roomy = self._to_change(where)
-                bisect.insort(entries, (u, key, offer), key=_first_two)
-                if not full(key):
-                    bisect.insort(roomy, (u, key, offer), key=_first_two)
+                entry = (u, key, offer)
+                entries, parts = self._to_change(where)
+                bisect.insort(entries, entry, key=_first_two)
+                for part, got in parts.items():
+                    if part.admits(key, full):
+                        bisect.insort(got, entry, key=_first_two)
                 placed.setdefault(key, []).append((u, where))
 
     def _reroom(self) -> None:
-        """Take the offers of the pools that filled out of the lists of pools not full,
+        """Take the offers of the pools that filled out of the parts without full pools,
         and put back those of pools given room again."""
         import bisect
 
@@ -283,20 +345,15 @@ class CostIndex:
         full = self.pool.full
         for key in keys:
             for u, where in self._placed.get(key, ()):
-                entries, roomy = self._to_change(where)
-                _remove(roomy, u, key)
+                entries, parts = self._to_change(where)
                 i = bisect.bisect_left(entries, (u, key), key=_first_two)
-                if not full(key) and i < len(entries) and entries[i][1] == key:
-                    bisect.insort(roomy, entries[i], key=_first_two)
-
-
-def _remove(entries: list[tuple[float, PoolKey, Offer]], u: float, key: PoolKey) -> None:
-    """Take pool `key`'s entry at cost `u` out of `entries`, if it is there."""
-    import bisect
-
-    i = bisect.bisect_left(entries, (u, key), key=_first_two)
-    if i < len(entries) and entries[i][1] == key:
-        del entries[i]
+                if i == len(entries) or entries[i][1] != key:
+                    continue
+                for part, got in parts.items():
+                    if part.roomy:
+                        _remove(got, u, key)
+                        if part.admits(key, full):
+                            bisect.insort(got, entries[i], key=_first_two)
 
 
 class FrozenCosts:
@@ -304,18 +361,19 @@ class FrozenCosts:
     risk levels it was frozen for (`normalise`: every horizon scores alike, one list
     serves all)."""
 
-    def __init__(self, policy: Policy, lists: dict[_Where, list[tuple[float, PoolKey, Offer]]],
+    def __init__(self, policy: Policy, lists: dict[_Where, list[_Entry]],
                  normalise: bool = False, memo: CostMemo | None = None,
-                 roomy: dict[_Where, list[tuple[float, PoolKey, Offer]]] | None = None
-                 ) -> None:
+                 parts: dict[_Where, dict[Part, list[_Entry]]] | None = None,
+                 full: Collection[PoolKey] = frozenset()) -> None:
         self.policy = policy
         self.memo = memo if memo is not None else CostMemo()
         """The index's `CostMemo` (a batch in a worker thread adds to it; entries are
         per offer object, so one made from a later reading is never taken for an
         earlier one)."""
         self._lists = lists
-        self._roomy = roomy if roomy is not None else lists
-        """Each list's twin without the offers of pools full when frozen."""
+        self._parts = parts if parts is not None else {}
+        """Each list's parts when frozen; those asked for later are made here."""
+        self._full = full.__contains__  # the pools full when frozen
         self._normalise = normalise
         self._horizons = {w[2] for w in lists}
         self._risks = {w[3] for w in lists} or {policy.scoring.risk}
@@ -326,8 +384,7 @@ class FrozenCosts:
             (self._normalise or not self._horizons or horizon in self._horizons)
 
     def sorted(self, gpu: str, market: Market, horizon: float = DEFAULT_HORIZON,
-               risk: RiskLevel | None = None, *, roomy: bool = False
-               ) -> list[tuple[float, PoolKey, Offer]]:
+               risk: RiskLevel | None = None, *, part: Part = WHOLE) -> list[_Entry]:
         level = risk or self.policy.scoring.risk
         if level not in self._risks:
             raise KeyError(f"costs frozen for risk levels {sorted(self._risks)}, "
@@ -337,7 +394,15 @@ class FrozenCosts:
         elif self._horizons and horizon not in self._horizons:
             raise KeyError(f"costs frozen for horizons {sorted(self._horizons)}, "
                            f"not {horizon:g} h")
-        return (self._roomy if roomy else self._lists).get((gpu, market, horizon, level), [])
+        where = (gpu, market, horizon, level)
+        entries = self._lists.get(where, [])
+        if part == WHOLE:
+            return entries
+        parts = self._parts.setdefault(where, {})
+        got = parts.get(part)
+        if got is None:
+            got = parts[part] = part.of(entries, self._full)
+        return got
 
 
 Costs = CostIndex | FrozenCosts

@@ -17,7 +17,7 @@ from broker.placement.cost import expected_cost, idle_cost
 from broker.placement.outcomes import Scan
 from broker.placement.problem import Alive, Option
 from broker.placement.rules import Probe
-from broker.placement.view import Costs
+from broker.placement.view import WHOLE, Costs, Part
 from policies.model import RiskLevel
 
 Entries = Iterator[tuple[float, Offer, float, int | None]]
@@ -38,7 +38,7 @@ class Walker(Protocol):
     def _plain(self, gpu: str, m: Market) -> Entries: ...
 
     def _by_cost(self, gpu: str, m: Market, h: float, risk: RiskLevel,
-                 roomy: bool = False) -> Entries: ...
+                 part: Part = WHOLE) -> Entries: ...
 
 
 class _Found:
@@ -130,14 +130,16 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
     # request has no option: a walk that finds none is made again judging every offer.
     # (Without them, a walk that would have ended at one of them goes on to the next
     # offer that would end it, or to the end of the lists: the same options, and then
-    # all there are, `upto` inf.)
+    # all there are, `upto` inf.) Nor are the offers outside the request's own clouds
+    # and regions walked (`rules.REQUEST_REGION`, which `scan` does not count).
     for skipping in ((True, False) if skip else (False,)):
         scan = Scan()
         out = _Found(k if limit is None else None, limit, skipping)
+        part = Part(skipping, p.own_clouds, p.own_regions)
         for gpu in p.c.gpus:
             for m in p.c.markets:
                 _walk_list(b, p, b._plain(gpu, m) if by_price else
-                           b._by_cost(gpu, m, h, risk, roomy=skipping),
+                           b._by_cost(gpu, m, h, risk, part),
                            by_price, out, scan, alive, h)
         if out.heap or out.found or not (out.skipped or (skipping and not by_price)):
             break

@@ -26,7 +26,7 @@ from broker.placement.optimizer import Ask, Decision, Rejection, solve
 from broker.placement.outcomes import Scan
 from broker.placement.problem import Option
 from broker.placement.rules import Probe
-from broker.placement.view import CostIndex, Costs, PoolView, Snapshot
+from broker.placement.view import ROOMY, CostIndex, Costs, Part, PoolView, Snapshot
 from broker.placement.walk import walk
 from policies.evaluate import Constraints, evaluate
 from policies.model import Policy, Scoring
@@ -234,7 +234,7 @@ def test_a_snapshot_and_frozen_costs_keep_what_they_saw_while_the_pool_changes()
     view, costs = Snapshot(pool, T0), index.frozen()
     lists = {m: list(view.by_gpu(GPU, m)) for m in (None, *Market)}
     entries = list(costs.sorted(GPU, Market.SPOT))
-    roomy = list(costs.sorted(GPU, Market.SPOT, roomy=True))
+    roomy = list(costs.sorted(GPU, Market.SPOT, part=ROOMY))
     # Everything a batch placed in a worker thread must not see change under it.
     pool.hold(CHEAP.pool, 1)
     pool.hold(DEAR.pool, 5)
@@ -244,7 +244,7 @@ def test_a_snapshot_and_frozen_costs_keep_what_they_saw_while_the_pool_changes()
     assert view.held(CHEAP.pool) == 1 and view.held(DEAR.pool) == 0
     assert {m: list(view.by_gpu(GPU, m)) for m in (None, *Market)} == lists
     assert list(costs.sorted(GPU, Market.SPOT)) == entries
-    assert list(costs.sorted(GPU, Market.SPOT, roomy=True)) == roomy
+    assert list(costs.sorted(GPU, Market.SPOT, part=ROOMY)) == roomy
     # A new one sees it all.
     now = Snapshot(pool, T0)
     assert now.held(CHEAP.pool) == 2 and now.held(DEAR.pool) == 5
@@ -266,17 +266,23 @@ def test_the_index_lists_without_full_pools_follow_holdings_and_polls(
     wheres = [(GPU, m) for m in (Market.SPOT, Market.ON_DEMAND)]
     lent: list[tuple[Any, list[Any], list[Any]]] = []
 
+    parts = (ROOMY, Part(True, None, frozenset({"us-east-1"})),
+             Part(False, frozenset({"aws"}), frozenset({"us-west-2"})))
+
     def check() -> None:
         for gpu, m in wheres:
             every = index.sorted(gpu, m)
-            assert index.sorted(gpu, m, roomy=True) == \
-                [e for e in every if not pool.full(e[1])]
+            for part in parts:
+                assert index.sorted(gpu, m, part=part) == \
+                    [e for e in every if part.admits(e[1], pool.full)]
+            assert [e for e in every if pool.full(e[1])] == \
+                [e for e in every if not ROOMY.admits(e[1], pool.full)]
         for o in pool:
             assert pool.full(o.pool) == rules.no_room(o, pool.held(o.pool), 1)
         for costs, every, roomy in lent:
             for (gpu, m), was, was_roomy in zip(wheres, every, roomy, strict=True):
                 assert costs.sorted(gpu, m) == was
-                assert costs.sorted(gpu, m, roomy=True) == was_roomy
+                assert costs.sorted(gpu, m, part=ROOMY) == was_roomy
 
     check()
     for _ in range(data.draw(st.integers(1, 12))):
@@ -295,5 +301,30 @@ def test_the_index_lists_without_full_pools_follow_holdings_and_polls(
         elif what == "lend":
             costs = index.frozen()
             lent.append((costs, [list(costs.sorted(g, m)) for g, m in wheres],
-                         [list(costs.sorted(g, m, roomy=True)) for g, m in wheres]))
+                         [list(costs.sorted(g, m, part=ROOMY)) for g, m in wheres]))
         check()
+
+
+@FAST
+@given(pools(), st.data(), st.sampled_from((1, 2, 8)),
+       st.sampled_from((None, ("us-east-1",), ("us-west-2", "us-east-1"))),
+       st.sampled_from((None, ("aws",), ("gcp",))))
+def test_a_request_of_its_own_regions_walks_them_alone_and_lists_what_the_rules_let_through(
+        world: tuple[ResourcePool, list[Offer]], data: st.DataObject, need: int,
+        regions: tuple[str, ...] | None, clouds: tuple[str, ...] | None) -> None:
+    """In order of cost the walk reads only the index's part of the request's own clouds
+    and regions; every option there is, as the rules judge them offer by offer in order
+    of price (no index)."""
+    pool, _ = world
+    c = replace(constraints(data), cap=None)
+    policy = Policy()
+    req = request("r1", GPU, need, regions=regions, clouds=clouds)
+    found = []
+    for indexed_costs in (True, False):
+        b = builder(pool, policy, indexed_costs)
+        p = Probe(req, c, b.view, policy)
+        options, _, _ = walk(b, p, None, math.inf, None, DEFAULT_HORIZON)
+        found.append({(o.ref[0].pool, o.ref[1]) for o in options})
+    assert found[0] == found[1]
+    assert all((not regions or key.region in regions) and (not clouds or key.cloud in clouds)
+               for key, _ in found[0])
