@@ -623,6 +623,31 @@ async def test_the_milp_gets_its_share_of_the_cpu_and_no_more(setup: Any) -> Non
     assert broker._milp_budget <= placing.MILP_BURST_SECONDS
 
 
+async def test_the_milp_is_charged_all_the_cpu_its_batch_took(
+        setup: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Listing the options the MILP prices out costs more than the MILP itself: the
+    bucket is charged the CPU of the whole solve, not the solver's own seconds."""
+    import time
+
+    from broker.placement import optimizer
+
+    broker, _, _ = setup
+    real_solve = optimizer.solve
+    spent = 0.3  # beyond what the MILP may take of a batch this small
+
+    def solve(*args: Any, **kwargs: Any) -> Any:
+        started = time.thread_time()
+        while time.thread_time() - started < spent:  # CPU the solver does not count
+            pass
+        return real_solve(*args, **kwargs)
+
+    monkeypatch.setattr(optimizer, "solve", solve)
+    before = broker._milp_budget
+    await broker.handle([_place_cmd("r1"), _place_cmd("r2")])  # a MILP batch, in a thread
+    assert broker.last_batch is not None and broker.last_batch.seconds < spent
+    assert before - broker._milp_budget >= spent - 0.01  # the refill meanwhile
+
+
 # --- a command is done once its outcome is committed (#26) -----------------------------
 
 
