@@ -302,8 +302,19 @@ class CandidateBuilder:
         if got is None:
             import numpy as np
 
-            got = self._index[(gpu, m)] = OfferArrays.of(
-                self._plain(gpu, m), self.policy, self.view)
+            offers = [o for _, o, _, _ in self._plain(gpu, m)]
+            kept = self.costs.memo.arrays if self.costs is not None else None
+            last = kept.get((gpu, m)) if kept is not None else None
+            # The last batch's arrays when its offers are the very same (most batches of
+            # a burst): their room read again, the rest shared.
+            if last is not None and not self.policy.scoring.spot_min_discount and \
+                    last.offers == offers:
+                got = last.again(self.view)
+            else:
+                got = OfferArrays.of(offers, self.policy, self.view)
+                if kept is not None:
+                    kept[(gpu, m)] = got
+            self._index[(gpu, m)] = got
             # Its offers' slots in `room`, after those of the arrays made before.
             before = self.room if self.room is not None else np.zeros(0)
             got.base = len(before)

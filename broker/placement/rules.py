@@ -29,7 +29,7 @@ all read this table."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,24 +120,24 @@ class OfferArrays:
         self.offers: list[Offer] = []
         self.regions: list[tuple[str, str]] = []
         self._eff: dict[tuple[float, RiskLevel], Any] = {}
+        self._capped: Any = None  # the offers with a capacity, by index
 
     @classmethod
-    def of(cls, entries: Iterable[tuple[float, Offer, float, int | None]], policy: Policy,
-           view: PoolView) -> OfferArrays:
+    def of(cls, offers: list[Offer], policy: Policy, view: PoolView) -> OfferArrays:
+        """`offers` (priced, of one model and market) as arrays, their room as `view`
+        has it."""
         import numpy as np
 
         a = cls()
+        a.offers = offers
         codes: dict[tuple[str, str], int] = {}
-        ppg, gpus, price, free, q_have, q_unit, region, disc = [], [], [], [], [], [], [], []
+        gpus, price, cap, q_have, q_unit, region, disc = [], [], [], [], [], [], []
         min_discount = policy.scoring.spot_min_discount
-        for p, offer, _, _ in entries:
+        for offer in offers:
             key = offer.pool
-            f = None if offer.capacity is None else offer.capacity - view.held(key)
-            a.offers.append(offer)
-            ppg.append(p)
             gpus.append(offer.gpus)
             price.append(offer.price_per_hour)
-            free.append(math.inf if f is None else f)
+            cap.append(math.inf if offer.capacity is None else offer.capacity)
             q = quota_use(offer, 1)
             q_have.append(math.inf if q is None else q[2])
             q_unit.append(0 if q is None else q[1])
@@ -145,11 +145,39 @@ class OfferArrays:
             disc.append(not min_discount or spot_discount_ok(offer, view, min_discount))
         a.regions = list(codes)
         a.gpus = np.array(gpus, dtype=np.int64)
-        a.ppg, a.price = np.array(ppg, dtype=float), np.array(price, dtype=float)
-        a.free = np.array(free, dtype=float)
+        a.price = np.array(price, dtype=float)
+        a.ppg = a.price / a.gpus
+        a.cap = np.array(cap, dtype=float)
+        a._capped = np.flatnonzero(np.isfinite(a.cap))
         a.q_have, a.q_unit = np.array(q_have, dtype=float), np.array(q_unit, dtype=float)
         a.region = np.array(region, dtype=np.int64)
         a.disc_ok = np.array(disc, dtype=bool)
+        a.free = a._free(view)
+        return a
+
+    def _free(self, view: PoolView) -> Any:
+        """Instances free per offer, as `view` holds them (inf: no capacity known)."""
+        import numpy as np
+
+        free = self.cap.copy()
+        if len(self._capped):
+            held, offers = view.held, self.offers
+            free[self._capped] -= np.fromiter(
+                (held(offers[i].pool) for i in self._capped.tolist()), dtype=float,
+                count=len(self._capped))
+        return free
+
+    def again(self, view: PoolView) -> OfferArrays:
+        """The same offers for another batch: everything shared but their room, as `view`
+        holds them now, and the slots (`base`). Only while the policy's spot discount is
+        0 (`disc_ok` reads the on-demand offers, which may have changed)."""
+        a = OfferArrays.__new__(OfferArrays)
+        a.offers, a.regions, a._eff, a._capped = self.offers, self.regions, self._eff, \
+            self._capped
+        a.gpus, a.price, a.ppg, a.cap = self.gpus, self.price, self.ppg, self.cap
+        a.q_have, a.q_unit, a.region, a.disc_ok = self.q_have, self.q_unit, self.region, \
+            self.disc_ok
+        a.free = a._free(view)
         return a
 
     def eff(self, h: float, policy: Policy, hazard: Hazard | None,
@@ -165,26 +193,29 @@ class OfferArrays:
         computed for."""
         key = (h, policy.scoring.risk)
         got = self._eff.get(key)
-        if got is None:
-            import numpy as np
+        # Kept across batches (`again`) while `memo` is the same table: the estimator
+        # neither refreshed nor replaced, the same scoring.
+        if got is not None and got[0] is memo:
+            return got[1], got[2]
+        import numpy as np
 
-            n = len(self.offers)
-            eff, gang = np.empty(n, dtype=float), np.zeros(n, dtype=float)
-            spot = Market.SPOT
-            for i, o in enumerate(self.offers):
-                kept = memo.get(o.pool) if memo is not None else None
-                if kept is not None and kept[0] is o:
-                    eff[i], gang[i] = kept[1], kept[2]
-                    continue
-                one = expected_cost(o, 1, policy, hazard=hazard)
-                eff[i] = one / o.gpus
-                if o.pool.market is spot:  # only spot risk grows with the gang
-                    gang[i] = max(0.0, (expected_cost(o, 2, policy, hazard=hazard) / 2 - one)
-                                  / o.gpus)
-                if memo is not None:
-                    memo[o.pool] = (o, float(eff[i]), float(gang[i]))
-            got = self._eff[key] = (eff, gang)
-        return got
+        n = len(self.offers)
+        eff, gang = np.empty(n, dtype=float), np.zeros(n, dtype=float)
+        spot = Market.SPOT
+        for i, o in enumerate(self.offers):
+            kept = memo.get(o.pool) if memo is not None else None
+            if kept is not None and kept[0] is o:
+                eff[i], gang[i] = kept[1], kept[2]
+                continue
+            one = expected_cost(o, 1, policy, hazard=hazard)
+            eff[i] = one / o.gpus
+            if o.pool.market is spot:  # only spot risk grows with the gang
+                gang[i] = max(0.0, (expected_cost(o, 2, policy, hazard=hazard) / 2 - one)
+                              / o.gpus)
+            if memo is not None:
+                memo[o.pool] = (o, float(eff[i]), float(gang[i]))
+        self._eff[key] = (memo, eff, gang)
+        return eff, gang
 
     def per_offer(self, test: Callable[[Offer], bool]) -> Any:
         import numpy as np
@@ -199,6 +230,7 @@ class OfferArrays:
     ppg: Any
     price: Any
     gpus: Any
+    cap: Any
     free: Any
     q_have: Any
     q_unit: Any

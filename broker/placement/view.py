@@ -102,6 +102,10 @@ class CostMemo:
     def __init__(self) -> None:
         self._seen: tuple[int, int] | None = None
         self._tables: dict[tuple[float, Any], dict[PoolKey, tuple[Offer, float, float]]] = {}
+        self.arrays: dict[tuple[str, Market], Any] = {}
+        """The last large batch's `rules.OfferArrays` per (model, market): the next one
+        shares them when its offers are the same objects (`OfferArrays.again`), their
+        costs too while `table` gives the same tables."""
 
     def table(self, estimator: Any, policy: Policy, h: float
               ) -> dict[PoolKey, tuple[Offer, float, float]]:

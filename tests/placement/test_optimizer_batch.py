@@ -13,10 +13,11 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
-from factories import T0, offer, pool_of, request
+from factories import SLICE, T0, offer, pool_of, request
 
 from broker.market.pool import ResourcePool
 from broker.model import Market, Offer, PlaceRequest, RejectCode
@@ -761,3 +762,83 @@ def test_the_arrays_costs_kept_across_batches_serve_only_the_offer_they_were_mad
         offer("us-east-1a", market="spot", price=12.0, capacity=1, interruption_rate=0.2),
         dear])
     assert batch() == ["us-east-1b", "us-east-1a"]
+
+
+@BOTH
+def test_a_large_batch_shares_the_last_ones_arrays_only_while_its_offers_are_the_same(
+        settings: BatchSettings) -> None:
+    """Large batches keep their offer arrays for the next (`CostMemo.arrays`): it shares
+    them while its offers are the very same, with their room read again. Batch after
+    batch, with holdings, a poll, a cool-down and an estimator refresh between, every
+    outcome is the one a batch without anything kept (a new index) decides."""
+    from broker.market.hazard import HazardEstimator
+    from broker.placement.optimizer import CostIndex
+
+    offers = [offer(f"us-east-1{z}", instance_type=f"p5.{i}", market="spot",
+                    price=10.0 + i + (z == "b"), capacity=1, interruption_rate=0.01 * i)
+              for z in "ab" for i in range(4)]
+    pool = pool_of(offers)
+    pool.hazard = HazardEstimator()
+    index = CostIndex(pool, POLICY)
+    settings = replace(settings, index_min_batch=1)
+    shared = 0
+
+    def batch(tag: str) -> None:
+        nonlocal shared
+        asks = [Ask(request(f"{tag}{i}", market="spot", gpus=8)) for i in range(3)]
+        before = dict(index.memo.arrays)
+        got = solve(asks, pool, POLICY, now=T0, settings=settings,
+                    costs=index.frozen({1.0}))
+        fresh = solve(asks, pool, POLICY, now=T0, settings=settings,
+                      costs=CostIndex(pool, POLICY).frozen({1.0}))
+        assert [(type(o), zones_of(o)) for o in got.outcomes] == \
+            [(type(o), zones_of(o)) for o in fresh.outcomes]
+        shared += sum(1 for k, a in index.memo.arrays.items()
+                      if k in before and a is before[k])
+        for o in got.outcomes:
+            if isinstance(o, Decision):
+                pool.hold(o.placement.pool, o.placement.instances)
+
+    batch("a")
+    batch("b")  # held since: the same offers, less room
+    assert shared > 0
+    pool.unhold(offers[0].pool, 1)
+    batch("c")
+    pool.replace(SLICE, [replace(o, price_per_hour=o.price_per_hour + 5) if i == 1 else o
+                         for i, o in enumerate(offers)])
+    kept = dict(index.memo.arrays)
+    batch("d")  # a changed offer: made again
+    assert index.memo.arrays[("H100-80GB", Market.SPOT)] is not kept[("H100-80GB", Market.SPOT)]
+    pool.cool_down(offers[2].pool, 600)
+    batch("e")
+    pool.hazard.refresh()
+    batch("f")
+
+
+def zones_of(o: Outcome) -> tuple[str, int] | None:
+    return (o.placement.pool.instance_type, o.placement.instances) \
+        if isinstance(o, Decision) else None
+
+
+def test_arrays_shared_with_another_batch_read_their_room_and_costs_again() -> None:
+    """Arrays shared with the next batch read their offers' room again; the costs kept
+    with them serve it only while the memo gives it the same table (the estimator
+    neither refreshed nor replaced): else they are made again, and the new table
+    filled."""
+    from broker.placement.rules import OfferArrays
+
+    offers = [offer(f"us-east-1{z}", market="spot", price=10.0, interruption_rate=0.01,
+                    capacity=3 if z == "a" else None) for z in "ab"]
+    pool = pool_of(offers)
+    arrays = OfferArrays.of(offers, POLICY, pool)
+    pool.hold(offers[0].pool, 2)
+    assert list(arrays.again(pool).free) == [1, math.inf]  # its room read again
+    assert list(arrays.free) == [3, math.inf]
+    first: dict[Any, Any] = {}
+    eff, _ = arrays.eff(1.0, POLICY, None, first)
+    assert set(first) == {o.pool for o in offers}
+    again = arrays.again(pool)
+    assert again.eff(1.0, POLICY, None, first)[0] is eff  # the same table: shared
+    second: dict[Any, Any] = {}
+    assert list(again.eff(1.0, POLICY, None, second)[0]) == list(eff)
+    assert set(second) == {o.pool for o in offers}  # costed again, for the new table

@@ -141,8 +141,7 @@ def arrays(w: World) -> list[OfferArrays]:
         for m in Market:
             group = [o for o in w.offers if o.gpu == gpu and o.pool.market is m]
             if group:
-                out.append(OfferArrays.of(((o.price_per_hour / o.gpus, o, 0.0, None)
-                                           for o in group), w.policy, w.pool))
+                out.append(OfferArrays.of(group, w.policy, w.pool))
     return out
 
 
