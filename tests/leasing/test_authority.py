@@ -163,24 +163,31 @@ async def test_a_batch_gives_the_contested_pool_to_the_request_that_needs_it(
     assert len(result.outcomes) == 2 and result.optimal
 
 
-async def test_requests_queued_together_are_placed_as_one_batch(setup: Any) -> None:
+async def _run_until_idle(broker: Any, timeout: float) -> None:
+    """Run the broker's request loop until every queued request is decided and committed
+    (the last batch's `task_done`, then `between_batches`: no await between them)."""
     import asyncio
+
+    ready = asyncio.Event()
+    ready.set()
+    task = asyncio.create_task(broker.run_requests(ready))
+    try:
+        async with asyncio.timeout(timeout):
+            await broker.idle()
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_requests_queued_together_are_placed_as_one_batch(setup: Any) -> None:
 
     broker, _, _ = setup
     observed: list[Any] = []
     broker.batch_observers.append(observed.append)
     await broker.submit(_place_cmd("r1"))
     await broker.submit(_place_cmd("r2", max_price_per_gpu_hour=3.0))
-    ready = asyncio.Event()
-    ready.set()
-    task = asyncio.create_task(broker.run_requests(ready))
-    try:
-        async with asyncio.timeout(10):
-            await broker.idle()
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+    await _run_until_idle(broker, 10)
     assert [len(r.outcomes) for r in observed] == [2]
     assert _decisions(broker) == {"r1": "us-east-1b", "r2": "us-east-1a"}
 
@@ -189,7 +196,6 @@ async def test_a_backlog_found_at_start_is_answered_in_small_batches_first(
         setup: Any) -> None:
     """A new leader finds the requests that waited for it: the first batch is small, so
     the first decisions come at once; each next batch may be twice as large."""
-    import asyncio
 
     from broker.leasing.authority import FIRST_BATCH
 
@@ -198,16 +204,7 @@ async def test_a_backlog_found_at_start_is_answered_in_small_batches_first(
     broker.batch_observers.append(observed.append)
     for i in range(6 * FIRST_BATCH):
         await broker.submit(_place_cmd(f"b{i}", gpus=1))
-    ready = asyncio.Event()
-    ready.set()
-    task = asyncio.create_task(broker.run_requests(ready))
-    try:
-        async with asyncio.timeout(20):
-            await broker.idle()
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+    await _run_until_idle(broker, 20)
     sizes = [len(r.outcomes) for r in observed]
     assert sum(sizes) == 6 * FIRST_BATCH
     assert sizes[:3] == [FIRST_BATCH, 2 * FIRST_BATCH, 3 * FIRST_BATCH]  # the rest: 3 x 16
@@ -217,7 +214,6 @@ async def test_a_backlog_calls_between_batches_after_each_batch_with_no_change_u
         setup: Any) -> None:
     """The daemon's heap sweep runs there: a broker with a backlog is never idle, so the
     sweep must be offered a moment between batches, when nothing of a batch is alive."""
-    import asyncio
 
     from broker.leasing.authority import FIRST_BATCH
 
@@ -229,16 +225,7 @@ async def test_a_backlog_calls_between_batches_after_each_batch_with_no_change_u
         (len(observed), broker._lock.locked(), broker._requests.qsize()))
     for i in range(3 * FIRST_BATCH):
         await broker.submit(_place_cmd(f"b{i}", gpus=1))
-    ready = asyncio.Event()
-    ready.set()
-    task = asyncio.create_task(broker.run_requests(ready))
-    try:
-        async with asyncio.timeout(20):
-            await broker.idle()  # the last batch's task_done, then the call: no await between
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+    await _run_until_idle(broker, 20)
     assert [n for n, _, _ in seen] == list(range(len(observed) + 1))
     assert not any(locked for _, locked, _ in seen)
     assert seen[1][2] > 0  # after the first batch, the backlog still waited
