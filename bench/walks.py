@@ -8,7 +8,10 @@ keeps, the request mix of bench/latency.py placed one request a batch on the liv
 lists (`walked`) and those it judged by the rules (`judged`: the rest it passed over as
 full, `rules.no_room`), and the CPU a request (`time.process_time`, counting included).
 
-    python bench/walks.py [--fill 10000] [--rounds 20]
+    python bench/walks.py [--fill 10000] [--rounds 20] [--default-cap USD]
+
+`--default-cap`: a policy with a price cap for every request that names none (then every
+walk is in order of price, where the walk ends at the cap).
 """
 
 from __future__ import annotations
@@ -45,10 +48,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=20, help="rounds of the mix counted")
     ap.add_argument("--regions-per-cloud", type=int, default=88)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--default-cap", type=float, default=None, metavar="USD",
+                    help="the policy's defaults.max_price_per_gpu_hour (none)")
     args = ap.parse_args()
 
     world = World(args.regions_per_cloud, args.seed)
-    policy = Policy()
+    policy = Policy.model_validate(
+        {"defaults": {"max_price_per_gpu_hour": args.default_cap}}
+        if args.default_cap is not None else {})
     index = CostIndex(world.pool, policy)
     settings = BatchSettings(exact_max_batch=0)
     walked: Counter[Any] = Counter()

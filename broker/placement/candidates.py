@@ -472,6 +472,17 @@ class CandidateBuilder:
             ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
             yield ppg, offer, ppg, None  # free instances: computed where needed
 
+    def _by_price(self, gpu: str, m: Market, part: Part = WHOLE
+                  ) -> Iterator[tuple[float, Offer, float, int | None]]:
+        """`_plain` from the `CostIndex`'s list in order of price: only the offers of
+        `part`."""
+        assert self.costs is not None
+        view, stale, cooling = self.view, self.stale, self.cooling
+        for ppg, key, offer in self.costs.by_price(gpu, m, part=part):
+            if (cooling and key in cooling) or (stale and view.slice_of(key) in stale):
+                continue
+            yield ppg, offer, ppg, None
+
     def _by_cost(self, gpu: str, m: Market, h: float, risk: RiskLevel, part: Part = WHOLE
                  ) -> Iterator[tuple[float, Offer, float, int | None]]:
         """`_plain` in order of `unit_cost` at risk level `risk` (from the `CostIndex`),

@@ -86,7 +86,9 @@ def _first_two(entry: tuple[float, PoolKey, Offer]) -> tuple[float, PoolKey]:
     return entry[0], entry[1]
 
 
-_Where = tuple[str, Market, float, RiskLevel]  # (GPU model, market, horizon hours, risk)
+_Where = tuple[str, Market, float, str]  # (GPU model, market, horizon hours, risk level)
+PRICE = "price"
+"""The level of the index's lists in order of price per GPU-hour (horizon 0)."""
 
 
 class CostMemo:
@@ -235,6 +237,14 @@ class CostIndex:
         scored over `horizon` hours at risk level `risk`, cheapest first, as of now (an
         offer re-read unchanged since may be newer in the pool: `ResourcePool.get`);
         only those of `part` (`Part`)."""
+        return self._list((gpu, market, self._horizon(horizon), self._risk(risk)), part)
+
+    def by_price(self, gpu: str, market: Market, *, part: Part = WHOLE) -> list[_Entry]:
+        """`sorted` in order of price per GPU-hour, which is its first item (the pool's
+        order, `ResourcePool.by_gpu`): for the walks that end at a price cap."""
+        return self._list((gpu, market, 0.0, PRICE), part)
+
+    def _list(self, where: _Where, part: Part) -> list[_Entry]:
         hazard = self.pool.hazard
         seen = (id(hazard), hazard.refreshes if hazard is not None else 0)
         if seen != self._hazard_seen:
@@ -249,11 +259,10 @@ class CostIndex:
             self._place_again()
         if self._room_dirty:
             self._reroom()
-        where = (gpu, market, self._horizon(horizon), self._risk(risk))
         got = self._lists.get(where)
         if got is None:
-            policy, hz = self.policy.for_risk(where[3]), self._hazard(where[2])
-            got = sorted(((unit_cost(o, policy, hz), o.pool, o)
+            gpu, market, h, level = where
+            got = sorted(((self._cost(o, h, level), o.pool, o)
                           for o in self.pool.by_gpu(gpu, market)), key=_first_two)
             self._lists[where] = got
             self._parts[where] = {}
@@ -262,6 +271,13 @@ class CostIndex:
                 placed.setdefault(key, []).append((u, where))
             self._part(where, ROOMY)  # kept from the start: most walks read it
         return self._part(where, part)
+
+    def _cost(self, offer: Offer, h: float, level: str) -> float:
+        """What a list orders `offer` by: its price per GPU-hour in the list by price,
+        else its `unit_cost` over `h` hours at risk level `level`."""
+        if level == PRICE:
+            return offer.price_per_hour / offer.gpus  # type: ignore[operator]
+        return unit_cost(offer, self.policy.for_risk(level), self._hazard(h))  # type: ignore[arg-type]
 
     def _part(self, where: _Where, part: Part) -> list[_Entry]:
         if part == WHOLE:
@@ -292,10 +308,12 @@ class CostIndex:
             self._hazard(h)  # an estimator's view is made here, on the loop, not in a thread
         for gpu in self.pool.gpus():
             for market in Market:
+                self.by_price(gpu, market)
                 for h in want:
                     for level in levels:
                         self.sorted(gpu, market, h, level)
-        lists = {k: v for k, v in self._lists.items() if k[2] in want and k[3] in levels}
+        lists = {k: v for k, v in self._lists.items()
+                 if k[3] == PRICE or (k[2] in want and k[3] in levels)}
         self._lent.update(lists)
         return FrozenCosts(self.policy, lists,
                            normalise=not by_horizon(self.pool.hazard, self.policy),
@@ -322,8 +340,8 @@ class CostIndex:
             for u, where in placed.pop(key, ()):
                 entries, parts = self._to_change(where)
                 _remove(entries, u, key)
-                for part in parts.values():
-                    _remove(part, u, key)
+                for within in parts.values():
+                    _remove(within, u, key)
             offer = self.pool.get(key)
             if offer is None or offer.price_per_hour is None or offer.gpus <= 0:
                 continue
@@ -331,7 +349,7 @@ class CostIndex:
                 where = (offer.gpu, key.market, h, level)
                 if where not in lists:
                     continue  # that list is built when first asked for
-                u = unit_cost(offer, self.policy.for_risk(level), self._hazard(h))
+                u = self._cost(offer, h, level)
                 entry = (u, key, offer)
                 entries, parts = self._to_change(where)
                 bisect.insort(entries, entry, key=_first_two)
@@ -379,8 +397,8 @@ class FrozenCosts:
         """Each list's parts when frozen; those asked for later are made here."""
         self._full = full.__contains__  # the pools full when frozen
         self._normalise = normalise
-        self._horizons = {w[2] for w in lists}
-        self._risks = {w[3] for w in lists} or {policy.scoring.risk}
+        self._horizons = {w[2] for w in lists if w[3] != PRICE}
+        self._risks = {w[3] for w in lists if w[3] != PRICE} or {policy.scoring.risk}
 
     def covers(self, horizon: float, risk: RiskLevel | None = None) -> bool:
         """Whether lists for `horizon` and risk level `risk` were frozen."""
@@ -398,7 +416,13 @@ class FrozenCosts:
         elif self._horizons and horizon not in self._horizons:
             raise KeyError(f"costs frozen for horizons {sorted(self._horizons)}, "
                            f"not {horizon:g} h")
-        where = (gpu, market, horizon, level)
+        return self._part((gpu, market, horizon, level), part)
+
+    def by_price(self, gpu: str, market: Market, *, part: Part = WHOLE) -> list[_Entry]:
+        """`CostIndex.by_price` as it was when frozen."""
+        return self._part((gpu, market, 0.0, PRICE), part)
+
+    def _part(self, where: _Where, part: Part) -> list[_Entry]:
         entries = self._lists.get(where, [])
         if part == WHOLE:
             return entries

@@ -37,6 +37,8 @@ class Walker(Protocol):
 
     def _plain(self, gpu: str, m: Market) -> Entries: ...
 
+    def _by_price(self, gpu: str, m: Market, part: Part = WHOLE) -> Entries: ...
+
     def _by_cost(self, gpu: str, m: Market, h: float, risk: RiskLevel,
                  part: Part = WHOLE) -> Entries: ...
 
@@ -124,24 +126,26 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
     # order of cost when the index is there (it ends once no option can make the list).
     by_price = b.costs is None or p.c.cap is not None or not b.costs.covers(h, risk)
     # Offers with no room (`rules.no_room`) are passed over unjudged: once the pool
-    # fills, the cheap offers ahead of the first with room are most of a walk. In order
-    # of cost, the offers of full pools are not even stepped over: the index's lists
-    # without them are walked. They are then missing from `scan`, which names why a
+    # fills, the cheap offers ahead of the first with room are most of a walk. With the
+    # index, the offers of full pools are not even stepped over: its lists without them
+    # are walked, in either order. They are then missing from `scan`, which names why a
     # request has no option: a walk that finds none is made again judging every offer.
     # (Without them, a walk that would have ended at one of them goes on to the next
     # offer that would end it, or to the end of the lists: the same options, and then
     # all there are, `upto` inf.) Nor are the offers outside the request's own clouds
     # and regions walked (`rules.REQUEST_REGION`, which `scan` does not count).
+    indexed = b.costs is not None
     for skipping in ((True, False) if skip else (False,)):
         scan = Scan()
         out = _Found(k if limit is None else None, limit, skipping)
         part = Part(skipping, p.own_clouds, p.own_regions)
         for gpu in p.c.gpus:
             for m in p.c.markets:
-                _walk_list(b, p, b._plain(gpu, m) if by_price else
-                           b._by_cost(gpu, m, h, risk, part),
-                           by_price, out, scan, alive, h)
-        if out.heap or out.found or not (out.skipped or (skipping and not by_price)):
+                entries = (b._plain(gpu, m) if not indexed else
+                           b._by_price(gpu, m, part) if by_price else
+                           b._by_cost(gpu, m, h, risk, part))
+                _walk_list(b, p, entries, by_price, out, scan, alive, h)
+        if out.heap or out.found or not (out.skipped or (skipping and indexed)):
             break
     return (*out.result(), scan)
 

@@ -272,9 +272,13 @@ def test_the_index_lists_without_full_pools_follow_holdings_and_polls(
     def check() -> None:
         for gpu, m in wheres:
             every = index.sorted(gpu, m)
+            by_price = index.by_price(gpu, m)
+            assert [e[2] for e in by_price] == list(pool.by_gpu(gpu, m))
             for part in parts:
                 assert index.sorted(gpu, m, part=part) == \
                     [e for e in every if part.admits(e[1], pool.full)]
+                assert index.by_price(gpu, m, part=part) == \
+                    [e for e in by_price if part.admits(e[1], pool.full)]
             assert [e for e in every if pool.full(e[1])] == \
                 [e for e in every if not ROOMY.admits(e[1], pool.full)]
         for o in pool:
@@ -312,11 +316,11 @@ def test_the_index_lists_without_full_pools_follow_holdings_and_polls(
 def test_a_request_of_its_own_regions_walks_them_alone_and_lists_what_the_rules_let_through(
         world: tuple[ResourcePool, list[Offer]], data: st.DataObject, need: int,
         regions: tuple[str, ...] | None, clouds: tuple[str, ...] | None) -> None:
-    """In order of cost the walk reads only the index's part of the request's own clouds
-    and regions; every option there is, as the rules judge them offer by offer in order
-    of price (no index)."""
+    """With the index the walk reads only its part of the request's own clouds and
+    regions (in order of cost, or of price under a cap); every option there is, as the
+    rules judge them offer by offer in order of price (no index)."""
     pool, _ = world
-    c = replace(constraints(data), cap=None)
+    c = constraints(data)
     policy = Policy()
     req = request("r1", GPU, need, regions=regions, clouds=clouds)
     found = []
