@@ -9,9 +9,11 @@ lists (`walked`) and those it judged by the rules (`judged`: the rest it passed 
 full, `rules.no_room`), and the CPU a request (`time.process_time`, counting included).
 
     python bench/walks.py [--fill 10000] [--rounds 20] [--default-cap USD]
+                          [--allow-regions REGION ...]
 
 `--default-cap`: a policy with a price cap for every request that names none (then every
-walk is in order of price, where the walk ends at the cap).
+walk is in order of price, where the walk ends at the cap); `--allow-regions`: a policy
+that allows those regions only.
 """
 
 from __future__ import annotations
@@ -50,12 +52,17 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--default-cap", type=float, default=None, metavar="USD",
                     help="the policy's defaults.max_price_per_gpu_hour (none)")
+    ap.add_argument("--allow-regions", nargs="+", default=None, metavar="REGION",
+                    help="the policy's regions.allow (none: any)")
     args = ap.parse_args()
 
     world = World(args.regions_per_cloud, args.seed)
-    policy = Policy.model_validate(
-        {"defaults": {"max_price_per_gpu_hour": args.default_cap}}
-        if args.default_cap is not None else {})
+    spec: dict[str, Any] = {}
+    if args.default_cap is not None:
+        spec["defaults"] = {"max_price_per_gpu_hour": args.default_cap}
+    if args.allow_regions:
+        spec["regions"] = {"allow": args.allow_regions}
+    policy = Policy.model_validate(spec)
     index = CostIndex(world.pool, policy)
     settings = BatchSettings(exact_max_batch=0)
     walked: Counter[Any] = Counter()

@@ -155,7 +155,16 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
     need = p.request.gpus
     policy, hazard = p.policy, b.hazard(h)
     skip, held, no_room = out.skip, p.view.held, rules.no_room
+    # Offers outside the regions the policy allows the request (a team's clouds or
+    # residency, the policy's allow and deny lists) are passed over too, by the rule's
+    # own test kept per region (`Constraints.region_ok`), not judged one by one; they
+    # are what `scan.policy_excluded` counts, so a walk that finds nothing is made
+    # again judging them.
+    region_ok = p.c.region_ok if skip and rules.places_bounded(p) else None
     for bound, offer, ppg, _ in entries:
+        if region_ok is not None and not region_ok(offer.pool.cloud, offer.pool.region):
+            out.skipped += 1
+            continue
         # An offer with no room can never be an option: passed over unjudged unless the
         # walk would stop at it. Where the next offer that passes the rules up to `fit`
         # would end the walk (`out.full`), so might this one: judged then, so that the

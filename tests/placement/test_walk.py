@@ -332,3 +332,30 @@ def test_a_request_of_its_own_regions_walks_them_alone_and_lists_what_the_rules_
     assert found[0] == found[1]
     assert all((not regions or key.region in regions) and (not clouds or key.cloud in clouds)
                for key, _ in found[0])
+
+
+def test_the_walk_passes_over_the_regions_the_policy_denies_only_when_it_names_some() -> None:
+    """`rules.places_bounded` says when `Constraints.region_ok` may say no: without clouds,
+    regions or residency in the verdict every region is allowed, and the walk need not
+    ask; with any of them it passes over the regions denied and finds what the rules
+    would."""
+    free = Constraints(gpus=(GPU,), markets=(Market.SPOT,), cap=None)
+    pool = pool_of([offer(z, cloud=cl, region=rg, instance_type=f"t.{z}", gpus=1, price=1.0)
+                    for cl, rg, z in ZONES])
+    p = Probe(request("r1", GPU, 1), free, pool, Policy())
+    assert not rules.places_bounded(p)
+    assert all(free.region_ok(cl, rg) for cl, rg, _ in ZONES)
+    for c in (replace(free, clouds=frozenset({"gcp"})),
+              replace(free, deny_clouds=frozenset({"aws"})),
+              replace(free, regions=frozenset({"us-west-2"})),
+              replace(free, deny_regions=frozenset({"us-west-2"})),
+              replace(free, residency=(frozenset({"eu"}),))):
+        b = builder(pool, Policy(), indexed_costs=True)
+        p = Probe(request("r1", GPU, 1), c, b.view, Policy())
+        assert rules.places_bounded(p)
+        fast = walk(b, p, None, math.inf, None, DEFAULT_HORIZON)
+        plain = walk(b, p, None, math.inf, None, DEFAULT_HORIZON, skip=False)
+        assert {o.ref[0].pool for o in fast[0]} == {o.ref[0].pool for o in plain[0]} == \
+            {o.pool for o in pool if c.region_ok(o.pool.cloud, o.pool.region)}
+        if not plain[0]:
+            assert fast[2] == plain[2] and plain[2].policy_excluded == len(ZONES)
