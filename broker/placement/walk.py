@@ -56,6 +56,7 @@ class _Found:
         self.cut = False
         self.skip = skip
         self.skipped = 0
+        self.counting = False  # only `scan` is wanted: no option is there to find
 
     def full(self, cost: float) -> bool:
         """Whether an option costing `cost` per hour or more cannot make the list."""
@@ -134,36 +135,46 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
     # offer that would end it, or to the end of the lists: the same options, and then
     # all there are, `upto` inf.) Nor are the offers outside the request's own clouds
     # and regions walked (`rules.REQUEST_REGION`, which `scan` does not count).
+    # The walk made again finds no option either (those it passed over were none): it
+    # only counts, and ends where a walk judging every offer would.
     indexed = b.costs is not None
     for skipping in ((True, False) if skip else (False,)):
         scan = Scan()
         out = _Found(k if limit is None else None, limit, skipping)
+        out.counting = skip and not skipping
         part = Part(skipping, p.own_clouds, p.own_regions)
         for gpu in p.c.gpus:
             for m in p.c.markets:
                 entries = (b._plain(gpu, m) if not indexed else
                            b._by_price(gpu, m, part) if by_price else
                            b._by_cost(gpu, m, h, risk, part))
-                _walk_list(b, p, entries, by_price, out, scan, alive, h)
+                _walk_list(b, p, entries, by_price, out, scan, alive, h, indexed)
         if out.heap or out.found or not (out.skipped or (skipping and indexed)):
             break
     return (*out.result(), scan)
 
 
-def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Found,
-               scan: Scan, alive: Alive | None, h: float) -> None:
+def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Found,  # noqa: PLR0913
+               scan: Scan, alive: Alive | None, h: float, own: bool = False) -> None:
+    """`own`: the entries are within the request's own clouds and regions already."""
     need = p.request.gpus
     policy, hazard = p.policy, b.hazard(h)
-    skip, held, no_room = out.skip, p.view.held, rules.no_room
+    skip, held, no_room, counting = out.skip, p.view.held, rules.no_room, out.counting
     # Offers outside the regions the policy allows the request (a team's clouds or
     # residency, the policy's allow and deny lists) are passed over too, by the rule's
     # own test kept per region (`Constraints.region_ok`), not judged one by one; they
     # are what `scan.policy_excluded` counts, so a walk that finds nothing is made
-    # again judging them.
-    region_ok = p.c.region_ok if skip and rules.places_bounded(p) else None
+    # again, counting them (as `_judge` would when they pass `rules.WHERE`: none of the
+    # request's own offers is excluded).
+    bounded = rules.places_bounded(p)
+    region_ok = p.c.region_ok if bounded and (skip or (counting and own and not p.exclude)) \
+        else None
     for bound, offer, ppg, _ in entries:
         if region_ok is not None and not region_ok(offer.pool.cloud, offer.pool.region):
-            out.skipped += 1
+            if skip:
+                out.skipped += 1
+            else:
+                scan.policy_excluded += 1
             continue
         # An offer with no room can never be an option: passed over unjudged unless the
         # walk would stop at it. Where the next offer that passes the rules up to `fit`
@@ -187,6 +198,8 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
         if out.full(need * bound):
             out.cut = True
             break
+        if counting:
+            continue
         instances = rules.instances_for(need, offer.gpus)
         if rules.first_failing(p, offer, instances, rules.FIT) is not None:
             continue
