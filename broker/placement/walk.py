@@ -136,8 +136,10 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
     # all there are, `upto` inf.) Nor are the offers outside the request's own clouds
     # and regions walked (`rules.REQUEST_REGION`, which `scan` does not count).
     # The walk made again finds no option either (those it passed over were none): it
-    # only counts, and ends where a walk judging every offer would.
+    # only counts, and ends where a walk judging every offer would. What it lists (none)
+    # and up to where (an option over `limit` seen, or all there are) is the first's.
     indexed = b.costs is not None
+    first: _Found | None = None
     for skipping in ((True, False) if skip else (False,)):
         scan = Scan()
         out = _Found(k if limit is None else None, limit, skipping)
@@ -149,9 +151,12 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
                            b._by_price(gpu, m, part) if by_price else
                            b._by_cost(gpu, m, h, risk, part))
                 _walk_list(b, p, entries, by_price, out, scan, alive, h, indexed)
+        if first is None:
+            first = out
         if out.heap or out.found or not (out.skipped or (skipping and indexed)):
             break
-    return (*out.result(), scan)
+    assert first is not None
+    return (*first.result(), scan)
 
 
 def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Found,  # noqa: PLR0913

@@ -359,3 +359,25 @@ def test_the_walk_passes_over_the_regions_the_policy_denies_only_when_it_names_s
             {o.pool for o in pool if c.region_ok(o.pool.cloud, o.pool.region)}
         if not plain[0]:
             assert fast[2] == plain[2] and plain[2].policy_excluded == len(ZONES)
+
+
+def test_a_walk_made_again_to_count_keeps_what_the_first_saw_over_the_limit() -> None:
+    """Nothing under `limit`, and one option over it: the walk that skipped a full pool
+    says its list is cut at the limit (`upto` 3.0), not that it holds every option. The
+    walk made again only counts (it makes no option, so it cannot see that one); what it
+    lists, and up to where, is the first pass's. (A hypothesis example of the test
+    above, kept.)"""
+    full = offer("us-east-1a", instance_type="t0.1x", gpus=1, price=1.0, capacity=1)
+    dear = offer("us-east-1a", instance_type="t3.2x", gpus=2, price=4.003,
+                 interruption_rate=None)
+    pool = pool_of([full, dear])
+    pool.hold(full.pool, 1)
+    c = Constraints(gpus=(GPU,), markets=(Market.SPOT,), cap=None)
+    for indexed_costs in (False, True):
+        b = builder(pool, Policy(), indexed_costs)
+        p = Probe(request("r1", GPU, 1), c, b.view, Policy())
+        fast = walk(b, p, None, 3.0, None, DEFAULT_HORIZON)
+        plain = walk(b, p, None, 3.0, None, DEFAULT_HORIZON, skip=False)
+        assert fast[0] == plain[0] == []
+        assert fast[1] == plain[1] == 3.0
+        assert fast[2] == plain[2]
