@@ -213,6 +213,7 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
         if policy.scoring.idle_gpu_weight:
             cost += idle_cost(policy, instances * offer.gpus, need, ppg)
         if out.beaten(cost):
+            out.cut = True  # an option left out: the list does not hold them all
             continue
         o = b.option(offer, instances, need, h, policy.scoring.risk)
         if alive is not None and not alive(o):

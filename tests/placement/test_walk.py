@@ -381,3 +381,23 @@ def test_a_walk_made_again_to_count_keeps_what_the_first_saw_over_the_limit() ->
         assert fast[0] == plain[0] == []
         assert fast[1] == plain[1] == 3.0
         assert fast[2] == plain[2]
+
+
+def test_a_walk_that_leaves_an_option_out_says_its_list_is_cut() -> None:
+    """Two options kept (`k` 2), a dearer one seen after them in the next list and left
+    out: the list is cut at the dearer kept one, not complete (`upto` inf would keep the
+    solver from ever asking for the third, if the two were used up). A hypothesis
+    example of the test above, kept."""
+    spot = [offer("us-east-1a", instance_type=f"t{i}.1x", gpus=1, price=price,
+                  interruption_rate=None) for i, price in ((0, 1.0), (4, 2.004))]
+    dear = offer("us-east-1a", instance_type="t9.2x", market="on_demand", gpus=2,
+                 price=4.009, interruption_rate=None)
+    pool = pool_of([*spot, dear])
+    c = Constraints(gpus=(GPU,), markets=(Market.SPOT, Market.ON_DEMAND), cap=None)
+    for indexed_costs in (False, True):
+        b = builder(pool, Policy(), indexed_costs)
+        p = Probe(request("r1", GPU, 1), c, b.view, Policy())
+        for skip in (True, False):
+            options, upto, _ = walk(b, p, 2, None, None, DEFAULT_HORIZON, skip=skip)
+            assert [o.ref[0].pool for o in options] == [o.pool for o in spot]
+            assert upto == options[-1].cost_per_hour
