@@ -76,6 +76,12 @@ class Constraints:
             self._region_ok[key] = ok
         return ok
 
+    def regions_bounded(self) -> bool:
+        """Whether `region_ok` may say no to some region: the verdict names clouds or
+        regions to keep to or keep out of, or residency (what `_check_region` reads)."""
+        return self.clouds is not None or bool(self.deny_clouds) or \
+            self.regions is not None or bool(self.deny_regions) or bool(self.residency)
+
     def _check_region(self, cloud: str, region: str) -> bool:
         if self.clouds is not None and cloud not in self.clouds:
             return False

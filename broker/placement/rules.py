@@ -311,14 +311,6 @@ POLICY_REGION = _of_policy(
     lambda p, a, n: a.per_region(p.c.region_ok))
 
 
-def places_bounded(p: Probe) -> bool:
-    """Whether `POLICY_REGION` may reject some region for the request: its verdict names
-    clouds or regions to keep to or keep out of, or residency."""
-    c = p.c
-    return c.clouds is not None or bool(c.deny_clouds) or c.regions is not None or \
-        bool(c.deny_regions) or bool(c.residency)
-
-
 PRICE_CAP = _of_policy(verdict.PRICE_CAP, lambda p: p.c.cap,
                        lambda p, a, n: _all(a) if p.c.cap is None else a.ppg <= p.c.cap)
 

@@ -171,7 +171,7 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
     # are what `scan.policy_excluded` counts, so a walk that finds nothing is made
     # again, counting them (as `_judge` would when they pass `rules.WHERE`: none of the
     # request's own offers is excluded).
-    bounded = rules.places_bounded(p)
+    bounded = p.c.regions_bounded()
     region_ok = p.c.region_ok if bounded and (skip or (counting and own and not p.exclude)) \
         else None
     for bound, offer, ppg, _ in entries:

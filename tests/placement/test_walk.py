@@ -335,7 +335,7 @@ def test_a_request_of_its_own_regions_walks_them_alone_and_lists_what_the_rules_
 
 
 def test_the_walk_passes_over_the_regions_the_policy_denies_only_when_it_names_some() -> None:
-    """`rules.places_bounded` says when `Constraints.region_ok` may say no: without clouds,
+    """`Constraints.regions_bounded` says when `Constraints.region_ok` may say no: without clouds,
     regions or residency in the verdict every region is allowed, and the walk need not
     ask; with any of them it passes over the regions denied and finds what the rules
     would."""
@@ -343,7 +343,7 @@ def test_the_walk_passes_over_the_regions_the_policy_denies_only_when_it_names_s
     pool = pool_of([offer(z, cloud=cl, region=rg, instance_type=f"t.{z}", gpus=1, price=1.0)
                     for cl, rg, z in ZONES])
     p = Probe(request("r1", GPU, 1), free, pool, Policy())
-    assert not rules.places_bounded(p)
+    assert not p.c.regions_bounded()
     assert all(free.region_ok(cl, rg) for cl, rg, _ in ZONES)
     for c in (replace(free, clouds=frozenset({"gcp"})),
               replace(free, deny_clouds=frozenset({"aws"})),
@@ -352,7 +352,7 @@ def test_the_walk_passes_over_the_regions_the_policy_denies_only_when_it_names_s
               replace(free, residency=(frozenset({"eu"}),))):
         b = builder(pool, Policy(), indexed_costs=True)
         p = Probe(request("r1", GPU, 1), c, b.view, Policy())
-        assert rules.places_bounded(p)
+        assert p.c.regions_bounded()
         fast = walk(b, p, None, math.inf, None, DEFAULT_HORIZON)
         plain = walk(b, p, None, math.inf, None, DEFAULT_HORIZON, skip=False)
         assert {o.ref[0].pool for o in fast[0]} == {o.ref[0].pool for o in plain[0]} == \
