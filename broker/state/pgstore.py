@@ -160,6 +160,26 @@ class PgStateStore(OneThreadStore[PgDb]):
             raise Deposed(f"{self.name}: leadership of site {self.site} lost: this node's "
                           f"epoch is {self.epoch}, {now} leads")
 
+    def _deposed_instead(self, db: PgDb, exc: Exception) -> None:
+        """A write refused before the fence ran (a unique key, a constraint) can be the
+        mark of a newer leader: its history holds rows this node's writes now meet (the
+        same request decided again after a failover). Reads the fence on its own and
+        raises `Deposed` from `exc` if this node no longer leads, so the node steps down
+        for the reason, not the symptom. Nothing if the connection is gone (the caller
+        handles that) or the node still leads (`exc` is the error then)."""
+        if self.epoch <= 0 or db.conn.broken or db.in_transaction:
+            return
+        try:
+            db.begin()
+            try:
+                self._check_epoch(db)
+            finally:
+                db.rollback()
+        except Deposed as deposed:
+            raise deposed from exc
+        except Exception as other:  # cannot tell: the write's own error stands
+            log.debug("reading the fence after a refused write failed", error=str(other))
+
     def _failed(self, what: str, exc: Exception) -> StoreFailed:
         sqlstate = getattr(exc, "sqlstate", None)
         return StoreFailed(f"{self.name}: {what} failed: {str(exc).strip()}"
@@ -197,11 +217,13 @@ class PgStateStore(OneThreadStore[PgDb]):
                         if not cur.nextset():
                             break
                 db.commit()
-            except BaseException:
+            except BaseException as failed:
                 try:
                     db.rollback()
                 except Exception as exc:  # the connection is gone: the error that matters
                     log.debug("rollback failed", error=str(exc))
+                if isinstance(failed, psycopg.Error):
+                    self._deposed_instead(db, failed)
                 raise
             return [OutboxRow(r.topic, r.payload, r.qos, r.retain, r.props, i)
                     for r, i in zip(rows, ids, strict=True)]

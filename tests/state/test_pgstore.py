@@ -505,6 +505,30 @@ async def test_after_a_takeover_a_commit_is_deposed_and_writes_nothing(
     assert await store.pending() == [kept]
 
 
+async def test_a_write_the_new_leaders_rows_refuse_is_deposed_not_failed(
+        store: PgStateStore, pg_url: str) -> None:
+    """After a failover that lost this node's last commits, the new leader decided the
+    same request again: this node's next commit meets that row's unique key before its
+    fence runs. It is told it is deposed (the reason), not that a key is duplicated (the
+    symptom), and writes nothing. While it still leads, the key's error is its own."""
+    lead(pg_url, 5, "n1")
+    store.epoch = 5
+    theirs = lease("r1")
+    await store.commit([theirs], [])
+    mine = lease("r1")  # the same request, another lease_id
+    assert mine.lease_id != theirs.lease_id
+    with pytest.raises(StoreFailed, match="duplicate key") as err:
+        await store.commit([mine], [OutboxRow("t/x", b"1")])
+    assert not isinstance(err.value, Deposed)
+    lead(pg_url, 6, "n2")
+    with pytest.raises(Deposed, match="this node's epoch is 5, node n2 at epoch 6 leads"):
+        await store.commit([mine], [OutboxRow("t/x", b"1")])
+    assert await store.leases() == [theirs]
+    assert await store.pending() == []
+    assert await store.call(lambda db: db.in_transaction) is False
+    assert await asyncio.to_thread(row_lock_is_free, pg_url)
+
+
 async def test_a_takeover_waits_for_a_commit_in_flight(store: PgStateStore,
                                                        pg_url: str) -> None:
     """A commit that has passed the fence finishes, and is kept, even though a standby's
