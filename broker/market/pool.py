@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -76,10 +76,7 @@ class ResourcePool:
         # the next change once lent out.
         self._held_now: dict[PoolKey, int] = {}
         self._held_now_lent = False
-        # Pools with no instance free (`full`), kept as holdings and offers change; the
-        # listeners hear of each pool that fills or has room again.
-        self._full: set[PoolKey] = set()
-        self._full_lent = False  # `full_now` lent out: copied before the next change
+        # Told of each pool whose `held` changed (`subscribe_room`).
         self._room_listeners: list[Callable[[PoolKey], None]] = []
         self._held_targets: dict[PoolKey, Counter[str]] = {}
         self._owned: dict[SliceId, int] = {}
@@ -299,33 +296,13 @@ class ResourcePool:
             self._held_now[key] = held
         else:
             self._held_now.pop(key, None)
-        offer = self._offers.get(key)
-        full = offer is not None and offer.capacity is not None and offer.capacity <= held
-        if full != (key in self._full):
-            if self._full_lent:
-                self._full = set(self._full)
-                self._full_lent = False
-            if full:
-                self._full.add(key)
-            else:
-                self._full.discard(key)
-            for listener in self._room_listeners:
-                listener(key)
-
-    def full(self, key: PoolKey) -> bool:
-        """Whether pool `key` has no instance free: what the broker holds of it is all its
-        `capacity` (`free_capacity` 0). Then it has no room for any request
-        (`broker.placement.rules.no_room`, whatever the request's size)."""
-        return key in self._full
-
-    def full_now(self) -> Collection[PoolKey]:
-        """The pools `full` now, not to be changed: lent out, like `held_now`."""
-        self._full_lent = True
-        return self._full
+        for listener in self._room_listeners:
+            listener(key)
 
     def subscribe_room(self, listener: Callable[[PoolKey], None]) -> Callable[[], None]:
-        """`listener(key)` whenever pool `key` fills (`full`) or has room again, by a change
-        of the broker's holdings or of its offer. Returns the unsubscribe."""
+        """`listener(key)` whenever what `held(key)` reads changes (the broker's holdings
+        of pool `key`, or what its paid-for targets count used): its room for a request
+        did (`broker.placement.room.no_room`). Returns the unsubscribe."""
         self._room_listeners.append(listener)
         return lambda: self._room_listeners.remove(listener)
 

@@ -36,6 +36,9 @@ from typing import Any
 from broker.market.hazard import Hazard
 from broker.model import Market, Offer, PlaceRequest, PoolKey, RejectCode
 from broker.placement.cost import expected_cost
+from broker.placement.room import fits as _fits
+from broker.placement.room import instances_for as instances_for  # one formula, here too
+from broker.placement.room import no_room as no_room
 from broker.placement.view import PoolView
 from policies import evaluate as verdict
 from policies.evaluate import Constraints, OfferRule
@@ -74,11 +77,6 @@ class Probe:
 
     def used_gpus(self, key: PoolKey) -> int:
         return self.taken_gpus.get(key, 0) if self.taken_gpus else 0
-
-
-def instances_for(need: int, gpus: Any) -> Any:
-    """Instances of `gpus` GPUs each that `need` GPUs take (per offer, for arrays too)."""
-    return -(-need // gpus)
 
 
 def spot_discount_ok(offer: Offer, view: PoolView, min_discount: float) -> bool:
@@ -315,22 +313,8 @@ PRICE_CAP = _of_policy(verdict.PRICE_CAP, lambda p: p.c.cap,
                        lambda p, a, n: _all(a) if p.c.cap is None else a.ppg <= p.c.cap)
 
 
-def _fits(o: Offer, held: int, n: int) -> bool:
-    """Whether `n` instances fit in the offer's capacity when `held` of it are held."""
-    return o.capacity is None or o.capacity - held >= n
-
-
 def _capacity_ok(p: Probe, o: Offer, n: int) -> bool:
     return _fits(o, p.held(o.pool), n)
-
-
-def no_room(offer: Offer, held: int, need: int) -> bool:
-    """Whether the offer has no room for the instances `need` GPUs take when `held` of
-    it are held (a view's `PoolView.held`): then it fails `capacity` for a request of
-    `need` GPUs judged on that view, whatever a pass has taken besides (`Probe.held`
-    only adds to the view's). What a walk may skip without judging
-    (`broker.placement.walk`); the rule stays the judge."""
-    return not _fits(offer, held, instances_for(need, offer.gpus))
 
 
 def _capacity_mask(p: Probe, a: OfferArrays, n: Any) -> Any:

@@ -3,7 +3,7 @@ worker thread, and the offers in order of their cost per GPU (`CostIndex`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from broker.market.hazard import DEFAULT_HORIZON, Hazard, HazardEstimator, horizon_bucket
 from broker.model import Market, Offer, PlaceRequest, PoolKey
 from broker.placement.cost import by_horizon, hazard_over, unit_cost
+from broker.placement.room import no_room
 from policies.model import Policy, RiskLevel
 
 if TYPE_CHECKING:
@@ -129,32 +130,58 @@ _Entry = tuple[float, PoolKey, Offer]
 
 @dataclass(frozen=True, slots=True)
 class Part:
-    """Which of a list's offers a walk reads: with `roomy`, none of a full pool's (no
-    room for any request); with `clouds` or `regions`, only those within them (a
-    request's own, `PlaceRequest.clouds`/`.regions`: what `rules.REQUEST_REGION` lets
-    through)."""
+    """Which of a list's offers a walk reads: with `room`, only those of pools with room
+    for a request of `room` GPUs (`broker.placement.room.no_room`, on the index's view
+    of the holdings); with `clouds` or `regions`, only those within them (a request's
+    own, `PlaceRequest.clouds`/`.regions`: what `rules.REQUEST_REGION` lets through)."""
 
-    roomy: bool = False
+    room: int = 0
     clouds: frozenset[str] | None = None
     regions: frozenset[str] | None = None
 
-    def admits(self, key: PoolKey, full: Callable[[PoolKey], bool]) -> bool:
+    @staticmethod
+    def room_for(need: int) -> int:
+        """The `room` of the part a request of `need` GPUs walks: the largest power of two
+        not above it. A pool with room for `need` GPUs has room for that many, so the
+        part holds every offer the request could take, and a few parts (1, 2, 4, 8 …)
+        serve every size."""
+        return 1 << (need.bit_length() - 1) if need > 0 else 0
+
+    def admits(self, entry: _Entry, held: Callable[[PoolKey], int]) -> bool:
+        key = entry[1]
         return (self.clouds is None or key.cloud in self.clouds) and \
             (self.regions is None or key.region in self.regions) and \
-            not (self.roomy and full(key))
+            not (self.room and no_room(entry[2], held(key), self.room))
 
-    def of(self, entries: list[_Entry], full: Callable[[PoolKey], bool]) -> list[_Entry]:
+    def of(self, entries: list[_Entry], held: Callable[[PoolKey], int]) -> list[_Entry]:
         """This part of `entries`."""
         if self.clouds is None and self.regions is None:
-            return [e for e in entries if not full(e[1])] if self.roomy else entries
-        return [e for e in entries if self.admits(e[1], full)]
+            if not self.room:
+                return entries
+            room = self.room
+            return [e for e in entries if not no_room(e[2], held(e[1]), room)]
+        return [e for e in entries if self.admits(e, held)]
+
+    @property
+    def sized(self) -> bool:
+        """Whether it is a part by room alone (kept however many parts are asked for)."""
+        return self.clouds is None and self.regions is None
 
 
 WHOLE = Part()
-ROOMY = Part(roomy=True)
+ROOMY = Part(room=1)
 PARTS = 8
-"""Parts kept per list: the roomy one, and those of the requests' own clouds or regions
-asked for since (all made again when more are asked for)."""
+"""Parts kept per list besides those by room alone (`Part.sized`: one per power of two
+asked for): those of the requests' own clouds or regions asked for since (all made again
+when more are asked for)."""
+
+
+def _holds(entries: list[_Entry], u: float, key: PoolKey) -> bool:
+    """Whether pool `key`'s entry at cost `u` is in `entries`."""
+    import bisect
+
+    i = bisect.bisect_left(entries, (u, key), key=_first_two)
+    return i < len(entries) and entries[i][1] == key
 
 
 def _remove(entries: list[_Entry], u: float, key: PoolKey) -> None:
@@ -183,13 +210,14 @@ class CostIndex:
     another estimator, rebuilds every list. One policy's scoring: a new policy needs a
     new index. The offers are read from the pool when walked (the newest reading).
 
-    Each list has parts (`Part`), kept as it changes: the list less the offers of full
-    pools (`ResourcePool.full`: no room for any request), kept as pools fill and are
-    given back: as the broker's leases fill the cheapest pools, a walk would otherwise
-    step over all of them, request after request; and the list within a request's own
-    clouds or regions (`PlaceRequest.clouds`, `.regions`), made when first asked for
-    (at most `PARTS` per list), so that such a request does not walk every other
-    region's offers."""
+    Each list has parts (`Part`), kept as it changes: the list less the offers of pools
+    without room for a request of 1, 2, 4 … GPUs (`Part.room`, `rules.no_room`), kept as
+    the broker's holdings change (`ResourcePool.subscribe_room`): as its leases fill
+    the cheapest pools, a walk would otherwise step over all of them, request after
+    request, and a gang's over every pool with room for fewer instances than it takes;
+    and the list within a request's own clouds or regions (`PlaceRequest.clouds`,
+    `.regions`), made when first asked for (at most `PARTS` per list), so that such a
+    request does not walk every other region's offers."""
 
     def __init__(self, pool: ResourcePool, policy: Policy) -> None:
         self.pool = pool
@@ -285,11 +313,11 @@ class CostIndex:
         parts = self._parts[where]
         got = parts.get(part)
         if got is None:
-            if len(parts) >= PARTS:  # the roomy part stays; the others are made again
-                roomy = parts[ROOMY]
-                parts.clear()
-                parts[ROOMY] = roomy
-            got = parts[part] = part.of(self._lists[where], self.pool.full)
+            if not part.sized and sum(not k.sized for k in parts) >= PARTS:
+                # The parts by room stay; the others are made again when asked for.
+                for k in [k for k in parts if not k.sized]:
+                    del parts[k]
+            got = parts[part] = part.of(self._lists[where], self.pool.held)
         return got
 
     def covers(self, horizon: float, risk: RiskLevel | None = None) -> bool:
@@ -318,7 +346,7 @@ class CostIndex:
         return FrozenCosts(self.policy, lists,
                            normalise=not by_horizon(self.pool.hazard, self.policy),
                            memo=self.memo, parts={k: dict(self._parts[k]) for k in lists},
-                           full=self.pool.full_now())
+                           held=self.pool.held_now())
 
     def _to_change(self, where: _Where) -> tuple[list[_Entry], dict[Part, list[_Entry]]]:
         """The list at `where` and its parts, to be changed (copies of them once lent
@@ -334,7 +362,7 @@ class CostIndex:
 
         dirty, self._dirty = self._dirty, set()
         self._room_dirty -= dirty  # placed again below, in every part as the pool is now
-        lists, placed, full = self._lists, self._placed, self.pool.full
+        lists, placed, held = self._lists, self._placed, self.pool.held
         scored = {w[2:] for w in lists}  # (horizon, risk level)
         for key in dirty:
             for u, where in placed.pop(key, ()):
@@ -354,28 +382,36 @@ class CostIndex:
                 entries, parts = self._to_change(where)
                 bisect.insort(entries, entry, key=_first_two)
                 for part, got in parts.items():
-                    if part.admits(key, full):
+                    if part.admits(entry, held):
                         bisect.insort(got, entry, key=_first_two)
                 placed.setdefault(key, []).append((u, where))
 
     def _reroom(self) -> None:
-        """Take the offers of the pools that filled out of the parts without full pools,
-        and put back those of pools given room again."""
+        """Keep the parts by room (`Part.room`) as the holdings of the pools changed since
+        are now: an offer out of those it has no more room for, back into those it has
+        room for again. A list is copied (once lent) only when one of its parts
+        changes."""
         import bisect
 
         keys, self._room_dirty = self._room_dirty, set()
-        full = self.pool.full
+        held = self.pool.held
         for key in keys:
             for u, where in self._placed.get(key, ()):
-                entries, parts = self._to_change(where)
+                entries = self._lists[where]
                 i = bisect.bisect_left(entries, (u, key), key=_first_two)
                 if i == len(entries) or entries[i][1] != key:
                     continue
-                for part, got in parts.items():
-                    if part.roomy:
-                        _remove(got, u, key)
-                        if part.admits(key, full):
-                            bisect.insort(got, entries[i], key=_first_two)
+                entry = entries[i]
+                moved = [part for part, got in self._parts[where].items() if part.room
+                         and _holds(got, u, key) != part.admits(entry, held)]
+                if not moved:
+                    continue
+                _, parts = self._to_change(where)
+                for part in moved:
+                    if part.admits(entry, held):
+                        bisect.insort(parts[part], entry, key=_first_two)
+                    else:
+                        _remove(parts[part], u, key)
 
 
 class FrozenCosts:
@@ -386,7 +422,7 @@ class FrozenCosts:
     def __init__(self, policy: Policy, lists: dict[_Where, list[_Entry]],
                  normalise: bool = False, memo: CostMemo | None = None,
                  parts: dict[_Where, dict[Part, list[_Entry]]] | None = None,
-                 full: Collection[PoolKey] = frozenset()) -> None:
+                 held: Mapping[PoolKey, int] | None = None) -> None:
         self.policy = policy
         self.memo = memo if memo is not None else CostMemo()
         """The index's `CostMemo` (a batch in a worker thread adds to it; entries are
@@ -395,10 +431,13 @@ class FrozenCosts:
         self._lists = lists
         self._parts = parts if parts is not None else {}
         """Each list's parts when frozen; those asked for later are made here."""
-        self._full = full.__contains__  # the pools full when frozen
+        self._held = held if held is not None else {}  # the holdings when frozen
         self._normalise = normalise
         self._horizons = {w[2] for w in lists if w[3] != PRICE}
         self._risks = {w[3] for w in lists if w[3] != PRICE} or {policy.scoring.risk}
+
+    def _held_of(self, key: PoolKey) -> int:
+        return self._held.get(key, 0)
 
     def covers(self, horizon: float, risk: RiskLevel | None = None) -> bool:
         """Whether lists for `horizon` and risk level `risk` were frozen."""
@@ -429,7 +468,7 @@ class FrozenCosts:
         parts = self._parts.setdefault(where, {})
         got = parts.get(part)
         if got is None:
-            got = parts[part] = part.of(entries, self._full)
+            got = parts[part] = part.of(entries, self._held_of)
         return got
 
 

@@ -128,9 +128,10 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
     by_price = b.costs is None or p.c.cap is not None or not b.costs.covers(h, risk)
     # Offers with no room (`rules.no_room`) are passed over unjudged: once the pool
     # fills, the cheap offers ahead of the first with room are most of a walk. With the
-    # index, the offers of full pools are not even stepped over: its lists without them
-    # are walked, in either order. They are then missing from `scan`, which names why a
-    # request has no option: a walk that finds none is made again judging every offer.
+    # index, most are not even stepped over: its lists less the pools without room for
+    # the request's size rounded down to a power of two (`Part.room_for`) are walked,
+    # in either order. They are then missing from `scan`, which names why a request
+    # has no option: a walk that finds none is made again judging every offer.
     # (Without them, a walk that would have ended at one of them goes on to the next
     # offer that would end it, or to the end of the lists: the same options, and then
     # all there are, `upto` inf.) Nor are the offers outside the request's own clouds
@@ -144,7 +145,8 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
         scan = Scan()
         out = _Found(k if limit is None else None, limit, skipping)
         out.counting = skip and not skipping
-        part = Part(skipping, p.own_clouds, p.own_regions)
+        part = Part(Part.room_for(p.request.gpus) if skipping else 0, p.own_clouds,
+                    p.own_regions)
         for gpu in p.c.gpus:
             for m in p.c.markets:
                 entries = (b._plain(gpu, m) if not indexed else

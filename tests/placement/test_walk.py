@@ -109,9 +109,9 @@ def test_the_walk_lists_the_same_options_whether_it_skips_offers_with_no_room(
 
 def assert_same_upto(b: CandidateBuilder, p: Probe, fast: tuple[list[Option], float, Scan],
                      plain: tuple[list[Option], float, Scan]) -> None:
-    """The same `upto`; or, where the judging walk ended at a full pool's offer, which the
-    walk over the index's lists without them never sees, inf: the list then holds every
-    option there is."""
+    """The same `upto`; or, where the judging walk ended at the offer of a pool without
+    room for the request, which the walk over the index's parts by room never sees, inf:
+    the list then holds every option there is."""
     if fast[1] == plain[1]:
         return
     assert fast[1] == math.inf
@@ -255,19 +255,26 @@ def test_a_snapshot_and_frozen_costs_keep_what_they_saw_while_the_pool_changes()
 
 @FAST
 @given(pools(), st.data())
-def test_the_index_lists_without_full_pools_follow_holdings_and_polls(
+def test_the_index_parts_by_room_follow_holdings_and_polls(
         world: tuple[ResourcePool, list[Offer]], data: st.DataObject) -> None:
-    """After any holds, releases, polls and lendings, each list of the index without full
-    pools is the list less the offers of pools with no instance free, which are those
-    the capacity rule would reject for any request (`rules.no_room`); what was lent
-    stays as it was lent."""
+    """After any holds, releases, polls and lendings, each part of the index's lists by
+    room is the list less the offers the capacity rule would reject for a request of
+    that many GPUs (`rules.no_room` on the pool's holdings, and on the holdings when
+    lent for a part a lent index is first asked for later); what was lent stays as it
+    was lent."""
     pool, offers = world
     index = CostIndex(pool, Policy())
     wheres = [(GPU, m) for m in (Market.SPOT, Market.ON_DEMAND)]
-    lent: list[tuple[Any, list[Any], list[Any]]] = []
+    lent: list[tuple[Any, dict[PoolKey, int], list[Any], list[Any]]] = []
+    parts = (ROOMY, Part(2), Part(8), Part(1, None, frozenset({"us-east-1"})),
+             Part(4, frozenset({"aws"}), frozenset({"us-west-2"})),
+             Part(0, frozenset({"aws"}), None))
 
-    parts = (ROOMY, Part(True, None, frozenset({"us-east-1"})),
-             Part(False, frozenset({"aws"}), frozenset({"us-west-2"})))
+    def wanted(entries: list[Any], part: Part, held: Any) -> list[Any]:
+        return [e for e in entries
+                if (part.clouds is None or e[1].cloud in part.clouds)
+                and (part.regions is None or e[1].region in part.regions)
+                and not (part.room and rules.no_room(e[2], held(e[1]), part.room))]
 
     def check() -> None:
         for gpu, m in wheres:
@@ -275,18 +282,14 @@ def test_the_index_lists_without_full_pools_follow_holdings_and_polls(
             by_price = index.by_price(gpu, m)
             assert [e[2] for e in by_price] == list(pool.by_gpu(gpu, m))
             for part in parts:
-                assert index.sorted(gpu, m, part=part) == \
-                    [e for e in every if part.admits(e[1], pool.full)]
-                assert index.by_price(gpu, m, part=part) == \
-                    [e for e in by_price if part.admits(e[1], pool.full)]
-            assert [e for e in every if pool.full(e[1])] == \
-                [e for e in every if not ROOMY.admits(e[1], pool.full)]
-        for o in pool:
-            assert pool.full(o.pool) == rules.no_room(o, pool.held(o.pool), 1)
-        for costs, every, roomy in lent:
+                assert index.sorted(gpu, m, part=part) == wanted(every, part, pool.held)
+                assert index.by_price(gpu, m, part=part) == wanted(by_price, part, pool.held)
+        for costs, held, every, roomy in lent:
             for (gpu, m), was, was_roomy in zip(wheres, every, roomy, strict=True):
                 assert costs.sorted(gpu, m) == was
                 assert costs.sorted(gpu, m, part=ROOMY) == was_roomy
+                assert costs.sorted(gpu, m, part=Part(4)) == \
+                    wanted(was, Part(4), lambda k: held.get(k, 0))
 
     check()
     for _ in range(data.draw(st.integers(1, 12))):
@@ -304,9 +307,15 @@ def test_the_index_lists_without_full_pools_follow_holdings_and_polls(
             pool.replace(SLICE, [o for o in polled if data.draw(st.integers(0, 5))])
         elif what == "lend":
             costs = index.frozen()
-            lent.append((costs, [list(costs.sorted(g, m)) for g, m in wheres],
+            lent.append((costs, {o.pool: pool.held(o.pool) for o in pool},
+                         [list(costs.sorted(g, m)) for g, m in wheres],
                          [list(costs.sorted(g, m, part=ROOMY)) for g, m in wheres]))
         check()
+
+
+def test_a_part_by_room_is_the_largest_power_of_two_a_request_takes() -> None:
+    assert [Part.room_for(n) for n in (0, 1, 2, 3, 4, 7, 8, 9, 16, 100)] == \
+        [0, 1, 2, 2, 4, 4, 8, 8, 16, 64]
 
 
 @FAST
