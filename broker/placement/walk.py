@@ -8,6 +8,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 from broker.market.hazard import Hazard
@@ -96,19 +97,51 @@ class _Found:
 _PASS, _SKIP, _DEARER = 0, 1, 2
 
 
-def _judge(p: Probe, offer: Offer, ppg: float, scan: Scan) -> int:
-    """The rules up to the price cap (`rules.WHERE`, `policy_region`, `price_cap`), counted
-    in `scan` as `broker.placement.outcomes.reject` reads them."""
-    for rule in rules.WHERE:
+@dataclass(frozen=True, slots=True)
+class _Checks:
+    """The rules of `_judge` that some offer of a walk may fail; the others pass every
+    one of its offers by their own definitions, and are not asked."""
+
+    where: tuple[rules.Rule, ...]
+    region: bool
+    cap: bool
+
+
+def _checks(p: Probe, own: bool, regions_passed: bool) -> _Checks:
+    """`rules.EXCLUDED` fails only a pool the request keeps out (`Probe.exclude`);
+    `rules.REQUEST_REGION` only outside the request's own clouds and regions (`own`: the
+    walk reads the index's part of them alone); `rules.POLICY_REGION` only where the
+    verdict bounds regions (`Constraints.regions_bounded`) and the walk has not passed
+    over those it denies already (`regions_passed`); `rules.PRICE_CAP` only under a
+    cap."""
+    where = tuple(r for r in rules.WHERE
+                  if not (r is rules.EXCLUDED and not p.exclude)
+                  and not (r is rules.REQUEST_REGION and own))
+    return _Checks(where, p.c.regions_bounded() and not regions_passed, p.c.cap is not None)
+
+
+ALL = _Checks(rules.WHERE, True, True)
+
+
+def _fits(p: Probe, offer: Offer, instances: int) -> bool:
+    """Whether the offer passes the rules after the price cap (`rules.FIT`)."""
+    return rules.first_failing(p, offer, instances, rules.FIT) is None
+
+
+def _judge(p: Probe, offer: Offer, ppg: float, scan: Scan, checks: _Checks = ALL) -> int:
+    """The rules up to the price cap (`rules.WHERE`, `policy_region`, `price_cap`; those of
+    them `checks` names), counted in `scan` as `broker.placement.outcomes.reject` reads
+    them."""
+    for rule in checks.where:
         if not rule.check(p, offer, 1):
             return _SKIP
-    if not rules.POLICY_REGION.check(p, offer, 1):
+    if checks.region and not rules.POLICY_REGION.check(p, offer, 1):
         scan.policy_excluded += 1
         return _SKIP
     scan.matching += 1
     if ppg < scan.cheapest_ppg:
         scan.cheapest_ppg = ppg
-    if not rules.PRICE_CAP.check(p, offer, 1):
+    if checks.cap and not rules.PRICE_CAP.check(p, offer, 1):
         return _DEARER
     scan.under_cap += 1
     return _PASS
@@ -176,6 +209,7 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
     bounded = p.c.regions_bounded()
     region_ok = p.c.region_ok if bounded and (skip or (counting and own and not p.exclude)) \
         else None
+    checks = _checks(p, own, region_ok is not None)
     for bound, offer, ppg, _ in entries:
         if region_ok is not None and not region_ok(offer.pool.cloud, offer.pool.region):
             if skip:
@@ -193,7 +227,7 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
             if by_price and not rules.PRICE_CAP.check(p, offer, 1):
                 break
             continue
-        judged = _judge(p, offer, ppg, scan)
+        judged = _judge(p, offer, ppg, scan, checks)
         if judged == _SKIP:
             continue
         if judged == _DEARER:
@@ -208,14 +242,16 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
         if counting:
             continue
         instances = rules.instances_for(need, offer.gpus)
-        if rules.first_failing(p, offer, instances, rules.FIT) is not None:
-            continue
-        # The cost first: most offers walked never make the list.
+        # The cost before the rules of room and quota: most offers judged never make the
+        # list, and once one option was left out (`cut`) those need not be asked of them.
         cost = expected_cost(offer, instances, policy, hazard=hazard)
         if policy.scoring.idle_gpu_weight:
             cost += idle_cost(policy, instances * offer.gpus, need, ppg)
         if out.beaten(cost):
-            out.cut = True  # an option left out: the list does not hold them all
+            # An option left out: the list does not hold them all.
+            out.cut = out.cut or _fits(p, offer, instances)
+            continue
+        if not _fits(p, offer, instances):
             continue
         o = b.option(offer, instances, need, h, policy.scoring.risk)
         if alive is not None and not alive(o):

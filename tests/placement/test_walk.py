@@ -410,3 +410,33 @@ def test_a_walk_that_leaves_an_option_out_says_its_list_is_cut() -> None:
             options, upto, _ = walk(b, p, 2, None, None, DEFAULT_HORIZON, skip=skip)
             assert [o.ref[0].pool for o in options] == [o.pool for o in spot]
             assert upto == options[-1].cost_per_hour
+
+
+@FAST
+@given(pools(), st.data(), st.sampled_from((None, ("us-east-1",), ("us-west-2",))),
+       st.sampled_from((None, ("aws",), ("gcp",))), st.booleans(), st.booleans())
+def test_the_rules_a_walk_does_not_ask_pass_every_offer_it_reads(
+        world: tuple[ResourcePool, list[Offer]], data: st.DataObject,
+        regions: tuple[str, ...] | None, clouds: tuple[str, ...] | None, own: bool,
+        regions_passed: bool) -> None:
+    """`walk._checks` leaves a rule out of `_judge` only where it passes every offer the
+    walk reads: those of the request's own part when `own`, of the regions the verdict
+    allows when those were passed over already."""
+    from broker.placement.walk import _checks
+
+    pool, offers = world
+    c = constraints(data)
+    exclude = frozenset(data.draw(st.sets(st.sampled_from([o.pool for o in offers]))))
+    req = request("r1", GPU, 1, regions=regions, clouds=clouds)
+    p = Probe(req, c, pool, Policy(), exclude=exclude)
+    checks = _checks(p, own, regions_passed)
+    read = [o for o in offers
+            if (not own or rules.REQUEST_REGION.check(p, o, 1))
+            and (not regions_passed or c.region_ok(o.pool.cloud, o.pool.region))]
+    left_out = [r for r in rules.WHERE if r not in checks.where]
+    if not checks.region:
+        left_out.append(rules.POLICY_REGION)
+    if not checks.cap:
+        left_out.append(rules.PRICE_CAP)
+    for rule in left_out:
+        assert all(rule.check(p, o, 1) for o in read), rule.name
