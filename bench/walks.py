@@ -70,12 +70,12 @@ def main() -> int:
     shape: list[Any] = [None]
     real_list, real_judge = walking._walk_list, walking._judge
 
-    def counted_list(b: Any, p: Any, entries: Iterator[Any], *rest: Any) -> None:
+    def counted_list(b: Any, p: Any, entries: Iterator[Any], *rest: Any, **kw: Any) -> None:
         def read() -> Iterator[Any]:
             for entry in entries:
                 walked[shape[0]] += 1
                 yield entry
-        real_list(b, p, read(), *rest)
+        real_list(b, p, read(), *rest, **kw)
 
     def counted_judge(*a: Any) -> int:
         judged[shape[0]] += 1

@@ -24,7 +24,7 @@ from broker.market.hazard import DEFAULT_HORIZON, Hazard, horizon_bucket
 from broker.model import OWNED, Market, Offer, PlaceRequest, PoolKey
 from broker.placement import rules
 from broker.placement.arrays import Ranked, Source
-from broker.placement.cost import by_horizon, expected_cost, hazard_over, idle_cost
+from broker.placement.cost import by_horizon, hazard_over, idle_cost, option_cost
 from broker.placement.outcomes import Ask, Scan
 from broker.placement.problem import Alive, Group, Option, Request, Shrinking
 from broker.placement.residual import State
@@ -259,10 +259,12 @@ class CandidateBuilder:
             by_cloud=dict(by_cloud), owned_left=c.owned_left)
 
     def option(self, offer: Offer, instances: int, need: int, h: float,
-               risk: RiskLevel | None = None) -> Option:
+               risk: RiskLevel | None = None, cost: float | None = None) -> Option:
         """The option of `instances` of the offer for `need` GPUs, costed over `h` hours
         at risk level `risk` (None: the policy's own) (made once), and the limits of the
-        resources it uses."""
+        resources it uses. `cost`: its cost per hour, when the caller has just read it
+        (`broker.placement.cost.option_cost` of the same offer, at the same level and
+        horizon: a walk's)."""
         key = offer.pool
         risk = risk or self.policy.scoring.risk
         got = self._options.get((key, instances, need, h, risk))
@@ -286,11 +288,9 @@ class CandidateBuilder:
                 self.limits[qkey] = have
             uses.append((qkey, amount))
         price = instances * offer.price_per_hour  # type: ignore[operator]
-        policy = self.policy.for_risk(risk)
-        cost = expected_cost(offer, instances, policy, hazard=self.hazard(h))
-        if policy.scoring.idle_gpu_weight:
-            paid = instances * offer.gpus
-            cost += idle_cost(policy, paid, need, price / paid)
+        if cost is None:
+            cost = option_cost(offer, instances, need, self.policy.for_risk(risk),
+                               hazard=self.hazard(h))
         o = Option(cost, tuple(uses), instances * offer.gpus, price, key.cloud,
                           key.zone, (offer, instances),
                           instances * offer.gpus if key.market is OWNED else 0)

@@ -14,7 +14,7 @@ from typing import Protocol
 from broker.market.hazard import Hazard
 from broker.model import Market, Offer
 from broker.placement import rules
-from broker.placement.cost import expected_cost, idle_cost
+from broker.placement.cost import option_cost
 from broker.placement.outcomes import Scan
 from broker.placement.problem import Alive, Option
 from broker.placement.rules import Probe
@@ -33,8 +33,8 @@ class Walker(Protocol):
 
     def hazard(self, h: float) -> Hazard | None: ...
 
-    def option(self, offer: Offer, instances: int, need: int, h: float, risk: RiskLevel
-               ) -> Option: ...
+    def option(self, offer: Offer, instances: int, need: int, h: float, risk: RiskLevel,
+               cost: float | None = None) -> Option: ...
 
     def _plain(self, gpu: str, m: Market) -> Entries: ...
 
@@ -185,7 +185,8 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
                 entries = (b._plain(gpu, m) if not indexed else
                            b._by_price(gpu, m, part) if by_price else
                            b._by_cost(gpu, m, h, risk, part))
-                _walk_list(b, p, entries, by_price, out, scan, alive, h, indexed)
+                _walk_list(b, p, entries, by_price, out, scan, alive, h, indexed,
+                           roomy=indexed and part.room == p.request.gpus)
         if first is None:
             first = out
         if out.heap or out.found or not (out.skipped or (skipping and indexed)):
@@ -195,11 +196,16 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
 
 
 def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Found,  # noqa: PLR0913
-               scan: Scan, alive: Alive | None, h: float, own: bool = False) -> None:
-    """`own`: the entries are within the request's own clouds and regions already."""
+               scan: Scan, alive: Alive | None, h: float, own: bool = False, *,
+               roomy: bool = False) -> None:
+    """`own`: the entries are within the request's own clouds and regions already;
+    `roomy`: their pools have room for the request, on the probe's view (the index's
+    part by room of its very size): none is passed over for want of it."""
     need = p.request.gpus
     policy, hazard = p.policy, b.hazard(h)
-    skip, held, no_room, counting = out.skip, p.view.held, rules.no_room, out.counting
+    held, no_room, counting = p.view.held, rules.no_room, out.counting
+    skip = out.skip
+    check_room = skip and not roomy
     # Offers outside the regions the policy allows the request (a team's clouds or
     # residency, the policy's allow and deny lists) are passed over too, by the rule's
     # own test kept per region (`Constraints.region_ok`), not judged one by one; they
@@ -222,7 +228,8 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
         # would end the walk (`out.full`), so might this one: judged then, so that the
         # walk ends where it would have (and `out.cut` says the same). In order of
         # price, one over the cap ends it (the rest are dearer).
-        if skip and no_room(offer, held(offer.pool), need) and not out.full(need * bound):
+        if check_room and no_room(offer, held(offer.pool), need) and \
+                not out.full(need * bound):
             out.skipped += 1
             if by_price and not rules.PRICE_CAP.check(p, offer, 1):
                 break
@@ -244,16 +251,14 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
         instances = rules.instances_for(need, offer.gpus)
         # The cost before the rules of room and quota: most offers judged never make the
         # list, and once one option was left out (`cut`) those need not be asked of them.
-        cost = expected_cost(offer, instances, policy, hazard=hazard)
-        if policy.scoring.idle_gpu_weight:
-            cost += idle_cost(policy, instances * offer.gpus, need, ppg)
+        cost = option_cost(offer, instances, need, policy, hazard=hazard)
         if out.beaten(cost):
             # An option left out: the list does not hold them all.
             out.cut = out.cut or _fits(p, offer, instances)
             continue
         if not _fits(p, offer, instances):
             continue
-        o = b.option(offer, instances, need, h, policy.scoring.risk)
+        o = b.option(offer, instances, need, h, policy.scoring.risk, cost)
         if alive is not None and not alive(o):
             continue
         out.add(o)
