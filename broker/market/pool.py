@@ -77,7 +77,7 @@ class ResourcePool:
         self._held_now: dict[PoolKey, int] = {}
         self._held_now_lent = False
         # Told of each pool whose `held` changed (`subscribe_room`).
-        self._room_listeners: list[Callable[[PoolKey], None]] = []
+        self._room_listeners: list[Callable[[PoolKey, int], None]] = []
         self._held_targets: dict[PoolKey, Counter[str]] = {}
         self._owned: dict[SliceId, int] = {}
         self._held_at_poll: dict[PoolKey, Counter[str]] = {}
@@ -291,18 +291,21 @@ class ResourcePool:
         if self._held_now_lent:
             self._held_now = dict(self._held_now)
             self._held_now_lent = False
+        before = self._held_now.get(key, 0)
         held = self.held(key) if key in self._held or key in self._owned_keys else 0
         if held:
             self._held_now[key] = held
         else:
             self._held_now.pop(key, None)
         for listener in self._room_listeners:
-            listener(key)
+            listener(key, before)
 
-    def subscribe_room(self, listener: Callable[[PoolKey], None]) -> Callable[[], None]:
-        """`listener(key)` whenever what `held(key)` reads changes (the broker's holdings
-        of pool `key`, or what its paid-for targets count used): its room for a request
-        did (`broker.placement.room.no_room`). Returns the unsubscribe."""
+    def subscribe_room(self, listener: Callable[[PoolKey, int], None]
+                       ) -> Callable[[], None]:
+        """`listener(key, before)` whenever what `held(key)` may read changed (the broker's
+        holdings of pool `key`, or what its paid-for targets count used), `before` what
+        it read until then: its room for a request may have changed
+        (`broker.placement.room.no_room`). Returns the unsubscribe."""
         self._room_listeners.append(listener)
         return lambda: self._room_listeners.remove(listener)
 

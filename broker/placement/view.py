@@ -227,7 +227,9 @@ class CostIndex:
         self._lent: set[_Where] = set()  # of `_lists`, lent out by `frozen`: copied first
         self._placed: dict[PoolKey, list[tuple[float, _Where]]] = {}
         self._dirty: set[PoolKey] = set()
-        self._room_dirty: set[PoolKey] = set()  # filled or given room since
+        # Pools whose holdings changed since the parts by room were last kept, each with
+        # what it held then (`_reroom`).
+        self._room_dirty: dict[PoolKey, int] = {}
         self._hazard_seen: tuple[int, int] = (0, -1)
         self.memo = CostMemo()
         """The arrays' costs per pool, kept across batches (`CostMemo`)."""
@@ -245,9 +247,9 @@ class CostIndex:
             self._dirty.update(change.updated)
             self._dirty.update(change.removed)
 
-    def _room(self, key: PoolKey) -> None:
+    def _room(self, key: PoolKey, before: int) -> None:
         if self._lists:
-            self._room_dirty.add(key)
+            self._room_dirty.setdefault(key, before)
 
     def _hazard(self, horizon: float) -> Hazard | None:
         return hazard_over(self.pool.hazard, self.policy, horizon)
@@ -361,7 +363,8 @@ class CostIndex:
         import bisect
 
         dirty, self._dirty = self._dirty, set()
-        self._room_dirty -= dirty  # placed again below, in every part as the pool is now
+        for key in dirty:  # placed again below, in every part as the pool is now
+            self._room_dirty.pop(key, None)
         lists, placed, held = self._lists, self._placed, self.pool.held
         scored = {w[2:] for w in lists}  # (horizon, risk level)
         for key in dirty:
@@ -389,29 +392,33 @@ class CostIndex:
     def _reroom(self) -> None:
         """Keep the parts by room (`Part.room`) as the holdings of the pools changed since
         are now: an offer out of those it has no more room for, back into those it has
-        room for again. A list is copied (once lent) only when one of its parts
-        changes."""
+        room for again. Only the parts whose size lies between what the pool held then
+        and holds now can change; a list is copied (once lent) only when one does."""
         import bisect
 
-        keys, self._room_dirty = self._room_dirty, set()
+        keys, self._room_dirty = self._room_dirty, {}
         held = self.pool.held
-        for key in keys:
+        for key, before in keys.items():
+            now = held(key)
+            offer = self.pool.get(key)
+            if now == before or offer is None:
+                continue
             for u, where in self._placed.get(key, ()):
-                entries = self._lists[where]
+                moved = [part for part in self._parts[where] if part.room and
+                         no_room(offer, before, part.room) != no_room(offer, now, part.room)]
+                if not moved:
+                    continue
+                entries, parts = self._to_change(where)
                 i = bisect.bisect_left(entries, (u, key), key=_first_two)
                 if i == len(entries) or entries[i][1] != key:
                     continue
                 entry = entries[i]
-                moved = [part for part, got in self._parts[where].items() if part.room
-                         and _holds(got, u, key) != part.admits(entry, held)]
-                if not moved:
-                    continue
-                _, parts = self._to_change(where)
                 for part in moved:
-                    if part.admits(entry, held):
-                        bisect.insort(parts[part], entry, key=_first_two)
-                    else:
-                        _remove(parts[part], u, key)
+                    got = parts[part]
+                    if not part.admits(entry, held):
+                        _remove(got, u, key)
+                    elif not _holds(got, u, key):
+                        bisect.insort(got, entry, key=_first_two)
 
 
 class FrozenCosts:
