@@ -103,6 +103,15 @@ class CandidateBuilder:
             got = self._hazards[h] = hazard_over(self.view.hazard, self.policy, h)
             return got
 
+    def walk_costs(self, policy: Policy, h: float
+                   ) -> dict[tuple[PoolKey, int, int], tuple[Offer, float]] | None:
+        """The index's memo of the walks' option costs over `h` hours under `policy` (a
+        level of the builder's, `Policy.for_risk`): `CostMemo.walks`; None without the
+        index."""
+        if self.costs is None:
+            return None
+        return self.costs.memo.walks(self.view.hazard, policy, h)
+
     def rule_of(self, n: int) -> str | None:
         return self._rules[n]
 

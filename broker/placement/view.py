@@ -92,6 +92,11 @@ PRICE = "price"
 """The level of the index's lists in order of price per GPU-hour (horizon 0)."""
 
 
+WALKS_MAX = 50_000
+"""Entries of one `CostMemo.walks` table (some 200 bytes each): the walks of a steady
+stream of requests read a few thousand."""
+
+
 class CostMemo:
     """`OfferArrays.eff`'s figures per pool, kept from one batch to the next: a batch
     builds its arrays afresh, but most offers and their pools' hazard estimates have not
@@ -105,6 +110,8 @@ class CostMemo:
     def __init__(self) -> None:
         self._seen: tuple[int, int] | None = None
         self._tables: dict[tuple[float, Any], dict[PoolKey, tuple[Offer, float, float]]] = {}
+        self._walks: dict[tuple[float, Any], dict[tuple[PoolKey, int, int],
+                                                  tuple[Offer, float]]] = {}
         self.arrays: dict[tuple[str, Market], Any] = {}
         """The last large batch's `rules.OfferArrays` per (model, market): the next one
         shares them when its offers are the same objects (`OfferArrays.again`), their
@@ -114,15 +121,33 @@ class CostMemo:
               ) -> dict[PoolKey, tuple[Offer, float, float]]:
         """The entries for horizon `h` under `policy`'s scoring, as of `estimator` (the
         view's hazard estimator, or None)."""
-        seen = (id(estimator), getattr(estimator, "refreshes", 0))
-        if seen != self._seen:
-            self._tables = {}
-            self._seen = seen
+        self._fresh(estimator)
         key = (h, policy.scoring)
         got = self._tables.get(key)
         if got is None:
             got = self._tables[key] = {}
         return got
+
+    def walks(self, estimator: Any, policy: Policy, h: float
+              ) -> dict[tuple[PoolKey, int, int], tuple[Offer, float]]:
+        """The walks' option costs (`broker.placement.cost.option_cost`) over horizon `h`
+        under `policy`'s scoring, as of `estimator`, per (pool, instances, GPUs asked
+        for): the same requests walk the same offers batch after batch. An entry serves
+        only the very offer it was computed for, like `table`'s; at most `WALKS_MAX`
+        entries per table (it starts again empty)."""
+        self._fresh(estimator)
+        key = (h, policy.scoring)
+        got = self._walks.get(key)
+        if got is None or len(got) > WALKS_MAX:
+            got = self._walks[key] = {}
+        return got
+
+    def _fresh(self, estimator: Any) -> None:
+        seen = (id(estimator), getattr(estimator, "refreshes", 0))
+        if seen != self._seen:
+            self._tables = {}
+            self._walks = {}
+            self._seen = seen
 
 
 _Entry = tuple[float, PoolKey, Offer]

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from broker.market.hazard import Hazard
-from broker.model import Market, Offer
+from broker.model import Market, Offer, PoolKey
 from broker.placement import rules
 from broker.placement.cost import option_cost
 from broker.placement.outcomes import Scan
 from broker.placement.problem import Alive, Option
 from broker.placement.rules import Probe
 from broker.placement.view import WHOLE, Costs, Part
-from policies.model import RiskLevel
+from policies.model import Policy, RiskLevel
 
 Entries = Iterator[tuple[float, Offer, float, int | None]]
 """(bound, offer, price per GPU-hour, _) in order of the bound: the offer's price per
@@ -32,6 +32,9 @@ class Walker(Protocol):
     costs: Costs | None
 
     def hazard(self, h: float) -> Hazard | None: ...
+
+    def walk_costs(self, policy: Policy, h: float
+                   ) -> dict[tuple[PoolKey, int, int], tuple[Offer, float]] | None: ...
 
     def option(self, offer: Offer, instances: int, need: int, h: float, risk: RiskLevel,
                cost: float | None = None) -> Option: ...
@@ -123,6 +126,21 @@ def _checks(p: Probe, own: bool, regions_passed: bool) -> _Checks:
 ALL = _Checks(rules.WHERE, True, True)
 
 
+def _cost(memo: dict[tuple[PoolKey, int, int], tuple[Offer, float]] | None, offer: Offer,
+          instances: int, need: int, policy: Policy, hazard: Hazard | None) -> float:
+    """`option_cost` of `instances` of the offer for `need` GPUs, kept in `memo`
+    (`CostMemo.walks`) for the very same offer."""
+    if memo is None:
+        return option_cost(offer, instances, need, policy, hazard=hazard)
+    key = (offer.pool, instances, need)
+    got = memo.get(key)
+    if got is not None and got[0] is offer:
+        return got[1]
+    cost = option_cost(offer, instances, need, policy, hazard=hazard)
+    memo[key] = (offer, cost)
+    return cost
+
+
 def _fits(p: Probe, offer: Offer, instances: int) -> bool:
     """Whether the offer passes the rules after the price cap (`rules.FIT`)."""
     return rules.first_failing(p, offer, instances, rules.FIT) is None
@@ -203,6 +221,7 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
     part by room of its very size): none is passed over for want of it."""
     need = p.request.gpus
     policy, hazard = p.policy, b.hazard(h)
+    memo = b.walk_costs(policy, h)
     held, no_room, counting = p.view.held, rules.no_room, out.counting
     skip = out.skip
     check_room = skip and not roomy
@@ -251,7 +270,7 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
         instances = rules.instances_for(need, offer.gpus)
         # The cost before the rules of room and quota: most offers judged never make the
         # list, and once one option was left out (`cut`) those need not be asked of them.
-        cost = option_cost(offer, instances, need, policy, hazard=hazard)
+        cost = _cost(memo, offer, instances, need, policy, hazard)
         if out.beaten(cost):
             # An option left out: the list does not hold them all.
             out.cut = out.cut or _fits(p, offer, instances)

@@ -764,6 +764,45 @@ def test_the_arrays_costs_kept_across_batches_serve_only_the_offer_they_were_mad
     assert batch() == ["us-east-1b", "us-east-1a"]
 
 
+def test_the_walks_costs_kept_across_batches_serve_only_the_offer_they_were_made_for() -> None:
+    from broker.market.hazard import HazardEstimator
+    from broker.placement.optimizer import CostIndex
+
+    # Small batches walk the index's lists, and keep the costs they read in its memo
+    # (`CostMemo.walks`) for the next: a new reading of a pool is costed again, and a
+    # refreshed hazard estimator starts every table again.
+    cheap = offer("us-east-1a", market="spot", price=10.0, capacity=4,
+                  interruption_rate=0.01)
+    dear = offer("us-east-1b", market="spot", price=11.0, capacity=4,
+                 interruption_rate=0.01)
+    pool = pool_of([cheap, dear])
+    index = CostIndex(pool, POLICY)
+
+    def place(name: str) -> str | None:
+        [zone] = zones(solve([Ask(request(name, market="spot"))], pool, POLICY, now=T0,
+                             settings=HEURISTIC, costs=index))
+        return zone
+
+    assert place("r1") == "us-east-1a"
+    kept = {key: entry for table in index.memo._walks.values()
+            for key, entry in table.items()}
+    assert kept[(cheap.pool, 1, 8)] == (cheap, pytest.approx(10.0, rel=0.5))
+    assert place("r2") == "us-east-1a"
+    # us-east-1a is read again, now the dearer (and riskier) one: the memo's entry for
+    # its pool was made for the old reading and must not serve the new one.
+    pool.replace(("aws", "us-east-1"), [
+        offer("us-east-1a", market="spot", price=12.0, capacity=4, interruption_rate=0.2),
+        dear])
+    assert place("r3") == "us-east-1b"
+    # Scored by a hazard estimator, until it is refreshed.
+    estimator = HazardEstimator()
+    table = index.memo.walks(estimator, POLICY, 1.0)
+    table[(dear.pool, 1, 8)] = (dear, 1.0)
+    assert index.memo.walks(estimator, POLICY, 1.0) is table
+    estimator.refresh()
+    assert index.memo.walks(estimator, POLICY, 1.0) == {}
+
+
 @BOTH
 def test_a_large_batch_shares_the_last_ones_arrays_only_while_its_offers_are_the_same(
         settings: BatchSettings) -> None:
