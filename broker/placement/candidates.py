@@ -14,6 +14,7 @@ Each request's costs are scored at its risk level (`Constraints.risk`): with the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Hashable, Iterator
@@ -29,7 +30,7 @@ from broker.placement.outcomes import Ask, Scan
 from broker.placement.problem import Alive, Group, Option, Request, Shrinking
 from broker.placement.residual import State
 from broker.placement.rules import OfferArrays, Probe
-from broker.placement.view import WHOLE, Costs, Part, PoolView
+from broker.placement.view import SCANS_MAX, WHOLE, Costs, Part, PoolView
 from broker.placement.walk import walk
 from policies.evaluate import Constraints
 from policies.model import Policy, RiskLevel
@@ -69,6 +70,7 @@ class CandidateBuilder:
         self.k = k
         self.stale = view.stale_slices(now)
         self.cooling = view.cooling(now)
+        self._fresh_key: Hashable | None = None
         self.limits: dict[Hashable, float] = {}
         self.teams: dict[str, TeamRoom] = {}
         self._groups: dict[Hashable, tuple[Group, Scan]] = {}
@@ -141,7 +143,17 @@ class CandidateBuilder:
             scan = Scan() if group.options else self._scan(probe)
             got = self._groups[sig] = (group, scan)
         if got is None:
-            options, upto, scan = self._walk(ask, c, self.k, None, h=h)
+            # What the walk saw of a request with no option (`Scan`, what its rejection
+            # names) depends on the offers and the request alone, not on the holdings:
+            # kept by the index until its lists next change, a request of the same
+            # shape is not walked again over every offer only to count it.
+            seen = self.costs.scans if self.costs is not None else None
+            key = (sig, self._fresh()) if seen is not None else None
+            known = seen.get(key) if seen is not None else None
+            options, upto, scan = self._walk(ask, c, self.k, None, h=h, scan=known)
+            if seen is not None and not options and known is None and \
+                    len(seen) < SCANS_MAX:
+                seen[key] = dataclasses.replace(scan)
 
             def more(k: int | None, below: float | None, alive: Alive | None,
                      ask: Ask = ask, c: Constraints = c
@@ -468,9 +480,17 @@ class CandidateBuilder:
             self.room[slot] = room
 
     def _walk(self, ask: Ask, c: Constraints, k: int | None, limit: float | None,
-              alive: Alive | None = None, *, h: float) -> tuple[list[Option], float, Scan]:
-        """The request's options by walking the offer lists (`broker.placement.walk`)."""
-        return walk(self, self.probe(ask, c), k, limit, alive, h)
+              alive: Alive | None = None, *, h: float, scan: Scan | None = None
+              ) -> tuple[list[Option], float, Scan]:
+        """The request's options by walking the offer lists (`broker.placement.walk`);
+        `scan`: what a walk that found none saw, known already."""
+        return walk(self, self.probe(ask, c), k, limit, alive, h, known=scan)
+
+    def _fresh(self) -> Hashable:
+        """The stale slices and cooling pools the batch's walks pass over (a key)."""
+        if self._fresh_key is None:
+            self._fresh_key = (frozenset(self.stale), frozenset(self.cooling))
+        return self._fresh_key
 
     def _plain(self, gpu: str, m: Market) -> Iterator[tuple[float, Offer, float, int | None]]:
         view, stale, cooling = self.view, self.stale, self.cooling

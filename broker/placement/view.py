@@ -92,6 +92,9 @@ PRICE = "price"
 """The level of the index's lists in order of price per GPU-hour (horizon 0)."""
 
 
+SCANS_MAX = 10_000
+"""Entries of `CostIndex.scans`: one per shape of request with no option."""
+
 WALKS_MAX = 50_000
 """Entries of one `CostMemo.walks` table (some 200 bytes each): the walks of a steady
 stream of requests read a few thousand."""
@@ -258,6 +261,10 @@ class CostIndex:
         self._hazard_seen: tuple[int, int] = (0, -1)
         self.memo = CostMemo()
         """The arrays' costs per pool, kept across batches (`CostMemo`)."""
+        self.scans: dict[Hashable, Any] = {}
+        """What the walk of a request with no option saw (`Scan`), per its shape
+        (`CandidateBuilder.request`): it reads the lists alone, so it is kept until they
+        next change (a new table then: one lent to a frozen index stays its own)."""
         unsubscribe = pool.subscribe(self._observe), pool.subscribe_room(self._room)
 
         def close() -> None:
@@ -300,20 +307,7 @@ class CostIndex:
         return self._list((gpu, market, 0.0, PRICE), part)
 
     def _list(self, where: _Where, part: Part) -> list[_Entry]:
-        hazard = self.pool.hazard
-        seen = (id(hazard), hazard.refreshes if hazard is not None else 0)
-        if seen != self._hazard_seen:
-            self._lists.clear()
-            self._parts.clear()
-            self._lent.clear()
-            self._placed.clear()
-            self._dirty.clear()
-            self._room_dirty.clear()
-            self._hazard_seen = seen
-        if self._dirty:
-            self._place_again()
-        if self._room_dirty:
-            self._reroom()
+        self._sync()
         got = self._lists.get(where)
         if got is None:
             gpu, market, h, level = where
@@ -326,6 +320,26 @@ class CostIndex:
                 placed.setdefault(key, []).append((u, where))
             self._part(where, ROOMY)  # kept from the start: most walks read it
         return self._part(where, part)
+
+    def _sync(self) -> None:
+        """Every list as the pool is now: all of them again after a refresh of the hazard
+        estimator (or another one), the offers changed since placed again, the parts by
+        room kept (`_reroom`)."""
+        hazard = self.pool.hazard
+        seen = (id(hazard), hazard.refreshes if hazard is not None else 0)
+        if seen != self._hazard_seen:
+            self.scans = {}
+            self._lists.clear()
+            self._parts.clear()
+            self._lent.clear()
+            self._placed.clear()
+            self._dirty.clear()
+            self._room_dirty.clear()
+            self._hazard_seen = seen
+        if self._dirty:
+            self._place_again()
+        if self._room_dirty:
+            self._reroom()
 
     def _cost(self, offer: Offer, h: float, level: str) -> float:
         """What a list orders `offer` by: its price per GPU-hour in the list by price,
@@ -357,6 +371,9 @@ class CostIndex:
         placed in a worker thread on a `Snapshot` while the pool and this index go on
         changing (on the loop). Lent, not copied: the index copies a list lent out
         before it next changes it (`_place_again`)."""
+        # Lists of a model the pool no longer has any offer of are not asked for below:
+        # the changes that emptied them are made here.
+        self._sync()
         want = sorted({self._horizon(h) for h in horizons})
         levels = sorted({self._risk(r) for r in risks})
         for h in want:
@@ -373,7 +390,7 @@ class CostIndex:
         return FrozenCosts(self.policy, lists,
                            normalise=not by_horizon(self.pool.hazard, self.policy),
                            memo=self.memo, parts={k: dict(self._parts[k]) for k in lists},
-                           held=self.pool.held_now())
+                           held=self.pool.held_now(), scans=self.scans)
 
     def _to_change(self, where: _Where) -> tuple[list[_Entry], dict[Part, list[_Entry]]]:
         """The list at `where` and its parts, to be changed (copies of them once lent
@@ -388,6 +405,7 @@ class CostIndex:
         import bisect
 
         dirty, self._dirty = self._dirty, set()
+        self.scans = {}
         for key in dirty:  # placed again below, in every part as the pool is now
             self._room_dirty.pop(key, None)
         lists, placed, held = self._lists, self._placed, self.pool.held
@@ -454,7 +472,8 @@ class FrozenCosts:
     def __init__(self, policy: Policy, lists: dict[_Where, list[_Entry]],
                  normalise: bool = False, memo: CostMemo | None = None,
                  parts: dict[_Where, dict[Part, list[_Entry]]] | None = None,
-                 held: Mapping[PoolKey, int] | None = None) -> None:
+                 held: Mapping[PoolKey, int] | None = None,
+                 scans: dict[Hashable, Any] | None = None) -> None:
         self.policy = policy
         self.memo = memo if memo is not None else CostMemo()
         """The index's `CostMemo` (a batch in a worker thread adds to it; entries are
@@ -464,6 +483,8 @@ class FrozenCosts:
         self._parts = parts if parts is not None else {}
         """Each list's parts when frozen; those asked for later are made here."""
         self._held = held if held is not None else {}  # the holdings when frozen
+        self.scans = scans if scans is not None else {}
+        """The index's `CostIndex.scans` when frozen (of the lists frozen)."""
         self._normalise = normalise
         self._horizons = {w[2] for w in lists if w[3] != PRICE}
         self._risks = {w[3] for w in lists if w[3] != PRICE} or {policy.scoring.risk}

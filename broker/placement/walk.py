@@ -5,6 +5,7 @@ the probe's policy, the policy at the request's risk level (`Policy.for_risk`)."
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Iterator
@@ -166,13 +167,15 @@ def _judge(p: Probe, offer: Offer, ppg: float, scan: Scan, checks: _Checks = ALL
 
 
 def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive | None,
-         h: float, *, skip: bool = True) -> tuple[list[Option], float, Scan]:
+         h: float, *, skip: bool = True, known: Scan | None = None
+         ) -> tuple[list[Option], float, Scan]:
     """The request's options, cheapest expected cost per hour first: the best `k`, or all
     of them up to `limit` per hour; the cost per hour below which the list holds every
     option (inf: it holds them all); and what the walk saw. The offer lists are fresh
     (`rules.FRESH`) and of the verdict's models and markets (`rules.MODEL`,
     `rules.MARKET`). `skip`: pass over offers with no room unjudged (the same options;
-    False: judge every one)."""
+    False: judge every one). `known`: what the walk made again to count would see
+    (`CandidateBuilder.request` keeps it): returned instead of walking again."""
     risk = p.policy.scoring.risk
     # In order of price when there is a price cap (the walk ends at the cap), else in
     # order of cost when the index is there (it ends once no option can make the list).
@@ -193,6 +196,9 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
     indexed = b.costs is not None
     first: _Found | None = None
     for skipping in ((True, False) if skip else (False,)):
+        if first is not None and known is not None:
+            scan = dataclasses.replace(known)
+            break
         scan = Scan()
         out = _Found(k if limit is None else None, limit, skipping)
         out.counting = skip and not skipping

@@ -227,6 +227,40 @@ def test_a_request_that_finds_every_offer_full_is_told_so() -> None:
     assert "2 pool(s) offer" in out.detail and "none has free capacity" in out.detail
 
 
+def test_a_frozen_index_does_not_keep_a_model_the_pool_no_longer_offers() -> None:
+    # A poll takes the last offer of a model away: a frozen index (a batch placed in a
+    # worker thread) must not list it, though no list of that model is asked for.
+    pool = pool_of([CHEAP])
+    index = CostIndex(pool, Policy())
+    assert pool_placed(batch(pool, index)) == CHEAP.pool
+    pool.replace(SLICE, [])
+    out = batch(pool, index)
+    assert isinstance(out, Rejection), out
+    assert index.frozen().sorted(GPU, Market.SPOT) == []
+
+
+def test_a_request_refused_again_is_told_the_same_and_a_poll_is_counted_anew() -> None:
+    # What the walk of a request with no option saw is kept by the index (its reason
+    # reads it), until its lists change: a poll that adds a pool is counted.
+    pool = pool_of([CHEAP, replace(DEAR, capacity=1)])
+    index = CostIndex(pool, Policy())
+    pool.hold(CHEAP.pool, 2)
+    pool.hold(DEAR.pool, 1)
+    first = batch(pool, index)
+    assert isinstance(first, Rejection) and "2 pool(s) offer" in first.detail
+    assert len(index.scans) == 1
+    again = batch(pool, index)
+    assert isinstance(again, Rejection)
+    assert (again.code, again.detail) == (first.code, first.detail)
+    pool.unhold(DEAR.pool, 1)  # room again: placed, whatever was kept
+    assert pool_placed(batch(pool, index)) == DEAR.pool
+    pool.hold(DEAR.pool, 1)
+    third = offer("us-east-1c", instance_type="third", gpus=1, price=2.0, capacity=0)
+    pool.replace(SLICE, [CHEAP, replace(DEAR, capacity=1), third])
+    out = batch(pool, index)
+    assert isinstance(out, Rejection) and "3 pool(s) offer" in out.detail, out
+
+
 def test_a_snapshot_and_frozen_costs_keep_what_they_saw_while_the_pool_changes() -> None:
     pool = pool_of([CHEAP, DEAR])
     index = CostIndex(pool, Policy())
@@ -440,3 +474,37 @@ def test_the_rules_a_walk_does_not_ask_pass_every_offer_it_reads(
         left_out.append(rules.PRICE_CAP)
     for rule in left_out:
         assert all(rule.check(p, o, 1) for o in read), rule.name
+
+
+@FAST
+@given(pools(), st.data())
+def test_what_a_refused_request_is_told_is_the_same_with_the_index_kept_from_batch_to_batch(
+        world: tuple[ResourcePool, list[Offer]], data: st.DataObject) -> None:
+    """Requests of random shapes, holds and polls in between, placed on one index kept
+    from batch to batch (its scans of refused requests kept too) and each on a new one:
+    the same outcomes, and a refusal names the same reason."""
+    pool, offers = world
+    kept = CostIndex(pool, Policy())
+    for i in range(data.draw(st.integers(1, 8))):
+        what = data.draw(st.sampled_from(("place", "place", "hold", "poll")))
+        if what == "hold":
+            o = data.draw(st.sampled_from(offers))
+            if pool.get(o.pool) is not None:
+                pool.hold(o.pool, data.draw(st.integers(1, 2)))
+            continue
+        if what == "poll":
+            pool.replace(SLICE, [o for o in offers if data.draw(st.integers(0, 4))])
+            continue
+        c = constraints(data)
+        req = request(f"r{i}", GPU, data.draw(st.sampled_from((1, 2, 8))),
+                      regions=data.draw(st.sampled_from((None, ("us-east-1",)))),
+                      clouds=data.draw(st.sampled_from((None, ("aws",), ("gcp",)))))
+        exclude = frozenset(data.draw(st.sets(st.sampled_from([o.pool for o in offers]),
+                                              max_size=2)))
+        got = []
+        for index in (kept, CostIndex(pool, Policy())):
+            [out] = solve([Ask(req, constraints=c, exclude=exclude)], Snapshot(pool, T0),
+                          index.policy, now=T0, costs=index.frozen()).outcomes
+            got.append((out.placement.pool, out.placement.instances)
+                       if isinstance(out, Decision) else (out.code, out.detail))
+        assert got[0] == got[1]
