@@ -261,6 +261,7 @@ class CostIndex:
         self._hazard_seen: tuple[int, int] = (0, -1)
         self.memo = CostMemo()
         """The arrays' costs per pool, kept across batches (`CostMemo`)."""
+        self._asked: set[tuple[_Where, Part]] = set()  # by frozen indexes (`frozen`)
         self.scans: dict[Hashable, Any] = {}
         """What the walk of a request with no option saw (`Scan`), per its shape
         (`CandidateBuilder.request`): it reads the lists alone, so it is kept until they
@@ -374,6 +375,12 @@ class CostIndex:
         # Lists of a model the pool no longer has any offer of are not asked for below:
         # the changes that emptied them are made here.
         self._sync()
+        # The parts the batches of earlier freezes made for themselves, kept from now on
+        # (made once here, on the loop, and then kept as the pool changes).
+        asked, self._asked = self._asked, set()
+        for where, part in asked:
+            if where in self._lists:
+                self._part(where, part)
         want = sorted({self._horizon(h) for h in horizons})
         levels = sorted({self._risk(r) for r in risks})
         for h in want:
@@ -390,7 +397,8 @@ class CostIndex:
         return FrozenCosts(self.policy, lists,
                            normalise=not by_horizon(self.pool.hazard, self.policy),
                            memo=self.memo, parts={k: dict(self._parts[k]) for k in lists},
-                           held=self.pool.held_now(), scans=self.scans)
+                           held=self.pool.held_now(), scans=self.scans,
+                           asked=self._asked)
 
     def _to_change(self, where: _Where) -> tuple[list[_Entry], dict[Part, list[_Entry]]]:
         """The list at `where` and its parts, to be changed (copies of them once lent
@@ -473,7 +481,8 @@ class FrozenCosts:
                  normalise: bool = False, memo: CostMemo | None = None,
                  parts: dict[_Where, dict[Part, list[_Entry]]] | None = None,
                  held: Mapping[PoolKey, int] | None = None,
-                 scans: dict[Hashable, Any] | None = None) -> None:
+                 scans: dict[Hashable, Any] | None = None,
+                 asked: set[tuple[_Where, Part]] | None = None) -> None:
         self.policy = policy
         self.memo = memo if memo is not None else CostMemo()
         """The index's `CostMemo` (a batch in a worker thread adds to it; entries are
@@ -485,6 +494,8 @@ class FrozenCosts:
         self._held = held if held is not None else {}  # the holdings when frozen
         self.scans = scans if scans is not None else {}
         """The index's `CostIndex.scans` when frozen (of the lists frozen)."""
+        self._asked = asked if asked is not None else set()
+        """The parts made here, for the index to keep from its next freeze on."""
         self._normalise = normalise
         self._horizons = {w[2] for w in lists if w[3] != PRICE}
         self._risks = {w[3] for w in lists if w[3] != PRICE} or {policy.scoring.risk}
@@ -522,6 +533,7 @@ class FrozenCosts:
         got = parts.get(part)
         if got is None:
             got = parts[part] = part.of(entries, self._held_of)
+            self._asked.add((where, part))
         return got
 
 

@@ -347,6 +347,26 @@ def test_the_index_parts_by_room_follow_holdings_and_polls(
         check()
 
 
+def test_a_part_a_frozen_index_made_is_kept_by_the_index_from_its_next_freeze() -> None:
+    # Batches placed in worker threads read frozen indexes: a part one of them made for
+    # itself is made once more on the loop at the next freeze, then kept as the pool
+    # changes and lent to every later batch, not made again by each.
+    pool = pool_of([CHEAP, DEAR, offer("us-east-1c", instance_type="big", gpus=8,
+                                       price=16.0, capacity=1)])
+    index = CostIndex(pool, Policy())
+    first = index.frozen()
+    made = first.sorted(GPU, Market.SPOT, part=Part(2))
+    assert [e[2].pool.instance_type for e in made] == ["cheap", "big", "dear"]
+    pool.hold(CHEAP.pool, 1)  # room for one instance (1 GPU) left
+    second = index.frozen()
+    where = next(w for w in index._lists if w[:2] == (GPU, Market.SPOT) and w[3] != "price")
+    assert Part(2) in index._parts[where]
+    assert second.sorted(GPU, Market.SPOT, part=Part(2)) is index._parts[where][Part(2)]
+    assert [e[2].pool.instance_type for e in second.sorted(GPU, Market.SPOT, part=Part(2))] \
+        == ["big", "dear"]
+    assert first.sorted(GPU, Market.SPOT, part=Part(2)) is made  # the first keeps its own
+
+
 def test_a_part_by_room_is_the_largest_power_of_two_a_request_takes() -> None:
     assert [Part.room_for(n) for n in (0, 1, 2, 3, 4, 7, 8, 9, 16, 100)] == \
         [0, 1, 2, 2, 4, 4, 8, 8, 16, 64]
