@@ -147,7 +147,7 @@ class CandidateBuilder:
             # names) depends on the offers and the request alone, not on the holdings:
             # kept by the index until its lists next change, a request of the same
             # shape is not walked again over every offer only to count it.
-            seen = self.costs.scans if self.costs is not None else None
+            seen = self.costs.scans_now() if self.costs is not None else None
             key = (sig, self._fresh()) if seen is not None else None
             known = seen.get(key) if seen is not None else None
             options, upto, scan = self._walk(ask, c, self.k, None, h=h, scan=known)

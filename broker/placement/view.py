@@ -366,6 +366,11 @@ class CostIndex:
         """Every horizon's and level's list is made when first asked for."""
         return True
 
+    def scans_now(self) -> dict[Hashable, Any]:
+        """`scans`, of the lists as the pool is now (the changes since made first)."""
+        self._sync()
+        return self.scans
+
     def frozen(self, horizons: Iterable[float] = (DEFAULT_HORIZON,),
                risks: Iterable[RiskLevel | None] = (None,)) -> FrozenCosts:
         """Every list for these horizons and risk levels, up to date now: for a batch
@@ -502,6 +507,10 @@ class FrozenCosts:
 
     def _held_of(self, key: PoolKey) -> int:
         return self._held.get(key, 0)
+
+    def scans_now(self) -> dict[Hashable, Any]:
+        """`scans`: of the lists frozen."""
+        return self.scans
 
     def covers(self, horizon: float, risk: RiskLevel | None = None) -> bool:
         """Whether lists for `horizon` and risk level `risk` were frozen."""

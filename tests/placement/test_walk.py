@@ -13,6 +13,7 @@ import warnings
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from factories import SLICE, T0, offer, pool_of, request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -239,11 +240,26 @@ def test_a_frozen_index_does_not_keep_a_model_the_pool_no_longer_offers() -> Non
     assert index.frozen().sorted(GPU, Market.SPOT) == []
 
 
-def test_a_request_refused_again_is_told_the_same_and_a_poll_is_counted_anew() -> None:
+@pytest.mark.parametrize("live", [True, False], ids=["loop", "thread"])
+def test_a_request_refused_again_is_told_the_same_and_a_poll_is_counted_anew(
+        live: bool) -> None:
     # What the walk of a request with no option saw is kept by the index (its reason
-    # reads it), until its lists change: a poll that adds a pool is counted.
+    # reads it), until its lists change: a poll that adds a pool is counted. On the
+    # loop the index itself is read (the poll not yet made into its lists), in a worker
+    # thread a frozen one.
     pool = pool_of([CHEAP, replace(DEAR, capacity=1)])
     index = CostIndex(pool, Policy())
+
+    def batch(pool: ResourcePool, index: CostIndex) -> Decision | Rejection:
+        req = request("r1", GPU, 1)
+        c = evaluate(index.policy, req)
+        assert isinstance(c, Constraints)
+        [out] = (solve([Ask(req, constraints=c)], pool, index.policy, now=T0, costs=index)
+                 if live else solve([Ask(req, constraints=c)], Snapshot(pool, T0),
+                                    index.policy, now=T0, costs=index.frozen())).outcomes
+        assert isinstance(out, Decision | Rejection)
+        return out
+
     pool.hold(CHEAP.pool, 2)
     pool.hold(DEAR.pool, 1)
     first = batch(pool, index)
@@ -323,7 +339,7 @@ def test_the_index_parts_by_room_follow_holdings_and_polls(
                 assert costs.sorted(gpu, m) == was
                 assert costs.sorted(gpu, m, part=ROOMY) == was_roomy
                 assert costs.sorted(gpu, m, part=Part(4)) == \
-                    wanted(was, Part(4), lambda k: held.get(k, 0))
+                    wanted(was, Part(4), lambda k, held=held: held.get(k, 0))
 
     check()
     for _ in range(data.draw(st.integers(1, 12))):
@@ -501,10 +517,12 @@ def test_the_rules_a_walk_does_not_ask_pass_every_offer_it_reads(
 def test_what_a_refused_request_is_told_is_the_same_with_the_index_kept_from_batch_to_batch(
         world: tuple[ResourcePool, list[Offer]], data: st.DataObject) -> None:
     """Requests of random shapes, holds and polls in between, placed on one index kept
-    from batch to batch (its scans of refused requests kept too) and each on a new one:
-    the same outcomes, and a refusal names the same reason."""
+    from batch to batch (its scans of refused requests kept too), on the loop (the live
+    index) or in a worker thread (frozen), and each on a new one: the same outcomes, and
+    a refusal names the same reason."""
     pool, offers = world
     kept = CostIndex(pool, Policy())
+    live = data.draw(st.booleans())
     for i in range(data.draw(st.integers(1, 8))):
         what = data.draw(st.sampled_from(("place", "place", "hold", "poll")))
         if what == "hold":
@@ -523,8 +541,10 @@ def test_what_a_refused_request_is_told_is_the_same_with_the_index_kept_from_bat
                                               max_size=2)))
         got = []
         for index in (kept, CostIndex(pool, Policy())):
-            [out] = solve([Ask(req, constraints=c, exclude=exclude)], Snapshot(pool, T0),
-                          index.policy, now=T0, costs=index.frozen()).outcomes
+            ask = Ask(req, constraints=c, exclude=exclude)
+            [out] = (solve([ask], pool, index.policy, now=T0, costs=index) if live else
+                     solve([ask], Snapshot(pool, T0), index.policy, now=T0,
+                           costs=index.frozen())).outcomes
             got.append((out.placement.pool, out.placement.instances)
                        if isinstance(out, Decision) else (out.code, out.detail))
         assert got[0] == got[1]
