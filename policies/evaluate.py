@@ -20,7 +20,7 @@ stands in the way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +81,13 @@ class Constraints:
         regions to keep to or keep out of, or residency (what `_check_region` reads)."""
         return self.clouds is not None or bool(self.deny_clouds) or \
             self.regions is not None or bool(self.deny_regions) or bool(self.residency)
+
+    def regions_key(self) -> Hashable:
+        """What `region_ok` reads (`_check_region`): verdicts of equal keys allow the same
+        regions."""
+        resident = self.resident.key if self.residency and self.resident else None
+        return (self.clouds, self.deny_clouds, self.regions, self.deny_regions,
+                self.residency, resident)
 
     def _check_region(self, cloud: str, region: str) -> bool:
         if self.clouds is not None and cloud not in self.clouds:

@@ -130,6 +130,8 @@ class Residency:
                 self._extra.setdefault((cloud or None, name), set()).add(tag)
         self._cache: dict[tuple[str, str], frozenset[str]] = {}
         self.tags = BUILT_IN_TAGS | frozenset((extra or {}).keys())
+        self.key = frozenset((where, frozenset(tags)) for where, tags in self._extra.items())
+        """What `of` reads beyond the built-in tags: equal keys, equal tags everywhere."""
 
     def of(self, cloud: str, region: str) -> frozenset[str]:
         key = (cloud, region)

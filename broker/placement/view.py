@@ -16,6 +16,7 @@ from policies.model import Policy, RiskLevel
 
 if TYPE_CHECKING:
     from broker.market.pool import ResourcePool
+    from policies.evaluate import Constraints
 
 
 class PoolView(Protocol):
@@ -161,11 +162,14 @@ class Part:
     """Which of a list's offers a walk reads: with `room`, only those of pools with room
     for a request of `room` GPUs (`broker.placement.room.no_room`, on the index's view
     of the holdings); with `clouds` or `regions`, only those within them (a request's
-    own, `PlaceRequest.clouds`/`.regions`: what `rules.REQUEST_REGION` lets through)."""
+    own, `PlaceRequest.clouds`/`.regions`: what `rules.REQUEST_REGION` lets through);
+    with `places`, only those of the (cloud, region)s it allows (a verdict's
+    `Constraints.region_ok`, one per kind of verdict: `CostIndex.places`)."""
 
     room: int = 0
     clouds: frozenset[str] | None = None
     regions: frozenset[str] | None = None
+    places: Callable[[str, str], bool] | None = None
 
     @staticmethod
     def room_for(need: int) -> int:
@@ -179,11 +183,12 @@ class Part:
         key = entry[1]
         return (self.clouds is None or key.cloud in self.clouds) and \
             (self.regions is None or key.region in self.regions) and \
+            (self.places is None or self.places(key.cloud, key.region)) and \
             not (self.room and no_room(entry[2], held(key), self.room))
 
     def of(self, entries: list[_Entry], held: Callable[[PoolKey], int]) -> list[_Entry]:
         """This part of `entries`."""
-        if self.clouds is None and self.regions is None:
+        if self.sized:
             if not self.room:
                 return entries
             room = self.room
@@ -193,15 +198,30 @@ class Part:
     @property
     def sized(self) -> bool:
         """Whether it is a part by room alone (kept however many parts are asked for)."""
-        return self.clouds is None and self.regions is None
+        return self.clouds is None and self.regions is None and self.places is None
 
 
 WHOLE = Part()
 ROOMY = Part(room=1)
-PARTS = 8
+PARTS = 12
 """Parts kept per list besides those by room alone (`Part.sized`: one per power of two
-asked for): those of the requests' own clouds or regions asked for since (all made again
-when more are asked for)."""
+asked for): those of the requests' own clouds or regions, or of a kind of verdict's
+regions (`Part.places`), the last asked for."""
+
+
+VERDICTS_MAX = 1_000
+"""Kinds of verdict `CostIndex.places` keeps a test of (a policy has a few)."""
+
+
+def _places(verdicts: dict[Hashable, Callable[[str, str], bool]], c: Constraints
+            ) -> Callable[[str, str], bool]:
+    key = c.regions_key()
+    got = verdicts.get(key)
+    if got is None:
+        if len(verdicts) >= VERDICTS_MAX:
+            verdicts.clear()  # the parts made with a test keep it
+        got = verdicts.setdefault(key, c.region_ok)
+    return got
 
 
 def _holds(entries: list[_Entry], u: float, key: PoolKey) -> bool:
@@ -262,6 +282,7 @@ class CostIndex:
         self.memo = CostMemo()
         """The arrays' costs per pool, kept across batches (`CostMemo`)."""
         self._asked: set[tuple[_Where, Part]] = set()  # by frozen indexes (`frozen`)
+        self._verdicts: dict[Hashable, Callable[[str, str], bool]] = {}  # `places`
         self.scans: dict[Hashable, Any] = {}
         """What the walk of a request with no option saw (`Scan`), per its shape
         (`CandidateBuilder.request`): it reads the lists alone, so it is kept until they
@@ -356,9 +377,9 @@ class CostIndex:
         got = parts.get(part)
         if got is None:
             if not part.sized and sum(not k.sized for k in parts) >= PARTS:
-                # The parts by room stay; the others are made again when asked for.
-                for k in [k for k in parts if not k.sized]:
-                    del parts[k]
+                # The parts by room stay; of the others the oldest goes (made again if
+                # asked for again).
+                del parts[next(k for k in parts if not k.sized)]
             got = parts[part] = part.of(self._lists[where], self.pool.held)
         return got
 
@@ -370,6 +391,12 @@ class CostIndex:
         """`scans`, of the lists as the pool is now (the changes since made first)."""
         self._sync()
         return self.scans
+
+    def places(self, c: Constraints) -> Callable[[str, str], bool]:
+        """The test of the regions a verdict allows (`Constraints.region_ok`), one per kind
+        of verdict (`Constraints.regions_key`): the part of a list within them
+        (`Part.places`) serves every verdict of that kind alike."""
+        return _places(self._verdicts, c)
 
     def frozen(self, horizons: Iterable[float] = (DEFAULT_HORIZON,),
                risks: Iterable[RiskLevel | None] = (None,)) -> FrozenCosts:
@@ -403,7 +430,7 @@ class CostIndex:
                            normalise=not by_horizon(self.pool.hazard, self.policy),
                            memo=self.memo, parts={k: dict(self._parts[k]) for k in lists},
                            held=self.pool.held_now(), scans=self.scans,
-                           asked=self._asked)
+                           asked=self._asked, verdicts=self._verdicts)
 
     def _to_change(self, where: _Where) -> tuple[list[_Entry], dict[Part, list[_Entry]]]:
         """The list at `where` and its parts, to be changed (copies of them once lent
@@ -482,12 +509,14 @@ class FrozenCosts:
     risk levels it was frozen for (`normalise`: every horizon scores alike, one list
     serves all)."""
 
-    def __init__(self, policy: Policy, lists: dict[_Where, list[_Entry]],
+    def __init__(self, policy: Policy, lists: dict[_Where, list[_Entry]],  # noqa: PLR0913
                  normalise: bool = False, memo: CostMemo | None = None,
                  parts: dict[_Where, dict[Part, list[_Entry]]] | None = None,
                  held: Mapping[PoolKey, int] | None = None,
                  scans: dict[Hashable, Any] | None = None,
-                 asked: set[tuple[_Where, Part]] | None = None) -> None:
+                 asked: set[tuple[_Where, Part]] | None = None,
+                 verdicts: dict[Hashable, Callable[[str, str], bool]] | None = None
+                 ) -> None:
         self.policy = policy
         self.memo = memo if memo is not None else CostMemo()
         """The index's `CostMemo` (a batch in a worker thread adds to it; entries are
@@ -500,6 +529,7 @@ class FrozenCosts:
         self.scans = scans if scans is not None else {}
         """The index's `CostIndex.scans` when frozen (of the lists frozen)."""
         self._asked = asked if asked is not None else set()
+        self._verdicts = verdicts if verdicts is not None else {}
         """The parts made here, for the index to keep from its next freeze on."""
         self._normalise = normalise
         self._horizons = {w[2] for w in lists if w[3] != PRICE}
@@ -511,6 +541,10 @@ class FrozenCosts:
     def scans_now(self) -> dict[Hashable, Any]:
         """`scans`: of the lists frozen."""
         return self.scans
+
+    def places(self, c: Constraints) -> Callable[[str, str], bool]:
+        """`CostIndex.places` (the index's own tests)."""
+        return _places(self._verdicts, c)
 
     def covers(self, horizon: float, risk: RiskLevel | None = None) -> bool:
         """Whether lists for `horizon` and risk level `risk` were frozen."""

@@ -202,8 +202,13 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
         scan = Scan()
         out = _Found(k if limit is None else None, limit, skipping)
         out.counting = skip and not skipping
+        # The first pass reads only the regions the verdict allows, through the index's
+        # part of them (`CostIndex.places`); the walk made again counts those it denies.
+        costs = b.costs
+        places = costs.places(p.c) if costs is not None and skipping and \
+            p.c.regions_bounded() else None
         part = Part(Part.room_for(p.request.gpus) if skipping else 0, p.own_clouds,
-                    p.own_regions)
+                    p.own_regions, places)
         for gpu in p.c.gpus:
             for m in p.c.markets:
                 entries = (b._plain(gpu, m) if not indexed else

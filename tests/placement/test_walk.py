@@ -303,6 +303,10 @@ def test_a_snapshot_and_frozen_costs_keep_what_they_saw_while_the_pool_changes()
     assert index.frozen().sorted(GPU, Market.SPOT)[0][2] == cheaper
 
 
+def _west_denied(cloud: str, region: str) -> bool:
+    return region != "us-west-2"
+
+
 @FAST
 @given(pools(), st.data())
 def test_the_index_parts_by_room_follow_holdings_and_polls(
@@ -318,12 +322,13 @@ def test_the_index_parts_by_room_follow_holdings_and_polls(
     lent: list[tuple[Any, dict[PoolKey, int], list[Any], list[Any]]] = []
     parts = (ROOMY, Part(2), Part(8), Part(1, None, frozenset({"us-east-1"})),
              Part(4, frozenset({"aws"}), frozenset({"us-west-2"})),
-             Part(0, frozenset({"aws"}), None))
+             Part(0, frozenset({"aws"}), None), Part(2, places=_west_denied))
 
     def wanted(entries: list[Any], part: Part, held: Any) -> list[Any]:
         return [e for e in entries
                 if (part.clouds is None or e[1].cloud in part.clouds)
                 and (part.regions is None or e[1].region in part.regions)
+                and (part.places is None or _west_denied(e[1].cloud, e[1].region))
                 and not (part.room and rules.no_room(e[2], held(e[1]), part.room))]
 
     def check() -> None:
@@ -381,6 +386,30 @@ def test_a_part_a_frozen_index_made_is_kept_by_the_index_from_its_next_freeze() 
     assert [e[2].pool.instance_type for e in second.sorted(GPU, Market.SPOT, part=Part(2))] \
         == ["big", "dear"]
     assert first.sorted(GPU, Market.SPOT, part=Part(2)) is made  # the first keeps its own
+
+
+def test_a_walk_reads_only_the_regions_its_verdict_allows_and_verdicts_alike_share_them(
+        ) -> None:
+    west = offer("us-west-2a", region="us-west-2", instance_type="west", gpus=1, price=0.5,
+                 capacity=4)
+    pool = pool_of([CHEAP, DEAR, west])
+    index = CostIndex(pool, Policy())
+
+    def verdict() -> Constraints:
+        return Constraints(gpus=(GPU,), markets=(Market.SPOT,), cap=None,
+                           deny_regions=frozenset({"us-west-2"}))
+
+    c = verdict()
+    [out] = solve([Ask(request("r1", GPU, 1), constraints=c)], pool, index.policy, now=T0,
+                  costs=index).outcomes
+    assert pool_placed(out) == CHEAP.pool  # the west is cheaper, and denied
+    read = [got for parts in index._parts.values() for part, got in parts.items()
+            if part.places is not None]
+    assert read and all(e[1].region == "us-east-1" for got in read for e in got)
+    assert index.places(verdict()) is index.places(c)  # one test per kind of verdict
+    allow_west = Constraints(gpus=(GPU,), markets=(Market.SPOT,), cap=None,
+                             regions=frozenset({"us-west-2"}))
+    assert index.places(allow_west) is not index.places(c)
 
 
 def test_a_part_by_room_is_the_largest_power_of_two_a_request_takes() -> None:
