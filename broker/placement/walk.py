@@ -116,8 +116,8 @@ def _checks(p: Probe, own: bool, regions_passed: bool) -> _Checks:
     `rules.REQUEST_REGION` only outside the request's own clouds and regions (`own`: the
     walk reads the index's part of them alone); `rules.POLICY_REGION` only where the
     verdict bounds regions (`Constraints.regions_bounded`) and the walk has not passed
-    over those it denies already (`regions_passed`); `rules.PRICE_CAP` only under a
-    cap."""
+    over those it denies already, nor reads only those it allows (`regions_passed`);
+    `rules.PRICE_CAP` only under a cap."""
     where = tuple(r for r in rules.WHERE
                   if not (r is rules.EXCLUDED and not p.exclude)
                   and not (r is rules.REQUEST_REGION and own))
@@ -193,7 +193,8 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
     # The walk made again finds no option either (those it passed over were none): it
     # only counts, and ends where a walk judging every offer would. What it lists (none)
     # and up to where (an option over `limit` seen, or all there are) is the first's.
-    indexed = b.costs is not None
+    costs = b.costs
+    indexed = costs is not None
     first: _Found | None = None
     for skipping in ((True, False) if skip else (False,)):
         if first is not None and known is not None:
@@ -204,7 +205,6 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
         out.counting = skip and not skipping
         # The first pass reads only the regions the verdict allows, through the index's
         # part of them (`CostIndex.places`); the walk made again counts those it denies.
-        costs = b.costs
         places = costs.places(p.c) if costs is not None and skipping and \
             p.c.regions_bounded() else None
         part = Part(Part.room_for(p.request.gpus) if skipping else 0, p.own_clouds,
@@ -215,7 +215,8 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
                            b._by_price(gpu, m, part) if by_price else
                            b._by_cost(gpu, m, h, risk, part))
                 _walk_list(b, p, entries, by_price, out, scan, alive, h, indexed,
-                           roomy=indexed and part.room == p.request.gpus)
+                           roomy=indexed and part.room == p.request.gpus,
+                           allowed=places is not None)
         if first is None:
             first = out
         if out.heap or out.found or not (out.skipped or (skipping and indexed)):
@@ -226,10 +227,11 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
 
 def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Found,  # noqa: PLR0913
                scan: Scan, alive: Alive | None, h: float, own: bool = False, *,
-               roomy: bool = False) -> None:
+               roomy: bool = False, allowed: bool = False) -> None:
     """`own`: the entries are within the request's own clouds and regions already;
     `roomy`: their pools have room for the request, on the probe's view (the index's
-    part by room of its very size): none is passed over for want of it."""
+    part by room of its very size): none is passed over for want of it; `allowed`:
+    they are within the regions the verdict allows (the index's part of them)."""
     need = p.request.gpus
     policy, hazard = p.policy, b.hazard(h)
     memo = b.walk_costs(policy, h)
@@ -243,9 +245,9 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
     # again, counting them (as `_judge` would when they pass `rules.WHERE`: none of the
     # request's own offers is excluded).
     bounded = p.c.regions_bounded()
-    region_ok = p.c.region_ok if bounded and (skip or (counting and own and not p.exclude)) \
-        else None
-    checks = _checks(p, own, region_ok is not None)
+    region_ok = p.c.region_ok if bounded and not allowed and \
+        (skip or (counting and own and not p.exclude)) else None
+    checks = _checks(p, own, allowed or region_ok is not None)
     for bound, offer, ppg, _ in entries:
         if region_ok is not None and not region_ok(offer.pool.cloud, offer.pool.region):
             if skip:

@@ -730,6 +730,15 @@ def test_costs_frozen_for_other_risk_levels_still_place_a_request_at_its_own() -
     assert decided(out).placement.pool == RISKY.pool  # walked by price instead
 
 
+def cheap_and_dear(capacity: int) -> tuple[Offer, Offer, ResourcePool]:
+    """Two spot pools of us-east-1 alike but for their price (10 and 11 an hour)."""
+    cheap = offer("us-east-1a", market="spot", price=10.0, capacity=capacity,
+                  interruption_rate=0.01)
+    dear = offer("us-east-1b", market="spot", price=11.0, capacity=capacity,
+                 interruption_rate=0.01)
+    return cheap, dear, pool_of([cheap, dear])
+
+
 @BOTH
 def test_the_arrays_costs_kept_across_batches_serve_only_the_offer_they_were_made_for(
         settings: BatchSettings) -> None:
@@ -738,11 +747,7 @@ def test_the_arrays_costs_kept_across_batches_serve_only_the_offer_they_were_mad
     # Large batches cost their offers through the index's memo, kept from one batch to
     # the next: an unchanged offer is not costed again, a changed one (a new reading of
     # its pool) is.
-    cheap = offer("us-east-1a", market="spot", price=10.0, capacity=1,
-                  interruption_rate=0.01)
-    dear = offer("us-east-1b", market="spot", price=11.0, capacity=1,
-                 interruption_rate=0.01)
-    pool = pool_of([cheap, dear])
+    cheap, dear, pool = cheap_and_dear(capacity=1)
     index = CostIndex(pool, POLICY)
     settings = replace(settings, index_min_batch=1)
 
@@ -771,11 +776,7 @@ def test_the_walks_costs_kept_across_batches_serve_only_the_offer_they_were_made
     # Small batches walk the index's lists, and keep the costs they read in its memo
     # (`CostMemo.walks`) for the next: a new reading of a pool is costed again, and a
     # refreshed hazard estimator starts every table again.
-    cheap = offer("us-east-1a", market="spot", price=10.0, capacity=4,
-                  interruption_rate=0.01)
-    dear = offer("us-east-1b", market="spot", price=11.0, capacity=4,
-                 interruption_rate=0.01)
-    pool = pool_of([cheap, dear])
+    cheap, dear, pool = cheap_and_dear(capacity=4)
     index = CostIndex(pool, POLICY)
 
     def place(name: str) -> str | None:
