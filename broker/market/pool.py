@@ -127,7 +127,13 @@ class ResourcePool:
                 self._keys_by_gpu.setdefault(offer.gpu, set()).add(key)
                 self._index(offer)
             self._offers[key] = offer
-            self._slice_of[key] = slice_id
+            was = self._slice_of.get(key)
+            if was != slice_id:
+                if was is not None:  # offered by another slice until now: this one's now
+                    self._slices[was].discard(key)
+                    if prev is not None and prev.targets:
+                        self._owned[was] -= prev.owned_gpus
+                self._slice_of[key] = slice_id
         self._slices[slice_id] = set(new)
         self._owned[slice_id] = sum(o.owned_gpus for o in new.values() if o.targets)
         for key, offer in new.items():

@@ -61,6 +61,22 @@ def test_replacing_one_slice_leaves_another_untouched() -> None:
     assert pool.slice_of(g.pool) == OTHER
 
 
+def test_a_pool_offered_by_another_slice_moves_to_it() -> None:
+    """Two slices may report one pool (two adapters of one cloud): the last to offer it
+    owns it, and only its own poll can take it away."""
+    a, b = offer("us-east-1a"), offer("us-east-1b")
+    pool = pool_of([a, b])
+    b2 = replace(b, price_per_hour=30.0)
+    pool.replace(OTHER, [b2])
+    assert pool.slice_of(b.pool) == OTHER and pool.get(b.pool) == b2
+    assert pool.slice_offers(SLICE) == [a] and pool.slice_offers(OTHER) == [b2]
+    change = pool.replace(SLICE, [a])  # the first slice without it: not removed
+    assert change.removed == {} and pool.get(b.pool) == b2
+    change = pool.replace(OTHER, [])
+    assert change.removed == {b.pool: b2} and pool.get(b.pool) is None
+    assert [o.pool for o in pool] == [a.pool]
+
+
 def test_listeners_get_each_change_until_unsubscribed() -> None:
     pool = ResourcePool(stale_after_seconds=300, clock=Clock())
     seen: list[PoolChange] = []
