@@ -2,7 +2,11 @@
 cyclic garbage collector tracks, each, in the daemon's own structures.
 
 Offers: the simulated market (`--regions-per-cloud`, 88: ~20,000 offers) polled into a
-real `ResourcePool` with its hazard estimator, as the daemon keeps them. Leases:
+real `ResourcePool` with its hazard estimator, as the daemon keeps them; then what the
+market recorder keeps of them (its book of every pool's last recorded state, each
+region's poll written into a real SQLite state file), and what the placement's cost
+index keeps (its lists, their parts and memos, after 400 requests of the mix are placed
+on one index without holding anything: every list the mix reads). Leases:
 `--leases` place requests decoded from JSON bytes by the daemon's own validation
 (`broker.wire.validation.parse_place`, bench/latency.py's request mix on four scheduler
 ids), each given a lease by a real `LeaseBook.create` on a placement from the pool, then
@@ -23,11 +27,13 @@ import asyncio
 import gc
 import json
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +69,49 @@ def build_pool(sim: Any) -> Any:
         cloud, name = region.split(":", 1)
         pool.hazard.observe_change(pool.replace((cloud, name), offers), NOW.timestamp())
     return pool
+
+
+def build_book(pool: Any, folder: str) -> Any:
+    """The market recorder's book after every slice of `pool` is written, as the daemon's
+    recorder writes a poll (`_Book.write` on the store's thread, a real SQLite file)."""
+    from broker.market.recorder import _Book, _Poll, epoch
+    from broker.state.store import StateStore
+
+    by_slice: dict[Any, dict[Any, Any]] = {}
+    for o in pool:
+        by_slice.setdefault(pool.slice_of(o.pool), {})[o.pool] = o
+
+    async def write() -> Any:
+        store = StateStore(Path(folder) / "state.db")
+        await store.open()
+        try:
+            book = _Book()
+            for slice_id, offers in by_slice.items():
+                poll = _Poll(slice_id, epoch(NOW), offers)
+                await store.call(partial(book.write, poll=poll, snapshot_factor=1e9))
+            return book
+        finally:
+            await store.close()
+
+    return asyncio.run(write())
+
+
+def build_index(pool: Any) -> Any:
+    """A cost index after 400 requests of the mix are placed on it (nothing held)."""
+    from batches import requests  # bench/batches.py's mix as PlaceRequests
+
+    from broker.placement.optimizer import Ask, BatchSettings, CostIndex, solve
+    from policies.evaluate import Denied, evaluate
+    from policies.model import Policy
+
+    policy = Policy()
+    index = CostIndex(pool, policy)
+    settings = BatchSettings(exact_max_batch=0)
+    for b in range(50):
+        asks = [Ask(r, constraints=c) for r in requests(8, b)
+                if not isinstance(c := evaluate(policy, r), Denied)]
+        solve(asks, pool, policy, now=NOW, settings=settings, costs=index)
+    return index
 
 
 def asks(pool: Any, n: int) -> list[tuple[str, bytes, Any]]:
@@ -134,7 +183,14 @@ def main() -> None:
     warm = build_pool(sim)
     restore([lease_row(le, 1)[5] for le in fill_book(asks(warm, 100)).active()])
     del warm
+    gc.collect()
     pool, pool_bytes, pool_types = measured(lambda: build_pool(sim))
+    with tempfile.TemporaryDirectory() as folder:
+        build_book(warm_pool := build_pool(sim), folder)  # made on first use, not counted
+        build_index(warm_pool)
+        del warm_pool
+        _, recorded_bytes, recorded_types = measured(lambda: build_book(pool, folder))
+    _, index_bytes, index_types = measured(lambda: build_index(pool))
     todo = asks(pool, args.leases)
     book, book_bytes, book_types = measured(lambda: fill_book(todo))
     bodies = [lease_row(le, 1)[5] for le in book.active()]
@@ -147,6 +203,12 @@ def main() -> None:
         "offers": n, "pool_bytes_per_offer": round(pool_bytes / n),
         "pool_tracked_per_offer": round(pool_types.total() / n, 2),
         "pool_tracked_types": dict(pool_types.most_common(6)),
+        "recorder_bytes_per_offer": round(recorded_bytes / n),
+        "recorder_tracked_per_offer": round(recorded_types.total() / n, 2),
+        "recorder_tracked_types": dict(recorded_types.most_common(4)),
+        "index_bytes_per_offer": round(index_bytes / n),
+        "index_tracked_per_offer": round(index_types.total() / n, 2),
+        "index_tracked_types": dict(index_types.most_common(4)),
         "leases": m, "book_bytes_per_lease": round(book_bytes / m),
         "book_tracked_per_lease": round(book_types.total() / m, 2),
         "book_tracked_types": dict(book_types.most_common(5)),
@@ -160,6 +222,10 @@ def main() -> None:
     print(f"offers {n}: {out['pool_bytes_per_offer']} B each (the pool with its indexes "
           f"and estimator), {out['pool_tracked_per_offer']} tracked objects each\n"
           f"  by type: {out['pool_tracked_types']}\n"
+          f"  the market recorder's book: {out['recorder_bytes_per_offer']} B an offer, "
+          f"{out['recorder_tracked_per_offer']} tracked objects ({out['recorder_tracked_types']})\n"
+          f"  the cost index after the mix: {out['index_bytes_per_offer']} B an offer, "
+          f"{out['index_tracked_per_offer']} tracked objects ({out['index_tracked_types']})\n"
           f"leases {m}: {out['book_bytes_per_lease']} B each (request and placement "
           f"included), {out['book_tracked_per_lease']} tracked objects each\n"
           f"  by type: {out['book_tracked_types']}\n"

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import math
 import sqlite3
+import struct
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
@@ -83,12 +84,35 @@ _Ident = tuple[PoolKey, str, int]
 _PoolInfo = tuple[PoolKey, str, int]
 
 
+# A pool's recorded values packed into 40 bytes (`_pack`): one object instead of a tuple
+# and its integers, some 100 bytes less for each of the tens of thousands of pools.
+_PACKED = struct.Struct("<5q")
+_NONE = -(2 ** 63)  # a missing signal; the stored values are never negative
+
+
+def _pack(values: Values) -> bytes:
+    return _PACKED.pack(*(_NONE if v is None else v for v in values))
+
+
+def _unpack(packed: bytes) -> Values:
+    a, b, c, d, e = (None if v == _NONE else v for v in _PACKED.unpack(packed))
+    return (a, b, c, d, e)
+
+
 @dataclass(frozen=True, slots=True)
 class _Recorded:
+    """What the recorder last wrote of a pool: its market_pools row, the GPU model and
+    count of that row, the values (`_pack`), and the slice whose polls offer it (`None`:
+    read back at start-up and not polled since)."""
     pool_id: int
     gpu: str
     gpus: int
-    values: Values
+    packed: bytes
+    slice: SliceId | None = None
+
+    @property
+    def values(self) -> Values:
+        return _unpack(self.packed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,12 +160,15 @@ _INSERT_CHANGE = (
 class _Book:
     """What the recorder has recorded, for comparing the next poll with. Filled once
     from a read-only connection before the first write, then used only on the store's
-    thread."""
+    thread.
+
+    `live` holds every live pool's record (its row, values and slice); `ids` only the
+    rows of pools that are not live as that row (gone, or offered since with another GPU
+    model or count), should they come back: a live pool's row is in its record."""
 
     def __init__(self) -> None:
         self.ids: dict[_Ident, int] = {}
         self.live: dict[PoolKey, _Recorded] = {}
-        self.owner: dict[PoolKey, SliceId] = {}
         self.slices: dict[SliceId, set[PoolKey]] = {}
         # Live pools read back at start-up whose slice is not known yet, by (cloud, region).
         self.unclaimed: dict[tuple[str, str], set[PoolKey]] = {}
@@ -153,12 +180,16 @@ class _Book:
         with HistoryReader(source) as reader:
             pools = reader.pools()
             state, self.since_snapshot, self.last_t = reader.state_at(None, pools)
-        self.ids = {(key, gpu, gpus): pid for pid, (key, gpu, gpus) in pools.items()}
         self.live = {}
         for pid in sorted(state):  # a later pool row of a key (new GPU) wins
             key, gpu, gpus = pools[pid]
-            self.live[key] = _Recorded(pid, gpu, gpus, state[pid])
-        self.owner, self.slices, self.unclaimed = {}, {}, {}
+            self.live[key] = _Recorded(pid, gpu, gpus, _pack(state[pid]))
+        self.ids = {}
+        for pid, (key, gpu, gpus) in pools.items():
+            rec = self.live.get(key)
+            if rec is None or rec.pool_id != pid:
+                self.ids[(key, gpu, gpus)] = pid
+        self.slices, self.unclaimed = {}, {}
         for key in self.live:
             self.unclaimed.setdefault((key.cloud, key.region), set()).add(key)
         return len(self.live)
@@ -167,6 +198,7 @@ class _Book:
         """Write what changed in one slice's poll, in one transaction; returns the rows
         written. The book changes only once the transaction is committed."""
         t, offers = max(poll.t, self.last_t), poll.offers  # a clock step back keeps order
+        slice_id, live = poll.slice, self.live
         rows: list[tuple[Any, ...]] = []
         new_ids: dict[_Ident, int] = {}
         updates: dict[PoolKey, _Recorded] = {}
@@ -174,26 +206,34 @@ class _Book:
         try:
             for key, offer in offers.items():
                 values = values_of(offer)
-                prev = self.live.get(key)
-                if (prev is not None and prev.values == values and prev.gpu == offer.gpu
-                        and prev.gpus == offer.gpus):
+                packed = _pack(values)
+                prev = live.get(key)
+                if prev is not None and prev.gpu == offer.gpu and prev.gpus == offer.gpus:
+                    if prev.packed != packed:
+                        rows.append((t, prev.pool_id, *values, CHANGE))
+                        updates[key] = _Recorded(prev.pool_id, prev.gpu, prev.gpus, packed,
+                                                 slice_id)
+                    elif prev.slice != slice_id:
+                        updates[key] = _Recorded(prev.pool_id, prev.gpu, prev.gpus, packed,
+                                                 slice_id)
                     continue
                 ident = (key, offer.gpu, offer.gpus)
                 pid = self.ids.get(ident) or new_ids.get(ident)
                 if pid is None:
                     pid = _pool_id(db, ident)
                     new_ids[ident] = pid
-                if prev is not None and prev.pool_id != pid:
+                if prev is not None:
                     # Same pool key, other GPU model or count: the old pool row ends here.
                     rows.append((t, prev.pool_id, None, None, None, None, None, GONE))
                 rows.append((t, pid, *values, CHANGE))
-                updates[key] = _Recorded(pid, offer.gpu, offer.gpus, values)
-            gone = [k for k in self.slices.get(poll.slice, ())
-                    if k not in offers and self.owner.get(k) == poll.slice and k in self.live]
+                updates[key] = _Recorded(pid, offer.gpu, offer.gpus, packed, slice_id)
+            gone = [k for k in self.slices.get(slice_id, ())
+                    if k not in offers and (r := live.get(k)) is not None
+                    and r.slice == slice_id]
             regions = {(k.cloud, k.region) for k in offers} & self.unclaimed.keys()
             for region in regions:
                 gone.extend(k for k in self.unclaimed[region] if k not in offers)
-            rows.extend((t, self.live[k].pool_id, None, None, None, None, None, GONE)
+            rows.extend((t, live[k].pool_id, None, None, None, None, None, GONE)
                         for k in gone)
             db.executemany(_INSERT_CHANGE, rows)
             db.commit()
@@ -201,16 +241,19 @@ class _Book:
             if db.in_transaction:
                 db.rollback()
             raise
-        self.ids.update(new_ids)
-        self.live.update(updates)
+        ids = self.ids
+        for key, rec in updates.items():
+            prev = live.get(key)
+            if prev is not None and prev.pool_id != rec.pool_id:
+                ids[(key, prev.gpu, prev.gpus)] = prev.pool_id
+            ids.pop((key, rec.gpu, rec.gpus), None)
+            live[key] = rec
         for k in gone:
-            del self.live[k]
-            self.owner.pop(k, None)
+            prev = live.pop(k)
+            ids[(k, prev.gpu, prev.gpus)] = prev.pool_id
         for region in regions:
             del self.unclaimed[region]
-        self.slices[poll.slice] = set(offers)
-        for k in offers:
-            self.owner[k] = poll.slice
+        self.slices[slice_id] = set(offers)
         self.last_t = t
         self.since_snapshot += len(rows)
         return len(rows)

@@ -221,6 +221,54 @@ async def test_a_pool_missing_from_its_slice_gets_a_gone_row(rig: Rig) -> None:
     assert [r.gone for r in rig.rows()[-2:]] == [True, True]
 
 
+async def pool_rows(rig: Rig) -> int:
+    n = await rig.store.call(
+        lambda db: db.execute("SELECT count(*) FROM market_pools").fetchone()[0])
+    return int(n)
+
+
+async def test_a_pool_that_comes_back_takes_up_its_own_row_again(places: Places) -> None:
+    """Gone and back, another GPU and back, and across a restart: each (pool, GPU, count)
+    has one market_pools row, and a pool's rows read back as its one history."""
+    path, clock = places.new(), Clock()
+    async with rig_at(path, clock) as rig:
+        await rig.poll([offer("us-east-1a"), offer("us-east-1b")])
+        await rig.poll([offer("us-east-1a")])  # b gone
+        await rig.poll([offer("us-east-1a"), offer("us-east-1b")])  # b back
+        await rig.poll([offer("us-east-1a", gpu="H200-141GB"), offer("us-east-1b")])
+        await rig.poll([offer("us-east-1a"), offer("us-east-1b")])  # a's H100 again
+        assert await pool_rows(rig) == 3
+        await rig.poll([offer("us-east-1b")])  # a gone before the restart
+    async with rig_at(path, clock) as rig:
+        await rig.poll([offer("us-east-1a", gpu="H200-141GB"), offer("us-east-1b", price=9.0)])
+        assert await pool_rows(rig) == 3
+        await rig.poll([offer("us-east-1a"), offer("us-east-1b", price=9.0)])
+        assert await pool_rows(rig) == 3
+        rows = rig.rows()
+    a = [(r.gpu, r.gone) for r in rows if r.pool.zone == "us-east-1a"]
+    # Rows of one second come in the order of their pool rows (H100's first).
+    assert a == [("H100-80GB", False),
+                 (None, True), ("H200-141GB", False),  # H100's row ends
+                 ("H100-80GB", False), (None, True),  # H200's ends
+                 (None, True),  # gone before the restart
+                 ("H200-141GB", False),
+                 ("H100-80GB", False), (None, True)]  # H200's ends
+    b = [(r.price_per_hour, r.gone) for r in rows if r.pool.zone == "us-east-1b"]
+    assert [g for _, g in b] == [False, True, False, False]
+    assert b[-1][0] == 9.0
+
+
+async def test_a_pool_polled_by_another_slice_is_gone_only_from_that_one(rig: Rig) -> None:
+    moved = offer("us-east-1b")
+    await rig.poll([offer("us-east-1a"), moved])
+    await rig.poll([moved], GCP)  # the other slice offers it now, unchanged
+    assert await rig.count() == 2
+    await rig.poll([offer("us-east-1a")])  # the first slice without it: not gone
+    assert await rig.count() == 2
+    await rig.poll([], GCP)  # its slice without it: gone
+    assert [(r.pool.zone, r.gone) for r in rig.rows()[2:]] == [("us-east-1b", True)]
+
+
 async def test_a_restart_picks_up_the_recorded_state(places: Places) -> None:
     path, clock = places.new(), Clock()
     async with rig_at(path, clock) as rig:
