@@ -3,7 +3,15 @@ worker thread, and the offers in order of their cost per GPU (`CostIndex`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from collections.abc import (
+    Callable,
+    Collection,
+    Hashable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
@@ -82,6 +90,12 @@ class Snapshot:
     @property
     def hazard(self) -> HazardEstimator | None:
         return self._hazard
+
+
+def _pairs(flat: tuple[Any, ...]) -> Iterator[tuple[Any, Any]]:
+    """(a, b, c, d, …) as (a, b), (c, d), …"""
+    it = iter(flat)
+    return zip(it, it, strict=True)
 
 
 def _first_two(entry: tuple[float, PoolKey, Offer]) -> tuple[float, PoolKey]:
@@ -273,7 +287,9 @@ class CostIndex:
         self._lists: dict[_Where, list[_Entry]] = {}
         self._parts: dict[_Where, dict[Part, list[_Entry]]] = {}
         self._lent: set[_Where] = set()  # of `_lists`, lent out by `frozen`: copied first
-        self._placed: dict[PoolKey, list[tuple[float, _Where]]] = {}
+        # Where each pool's offer is placed: (where, its entry there, where, …), flat, so
+        # that the tens of thousands of pools cost one tuple each (`_pairs` reads it).
+        self._placed: dict[PoolKey, tuple[Any, ...]] = {}
         self._dirty: set[PoolKey] = set()
         # Pools whose holdings changed since the parts by room were last kept, each with
         # what it held then (`_reroom`).
@@ -338,8 +354,9 @@ class CostIndex:
             self._lists[where] = got
             self._parts[where] = {}
             placed = self._placed
-            for u, key, _ in got:
-                placed.setdefault(key, []).append((u, where))
+            for entry in got:
+                key = entry[1]
+                placed[key] = (*placed.get(key, ()), where, entry)
             self._part(where, ROOMY)  # kept from the start: most walks read it
         return self._part(where, part)
 
@@ -451,7 +468,8 @@ class CostIndex:
         lists, placed, held = self._lists, self._placed, self.pool.held
         scored = {w[2:] for w in lists}  # (horizon, risk level)
         for key in dirty:
-            for u, where in placed.pop(key, ()):
+            for where, old in _pairs(placed.pop(key, ())):
+                u = old[0]
                 entries, parts = self._to_change(where)
                 _remove(entries, u, key)
                 for within in parts.values():
@@ -470,7 +488,7 @@ class CostIndex:
                 for part, got in parts.items():
                     if part.admits(entry, held):
                         bisect.insort(got, entry, key=_first_two)
-                placed.setdefault(key, []).append((u, where))
+                placed[key] = (*placed.get(key, ()), where, entry)
 
     def _reroom(self) -> None:
         """Keep the parts by room (`Part.room`) as the holdings of the pools changed since
@@ -486,7 +504,8 @@ class CostIndex:
             offer = self.pool.get(key)
             if now == before or offer is None:
                 continue
-            for u, where in self._placed.get(key, ()):
+            for where, entry in _pairs(self._placed.get(key, ())):
+                u = entry[0]
                 moved = [part for part in self._parts[where] if part.room and
                          no_room(offer, before, part.room) != no_room(offer, now, part.room)]
                 if not moved:
@@ -495,7 +514,6 @@ class CostIndex:
                 i = bisect.bisect_left(entries, (u, key), key=_first_two)
                 if i == len(entries) or entries[i][1] != key:
                     continue
-                entry = entries[i]
                 for part in moved:
                     got = parts[part]
                     if not part.admits(entry, held):
