@@ -132,4 +132,7 @@ class Poller:
             delay = self.interval - (loop.time() - started)
             if isinstance(result.error, RateLimited) and result.error.retry_after:
                 delay = max(delay, result.error.retry_after)
+            # Not kept while this slice sleeps: its change holds the whole poll (a dict of
+            # every offer, what changed), some 6 MiB over 50,000 offers.
+            del result
             await asyncio.sleep(max(0.0, delay) * random.uniform(0.95, 1.05))

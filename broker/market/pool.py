@@ -61,7 +61,9 @@ class ResourcePool:
         self.started_at = clock()
         self._offers: dict[PoolKey, Offer] = {}
         self._slice_of: dict[PoolKey, SliceId] = {}
-        self._slices: dict[SliceId, set[PoolKey]] = {}
+        # Each slice's pools, as a tuple: a set of the tens of keys a slice has costs four
+        # times the bytes, and is only ever read whole.
+        self._slices: dict[SliceId, tuple[PoolKey, ...]] = {}
         self._health: dict[SliceId, SliceHealth] = {}
         self._keys_by_gpu: dict[str, set[PoolKey]] = {}
         # Priced offers per (GPU, market) and per GPU (market None), kept sorted by
@@ -104,10 +106,10 @@ class ResourcePool:
         when that poll was made, if not now (a new leader taking over its predecessor's
         last polls): the slice's freshness counts from then."""
         new = {o.pool: o for o in offers}
-        old_keys = self._slices.get(slice_id, set())
+        old_keys = self._slices.get(slice_id, ())
         updated: dict[PoolKey, Offer | None] = {}
         removed: dict[PoolKey, Offer] = {}
-        for key in old_keys - new.keys():
+        for key in [k for k in old_keys if k not in new]:
             gone = self._offers.pop(key)
             del self._slice_of[key]
             removed[key] = gone
@@ -130,11 +132,11 @@ class ResourcePool:
             was = self._slice_of.get(key)
             if was != slice_id:
                 if was is not None:  # offered by another slice until now: this one's now
-                    self._slices[was].discard(key)
+                    self._slices[was] = tuple(k for k in self._slices[was] if k != key)
                     if prev is not None and prev.targets:
                         self._owned[was] -= prev.owned_gpus
                 self._slice_of[key] = slice_id
-        self._slices[slice_id] = set(new)
+        self._slices[slice_id] = tuple(new)
         self._owned[slice_id] = sum(o.owned_gpus for o in new.values() if o.targets)
         for key, offer in new.items():
             self._rooms.pop(key, None)

@@ -169,7 +169,7 @@ class _Book:
     def __init__(self) -> None:
         self.ids: dict[_Ident, int] = {}
         self.live: dict[PoolKey, _Recorded] = {}
-        self.slices: dict[SliceId, set[PoolKey]] = {}
+        self.slices: dict[SliceId, tuple[PoolKey, ...]] = {}  # read whole: no sets
         # Live pools read back at start-up whose slice is not known yet, by (cloud, region).
         self.unclaimed: dict[tuple[str, str], set[PoolKey]] = {}
         self.last_t = 0
@@ -253,7 +253,7 @@ class _Book:
             ids[(k, prev.gpu, prev.gpus)] = prev.pool_id
         for region in regions:
             del self.unclaimed[region]
-        self.slices[slice_id] = set(offers)
+        self.slices[slice_id] = tuple(offers)
         self.last_t = t
         self.since_snapshot += len(rows)
         return len(rows)
