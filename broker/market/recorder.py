@@ -87,7 +87,9 @@ _PoolInfo = tuple[PoolKey, str, int]
 # A pool's recorded values packed into 40 bytes (`_pack`): one object instead of a tuple
 # and its integers, some 100 bytes less for each of the tens of thousands of pools.
 _PACKED = struct.Struct("<5q")
-_NONE = -(2 ** 63)  # a missing signal; the stored values are never negative
+# A missing signal is INT64_MIN, which no cloud reports. SQLite's INTEGER has the same 64
+# bits: a value it could store packs, one it could not fails the write either way.
+_NONE = -(2 ** 63)
 
 
 def _pack(values: Values) -> bytes:

@@ -22,6 +22,8 @@ import pytest
 import yaml
 from daemon_helpers import StartDaemon
 from factories import SLICE, Clock, offer
+from hypothesis import given
+from hypothesis import strategies as st
 from mqtt_helpers import ProbeFactory, payload_json
 from structlog.testing import capture_logs
 
@@ -29,7 +31,16 @@ from broker.daemon.assembly import Daemon
 from broker.daemon.config import Config, HttpConfig, StateConfig
 from broker.market.changes import SliceId
 from broker.market.pool import ResourcePool
-from broker.market.recorder import HistoryReader, MarketRecorder, epoch, prune_step, start_pruning
+from broker.market.recorder import (
+    HistoryReader,
+    MarketRecorder,
+    Values,
+    _pack,
+    _unpack,
+    epoch,
+    prune_step,
+    start_pruning,
+)
 from broker.market.traces import TraceRow, format_t, read_trace
 from broker.model import Market, Offer
 from broker.state.store import StateStore, Store
@@ -219,6 +230,11 @@ async def test_a_pool_missing_from_its_slice_gets_a_gone_row(rig: Rig) -> None:
     # An empty poll of a slice ends every pool it offered.
     await rig.poll([])
     assert [r.gone for r in rig.rows()[-2:]] == [True, True]
+
+
+@given(st.tuples(*[st.none() | st.integers(-(2 ** 63) + 1, 2 ** 63 - 1)] * 5))
+def test_recorded_values_pack_and_unpack_unchanged(values: Values) -> None:
+    assert _unpack(_pack(values)) == values
 
 
 async def pool_rows(rig: Rig) -> int:
