@@ -4,13 +4,12 @@ an outbox row, and how a lease and an outbox row map to a table's row and back."
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Iterator
 from typing import Any
 
 from broker.model import Lease, LeaseState, Placement, PlaceRequest, iso, parse_iso
-from broker.wire.messages import OutboxRow
+from broker.wire.messages import OutboxRow, dumps
 
 SCHEMA_VERSION = 7
 
@@ -147,14 +146,16 @@ INSERT_OUTBOX = ("INSERT INTO outbox (topic, payload, qos, retain, props, leader
 def lease_row(lease: Lease, epoch: int) -> tuple[str, str, str, str, str, str, int, int]:
     body = lease.to_json()
     body["request"] = lease.request.to_json()
+    # The messages' JSON (`dumps`: orjson, 2 µs where the standard library takes 24 on the
+    # loop's commit path): the same values read back; a lease holds no NaN or infinity,
+    # which the requests refuse and the adapters drop.
     return (lease.lease_id, lease.scheduler, lease.request_id, lease.state.value,
-            iso(lease.updated_at), json.dumps(body, separators=(",", ":")), epoch,
-            lease.part)
+            iso(lease.updated_at), dumps(body).decode(), epoch, lease.part)
 
 
 def outbox_row(r: OutboxRow, epoch: int) -> tuple[str, bytes, int, int, str | None, int]:
     return (r.topic, r.payload, r.qos, int(r.retain),
-            json.dumps(r.props) if r.props else None, epoch)
+            dumps(r.props).decode() if r.props else None, epoch)
 
 
 def lease_from(d: dict[str, Any]) -> Lease:
