@@ -429,8 +429,9 @@ class _Pool:
         self.avail = self.base_avail
         self.capacity = self.cap_scale * self.avail
         self.true_rate = self._true_rate() if self.spot else 0.0
-        # (capacity pressure, capacity, outage) of the last `signal.lag` + 1 polls
-        self.history: list[tuple[float, float, bool]] = [(self.avail, self.capacity, False)]
+        # (capacity pressure, capacity, outage) of the last `signal.lag` + 1 polls, oldest
+        # first, flat: three items a poll, no tuple each (tens of thousands of pools)
+        self.history: list[float | bool] = [self.avail, self.capacity, False]
         self.obs_avail: float | None = None
         self.obs_rate: float | None = None
         self.obs_capacity = self.capacity
@@ -453,7 +454,7 @@ class _Pool:
         """What the cloud's signal shows now: the state `lag` polls ago, seen through
         noise, quantised, sometimes missing."""
         signal = self.signal
-        a, capacity, outage = self.history[0]
+        a, capacity, outage = self.history[0:3]
         self.obs_capacity = capacity
         noisy = 0.0 if outage else _clip(a + rng.gauss(0.0, _OBS_NOISE), 0.0, 1.0)
         missing = rng.random()
@@ -487,9 +488,9 @@ class _Pool:
         self.capacity = 0.0 if self.outage > 0 or self.avail < 0.15 else level
         self.true_rate = self._true_rate()
         history = self.history
-        history.append((self.avail, self.capacity, self.outage > 0))
-        if len(history) > self.signal.lag + 1:
-            del history[0]
+        history += (self.avail, self.capacity, self.outage > 0)
+        if len(history) > 3 * (self.signal.lag + 1):
+            del history[:3]
         self._observe(rng)
 
 
