@@ -547,8 +547,9 @@ class FrozenCosts:
         self.scans = scans if scans is not None else {}
         """The index's `CostIndex.scans` when frozen (of the lists frozen)."""
         self._asked = asked if asked is not None else set()
-        self._verdicts = verdicts if verdicts is not None else {}
         """The parts made here, for the index to keep from its next freeze on."""
+        self._verdicts = verdicts if verdicts is not None else {}
+        """The index's tests of a verdict's regions (`CostIndex.places`)."""
         self._normalise = normalise
         self._horizons = {w[2] for w in lists if w[3] != PRICE}
         self._risks = {w[3] for w in lists if w[3] != PRICE} or {policy.scoring.risk}

@@ -147,8 +147,9 @@ def lease_row(lease: Lease, epoch: int) -> tuple[str, str, str, str, str, str, i
     body = lease.to_json()
     body["request"] = lease.request.to_json()
     # The messages' JSON (`dumps`: orjson, 2 µs where the standard library takes 24 on the
-    # loop's commit path): the same values read back; a lease holds no NaN or infinity,
-    # which the requests refuse and the adapters drop.
+    # loop's commit path) reads back the same values for what a lease can hold: no NaN
+    # or infinity, no lone surrogate (requests refuse them, over MQTT and HTTP alike;
+    # adapters drop non-finite numbers), where `dumps` would write null or U+FFFD.
     return (lease.lease_id, lease.scheduler, lease.request_id, lease.state.value,
             iso(lease.updated_at), dumps(body).decode(), epoch, lease.part)
 
