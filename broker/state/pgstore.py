@@ -90,8 +90,7 @@ class PgStateStore(OneThreadStore[PgDb]):
         """Connect and migrate. Raises `RuntimeError` for a schema newer than this code
         or a database that holds another site's state, `psycopg.Error` when the server
         refuses."""
-        self._db = await asyncio.get_running_loop().run_in_executor(self._executor,
-                                                                    self._open_db)
+        self._db = await self._thread.run(self._open_db)
 
     def _open_db(self) -> PgDb:
         """A new connection, migrated (on the store's thread)."""
@@ -112,10 +111,10 @@ class PgStateStore(OneThreadStore[PgDb]):
         if self._db is not None:
             db, self._db = self._db, None
             try:
-                await asyncio.get_running_loop().run_in_executor(self._executor, db.close)
+                await self._thread.run(db.close)
             except Exception as exc:  # closing a broken connection: nothing to keep
                 log.debug("closing the database connection failed", error=str(exc))
-        self._executor.shutdown(wait=True)
+        self._thread.shutdown(wait=True)
 
     async def reconnect_if_lost(self) -> bool:
         """Replace the connection if it no longer answers (a database restart while it
@@ -142,7 +141,7 @@ class PgStateStore(OneThreadStore[PgDb]):
             self._db = self._open_db()
 
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, swap)
+            await self._thread.run(swap)
         except (psycopg.Error, OSError, RuntimeError) as exc:
             raise StoreFailed(f"{self.name}: connecting again failed: "
                               f"{str(exc).strip()[:300]}") from exc

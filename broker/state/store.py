@@ -34,7 +34,6 @@ newer gpubroker is refused.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import json
@@ -42,7 +41,6 @@ import os
 import sqlite3
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -62,6 +60,7 @@ from broker.state.schema import (
     outbox_row,
     statements,
 )
+from broker.state.thread import OneThread
 from broker.wire.messages import OutboxRow
 
 T = TypeVar("T")
@@ -216,7 +215,7 @@ class OneThreadStore(Generic[D]):
     epoch = 0
 
     def __init__(self, thread_name: str) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        self._thread = OneThread(thread_name)
         self._db: D | None = None
 
     def _failed(self, what: str, exc: Exception) -> StoreFailed:
@@ -227,7 +226,7 @@ class OneThreadStore(Generic[D]):
             assert self._db is not None, "store is not open"
             return fn(self._db)
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+        return await self._thread.run(call)
 
     async def _read(self, what: str, fn: Callable[[D], T]) -> T:
         try:
@@ -407,8 +406,7 @@ class StateStore(OneThreadStore[SqliteDb]):
                 raise
             return db
 
-        loop = asyncio.get_running_loop()
-        self._db = await loop.run_in_executor(self._executor, do_open)
+        self._db = await self._thread.run(do_open)
 
     def _open_read_only(self) -> SqliteDb:
         db = connect_sqlite(self.path, read_only=True)
@@ -429,7 +427,7 @@ class StateStore(OneThreadStore[SqliteDb]):
             await self._run(lambda db: db.close())
             self._db = None
         self._unlock()
-        self._executor.shutdown(wait=True)
+        self._thread.shutdown(wait=True)
 
     async def commit(self, leases: Iterable[Lease], rows: Sequence[OutboxRow],
                      schedseqs: Mapping[str, int] | None = None) -> list[OutboxRow]:
