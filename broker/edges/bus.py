@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import random
 import time
@@ -72,6 +73,9 @@ are one step: a newer state committed meanwhile is always published after it."""
 ACK_BATCH = 512
 ACK_COALESCE_SECONDS = 0.05
 CONNECT_TIMEOUT = 10.0
+PUBLISH_TIMEOUT = 30.0
+"""The longest an outbox row's PUBACK may take: later, the session ends and the rows
+not acknowledged go out again on the next connection."""
 """The longest a connection to the MQTT server may take to make (TCP, TLS, CONNACK)."""
 CONNECT_MARGIN = 0.25
 """Leading a site (broker.state.leadership), a connect as the site starts only if the leadership has
@@ -415,40 +419,78 @@ class Bus:
             window.release()
 
     async def _send(self, client: Connection) -> None:
-        window = asyncio.Semaphore(200)
+        """Publish the outbox's rows in order, as many unacknowledged at a time as the
+        connection's in-flight window takes. No task per row: each PUBACK settles its
+        row in a callback (`_acked_row`), and `_unacknowledged` ends the session when
+        one is late or lost. In a burst of requests the tasks, timeouts and semaphore
+        of a row each were a third of the bus's CPU per message."""
+        sent: dict[int, float] = {}  # row id: loop time sent, oldest first
+        failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
         async with asyncio.TaskGroup() as tg:
-            while True:
-                if not self._queue:
-                    self._new.clear()
-                    await self._new.wait()
-                    continue
-                row_id = self._queue.popleft()
-                row = self._pending.get(row_id)
-                if row is None:
-                    continue  # acknowledged meanwhile
-                await window.acquire()
-                tg.create_task(self._publish_one(client, row, window))
+            tg.create_task(self._unacknowledged(sent, failed))
+            await self._send_rows(client, sent, failed)
 
-    async def _publish_one(self, client: Connection, row: OutboxRow,
-                           window: asyncio.Semaphore) -> None:
-        try:
+    async def _send_rows(self, client: Connection, sent: dict[int, float],
+                         failed: asyncio.Future[BaseException]) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._queue:
+                self._new.clear()
+                await self._new.wait()
+                continue
+            row = self._pending.get(self._queue.popleft())
+            if row is None:
+                continue  # acknowledged meanwhile
+            assert row.id is not None
+            if not self.may_publish():
+                raise Fenced("this node does not lead the site (any more)")
             props = self._props(row.props) if row.props and self.v5 else None
-            await self._publish(client, row.topic, row.payload, qos=row.qos,
-                                retain=row.retain, properties=props)
-        except Unpublishable as exc:
-            # Sending it again would fail again, after every reconnect: drop it, loudly,
-            # rather than let one bad row stop the outbox for good.
-            log.error("outbox message cannot be published; dropped", topic=row.topic[:200],
-                      error=str(exc))
-        finally:
-            window.release()
-        assert row.id is not None
+            try:
+                ack = await client.submit(row.topic, row.payload, qos=row.qos,
+                                          retain=row.retain, properties=props)
+            except (ValueError, TypeError) as exc:
+                # Sending it again would fail again, after every reconnect: drop it,
+                # loudly, rather than let one bad row stop the outbox for good.
+                log.error("outbox message cannot be published; dropped",
+                          topic=row.topic[:200], error=f"{type(exc).__name__}: {exc}")
+                self._acked_row(row.id)
+                continue
+            sent[row.id] = loop.time()
+            ack.add_done_callback(functools.partial(self._on_puback, row.id, sent, failed))
+
+    def _on_puback(self, row_id: int, sent: dict[int, float],
+                   failed: asyncio.Future[BaseException], ack: asyncio.Future[None]) -> None:
+        sent.pop(row_id, None)
+        error = ack.exception() if not ack.cancelled() else asyncio.CancelledError()
+        if error is None:
+            self._acked_row(row_id)
+        elif not failed.done():
+            failed.set_result(error)  # the session ends (`_unacknowledged`)
+
+    def _acked_row(self, row_id: int) -> None:
+        """The server acknowledged the row (or it was dropped): deleted from the store
+        by the ack loop."""
         self.last_ack = time.monotonic()
-        if self._pending.pop(row.id, None) is not None:
-            self._acked.append(row.id)
+        if self._pending.pop(row_id, None) is not None:
+            self._acked.append(row_id)
             self._acked_event.set()
             if not self._pending:
                 self._drained.set()
+
+    async def _unacknowledged(self, sent: dict[int, float],
+                              failed: asyncio.Future[BaseException]) -> None:
+        """End the session when a row's publish failed (the connection lost) or its
+        PUBACK is `PUBLISH_TIMEOUT` late: the rows not acknowledged go out again on the
+        next connection. One timer for all the rows in flight, not one each."""
+        loop = asyncio.get_running_loop()
+        while True:
+            oldest = next(iter(sent.values()), None)
+            wait = PUBLISH_TIMEOUT if oldest is None else oldest + PUBLISH_TIMEOUT - loop.time()
+            if wait <= 0:
+                raise MqttError(f"no acknowledgement within {PUBLISH_TIMEOUT:g}s")
+            done, _ = await asyncio.wait([failed], timeout=wait)
+            if done:
+                raise failed.result()
 
     async def _publish(self, client: Connection, topic: str, payload: bytes, *,
                        qos: int = 1, retain: bool = False,

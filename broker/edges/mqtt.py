@@ -538,22 +538,25 @@ class Connection:
         if self._error is not None:
             raise self._error
 
-    async def publish(self, topic: str, payload: bytes, *, qos: int = 1,
-                      retain: bool = False,
-                      properties: Mapping[str, Any] | None = None) -> None:
-        """Publish and, at QoS 1, wait for the PUBACK. ValueError for a message no server
-        would take (`check_topic`, a payload over 256 MiB); `MqttError` once the
-        connection is lost. `properties`: MQTT 5 ones, in gmqtt's names
-        (`correlation_data`, `message_expiry_interval`); ignored on 3.1.1."""
+    async def submit(self, topic: str, payload: bytes, *, qos: int = 1,
+                     retain: bool = False,
+                     properties: Mapping[str, Any] | None = None) -> asyncio.Future[None]:
+        """Send a PUBLISH once the in-flight window has a slot for it (at once, mostly),
+        and return the future of its PUBACK: resolved when it comes, failed with
+        `MqttError` if the connection is lost first (done at once at QoS 0). ValueError
+        for a message no server would take (`check_topic`, a payload over 256 MiB);
+        `MqttError` once the connection is lost. `properties`: MQTT 5 ones, in gmqtt's
+        names (`correlation_data`, `message_expiry_interval`); ignored on 3.1.1."""
         raw_topic = check_topic(topic)
         if self._error is not None:
             raise self._error
         props = properties if properties and self.v5 else {}
+        fut: asyncio.Future[None] = self._loop.create_future()
         if qos == 0:
             self._client.publish(raw_topic, payload, qos=0, retain=retain, **props)
-            return
+            fut.set_result(None)
+            return fut
         await self._slot()
-        fut: asyncio.Future[None] = self._loop.create_future()
         self._inflight.expect = fut
         try:
             self._client.publish(raw_topic, payload, qos=qos, retain=retain, **props)
@@ -561,7 +564,14 @@ class Connection:
             self._inflight.expect = None
             self._release_slot()
             raise
-        await fut
+        return fut
+
+    async def publish(self, topic: str, payload: bytes, *, qos: int = 1,
+                      retain: bool = False,
+                      properties: Mapping[str, Any] | None = None) -> None:
+        """`submit`, then wait for the PUBACK (at QoS 1)."""
+        await (await self.submit(topic, payload, qos=qos, retain=retain,
+                                 properties=properties))
 
 
 async def connect(cfg: MqttConfig, client_id: str, *, will: Will | None = None,

@@ -10,6 +10,8 @@ import errno
 import gc
 import json
 import logging
+import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from mqtt_helpers import Mosquitto, MqttProbe, ProbeFactory, payload_json
 
 from broker.daemon.assembly.process import quiet_closed_socket_callbacks
 from broker.daemon.config import MqttConfig
+from broker.edges import bus as bus_module
 from broker.edges.bus import CONNECT_MARGIN, CONNECT_MIN, Bus
 from broker.edges.mqtt import IN_FLIGHT, MqttError, connect, connected, describe, only
 from broker.state.store import StateStore
@@ -254,6 +257,53 @@ async def test_a_message_no_server_would_take_does_not_stop_the_outbox(
         assert await bus.drained(5)
         assert await store.pending() == []
         assert bus.reconnects == 0 and not task.done()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await store.close()
+
+
+async def test_an_outbox_row_not_acknowledged_in_time_goes_out_on_the_next_connection(
+        mosquitto: Mosquitto, probe_factory: ProbeFactory, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MQTT server stops answering (SIGSTOP: the socket stays open) while a row is in
+    flight: once its PUBACK is `PUBLISH_TIMEOUT` late the session ends, and the row goes
+    out again, and is deleted, on the next connection."""
+    monkeypatch.setattr(bus_module, "PUBLISH_TIMEOUT", 1.0)
+    probe = await probe_factory([f"{PREFIX}/events/#"], check_contract=False)
+    store = StateStore(tmp_path / "s.db")
+    await store.open()
+    lost = asyncio.Event()
+
+    async def ignore(_: Any) -> None:
+        return None
+
+    bus = Bus(MqttConfig(url=mosquitto.url), Topics(PREFIX), store, client_id="gb-late",
+              boot_id="b", on_command=ignore, on_lost=lost.set)
+    task = asyncio.create_task(bus.run())
+    pid = mosquitto.pid
+    assert pid is not None
+    try:
+        async with asyncio.timeout(10):
+            await bus.connected.wait()
+        sessions = bus.connections
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            bus.enqueue(await store.commit([], [OutboxRow(f"{PREFIX}/events/{S}/late", b"{}")]))
+            started = time.monotonic()
+            async with asyncio.timeout(10):
+                await lost.wait()
+            assert 0.9 <= time.monotonic() - started < 5
+            assert bus.outbox_depth == 1, "not acknowledged: still to send"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        async with asyncio.timeout(30):
+            await bus.connection_after(sessions)
+        await probe.wait_for(EVENTS + "late", timeout=10)
+        assert await bus.drained(10)
+        assert await store.pending() == []
+        assert bus.reconnects == 1 and not task.done()
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
