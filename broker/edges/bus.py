@@ -73,10 +73,10 @@ are one step: a newer state committed meanwhile is always published after it."""
 ACK_BATCH = 512
 ACK_COALESCE_SECONDS = 0.05
 CONNECT_TIMEOUT = 10.0
+"""The longest a connection to the MQTT server may take to make (TCP, TLS, CONNACK)."""
 PUBLISH_TIMEOUT = 30.0
 """The longest an outbox row's PUBACK may take: later, the session ends and the rows
 not acknowledged go out again on the next connection."""
-"""The longest a connection to the MQTT server may take to make (TCP, TLS, CONNACK)."""
 CONNECT_MARGIN = 0.25
 """Leading a site (broker.state.leadership), a connect as the site starts only if the leadership has
 this much time left beyond the time the connect is allowed to take to send CONNECT:
