@@ -23,18 +23,23 @@ LEASES = 12
 RENEW_EVERY = 0.5
 
 
-async def _renew_forever(probe: MqttProbe, lease_ids: list[str]) -> None:
+async def _renew_until(probe: MqttProbe, lease_ids: list[str], stop: asyncio.Event) -> None:
     """A scheduler renewing every lease every RENEW_EVERY seconds — into the outage too:
     what it sends while the server is down is lost, and it connects again as soon as it
-    can (a clean session: nothing is queued for it meanwhile)."""
-    while True:
+    can (a clean session: nothing is queued for it meanwhile) — until `stop` is set.
+    Stopped by the event, not cancelled: under load a cancellation that lands inside the
+    MQTT client's publish or reconnect can be lost, and the loop went on renewing for
+    seconds after `cancel()`, while the test read the book."""
+    while not stop.is_set():
         try:
             for lease_id in lease_ids:
                 await probe.publish(f"{PREFIX}/requests/{S}/renew", {"lease_id": lease_id})
         except (aiomqtt.MqttError, RuntimeError):
             with contextlib.suppress(aiomqtt.MqttError, OSError):
                 await probe.reconnect()
-        await asyncio.sleep(RENEW_EVERY)  # the scheduler's cadence, not a synchronisation
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(RENEW_EVERY):  # the scheduler's cadence
+                await stop.wait()
 
 
 async def test_an_outage_of_twice_the_ttl_expires_no_lease(
@@ -48,7 +53,8 @@ async def test_an_outage_of_twice_the_ttl_expires_no_lease(
                              "gpus": 1, "lease_seconds": TTL})
     decided = await sched.wait_for_count(f"{PREFIX}/events/{S}/placement.decided", LEASES)
     lease_ids = [payload_json(m)["data"]["lease_id"] for m in decided]
-    renewing = asyncio.create_task(_renew_forever(sched, lease_ids))
+    stop = asyncio.Event()
+    renewing = asyncio.create_task(_renew_until(sched, lease_ids, stop))
     try:
         sessions = daemon.bus.connections
         await mosquitto.astop()
@@ -65,8 +71,16 @@ async def test_an_outage_of_twice_the_ttl_expires_no_lease(
         # what is retained must be the book (read before the first TTL runs out).
         await asyncio.sleep(3)
     finally:
-        renewing.cancel()
-        await asyncio.gather(renewing, return_exceptions=True)
+        stop.set()
+        async with asyncio.timeout(30):
+            await renewing
+    # The last renewals may still be on their way to the daemon. It takes a scheduler's
+    # requests in the order they were sent: once a quote sent after them is answered,
+    # every one of them was decided and committed.
+    since = len(sched.messages)
+    await sched.publish(f"{PREFIX}/requests/{S}/quote",
+                        {"request_id": "after-the-renewals", "gpu": ["T4"], "gpus": 1})
+    await sched.wait_for(f"{PREFIX}/events/{S}/placement.quoted", timeout=10, since=since)
     assert await daemon.bus.drained(5)
     await daemon.broker.settled()
     book = {le.lease_id: le for le in daemon.book.all()}
