@@ -263,7 +263,7 @@ class CandidateBuilder:
         probe = self.probe(ask, c)
         for gpu in c.gpus:
             for m in c.markets:
-                for _, offer, _, _ in self._plain(gpu, m):
+                for offer in self._offers(gpu, m):
                     if rules.first_failing(probe, offer, 1, rules.ELIGIBLE) is None:
                         yield offer
 
@@ -323,7 +323,7 @@ class CandidateBuilder:
         if got is None:
             import numpy as np
 
-            offers = [o for _, o, _, _ in self._plain(gpu, m)]
+            offers = self._offers(gpu, m)
             kept = self.costs.memo.arrays if self.costs is not None else None
             last = kept.get((gpu, m)) if kept is not None else None
             # The last batch's arrays when its offers are the very same (most batches of
@@ -492,12 +492,23 @@ class CandidateBuilder:
             self._fresh_key = (frozenset(self.stale), frozenset(self.cooling))
         return self._fresh_key
 
-    def _plain(self, gpu: str, m: Market) -> Iterator[tuple[float, Offer, float, int | None]]:
+    def _offers(self, gpu: str, m: Market) -> list[Offer]:
+        """The priced offers of `gpu` in `m` the batch may place on (neither of a stale
+        slice nor cooling down), in the pool's order: a list of the batch's own. With
+        nothing stale or cooling (most batches) a copy of the pool's, made in C: the
+        arrays of a burst's batches list thousands of offers each."""
         view, stale, cooling = self.view, self.stale, self.cooling
-        for offer in view.by_gpu(gpu, m):
-            key = offer.pool
-            if (cooling and key in cooling) or (stale and view.slice_of(key) in stale):
-                continue
+        offers = view.by_gpu(gpu, m)
+        if not stale and not cooling:
+            return list(offers)
+        return [o for o in offers
+                if not ((cooling and o.pool in cooling)
+                        or (stale and view.slice_of(o.pool) in stale))]
+
+    def _plain(self, gpu: str, m: Market) -> Iterator[tuple[float, Offer, float, int | None]]:
+        # Read as far as the walk goes: the pool's own list when nothing is passed over.
+        filtered = self.stale or self.cooling
+        for offer in self._offers(gpu, m) if filtered else self.view.by_gpu(gpu, m):
             ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
             yield ppg, offer, ppg, None  # free instances: computed where needed
 
