@@ -202,6 +202,12 @@ class Bus:
 
     # --- the connection --------------------------------------------------------------
 
+    def _still_leading(self) -> None:
+        """`Fenced` once this node does not lead its site (`may_publish`): nothing is
+        published and no connection made then."""
+        if not self.may_publish():
+            raise Fenced("this node does not lead the site (any more)")
+
     def _status(self, state: str) -> bytes:
         return dumps({"state": state, "ts": iso(utcnow()), "boot_id": self.boot_id,
                       "version": __version__, "node": self.node, "role": "leader",
@@ -220,8 +226,7 @@ class Bus:
         and the handshakes are bounded by that time. With too little left (a renewal is
         due), wait for the renewal rather than fail: a failure would grow the backoff."""
         while True:
-            if not self.may_publish():
-                raise Fenced("this node does not lead the site (any more)")
+            self._still_leading()
             budget = min(CONNECT_TIMEOUT, self.time_left() - CONNECT_MARGIN)
             if budget >= CONNECT_MIN:
                 return budget
@@ -230,8 +235,7 @@ class Bus:
     async def _connect(self, budget: float = CONNECT_TIMEOUT) -> Connection:
         """Connect as the site. The TCP connect and the TLS handshake are bounded by
         `budget` together: CONNECT is sent within `budget` of the start, or never."""
-        if not self.may_publish():
-            raise Fenced("this node does not lead the site (any more)")
+        self._still_leading()
         return await connect(self.cfg, self.client_id, will=Will(
             self.topics.status, self._status("offline"), qos=1, retain=True),
             manual_ack=True, receive_maximum=self.receive_maximum, handshake_timeout=budget)
@@ -442,8 +446,7 @@ class Bus:
             if row is None:
                 continue  # acknowledged meanwhile
             assert row.id is not None
-            if not self.may_publish():
-                raise Fenced("this node does not lead the site (any more)")
+            self._still_leading()
             props = self._props(row.props) if row.props and self.v5 else None
             try:
                 ack = await client.submit(row.topic, row.payload, qos=row.qos,
@@ -461,7 +464,8 @@ class Bus:
     def _on_puback(self, row_id: int, sent: dict[int, float],
                    failed: asyncio.Future[BaseException], ack: asyncio.Future[None]) -> None:
         sent.pop(row_id, None)
-        error = ack.exception() if not ack.cancelled() else asyncio.CancelledError()
+        error = ack.exception() if not ack.cancelled() else \
+            MqttError("a publish was given up before its PUBACK")
         if error is None:
             self._acked_row(row_id)
         elif not failed.done():
@@ -503,8 +507,7 @@ class Bus:
         can swallow a cancellation that races with completion (CPython gh-86296) and
         leave a task that never stops.
         """
-        if not self.may_publish():
-            raise Fenced("this node does not lead the site (any more)")
+        self._still_leading()
         try:
             async with asyncio.timeout(timeout):
                 await client.publish(topic, payload, qos=qos, retain=retain,
