@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import math
 import os
@@ -106,10 +107,32 @@ the store (`bench/lease_memory.py`). A book that grows is no leak, and a thaw ov
 100,000 leases would hold the loop for hundreds of milliseconds."""
 
 
+HEAP_TRIM_SECONDS = 60.0
+"""How often the C heap's free pages go back to the system (`trim_heap`, in a thread):
+once the first poll round is in and swept, then at this pace, busy or not. What Python
+frees in the C heap (objects over 512 bytes, buffers, SQLite's and the solver's memory)
+glibc keeps for reuse unless it is at the heap's top, so a poll round's or a burst's
+peak would stay in the RSS for good. Measured in bench/README.md (`churn.py`)."""
+
+_MALLOC_TRIM: Callable[[int], int] | None = getattr(ctypes.CDLL(None), "malloc_trim", None)
+"""glibc's `malloc_trim`, looked up in the process's own symbols (None elsewhere: musl,
+macOS)."""
+
+
 def sweep_heap() -> None:
     """One sweep: a full collection, and what survived it frozen."""
     gc.collect()
     gc.freeze()
+
+
+def trim_heap() -> bool:
+    """The C heap's free pages given back to the system (glibc's `malloc_trim(0)`, which
+    releases whole free pages anywhere in the heap, not only at its top). False where
+    the C library has no such call. Safe from any thread: it takes the heap's locks."""
+    if _MALLOC_TRIM is None:
+        return False
+    _MALLOC_TRIM(0)
+    return True
 
 
 def heap_measure(leases: int) -> int:
@@ -422,13 +445,20 @@ class Daemon(PolicyReloading, StandingBy, Tasks):
         """At most every `HEAP_SWEEP_SECONDS`: a full collection, then what survived it
         frozen (`gc.freeze`), so that no collection walks it again; the frozen thawed
         and collected at `HEAP_THAW_GROWTH`. Between two batches of requests, or once
-        no request is queued or being decided."""
+        no request is queued or being decided. After the first sweep, and then every
+        `HEAP_TRIM_SECONDS` whether busy or not, the C heap trimmed (`trim_heap`) in a
+        thread."""
         await self.poller.first_round.wait()
         sweeper = HeapSweeper(lambda: self.book.in_memory)
         sweeper()
         self.broker.between_batches = sweeper
+        await asyncio.to_thread(trim_heap)
+        trimmed = time.monotonic()
         while True:
             await asyncio.sleep(HEAP_SWEEP_SECONDS)
+            if time.monotonic() - trimmed >= HEAP_TRIM_SECONDS:  # busy or not
+                await asyncio.to_thread(trim_heap)
+                trimmed = time.monotonic()
             try:
                 async with asyncio.timeout(HEAP_SWEEP_SECONDS):
                     await self.broker.idle()
