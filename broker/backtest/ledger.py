@@ -5,7 +5,7 @@ engine.py."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -159,6 +159,9 @@ class StrategyView:
 
     def held(self, key: PoolKey) -> int:
         return self.own.held(key)
+
+    def held_now(self) -> Mapping[PoolKey, int]:
+        return self.own.held_now()
 
     def cooling(self, now: datetime) -> Collection[PoolKey]:
         return self.own.cooling(now)

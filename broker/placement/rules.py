@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from broker.market.hazard import Hazard
@@ -119,6 +120,7 @@ class OfferArrays:
         self.regions: list[tuple[str, str]] = []
         self._eff: dict[tuple[float, RiskLevel], Any] = {}
         self._capped: Any = None  # the offers with a capacity, by index
+        self._capped_keys: list[PoolKey] = []  # and their pools
 
     @classmethod
     def of(cls, offers: list[Offer], policy: Policy, view: PoolView) -> OfferArrays:
@@ -147,6 +149,7 @@ class OfferArrays:
         a.ppg = a.price / a.gpus
         a.cap = np.array(cap, dtype=float)
         a._capped = np.flatnonzero(np.isfinite(a.cap))
+        a._capped_keys = [offers[i].pool for i in a._capped.tolist()]
         a.q_have, a.q_unit = np.array(q_have, dtype=float), np.array(q_unit, dtype=float)
         a.region = np.array(region, dtype=np.int64)
         a.disc_ok = np.array(disc, dtype=bool)
@@ -158,11 +161,9 @@ class OfferArrays:
         import numpy as np
 
         free = self.cap.copy()
-        if len(self._capped):
-            held, offers = view.held, self.offers
-            free[self._capped] -= np.fromiter(
-                (held(offers[i].pool) for i in self._capped.tolist()), dtype=float,
-                count=len(self._capped))
+        if keys := self._capped_keys:  # read in C: a burst's batches each read them all
+            free[self._capped] -= np.fromiter(map(view.held_now().get, keys, repeat(0)),
+                                              dtype=float, count=len(keys))
         return free
 
     def again(self, view: PoolView) -> OfferArrays:
@@ -172,6 +173,7 @@ class OfferArrays:
         a = OfferArrays.__new__(OfferArrays)
         a.offers, a.regions, a._eff, a._capped = self.offers, self.regions, self._eff, \
             self._capped
+        a._capped_keys = self._capped_keys
         a.gpus, a.price, a.ppg, a.cap = self.gpus, self.price, self.ppg, self.cap
         a.q_have, a.q_unit, a.region, a.disc_ok = self.q_have, self.q_unit, self.region, \
             self.disc_ok

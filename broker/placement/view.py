@@ -42,6 +42,10 @@ class PoolView(Protocol):
     def held(self, key: PoolKey) -> int:
         """Instances of `key` the broker's leases already hold."""
 
+    def held_now(self) -> Mapping[PoolKey, int]:
+        """`held` of every pool it is not 0 for, now, as one mapping (for reading many
+        at once); not to be changed."""
+
     def get(self, key: PoolKey) -> Offer | None: ...
 
     @property
@@ -83,6 +87,9 @@ class Snapshot:
 
     def held(self, key: PoolKey) -> int:
         return self._held.get(key, 0)
+
+    def held_now(self) -> Mapping[PoolKey, int]:
+        return self._held
 
     def get(self, key: PoolKey) -> Offer | None:
         return self._pool.get(key)
