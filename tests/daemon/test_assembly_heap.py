@@ -113,14 +113,17 @@ def _rss_mib() -> float:
 @pytest.mark.skipif(_MALLOC_TRIM is None,
                     reason="the C library has no malloc_trim (not glibc)")
 def test_a_trim_gives_freed_heap_pages_back() -> None:
-    """Memory freed below the heap's top stays in the RSS until trimmed: 40 MB of
-    buffers (each over pymalloc's 512 bytes, so from the C heap) freed under a live one."""
-    held = [bytes(2000) for _ in range(20_000)]
-    pin = [bytes(1000) for _ in range(10)]  # allocated after them: the heap's top stays
-    del held
+    """Memory freed inside the C heap stays in the RSS until trimmed: 64 KiB buffers
+    (from the heap, below glibc's mmap threshold), every other one freed, so that each
+    freed one lies between two that stay: neither merged into the heap's top nor left
+    to glibc's own trimming, whatever the heap held before."""
+    trim_heap()  # what earlier tests left free is given back first
+    bufs = [bytearray(64 * 1024) for _ in range(1000)]  # zero-filled: every page resident
+    kept = bufs[::2]
+    del bufs
     gc.collect()
     before = _rss_mib()
     assert trim_heap() is True
     after = _rss_mib()
-    assert before - after > 15, (before, after)
-    assert len(pin) == 10
+    assert before - after > 20, (before, after)  # about 31 MiB freed
+    assert len(kept) == 500
