@@ -202,6 +202,16 @@ class Placing:
         elif self._created_keys is not None:
             self._created_keys.append((lease.scheduler, lease.request_id))
 
+    async def prepare_costs(self) -> int:
+        """The cost index's lists made ahead of the batches that will ask for them
+        (`CostIndex.prepare`), one at a time, the event loop free between two. Returns
+        how many were made."""
+        made = 0
+        for _ in self._cost_index().prepare():
+            made += 1
+            await asyncio.sleep(0)
+        return made
+
     def _cost_index(self) -> optimizer.CostIndex:
         """The pool's offers in order of expected cost under the policy in force."""
         costs = self._costs

@@ -294,6 +294,7 @@ class CostIndex:
         self._lists: dict[_Where, list[_Entry]] = {}
         self._parts: dict[_Where, dict[Part, list[_Entry]]] = {}
         self._lent: set[_Where] = set()  # of `_lists`, lent out by `frozen`: copied first
+        self._made: set[_Where] = set()  # every list made since the start (`prepare`)
         # Where each pool's offer is placed: (where, its entry there, where, …), flat, so
         # that the tens of thousands of pools cost one tuple each (`_pairs` reads it).
         self._placed: dict[PoolKey, tuple[Any, ...]] = {}
@@ -359,6 +360,7 @@ class CostIndex:
             got = sorted(((self._cost(o, h, level), o.pool, o)
                           for o in self.pool.by_gpu(gpu, market)), key=_first_two)
             self._lists[where] = got
+            self._made.add(where)
             self._parts[where] = {}
             placed = self._placed
             for entry in got:
@@ -441,12 +443,8 @@ class CostIndex:
         levels = sorted({self._risk(r) for r in risks})
         for h in want:
             self._hazard(h)  # an estimator's view is made here, on the loop, not in a thread
-        for gpu in self.pool.gpus():
-            for market in Market:
-                self.by_price(gpu, market)
-                for h in want:
-                    for level in levels:
-                        self.sorted(gpu, market, h, level)
+        for where in self._wheres(want, levels):
+            self._list(where, WHOLE)
         lists = {k: v for k, v in self._lists.items()
                  if k[3] == PRICE or (k[2] in want and k[3] in levels)}
         self._lent.update(lists)
@@ -455,6 +453,29 @@ class CostIndex:
                            memo=self.memo, parts={k: dict(self._parts[k]) for k in lists},
                            held=self.pool.held_now(), scans=self.scans,
                            asked=self._asked, verdicts=self._verdicts)
+
+    def _wheres(self, horizons: Iterable[float], levels: Iterable[str]) -> list[_Where]:
+        """Every list of the pool's models for these horizons and levels (made by
+        `_horizon`, `_risk`), and each one's list by price."""
+        return [where for gpu in self.pool.gpus() for market in Market
+                for where in ((gpu, market, 0.0, PRICE),
+                              *((gpu, market, h, level) for h in horizons for level in levels))]
+
+    def prepare(self) -> Iterator[None]:
+        """Make the lists that batches will ask for before they do, one at a time,
+        yielding after each (a caller on the event loop lets the rest run between them):
+        a list is made when first asked for, and a refresh of the hazard estimator (every
+        few minutes) drops them all, so the next batch would make every list at once —
+        tens of milliseconds a list, hundreds for a batch, all on the event loop. Made:
+        every list made since the start and missing now; at first, those of the default
+        horizon at the policy's own risk level."""
+        self._sync()
+        wanted = list(self._made) if self._made else self._wheres(
+            [self._horizon(DEFAULT_HORIZON)], [self._risk(None)])
+        for where in wanted:
+            if where not in self._lists:  # (`_list` applies the changes since, first)
+                self._list(where, WHOLE)
+                yield
 
     def _to_change(self, where: _Where) -> tuple[list[_Entry], dict[Part, list[_Entry]]]:
         """The list at `where` and its parts, to be changed (copies of them once lent

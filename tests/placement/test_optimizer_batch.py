@@ -882,3 +882,40 @@ def test_arrays_shared_with_another_batch_read_their_room_and_costs_again() -> N
     second: dict[Any, Any] = {}
     assert list(again.eff(1.0, POLICY, None, second)[0]) == list(eff)
     assert set(second) == {o.pool for o in offers}  # costed again, for the new table
+
+
+def test_the_index_prepares_the_lists_batches_ask_for_and_remakes_them_after_a_refresh(
+        ) -> None:
+    """`CostIndex.prepare` makes, one list a step, the lists a batch would otherwise
+    make on the event loop: at first the default horizon's at the policy's own level and
+    the lists by price; later every list made since, again after an estimator's refresh
+    dropped them. What it makes is what a new index makes, and a batch then makes none."""
+    from broker.market.hazard import DEFAULT_HORIZON, HazardEstimator
+    from broker.placement.optimizer import CostIndex
+
+    offers = [offer(f"us-east-1{z}", instance_type=f"p5.{i}", market=m,
+                    price=10.0 + i + (z == "b"), capacity=2, interruption_rate=0.01 * i)
+              for z in "ab" for i in range(3) for m in ("spot", "on_demand")]
+    pool = pool_of(offers)
+    pool.hazard = HazardEstimator()
+    index = CostIndex(pool, POLICY)
+
+    def lists(ix: CostIndex, horizon: float) -> dict[Any, Any]:
+        return {(gpu, m, how): getattr(ix, how)(gpu, m, *(() if how == "by_price"
+                                                          else (horizon,)))
+                for gpu in pool.gpus() for m in Market for how in ("sorted", "by_price")}
+
+    steps = sum(1 for _ in index.prepare())
+    assert steps == 2 * len(pool.gpus()) * len(Market)  # by cost and by price, each
+    assert sum(1 for _ in index.prepare()) == 0  # nothing left to make
+    made = {k: id(v) for k, v in lists(index, DEFAULT_HORIZON).items()}
+    assert lists(index, DEFAULT_HORIZON) == lists(CostIndex(pool, POLICY), DEFAULT_HORIZON)
+    index.frozen({DEFAULT_HORIZON})  # a batch's freeze: every list was there
+    assert {k: id(v) for k, v in lists(index, DEFAULT_HORIZON).items()} == made
+    # A batch asks for another horizon; a refresh drops every list; prepare remakes all.
+    index.frozen({1.0})
+    pool.hazard.refresh()
+    assert sum(1 for _ in index.prepare()) == 3 * len(pool.gpus()) * len(Market)
+    assert sum(1 for _ in index.prepare()) == 0
+    for h in (DEFAULT_HORIZON, 1.0):
+        assert lists(index, h) == lists(CostIndex(pool, POLICY), h)

@@ -481,6 +481,7 @@ class Daemon(PolicyReloading, StandingBy, Tasks):
             tg.create_task(self._mark_ready()),
             tg.create_task(self.warm_hazard()),
             tg.create_task(self._preload_solver()),
+            tg.create_task(self._prepare_costs()),
             tg.create_task(self.metrics.watch_loop_lag()),
             tg.create_task(self.broker.learn_stored_keys()),
             tg.create_task(self._sweep_heap()),

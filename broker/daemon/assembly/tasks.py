@@ -35,6 +35,10 @@ from broker.wire.messages import Messages, Topics, dumps
 from policies.model import Policy
 
 log = structlog.get_logger("gpubroker.daemon")
+PREPARE_COSTS_SECONDS = 1.0
+"""How often placement's cost lists are checked for any to make ahead of the requests
+(`Tasks._prepare_costs`); a check that finds none costs microseconds."""
+
 RETAINED_ENDED_MARGIN = timedelta(hours=1)
 """After a reconnect, retained states are cleared again for leases that ended since up to
 this long before the retained state was last made true (the previous connection's
@@ -109,6 +113,18 @@ class Tasks:
                  pools=len(self.hazard), hours=round(hours, 2), polls_meanwhile=len(pending),
                  seconds=round(time.perf_counter() - started, 3))
         return rows
+
+    async def _prepare_costs(self) -> None:
+        """Placement's cost lists made ahead of the requests (`Placing.prepare_costs`):
+        once the first poll round is in and the hazard estimates are warm, then every
+        `PREPARE_COSTS_SECONDS`, which remakes those a refresh of the estimator or a new
+        policy dropped. Made by the first batch instead, they held the event loop for
+        hundreds of milliseconds (bench/README.md)."""
+        await self.poller.first_round.wait()
+        await self.hazard_warm.wait()
+        while True:
+            await self.broker.prepare_costs()
+            await asyncio.sleep(PREPARE_COSTS_SECONDS)
 
     async def _preload_solver(self) -> None:
         """Import the MILP solver in a thread while the first poll runs (placement starts
