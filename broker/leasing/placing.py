@@ -51,6 +51,9 @@ def _solve_timed(*args: Any, **kwargs: Any) -> tuple[optimizer.BatchResult, floa
     return result, time.thread_time() - started
 
 
+_DONE = object()  # the end of `CostIndex.prepare`'s steps
+
+
 class Placing:
     """The lease authority's placement of `place` requests (`Broker` is made of it)."""
 
@@ -70,6 +73,7 @@ class Placing:
         _milp_budget: float
         _milp_refilled: float
         _costs: optimizer.CostIndex | None
+        _lock: asyncio.Lock
         _created_keys: list[tuple[str, str]] | None
         _requests: asyncio.Queue[Command]
         _expiry_changed: asyncio.Event
@@ -204,13 +208,17 @@ class Placing:
 
     async def prepare_costs(self) -> int:
         """The cost index's lists made ahead of the batches that will ask for them
-        (`CostIndex.prepare`), one at a time, the event loop free between two. Returns
-        how many were made."""
+        (`CostIndex.prepare`), one at a time, each under the broker's lock (never while
+        a batch is decided, in a worker thread on lists the index lent it), the event
+        loop free between two. Returns how many were made."""
+        index = self._cost_index()
+        steps = index.prepare()
         made = 0
-        for _ in self._cost_index().prepare():
+        while True:
+            async with self._lock:
+                if self._costs is not index or next(steps, _DONE) is _DONE:
+                    return made  # done, or a new policy's index: its own lists, later
             made += 1
-            await asyncio.sleep(0)
-        return made
 
     def _cost_index(self) -> optimizer.CostIndex:
         """The pool's offers in order of expected cost under the policy in force."""

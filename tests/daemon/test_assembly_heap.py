@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from broker.daemon.assembly.daemon import (
-    HEAP_SWEEP_SECONDS,
     _MALLOC_TRIM,
+    HEAP_SWEEP_SECONDS,
     HeapSweeper,
     heap_measure,
     sweep_heap,

@@ -114,9 +114,17 @@ frees in the C heap (objects over 512 bytes, buffers, SQLite's and the solver's 
 glibc keeps for reuse unless it is at the heap's top, so a poll round's or a burst's
 peak would stay in the RSS for good. Measured in bench/README.md (`churn.py`)."""
 
-_MALLOC_TRIM: Callable[[int], int] | None = getattr(ctypes.CDLL(None), "malloc_trim", None)
-"""glibc's `malloc_trim`, looked up in the process's own symbols (None elsewhere: musl,
-macOS)."""
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, looked up in the process's own symbols; None elsewhere
+    (musl, macOS; Windows has no such lookup)."""
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
 
 
 def sweep_heap() -> None:

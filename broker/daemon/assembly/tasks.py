@@ -29,6 +29,7 @@ from broker.market.poller import Poller
 from broker.market.pool import ResourcePool
 from broker.market.recorder import HistoryReader, MarketRecorder
 from broker.model import Market, utcnow
+from broker.output.ratelimit import Every
 from broker.placement import solver
 from broker.state.store import Db, Store, StoreFailed, db_errors
 from broker.wire.messages import Messages, Topics, dumps
@@ -122,8 +123,13 @@ class Tasks:
         hundreds of milliseconds (bench/README.md)."""
         await self.poller.first_round.wait()
         await self.hazard_warm.wait()
+        failures = Every(600.0)
         while True:
-            await self.broker.prepare_costs()
+            try:
+                await self.broker.prepare_costs()
+            except Exception:  # the batches make what is missing: no reason to stop
+                if n := failures.hit():
+                    log.exception("placement's cost lists not made ahead", occurrences=n)
             await asyncio.sleep(PREPARE_COSTS_SECONDS)
 
     async def _preload_solver(self) -> None:
