@@ -163,23 +163,14 @@ def state_gauges(daemon: Any) -> Iterator[Metric]:
                             value=daemon.metrics.loop_lag_max)
     offers = GaugeMetricFamily("gpubroker_pool_offers", "Offers in the pool",
                                labels=["cloud", "market"])
-    counts: dict[tuple[str, str], int] = {}
-    cheapest: dict[tuple[str, str, str], float] = {}
-    for o in pool:
-        k = (o.pool.cloud, o.pool.market.value)
-        counts[k] = counts.get(k, 0) + 1
-        ppg = o.price_per_gpu_hour
-        if ppg is not None and o.gpu_known:
-            ck = (o.pool.cloud, o.gpu, o.pool.market.value)
-            if ppg < cheapest.get(ck, float("inf")):
-                cheapest[ck] = ppg
-    for (cloud, market), n in sorted(counts.items()):
+    counts, cheapest = pool.census()
+    for cloud, market, n in sorted((c, m.value, n) for (c, m), n in counts.items()):
         offers.add_metric([cloud, market], n)
     yield offers
     price = GaugeMetricFamily("gpubroker_cheapest_gpu_hour_price_usd",
                               "Cheapest price per GPU-hour in the pool",
                               labels=["cloud", "gpu", "market"])
-    for (cloud, gpu, market), p in sorted(cheapest.items()):
+    for cloud, gpu, market, p in sorted((c, g, m.value, p) for (c, g, m), p in cheapest.items()):
         price.add_metric([cloud, gpu, market], p)
     yield price
     health = pool.health()

@@ -66,6 +66,8 @@ class ResourcePool:
         self._slices: dict[SliceId, tuple[PoolKey, ...]] = {}
         self._health: dict[SliceId, SliceHealth] = {}
         self._keys_by_gpu: dict[str, set[PoolKey]] = {}
+        # Offers per (cloud, GPU model, market), kept with `_keys_by_gpu` (`census`).
+        self._counts: Counter[tuple[str, str, Market]] = Counter()
         # Priced offers per (GPU, market) and per GPU (market None), kept sorted by
         # price per GPU-hour: built on first use, then updated offer by offer as polls
         # change them (a poll changes a few dozen offers; re-sorting thousands each time
@@ -114,6 +116,7 @@ class ResourcePool:
             del self._slice_of[key]
             removed[key] = gone
             self._keys_by_gpu[gone.gpu].discard(key)
+            self._count(key, gone.gpu, -1)
             self._unindex(gone)
         for key, offer in new.items():
             prev = self._offers.get(key)
@@ -125,8 +128,10 @@ class ResourcePool:
                 updated[key] = prev
                 if prev is not None:
                     self._keys_by_gpu[prev.gpu].discard(key)
+                    self._count(key, prev.gpu, -1)
                     self._unindex(prev)
                 self._keys_by_gpu.setdefault(offer.gpu, set()).add(key)
+                self._count(key, offer.gpu, 1)
                 self._index(offer)
             self._offers[key] = offer
             was = self._slice_of.get(key)
@@ -347,6 +352,36 @@ class ResourcePool:
         self._cooldown[key] = self._clock() + timedelta(seconds=seconds)
 
     # --- reading -------------------------------------------------------------------
+
+    def _count(self, key: PoolKey, gpu: str, n: int) -> None:
+        where = (key.cloud, gpu, key.market)
+        if left := self._counts[where] + n:
+            self._counts[where] = left
+        else:
+            del self._counts[where]
+
+    def census(self) -> tuple[dict[tuple[str, Market], int],
+                              dict[tuple[str, str, Market], float]]:
+        """The offers per (cloud, market), and the cheapest price per GPU-hour per
+        (cloud, GPU model, market) of the known models, without reading every offer
+        (tens of thousands, on the event loop, at each metrics scrape): the counts are
+        kept as polls change the pool, and each model's cheapest per cloud are the first
+        of its sorted offers (`by_gpu`) of that cloud."""
+        counts: dict[tuple[str, Market], int] = {}
+        clouds: dict[tuple[str, Market], set[str]] = {}
+        for (cloud, gpu, market), n in self._counts.items():
+            counts[(cloud, market)] = counts.get((cloud, market), 0) + n
+            clouds.setdefault((gpu, market), set()).add(cloud)
+        cheapest: dict[tuple[str, str, Market], float] = {}
+        for (gpu, market), wanted in clouds.items():
+            for o in self.by_gpu(gpu, market):  # priced, cheapest per GPU-hour first
+                cloud = o.pool.cloud
+                if cloud in wanted and o.gpu_known:
+                    cheapest[(cloud, gpu, market)] = o.price_per_hour / o.gpus  # type: ignore[operator]
+                    wanted.discard(cloud)
+                    if not wanted:
+                        break
+        return counts, cheapest
 
     def get(self, key: PoolKey) -> Offer | None:
         return self._offers.get(key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from factories import SLICE, Clock, key, offer, owned, pool_of
@@ -379,3 +380,41 @@ def test_a_sorted_list_lent_out_is_not_changed_by_a_later_poll() -> None:
         ["us-east-1c", "us-east-1b", "us-east-1a"]
     assert [o.pool.zone for o in pool.by_gpu("H100-80GB")] == \
         ["us-east-1c", "us-east-1b", "us-east-1a"]
+
+
+def _census_by_reading_every_offer(pool: ResourcePool) -> tuple[dict[object, int],
+                                                                 dict[object, float]]:
+    counts: dict[object, int] = {}
+    cheapest: dict[object, float] = {}
+    for o in pool:
+        counts[(o.pool.cloud, o.pool.market)] = counts.get((o.pool.cloud, o.pool.market), 0) + 1
+        ppg = o.price_per_gpu_hour
+        if ppg is not None and o.gpu_known:
+            where = (o.pool.cloud, o.gpu, o.pool.market)
+            cheapest[where] = min(ppg, cheapest.get(where, math.inf))
+    return counts, cheapest
+
+
+_CENSUS_OFFER = st.builds(
+    lambda zone, cloud, market, gpu, gpus, price, known: replace(
+        offer(zone, cloud=cloud, market=market, gpu=gpu, gpus=gpus, price=price),
+        gpu_known=known),
+    st.sampled_from(("a", "b", "c")), st.sampled_from(("aws", "gcp", "azure")),
+    st.sampled_from((Market.SPOT, Market.ON_DEMAND)), st.sampled_from(("H100-80GB", "L4")),
+    st.sampled_from((0, 1, 8)), st.one_of(st.none(), st.floats(0.5, 50.0)), st.booleans())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(((("aws", "r1"), ("aws", "r2"), ("gcp", "r1")))),
+                          st.lists(_CENSUS_OFFER, max_size=6)), max_size=12))
+def test_the_census_is_what_reading_every_offer_gives(
+        polls: list[tuple[tuple[str, str], list[Offer]]]) -> None:
+    """`census` (offers per cloud and market, the cheapest per GPU-hour per cloud, model
+    and market, kept as polls change the pool) against reading every offer, after each
+    poll: offers that come, go, change model or price, lose their price, or move to
+    another slice; models the adapter could not name; instances of 0 GPUs."""
+    pool = ResourcePool(stale_after_seconds=300, clock=Clock())
+    for slice_id, offers in polls:
+        pool.by_gpu("H100-80GB", Market.SPOT)  # a sorted list kept from the start
+        pool.replace(slice_id, offers)
+        assert pool.census() == _census_by_reading_every_offer(pool)
