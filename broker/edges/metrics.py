@@ -2,7 +2,11 @@
 
 One registry per daemon, no module-level state. Counters and histograms are updated as
 things happen; gauges that describe state (pool, leases, MQTT, prices) are computed when
-Prometheus scrapes, from the parts themselves.
+Prometheus scrapes, from the parts themselves. No `_created` series (the time each
+counter and histogram series was created): a process-wide setting of prometheus_client,
+made when a daemon's metrics are; they doubled the text a scrape writes on the event
+loop (one `gpubroker_polls` series per region and result), and Prometheus does not need
+them.
 """
 
 from __future__ import annotations
@@ -12,7 +16,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -30,6 +40,7 @@ LAG_EVERY_SECONDS = 0.05
 
 class Metrics:
     def __init__(self) -> None:
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         Info("gpubroker_build", "gpubroker build information", registry=r).info(
