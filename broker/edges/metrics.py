@@ -28,7 +28,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from broker import __version__
-from broker.model import Market, utcnow
+from broker.model import utcnow
 from broker.placement.optimizer import BatchResult
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
@@ -40,7 +40,7 @@ LAG_EVERY_SECONDS = 0.05
 
 class Metrics:
     def __init__(self) -> None:
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         Info("gpubroker_build", "gpubroker build information", registry=r).info(
@@ -208,11 +208,8 @@ def state_gauges(daemon: Any) -> Iterator[Metric]:
                               "idle (no lease held them)",
                               value=daemon.metrics.idle_owned_gpu_hours)
     active = GaugeMetricFamily("gpubroker_active_leases", "Active leases", labels=["market"])
-    by_market = {m.value: 0 for m in Market}
-    for lease in book.active():
-        by_market[lease.placement.pool.market.value] += 1
-    for market, n in by_market.items():
-        active.add_metric([market], n)
+    for market, n in book.active_by_market().items():
+        active.add_metric([market.value], n)
     yield active
     yield GaugeMetricFamily("gpubroker_mqtt_connected", "1 while connected to MQTT",
                             value=1.0 if bus.connected.is_set() else 0.0)

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
-from broker.model import OWNED, Lease, LeaseState, Placement, PlaceRequest, PoolKey
+from broker.model import OWNED, Lease, LeaseState, Market, Placement, PlaceRequest, PoolKey
 from policies.teams import TeamUsage
 
 
@@ -74,6 +74,7 @@ class LeaseBook:
         # comes up; compacted when stale entries outnumber the leases (`_put`).
         self._expiry: list[tuple[datetime, str]] = []
         self._teams: dict[str, _TeamTally] = {}
+        self._markets: Counter[Market] = Counter()  # the active leases per market
 
     def load(self, leases: Iterable[Lease]) -> None:
         """Hold `leases` (read from the store). Each placement read back has its own pool
@@ -105,6 +106,15 @@ class LeaseBook:
 
     def active(self) -> list[Lease]:
         return list(self._leases.values())
+
+    @property
+    def active_count(self) -> int:
+        return len(self._leases)
+
+    def active_by_market(self) -> dict[Market, int]:
+        """How many active leases each market holds (every market, 0s too), kept as they
+        change: the metrics read it at each scrape, without a walk over the leases."""
+        return {m: self._markets[m] for m in Market}
 
     def all(self) -> list[Lease]:
         """The active leases and the ended ones still in memory."""
@@ -281,6 +291,7 @@ class LeaseBook:
         old = self._leases.get(lease.lease_id)
         if old is not None and old.state is LeaseState.ACTIVE:
             self._tally(old, -1)
+            self._markets[old.placement.pool.market] -= 1
             self._off_pool(old.placement.pool, lease.lease_id)
         if lease.state is LeaseState.ACTIVE:
             self._leases[lease.lease_id] = lease
@@ -292,6 +303,7 @@ class LeaseBook:
             self._by_request.setdefault(lease.scheduler, {})[lease.request_id] = lease.lease_id
         if lease.state is LeaseState.ACTIVE:
             self._tally(lease, +1)
+            self._markets[lease.placement.pool.market] += 1
             self._on_pool(lease.placement.pool, lease.lease_id)
             if old is None or old.expires_at != lease.expires_at:
                 heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))

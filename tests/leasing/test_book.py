@@ -10,7 +10,7 @@ import pytest
 from factories import T0, offer, placement, request
 
 from broker.leasing.book import LeaseBook, LeaseError
-from broker.model import Lease, LeaseState, Placement
+from broker.model import Lease, LeaseState, Market, Placement
 from broker.state.schema import lease_from, lease_row
 
 A = placement(offer("us-east-1a"))
@@ -366,3 +366,31 @@ def test_load_shares_what_leases_read_back_from_the_store_repeat() -> None:
     assert on_a[0].gpu is on_a[1].gpu
     assert on_a[0].price_observed_at is on_a[1].price_observed_at
     assert {le.lease_id for le in book.on_pool(A.pool)} == {made[1].lease_id, made[3].lease_id}
+
+
+
+def test_the_active_leases_per_market_are_kept_as_they_change() -> None:
+    """`active_by_market` (the metrics' count) against counting the active leases, as
+    leases are placed, failed over to another market, ended and loaded."""
+    book = LeaseBook()
+    on_demand = placement(offer("us-east-1b", market="on_demand"))
+
+    def counted(b: LeaseBook) -> dict[Market, int]:
+        got = dict.fromkeys(Market, 0)
+        for lease in b.active():
+            got[lease.placement.pool.market] += 1
+        return got
+
+    a = new(book, "a")
+    b = new(book, "b", where=on_demand)
+    assert book.active_by_market() == counted(book) == {
+        Market.SPOT: 1, Market.ON_DEMAND: 1, Market.RESERVED: 0}
+    book.failover(a.lease_id, on_demand, T0 + secs(1))
+    assert book.active_by_market() == counted(book)
+    book.end(b.lease_id, LeaseState.RELEASED, T0 + secs(2))
+    assert book.active_by_market() == counted(book) == {
+        Market.SPOT: 0, Market.ON_DEMAND: 1, Market.RESERVED: 0}
+    assert book.active_count == 1
+    again = LeaseBook()
+    again.load(book.all())
+    assert again.active_by_market() == book.active_by_market()

@@ -339,7 +339,7 @@ class Daemon(PolicyReloading, StandingBy, Tasks):
         if sick:
             clouds += f" ({', '.join(sick)} failing)"
         failing = sum(1 for h in health if not h.ok)
-        return (f"{len(self.book.active())} active leases; {len(self.pool)} offers from "
+        return (f"{self.book.active_count} active leases; {len(self.pool)} offers from "
                 f"{len(health)} regions ({failing} failing); {clouds}; MQTT "
                 f"{'connected' if self.bus.connected.is_set() else 'DISCONNECTED'}, outbox "
                 f"{self.bus.outbox_depth}")
@@ -445,7 +445,7 @@ class Daemon(PolicyReloading, StandingBy, Tasks):
         self.bus.enqueue(await self.store.pending())
         self.messages.schedseqs = await self.store.schedseqs()
         log.info("starting", site=self.cfg.site, boot_id=self.boot_id,
-                 leases=len(self.book.active()), outbox=self.bus.outbox_depth,
+                 leases=self.book.active_count, outbox=self.bus.outbox_depth,
                  adapters=[a.name for a in self.adapters], state=self.store.name,
                  node=self.cfg.node, epoch=self.store.epoch)
 

@@ -156,7 +156,7 @@ class Tasks:
         await self.bus.connected.wait()
         self.ready.set()
         self.notifier.ready(self.status_line())
-        log.info("ready", offers=len(self.pool), leases=len(self.book.active()))
+        log.info("ready", offers=len(self.pool), leases=self.book.active_count)
 
     def progressing(self, within: float) -> bool:
         """Whether polling and publishing make progress: a poll finished within `within`
