@@ -66,8 +66,9 @@ class ResourcePool:
         self._slices: dict[SliceId, tuple[PoolKey, ...]] = {}
         self._health: dict[SliceId, SliceHealth] = {}
         self._keys_by_gpu: dict[str, set[PoolKey]] = {}
-        # Offers per (cloud, GPU model, market), kept with `_keys_by_gpu` (`census`).
-        self._counts: Counter[tuple[str, str, Market]] = Counter()
+        # Offers per (cloud, GPU model, market, whether priced and of a known model),
+        # kept with `_keys_by_gpu` (`census`).
+        self._counts: Counter[tuple[str, str, Market, bool]] = Counter()
         # Priced offers per (GPU, market) and per GPU (market None), kept sorted by
         # price per GPU-hour: built on first use, then updated offer by offer as polls
         # change them (a poll changes a few dozen offers; re-sorting thousands each time
@@ -116,7 +117,7 @@ class ResourcePool:
             del self._slice_of[key]
             removed[key] = gone
             self._keys_by_gpu[gone.gpu].discard(key)
-            self._count(key, gone.gpu, -1)
+            self._count(gone, -1)
             self._unindex(gone)
         for key, offer in new.items():
             prev = self._offers.get(key)
@@ -128,10 +129,10 @@ class ResourcePool:
                 updated[key] = prev
                 if prev is not None:
                     self._keys_by_gpu[prev.gpu].discard(key)
-                    self._count(key, prev.gpu, -1)
+                    self._count(prev, -1)
                     self._unindex(prev)
                 self._keys_by_gpu.setdefault(offer.gpu, set()).add(key)
-                self._count(key, offer.gpu, 1)
+                self._count(offer, 1)
                 self._index(offer)
             self._offers[key] = offer
             was = self._slice_of.get(key)
@@ -353,8 +354,9 @@ class ResourcePool:
 
     # --- reading -------------------------------------------------------------------
 
-    def _count(self, key: PoolKey, gpu: str, n: int) -> None:
-        where = (key.cloud, gpu, key.market)
+    def _count(self, offer: Offer, n: int) -> None:
+        key = offer.pool
+        where = (key.cloud, offer.gpu, key.market, offer.gpu_known and _priced(offer))
         if left := self._counts[where] + n:
             self._counts[where] = left
         else:
@@ -369,9 +371,10 @@ class ResourcePool:
         of its sorted offers (`by_gpu`) of that cloud."""
         counts: dict[tuple[str, Market], int] = {}
         clouds: dict[tuple[str, Market], set[str]] = {}
-        for (cloud, gpu, market), n in self._counts.items():
+        for (cloud, gpu, market, listed), n in self._counts.items():
             counts[(cloud, market)] = counts.get((cloud, market), 0) + n
-            clouds.setdefault((gpu, market), set()).add(cloud)
+            if listed:  # some offer of this cloud has a price: the walk below finds it
+                clouds.setdefault((gpu, market), set()).add(cloud)
         cheapest: dict[tuple[str, str, Market], float] = {}
         for (gpu, market), wanted in clouds.items():
             for o in self.by_gpu(gpu, market):  # priced, cheapest per GPU-hour first

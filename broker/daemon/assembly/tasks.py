@@ -36,6 +36,7 @@ from broker.wire.messages import Messages, Topics, dumps
 from policies.model import Policy
 
 log = structlog.get_logger("gpubroker.daemon")
+
 PREPARE_COSTS_SECONDS = 1.0
 """How often placement's cost lists are checked for any to make ahead of the requests
 (`Tasks._prepare_costs`); a check that finds none costs microseconds."""
