@@ -71,6 +71,8 @@ import bisect
 import hashlib
 import math
 import random
+from array import array
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -386,112 +388,21 @@ def _price_multiplier(cloud: str, region: str, index: int) -> float:
     return 1.0 + (_stable_seed("price", cloud, region) % 26) / 100
 
 
-class _Pool:
-    """The mutable state of one simulated pool, plus what never changes about it.
+def _rate_for(avail: float) -> float:
+    """The hazard the capacity pressure alone gives (what a signal reflects)."""
+    lo, hi = _RATE_RANGE
+    return lo + (hi - lo) * (1.0 - avail) ** 2
 
-    For a spot pool, `avail`, `capacity`, `outage` and `true_rate` are the hidden truth;
-    `obs_avail`, `obs_rate`, `obs_capacity` what the cloud's signal shows of it (see the
-    module docstring), set by each `step`."""
 
-    __slots__ = (
-        "avail", "base_avail", "base_discount", "bias", "cap_scale", "capacity", "discount",
-        "gpu", "gpu_known", "gpu_memory_gb", "history", "key", "list_price", "obs_avail",
-        "obs_capacity", "obs_rate", "outage", "priced", "signal", "spec", "spot",
-        "true_rate", "wobble",
-    )
+def _true_rate(avail: float, bias: float, wobble: float, outage: int) -> float:
+    """A spot pool's hidden true hazard (see the module docstring)."""
+    if outage > 0:
+        return _OUTAGE_RATE
+    return _clip(_rate_for(avail) * bias * math.exp(wobble), *_TRUE_RATE_RANGE)
 
-    def __init__(self, key: PoolKey, spec: SimInstanceType, list_price: float,
-                 rng: random.Random) -> None:
-        self.key = key
-        self.spec = spec
-        self.spot = key.market is Market.SPOT
-        self.gpu, self.gpu_known = canonical(spec.gpu)
-        self.gpu_memory_gb = memory_gb(self.gpu) if self.gpu_known else spec.gpu_memory_gb
-        self.list_price = list_price
-        # Typical free instances: many small ones, few 8-GPU machines.
-        self.cap_scale = rng.uniform(16.0, 160.0) / spec.gpus
-        self.outage = 0
-        self.signal = _SIGNALS[key.cloud]
-        if self.spot:
-            ref = (1.0 - spec.spot_per_hour / spec.on_demand_per_hour
-                   if spec.spot_per_hour is not None else _DEFAULT_DISCOUNT)
-            self.base_discount = _clip(ref + rng.uniform(-0.1, 0.1), *_BASE_DISCOUNT)
-            self.discount = self.base_discount
-            self.base_avail = rng.uniform(0.45, 0.95)
-            self.priced = rng.random() >= spec.spot_unpriced_share
-            self.bias = math.exp(rng.gauss(0.0, _BIAS_SIGMA))
-        else:
-            self.base_discount = self.discount = 0.0
-            self.base_avail = 0.96
-            self.priced = True
-            self.bias = 1.0
-        self.wobble = 0.0
-        self.avail = self.base_avail
-        self.capacity = self.cap_scale * self.avail
-        self.true_rate = self._true_rate() if self.spot else 0.0
-        # (capacity pressure, capacity, outage) of the last `signal.lag` + 1 polls, oldest
-        # first, flat: three items a poll, no tuple each (tens of thousands of pools)
-        self.history: list[float | bool] = [self.avail, self.capacity, False]
-        self.obs_avail: float | None = None
-        self.obs_rate: float | None = None
-        self.obs_capacity = self.capacity
-        if self.spot:
-            self._observe(rng)
 
-    @staticmethod
-    def _rate_for(avail: float) -> float:
-        """The hazard the capacity pressure alone gives (what a signal reflects)."""
-        lo, hi = _RATE_RANGE
-        return lo + (hi - lo) * (1.0 - avail) ** 2
-
-    def _true_rate(self) -> float:
-        if self.outage > 0:
-            return _OUTAGE_RATE
-        return _clip(self._rate_for(self.avail) * self.bias * math.exp(self.wobble),
-                     *_TRUE_RATE_RANGE)
-
-    def _observe(self, rng: random.Random) -> None:
-        """What the cloud's signal shows now: the state `lag` polls ago, seen through
-        noise, quantised, sometimes missing."""
-        signal = self.signal
-        a, capacity, outage = self.history[0:3]
-        self.obs_capacity = capacity
-        noisy = 0.0 if outage else _clip(a + rng.gauss(0.0, _OBS_NOISE), 0.0, 1.0)
-        missing = rng.random()
-        self.obs_avail = None if signal.availability is None or missing < _MISSING \
-            else signal.availability(noisy)
-        self.obs_rate = None if signal.rate is None or _MISSING <= missing < 2 * _MISSING \
-            else signal.rate(_RATE_RANGE[1] if outage else self._rate_for(noisy))
-
-    def step(self, rng: random.Random) -> None:
-        """Advance one poll."""
-        if not self.spot:
-            self.avail = _clip(self.avail + 0.2 * (0.96 - self.avail) + rng.gauss(0.0, 0.01),
-                               0.9, 1.0)
-            scale = self.cap_scale
-            self.capacity = _clip(self.capacity + rng.gauss(0.0, 0.1 * scale),
-                                  0.3 * scale, 1.5 * scale)
-            return
-        if self.outage > 0:
-            self.outage -= 1
-        elif rng.random() < _OUTAGE_CHANCE:
-            self.outage = rng.randint(*_OUTAGE_POLLS)
-        self.discount = _clip(
-            self.discount + 0.15 * (self.base_discount - self.discount) + rng.gauss(0.0, 0.03),
-            *_DISCOUNT_RANGE)
-        self.avail = _clip(
-            self.avail + 0.2 * (self.base_avail - self.avail) + rng.gauss(0.0, 0.08), 0.0, 1.0)
-        keep, sd = _WOBBLE
-        self.wobble = keep * self.wobble + rng.gauss(0.0, sd)
-        # Capacity follows the pressure, noisily, and is gone when the pressure is high.
-        level = self.avail * self.cap_scale * (0.5 + rng.random())
-        self.capacity = 0.0 if self.outage > 0 or self.avail < 0.15 else level
-        self.true_rate = self._true_rate()
-        history = self.history
-        history += (self.avail, self.capacity, self.outage > 0)
-        if len(history) > 3 * (self.signal.lag + 1):
-            del history[:3]
-        self._observe(rng)
+_NONE: Final = math.nan
+"""A signal the cloud does not show this poll, in the float columns (`_RegionMarket`)."""
 
 
 class _RegionMarket:
@@ -500,25 +411,62 @@ class _RegionMarket:
     The pools and the random stream depend only on (seed, cloud, region); each `step`
     advances them by one poll. The overrides (`withdrawn`, `pinned`, `scarce`) come from
     the control methods and preemptions; they change reports, not the random stream.
+
+    A pool is an index into columns, one array per quantity, not an object with a float
+    object per quantity: a benchmark's market holds tens of thousands of pools, and the
+    daemon that runs it keeps them in its memory. What never changes about a pool is
+    `keys`, `specs`, `gpus` (canonical model, known, memory), `list_price`, `spot`,
+    `priced`, `bias`, `cap_scale`, `base_avail`, `base_discount`. For a spot pool,
+    `avail`, `capacity`, `outage` and `true_rate` are the hidden truth; `obs_avail`,
+    `obs_rate`, `obs_capacity` what the cloud's signal shows of it (see the module
+    docstring; `_NONE` where it shows nothing), set by each `step` from `history`: the
+    (capacity pressure, capacity, outage) columns of the last `signal.lag` + 1 polls,
+    oldest first.
     """
 
     def __init__(self, *, seed: int, cloud: str, region: str, index: int,
                  zones_per_region: int) -> None:
         self.cloud = cloud
         self.region = region
+        self.signal = signal = _SIGNALS[cloud]
         self.rng = random.Random(_stable_seed("region", seed, cloud, region))
         rng = self.rng
         multiplier = _price_multiplier(cloud, region, index)
-        self.pools: list[_Pool] = []
+        keys: list[PoolKey] = []
+        specs: list[SimInstanceType] = []
+        models: list[tuple[str, bool, float | None]] = []
+        self.list_price, self.cap_scale = array("d"), array("d")
+        self.base_avail, self.base_discount, self.bias = array("d"), array("d"), array("d")
+        self.avail, self.capacity, self.discount = array("d"), array("d"), array("d")
+        self.wobble, self.true_rate, self.outage = array("d"), array("d"), array("i")
+        self.obs_avail, self.obs_rate, self.obs_capacity = array("d"), array("d"), array("d")
+        spot_flags, priced_flags = bytearray(), bytearray()
+        model_of: dict[str, tuple[str, bool, float | None]] = {}
         for zone in _zone_names(cloud, region, zones_per_region):
             for spec in CATALOG:
                 if spec.cloud != cloud or rng.random() >= _OFFERED_SHARE:
                     continue
                 price = spec.on_demand_per_hour * multiplier
+                model = model_of.get(spec.instance_type)
+                if model is None:
+                    gpu, known = canonical(spec.gpu)
+                    model = model_of[spec.instance_type] = (
+                        gpu, known, memory_gb(gpu) if known else spec.gpu_memory_gb)
                 for market in (Market.ON_DEMAND, Market.SPOT):
-                    key = PoolKey(cloud, region, zone, spec.instance_type, market)
-                    self.pools.append(_Pool(key, spec, price, rng))
-        self.by_key: dict[PoolKey, _Pool] = {p.key: p for p in self.pools}
+                    keys.append(PoolKey(cloud, region, zone, spec.instance_type, market))
+                    specs.append(spec)
+                    models.append(model)
+                    spot = market is Market.SPOT
+                    spot_flags.append(spot)
+                    priced_flags.append(self._add(len(keys) - 1, spec, price, spot))
+        self.keys: tuple[PoolKey, ...] = tuple(keys)
+        self.specs: tuple[SimInstanceType, ...] = tuple(specs)
+        self.models: tuple[tuple[str, bool, float | None], ...] = tuple(models)
+        self.spot, self.priced = bytes(spot_flags), bytes(priced_flags)
+        self.by_key: dict[PoolKey, int] = {k: i for i, k in enumerate(self.keys)}
+        self.history: deque[tuple[array[float], array[float], array[int]]] = deque(
+            [(array("d", self.avail), array("d", self.capacity), array("i", self.outage))],
+            maxlen=signal.lag + 1)
         # Quota headroom in GPUs, per market, for the whole region (the markets it sells,
         # in a fixed order: the draws, and so the whole market, follow from the seed).
         sold = (Market.SPOT, Market.ON_DEMAND)
@@ -529,52 +477,144 @@ class _RegionMarket:
         self.pinned: dict[PoolKey, float] = {}
         self.scarce: dict[PoolKey, int] = {}
 
+    def _add(self, i: int, spec: SimInstanceType, price: float, spot: bool) -> bool:
+        """Draw pool `i`'s lasting traits and first state into the columns (in the
+        random stream's order); whether a spot pool is listed with a price."""
+        rng = self.rng
+        self.list_price.append(price)
+        # Typical free instances: many small ones, few 8-GPU machines.
+        cap_scale = rng.uniform(16.0, 160.0) / spec.gpus
+        self.cap_scale.append(cap_scale)
+        priced = True
+        if spot:
+            ref = (1.0 - spec.spot_per_hour / spec.on_demand_per_hour
+                   if spec.spot_per_hour is not None else _DEFAULT_DISCOUNT)
+            discount = _clip(ref + rng.uniform(-0.1, 0.1), *_BASE_DISCOUNT)
+            avail = rng.uniform(0.45, 0.95)
+            priced = rng.random() >= spec.spot_unpriced_share
+            bias = math.exp(rng.gauss(0.0, _BIAS_SIGMA))
+        else:
+            discount, avail, bias = 0.0, 0.96, 1.0
+        capacity = cap_scale * avail
+        self.base_discount.append(discount)
+        self.discount.append(discount)
+        self.base_avail.append(avail)
+        self.avail.append(avail)
+        self.bias.append(bias)
+        self.wobble.append(0.0)
+        self.capacity.append(capacity)
+        self.outage.append(0)
+        self.true_rate.append(_true_rate(avail, bias, 0.0, 0) if spot else 0.0)
+        self.obs_avail.append(_NONE)
+        self.obs_rate.append(_NONE)
+        self.obs_capacity.append(capacity)
+        if spot:
+            self._observe(i, avail, capacity, False)
+        return priced
+
+    def _observe(self, i: int, a: float, capacity: float, outage: bool) -> None:
+        """What the cloud's signal shows of pool `i` now: the state (`a`, `capacity`,
+        `outage`) of `lag` polls ago, seen through noise, quantised, sometimes missing."""
+        rng, signal = self.rng, self.signal
+        self.obs_capacity[i] = capacity
+        noisy = 0.0 if outage else _clip(a + rng.gauss(0.0, _OBS_NOISE), 0.0, 1.0)
+        missing = rng.random()
+        self.obs_avail[i] = _NONE if signal.availability is None or missing < _MISSING \
+            else signal.availability(noisy)
+        self.obs_rate[i] = _NONE if signal.rate is None or _MISSING <= missing < 2 * _MISSING \
+            else signal.rate(_RATE_RANGE[1] if outage else _rate_for(noisy))
+
     def step(self) -> None:
+        """Advance every pool one poll, in order: each one's draws from the region's
+        random stream, then what its signal shows."""
         rng = self.rng
         for market, top in self.quota_max.items():
             self.quota[market] = _clip(self.quota[market] + rng.gauss(0.0, top * 0.03),
                                        0.0, float(top))
-        for pool in self.pools:
-            pool.step(rng)
+        gauss, uniform = rng.gauss, rng.random
+        avail, capacity, discount, wobble = self.avail, self.capacity, self.discount, \
+            self.wobble
+        outage, true_rate, cap_scale = self.outage, self.true_rate, self.cap_scale
+        base_avail, base_discount, bias = self.base_avail, self.base_discount, self.bias
+        history, lag = self.history, self.signal.lag
+        # The state `lag` polls ago (this poll's own when `lag` is 0), as each pool
+        # stepped then.
+        seen = history[-min(lag, len(history))] if lag else (avail, capacity, outage)
+        keep, sd = _WOBBLE
+        for i, spot in enumerate(self.spot):
+            if not spot:
+                a = avail[i]
+                avail[i] = _clip(a + 0.2 * (0.96 - a) + gauss(0.0, 0.01), 0.9, 1.0)
+                scale = cap_scale[i]
+                capacity[i] = _clip(capacity[i] + gauss(0.0, 0.1 * scale),
+                                    0.3 * scale, 1.5 * scale)
+                continue
+            out = outage[i]
+            if out > 0:
+                out -= 1
+            elif uniform() < _OUTAGE_CHANCE:
+                out = rng.randint(*_OUTAGE_POLLS)
+            outage[i] = out
+            d = discount[i]
+            discount[i] = _clip(d + 0.15 * (base_discount[i] - d) + gauss(0.0, 0.03),
+                                *_DISCOUNT_RANGE)
+            a = avail[i]
+            avail[i] = a = _clip(a + 0.2 * (base_avail[i] - a) + gauss(0.0, 0.08), 0.0, 1.0)
+            wobble[i] = w = keep * wobble[i] + gauss(0.0, sd)
+            # Capacity follows the pressure, noisily, and is gone when the pressure is
+            # high.
+            level = a * cap_scale[i] * (0.5 + uniform())
+            capacity[i] = 0.0 if out > 0 or a < 0.15 else level
+            true_rate[i] = _true_rate(a, bias[i], w, out)
+            self._observe(i, seen[0][i], seen[1][i], seen[2][i] > 0)
+        history.append((array("d", avail), array("d", capacity), array("i", outage)))
 
     def offers(self, observed_at: datetime) -> list[Offer]:
         """The current state as offers, overrides applied; ages the scarce overrides."""
         quota = {m: int(q) for m, q in self.quota.items()}
         qgroup = self.quota_group
+        od_quota, od_group = quota[Market.ON_DEMAND], qgroup[Market.ON_DEMAND]
+        spot_quota, spot_group = quota[Market.SPOT], qgroup[Market.SPOT]
         withdrawn, pinned, scarce = self.withdrawn, self.pinned, self.scarce
+        signal = self.signal
+        list_price, priced, discount = self.list_price, self.priced, self.discount
+        obs_avail, obs_rate, obs_capacity = self.obs_avail, self.obs_rate, self.obs_capacity
         out: list[Offer] = []
         append = out.append
-        for p in self.pools:
-            key = p.key
+        for i, (key, spec, (gpu, known, gpu_memory), spot) in enumerate(
+                zip(self.keys, self.specs, self.models, self.spot, strict=True)):
             if withdrawn and key in withdrawn:
                 continue
-            spec = p.spec
-            if not p.spot:
-                append(Offer(key, p.gpu, spec.gpus, p.gpu_memory_gb, spec.vcpus,
-                             spec.memory_gb, round(p.list_price, 6), observed_at,
-                             round(p.avail, 4), int(p.capacity), None,
-                             quota[Market.ON_DEMAND], p.gpu_known, qgroup[Market.ON_DEMAND],
+            if not spot:
+                append(Offer(key, gpu, spec.gpus, gpu_memory, spec.vcpus, spec.memory_gb,
+                             round(list_price[i], 6), observed_at, round(self.avail[i], 4),
+                             int(self.capacity[i]), None, od_quota, known, od_group,
                              spec.gpus))
                 continue
             price: float | None = None
             if key in pinned:
                 price = pinned[key]
-            elif p.priced:
-                price = round(p.list_price * (1.0 - p.discount), 6)
-            avail, capacity, rate = p.obs_avail, int(p.obs_capacity), p.obs_rate
+            elif priced[i]:
+                price = round(list_price[i] * (1.0 - discount[i]), 6)
+            avail: float | None = obs_avail[i]
+            rate: float | None = obs_rate[i]
+            avail = None if avail != avail else avail  # _NONE
+            rate = None if rate != rate else rate
+            capacity = int(obs_capacity[i])
             if key in scarce:
                 capacity = 0
                 avail = None if avail is None else min(avail, 0.1)
-                if rate is not None and p.signal.rate is not None:
-                    rate = max(rate, p.signal.rate(0.25))
-            append(Offer(key, p.gpu, spec.gpus, p.gpu_memory_gb, spec.vcpus, spec.memory_gb,
-                         price, observed_at, avail, capacity, rate, quota[Market.SPOT],
-                         p.gpu_known, qgroup[Market.SPOT], spec.gpus))
+                if rate is not None and signal.rate is not None:
+                    rate = max(rate, signal.rate(0.25))
+            append(Offer(key, gpu, spec.gpus, gpu_memory, spec.vcpus, spec.memory_gb,
+                         price, observed_at, avail, capacity, rate, spot_quota, known,
+                         spot_group, spec.gpus))
         for key in list(scarce):
             scarce[key] -= 1
             if scarce[key] <= 0:
                 del scarce[key]
         return out
+
 
 class SimAdapter(CloudAdapter):
     """The simulated multi-cloud market (see the module docstring).
@@ -690,8 +730,8 @@ class SimAdapter(CloudAdapter):
                 found = self._find(key)
                 if found is None:
                     continue
-                market, pool = found
-                chance = pool.true_rate * hours * self._multiplier
+                market, i = found
+                chance = market.true_rate[i] * hours * self._multiplier
                 if rng.random() < chance:
                     market.scarce[key] = _SCARCE_POLLS
                     yield CapacitySignal(key, SignalKind.INTERRUPTED, self._clock(),
@@ -753,15 +793,15 @@ class SimAdapter(CloudAdapter):
         for region in self._layout:
             market = self._market(region)
             assert market is not None
-            total += len(market.pools) - len(market.withdrawn)
+            total += len(market.keys) - len(market.withdrawn)
         return total
 
     def true_interruption_rate(self, pool: PoolKey) -> float | None:
         """The hidden true hazard of spot `pool` now (interruptions per hour of one
         instance), which its offers only hint at; None for an on-demand pool. For
         simulations that judge a strategy (the backtest); a broker never sees it."""
-        _, state = self._require(pool)
-        return state.true_rate if state.spot else None
+        market, i = self._require(pool)
+        return market.true_rate[i] if market.spot[i] else None
 
     def true_rates(self, region: str) -> list[tuple[PoolKey, float]]:
         """(pool, hidden true hazard) of every spot pool of `region` (a region id) now,
@@ -770,7 +810,8 @@ class SimAdapter(CloudAdapter):
         if market is None:
             raise InvalidConfig(f"the sim has no region {region!r}", cloud="sim",
                                 region=region)
-        return [(p.key, p.true_rate) for p in market.pools if p.spot]
+        return [(key, rate) for key, rate, spot in
+                zip(market.keys, market.true_rate, market.spot, strict=True) if spot]
 
     # --- internals ---------------------------------------------------------------------
 
@@ -787,14 +828,15 @@ class SimAdapter(CloudAdapter):
             self._markets[region_id] = market
         return market
 
-    def _find(self, pool: PoolKey) -> tuple[_RegionMarket, _Pool] | None:
+    def _find(self, pool: PoolKey) -> tuple[_RegionMarket, int] | None:
+        """The pool's region market and its index there; None if the sim has no such pool."""
         market = self._market(f"{pool.cloud}:{pool.region}")
         if market is None:
             return None
-        state = market.by_key.get(pool)
-        return None if state is None else (market, state)
+        i = market.by_key.get(pool)
+        return None if i is None else (market, i)
 
-    def _require(self, pool: PoolKey) -> tuple[_RegionMarket, _Pool]:
+    def _require(self, pool: PoolKey) -> tuple[_RegionMarket, int]:
         found = self._find(pool)
         if found is None:
             raise ValueError(f"the sim offers no pool {pool}")
