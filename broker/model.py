@@ -70,15 +70,27 @@ OWNED = Market.RESERVED
 servers. It is never interrupted, and priced at the margin."""
 
 
+MARKETS: tuple[Market, ...] = tuple(Market)
+"""Every market, in the enum's order: for the loops that run per request or per batch
+(iterating the enum class itself makes a generator over its members each time)."""
+
+_SERVES: Mapping[str, frozenset[Market]] = MappingProxyType({
+    "any": frozenset(MARKETS),
+    OWNED.value: frozenset({OWNED}),
+    **{m.value: frozenset({m, OWNED}) for m in MARKETS if m is not OWNED},
+})
+
+
 def markets_for(choice: str) -> frozenset[Market]:
     """The markets a request's `market` may be placed on: paid-for capacity (`reserved`)
     is at least as good as on-demand and never interrupted, so it serves a request for
-    spot or on-demand too; `reserved` asks for it alone."""
-    if choice == "any":
-        return frozenset(Market)
-    if choice == "reserved":
-        return frozenset({Market.RESERVED})
-    return frozenset({Market(choice), Market.RESERVED})
+    spot or on-demand too; `reserved` asks for it alone. Raises `ValueError` for a
+    choice that is neither `any` nor a market."""
+    served = _SERVES.get(choice)
+    if served is None:
+        Market(choice)  # raises ValueError
+        raise AssertionError(f"market {choice!r} is missing from _SERVES")
+    return served
 
 
 class FailoverReason(StrEnum):

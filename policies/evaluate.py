@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.model import Market, PlaceRequest, PoolKey, RejectCode, markets_for
+from broker.model import MARKETS, Market, PlaceRequest, PoolKey, RejectCode, markets_for
 from policies.model import Policy, Rule, Team
 from policies.residency import Residency
 from policies.risk import RiskLevel
@@ -305,7 +305,7 @@ def evaluate(policy: Policy, request: PlaceRequest, usage: TeamUsage | None = No
     total = sum(usage.gpus_by_zone.values())
     return Constraints(
         gpus=tuple(gpus),
-        markets=tuple(m for m in Market if m in markets),
+        markets=tuple(m for m in MARKETS if m in markets),
         cap=min(caps) if caps else None,
         clouds=frozenset(clouds) if clouds is not None else None,
         deny_clouds=frozenset(policy.clouds.deny),

@@ -35,7 +35,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
-from broker.model import OWNED, Lease, LeaseState, Market, Placement, PlaceRequest, PoolKey
+from broker.model import (
+    MARKETS,
+    OWNED,
+    Lease,
+    LeaseState,
+    Market,
+    Placement,
+    PlaceRequest,
+    PoolKey,
+)
 from policies.teams import TeamUsage
 
 
@@ -114,7 +123,7 @@ class LeaseBook:
     def active_by_market(self) -> dict[Market, int]:
         """How many active leases each market holds (every market, 0s too), kept as they
         change: the metrics read it at each scrape, without a walk over the leases."""
-        return {m: self._markets[m] for m in Market}
+        return {m: self._markets[m] for m in MARKETS}
 
     def all(self) -> list[Lease]:
         """The active leases and the ended ones still in memory."""

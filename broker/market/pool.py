@@ -438,6 +438,12 @@ class ResourcePool:
                 key=_order)
         return index
 
+    def unindexed(self, markets: Iterable[Market | None]) -> list[tuple[str, Market | None]]:
+        """(model, market) of the pool's models whose list by GPU (`by_gpu`) in these
+        markets (None: both) is not built yet: built on first use, then kept."""
+        built = self._by_gpu
+        return [(gpu, m) for gpu in self.gpus() for m in markets if (gpu, m) not in built]
+
     def lend(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
         """`by_gpu`, not to be changed: lent out (a placement `Snapshot` reads it in a
         worker thread), so the pool copies it before its next change instead of the

@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker.market.hazard import DEFAULT_HORIZON, Hazard, HazardEstimator, horizon_bucket
-from broker.model import Market, Offer, PlaceRequest, PoolKey
+from broker.model import MARKETS, Market, Offer, PlaceRequest, PoolKey
 from broker.placement.cost import by_horizon, hazard_over, unit_cost
 from broker.placement.room import no_room
 from policies.model import Policy, RiskLevel
@@ -54,6 +54,10 @@ class PoolView(Protocol):
         history (None: none kept; the offers' own signals are used)."""
 
 
+_BOTH_AND_EACH: tuple[Market | None, ...] = (None, *MARKETS)
+"""The pool's lists by GPU a `Snapshot` lends: both markets (None), then each."""
+
+
 class Snapshot:
     """A `PoolView` frozen at one moment, for placing in a worker thread while the event
     loop goes on changing the pool: every GPU's sorted offer lists and the instances
@@ -66,7 +70,7 @@ class Snapshot:
         self._pool = pool
         self._lists: dict[tuple[str, Market | None], Sequence[Offer]] = {}
         for gpu in pool.gpus():
-            for market in (None, *Market):
+            for market in _BOTH_AND_EACH:
                 self._lists[(gpu, market)] = pool.lend(gpu, market)
         self._stale = frozenset(pool.stale_slices(now))
         self._cooling = frozenset(pool.cooling(now))
@@ -457,7 +461,7 @@ class CostIndex:
     def _wheres(self, horizons: Iterable[float], levels: Iterable[str]) -> list[_Where]:
         """Every list of the pool's models for these horizons and levels (made by
         `_horizon`, `_risk`), and each one's list by price."""
-        return [where for gpu in self.pool.gpus() for market in Market
+        return [where for gpu in self.pool.gpus() for market in MARKETS
                 for where in ((gpu, market, 0.0, PRICE),
                               *((gpu, market, h, level) for h in horizons for level in levels))]
 
@@ -468,7 +472,8 @@ class CostIndex:
         few minutes) drops them all, so the next batch would make every list at once —
         tens of milliseconds a list, hundreds for a batch, all on the event loop. Made:
         every list made since the start and missing now; at first, those of the default
-        horizon at the policy's own risk level."""
+        horizon at the policy's own risk level. Then the pool's lists by GPU that a
+        `Snapshot` lends (`ResourcePool.unindexed`)."""
         self._sync()
         wanted = list(self._made) if self._made else self._wheres(
             [self._horizon(DEFAULT_HORIZON)], [self._risk(None)])
@@ -476,6 +481,11 @@ class CostIndex:
             if where not in self._lists:  # (`_list` applies the changes since, first)
                 self._list(where, WHOLE)
                 yield
+        # The pool's own lists that a `Snapshot` lends, for a batch in a worker thread:
+        # the pool builds one when first asked for, and keeps it.
+        for gpu, market in self.pool.unindexed(_BOTH_AND_EACH):
+            self.pool.by_gpu(gpu, market)
+            yield
 
     def _to_change(self, where: _Where) -> tuple[list[_Entry], dict[Part, list[_Entry]]]:
         """The list at `where` and its parts, to be changed (copies of them once lent

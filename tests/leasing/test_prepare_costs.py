@@ -33,9 +33,10 @@ async def test_cost_lists_are_made_ahead_between_batches_only(tmp_path: Path) ->
             task = asyncio.create_task(b.prepare_costs())
             done, _ = await asyncio.wait({task}, timeout=0.2)
             assert not done  # waits for the batch
-        assert await asyncio.wait_for(task, 5) == lists
+        # then the pool's lists by GPU of both markets, which a batch's `Snapshot` lends
+        assert await asyncio.wait_for(task, 5) == lists + len(pool.gpus())
         assert await b.prepare_costs() == 0  # all made
-        # A new policy: a new index, whose lists are made again.
+        # A new policy: a new index, whose lists are made again (the pool keeps its own).
         b.policy = Policy()
         assert await b.prepare_costs() == lists
     finally:

@@ -888,8 +888,8 @@ def test_the_index_prepares_the_lists_batches_ask_for_and_remakes_them_after_a_r
         ) -> None:
     """`CostIndex.prepare` makes, one list a step, the lists a batch would otherwise
     make on the event loop: at first the default horizon's at the policy's own level and
-    the lists by price; later every list made since, again after an estimator's refresh
-    dropped them. What it makes is what a new index makes, and a batch then makes none."""
+    the lists by price, then the pool's lists that a `Snapshot` lends; later every list
+    made since, again after an estimator's refresh dropped them. What it makes is what a new index makes, and a batch then makes none."""
     from broker.market.hazard import DEFAULT_HORIZON, HazardEstimator
     from broker.placement.optimizer import CostIndex
 
@@ -905,8 +905,12 @@ def test_the_index_prepares_the_lists_batches_ask_for_and_remakes_them_after_a_r
                                                           else (horizon,)))
                 for gpu in pool.gpus() for m in Market for how in ("sorted", "by_price")}
 
+    assert pool.unindexed((None, *Market))  # the pool's lists by GPU: none built yet
     steps = sum(1 for _ in index.prepare())
-    assert steps == 2 * len(pool.gpus()) * len(Market)  # by cost and by price, each
+    # by cost and by price, each; then the pool's lists of both markets (its list of each
+    # market was built for the index's)
+    assert steps == 2 * len(pool.gpus()) * len(Market) + len(pool.gpus())
+    assert pool.unindexed((None, *Market)) == []  # all that a `Snapshot` lends
     assert sum(1 for _ in index.prepare()) == 0  # nothing left to make
     made = {k: id(v) for k, v in lists(index, DEFAULT_HORIZON).items()}
     assert lists(index, DEFAULT_HORIZON) == lists(CostIndex(pool, POLICY), DEFAULT_HORIZON)
