@@ -88,8 +88,7 @@ def markets_for(choice: str) -> frozenset[Market]:
     choice that is neither `any` nor a market."""
     served = _SERVES.get(choice)
     if served is None:
-        Market(choice)  # raises ValueError
-        raise AssertionError(f"market {choice!r} is missing from _SERVES")
+        raise ValueError(f"{choice!r} is not a valid Market")
     return served
 
 

@@ -83,3 +83,20 @@ def test_a_lease_read_back_shares_its_requests_strings_and_equal_times() -> None
         assert read.scheduler is read.request.scheduler
         assert read.updated_at is read.created_at
     assert read.ended_at is read.updated_at
+
+
+def test_the_markets_a_choice_serves_are_read_from_one_table() -> None:
+    """`markets_for`: paid-for capacity serves spot and on-demand requests too, `any`
+    takes every market, `reserved` only itself; anything else is a ValueError, as
+    `Market` gives. The table is made of `MARKETS`, every market in the enum's order."""
+    import pytest
+
+    from broker.model import MARKETS, Market, markets_for
+
+    assert tuple(Market) == MARKETS
+    assert markets_for("any") == frozenset(Market)
+    assert markets_for("reserved") == {Market.RESERVED}
+    for m in (Market.SPOT, Market.ON_DEMAND):
+        assert markets_for(m.value) == {m, Market.RESERVED}
+    with pytest.raises(ValueError, match="not a valid Market"):
+        markets_for("cheapest")

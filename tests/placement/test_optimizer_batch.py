@@ -889,7 +889,8 @@ def test_the_index_prepares_the_lists_batches_ask_for_and_remakes_them_after_a_r
     """`CostIndex.prepare` makes, one list a step, the lists a batch would otherwise
     make on the event loop: at first the default horizon's at the policy's own level and
     the lists by price, then the pool's lists that a `Snapshot` lends; later every list
-    made since, again after an estimator's refresh dropped them. What it makes is what a new index makes, and a batch then makes none."""
+    made since, again after an estimator's refresh dropped them. What it makes is what a
+    new index makes, and a batch then makes none."""
     from broker.market.hazard import DEFAULT_HORIZON, HazardEstimator
     from broker.placement.optimizer import CostIndex
 
