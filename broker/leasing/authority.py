@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
@@ -116,6 +117,10 @@ class Broker(Placing, Verbs, Moves, Quoting):
         self._milp_refilled = time.monotonic()
         self._lock = asyncio.Lock()
         self._requests: asyncio.Queue[Command] = asyncio.Queue(maxsize=10_000)
+        self._waiting = threading.Event()
+        """Set when a request or a failover is queued: the MILP, which solves a batch in
+        a worker thread while they wait for the lock, stops at once and keeps the best
+        answer so far (`Placing._place`)."""
         # Failover triggers: at most one per lease, in order of first arrival.
         self._triggers: dict[str, failover.Trigger] = {}
         self._triggered = asyncio.Event()
@@ -164,6 +169,7 @@ class Broker(Placing, Verbs, Moves, Quoting):
             _refuse(command, self.failed)
             return
         await self._requests.put(command)
+        self._waiting.set()
         if self.failed is not None:  # failed while this one waited for room
             self._refuse_queued()
 
@@ -184,6 +190,7 @@ class Broker(Placing, Verbs, Moves, Quoting):
         if waiting is None:
             self._triggers[trigger.lease_id] = trigger
             self._triggered.set()
+            self._waiting.set()
         elif failover.supersedes(trigger, waiting):
             self._triggers[trigger.lease_id] = trigger
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -76,6 +77,8 @@ class Placing:
         _lock: asyncio.Lock
         _created_keys: list[tuple[str, str]] | None
         _requests: asyncio.Queue[Command]
+        _waiting: threading.Event
+        _triggers: dict[str, Any]
         _expiry_changed: asyncio.Event
 
         def _resident_now(self) -> Residency: ...
@@ -137,7 +140,8 @@ class Placing:
         if not todo:
             return
         # The MILP only with time to spare: while requests wait, the heuristic answers,
-        # and the MILP takes at most its share of the CPU.
+        # and the MILP takes at most its share of the CPU; one that arrives while the
+        # MILP solves stops it (`_waiting`): the best answer so far is kept.
         settings = self.settings if self._requests.empty() and self._milp_allowed() else \
             dataclasses.replace(self.settings, exact_max_batch=0)
         batch = [a for _, _, a in todo]
@@ -155,9 +159,15 @@ class Placing:
             costs = self._cost_index().frozen(
                 {horizon_bucket(a.request.duration_hours) for a in batch},
                 {a.constraints.risk for a in batch if a.constraints is not None})
+            if milp:
+                # Nothing waits now (the queue is empty, above), unless a failover does.
+                self._waiting.clear()
+                if self._triggers:
+                    self._waiting.set()
             result, cpu = await asyncio.to_thread(
                 _solve_timed, batch, view, self.policy, now=now,
-                retry_after_seconds=self._retry_after, settings=settings, costs=costs)
+                retry_after_seconds=self._retry_after, settings=settings, costs=costs,
+                stop=self._waiting.is_set if milp else None)
         self.last_batch = result
         if settings.exact_max_batch and settings.exact_time_limit > 0:
             # What the whole solve took of the CPU, MILP or not: listing the options the

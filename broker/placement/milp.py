@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,10 @@ def _new_highs() -> Any:
     return h
 
 
+def _never() -> bool:
+    return False
+
+
 @dataclass(slots=True)
 class _Result:
     """What HiGHS answered: `status` 0 optimal, 1 a limit struck, 2 infeasible, 4 other
@@ -50,14 +54,42 @@ class _Result:
     mip_dual_bound: float | None = None
 
 
-def _highs_solve(lp: _LP, *, integer: bool, time_limit: float) -> _Result:
-    """Solve `lp` (its relaxation unless `integer`) with HiGHS."""
+Stop = Callable[[], bool]
+"""Whether the exact solver should stop now and keep the best answer so far (the
+daemon's: work is waiting for it); read between its LP rounds and by HiGHS while it
+solves."""
+
+
+def _stop_when(h: Any, stop: Stop) -> None:
+    """Make HiGHS stop (status `kInterrupt`) at its next check once `stop()` is true:
+    its interrupt callbacks, called every so often by the simplex, the interior point
+    and the MIP search."""
+    from highspy._core import cb
+
+    def check(kind: Any, message: str, data_out: Any, data_in: Any, user_data: Any
+              ) -> None:
+        if data_in is not None and stop():
+            data_in.user_interrupt = True
+
+    h.setCallback(check, None)
+    for kind in (cb.HighsCallbackType.kCallbackSimplexInterrupt,
+                 cb.HighsCallbackType.kCallbackIpmInterrupt,
+                 cb.HighsCallbackType.kCallbackMipInterrupt):
+        h.startCallback(kind)
+
+
+def _highs_solve(lp: _LP, *, integer: bool, time_limit: float, stop: Stop | None = None
+                 ) -> _Result:
+    """Solve `lp` (its relaxation unless `integer`) with HiGHS; an interrupt by `stop`
+    is a limit struck, as the time limit is."""
     import highspy
     import numpy as np
 
     h = _new_highs()
     if time_limit < math.inf:
         h.setOptionValue("time_limit", max(0.001, float(time_limit)))
+    if stop is not None:
+        _stop_when(h, stop)
     inf = highspy.kHighsInf
     model = highspy.HighsLp()
     n, m = len(lp.c), len(lp.lb)
@@ -95,12 +127,13 @@ def _highs_solve(lp: _LP, *, integer: bool, time_limit: float) -> _Result:
 
 
 def exact(p: AssignmentProblem, *, time_limit: float = 1.0, incumbent: Solution | None = None,
-          max_rounds: int = 20) -> Solution:
-    """Optimal (or, when the time limit strikes, the best found and a valid bound) by
-    LP column generation and a MILP on every option that could still improve on
-    `incumbent` (the heuristic's answer when not given)."""
+          max_rounds: int = 20, stop: Stop | None = None) -> Solution:
+    """Optimal (or, when the time limit strikes or `stop()` turns true, the best found
+    and a valid bound) by LP column generation and a MILP on every option that could
+    still improve on `incumbent` (the heuristic's answer when not given)."""
     started = time.perf_counter()
     deadline = started + time_limit
+    stopped: Stop = stop if stop is not None else _never
     inc = incumbent or heuristic(p)
     groups = list({id(r.group): r.group for r in p.requests}.values())
     for g in groups:
@@ -112,11 +145,11 @@ def exact(p: AssignmentProblem, *, time_limit: float = 1.0, incumbent: Solution 
     while True:
         rounds += 1
         left = deadline - time.perf_counter()
-        if left <= 0:
+        if left <= 0 or stopped():
             grew = True  # out of time: the relaxation is not proven, no bound from it
             break
         lp = _LP(p)
-        duals = lp.solve_relaxation(time_limit=left)
+        duals = lp.solve_relaxation(time_limit=left, stop=stop)
         if duals is None:
             break  # the LP failed to solve (numerics): no bound beyond the trivial one
         grew, _ = _price_out(p, groups, duals, slack=0.0, step=PRICE_STEP)
@@ -139,11 +172,12 @@ def exact(p: AssignmentProblem, *, time_limit: float = 1.0, incumbent: Solution 
                                step=PRICE_STEP)[1]
     lp = _LP(p)
     remaining = deadline - time.perf_counter()
-    if remaining <= 0.01:
+    halt = stopped()
+    if remaining <= 0.01 or halt:
         return Solution(inc.choice, inc.objective, bound, inc.solver,
-                        time.perf_counter() - started, detail={"lp_rounds": rounds,
-                                                               "milp": "no time left"})
-    res = _highs_solve(lp, integer=True, time_limit=remaining)
+                        time.perf_counter() - started, detail={
+                            "lp_rounds": rounds, "milp": "stopped" if halt else "no time left"})
+    res = _highs_solve(lp, integer=True, time_limit=remaining, stop=stop)
     seconds = time.perf_counter() - started
     detail: dict[str, Any] = {"lp_rounds": rounds, "milp_status": int(res.status),
                               "columns": lp.n_x}
@@ -327,10 +361,12 @@ class _LP:
         hi[self.zero] = 0.0
         return np.zeros(len(self.c)), hi
 
-    def solve_relaxation(self, time_limit: float = math.inf) -> _Duals | None:
+    def solve_relaxation(self, time_limit: float = math.inf, stop: Stop | None = None
+                         ) -> _Duals | None:
         """The LP relaxation: its value (kept in `value`) and its rows' duals (the
-        objective's derivative by each row's bound), None if it was not solved."""
-        res = _highs_solve(self, integer=False, time_limit=time_limit)
+        objective's derivative by each row's bound), None if it was not solved (a limit
+        struck, or `stop`)."""
+        res = _highs_solve(self, integer=False, time_limit=time_limit, stop=stop)
         if res.status != 0 or res.value is None or res.row_dual is None:
             return None
         self.value = res.value

@@ -139,12 +139,14 @@ def place(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
 
 def solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
           retry_after_seconds: float | None = None,
-          settings: BatchSettings = BatchSettings(), costs: Costs | None = None) -> BatchResult:
+          settings: BatchSettings = BatchSettings(), costs: Costs | None = None,
+          stop: solver.Stop | None = None) -> BatchResult:
     """Place a batch of asks together: at most one pool each, within every pool's free
     capacity (its estimate minus what the broker holds), each quota's headroom, each
     team's `max_gpus`, `budget_per_hour` and spread limits, at the lowest total
     expected cost; as many as possible first. Requests that nothing could take are
-    rejected with the constraint that binds."""
+    rejected with the constraint that binds. The MILP, if the batch goes to it, stops
+    with the best answer so far once `stop()` is true (`milp.Stop`)."""
     # A large batch makes many small objects, in no reference cycles: the collector's
     # full passes over the whole heap (the pool's offers among it), which they set
     # off, would cost more than the batch itself. It resumes when the batch is done.
@@ -153,7 +155,8 @@ def solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
     try:
         return _solve(asks, view, policy, now=now, retry_after_seconds=retry_after_seconds,
                       settings=settings,
-                      costs=costs if costs is not None and costs.policy is policy else None)
+                      costs=costs if costs is not None and costs.policy is policy else None,
+                      stop=stop)
     finally:
         if was_enabled:
             gc.enable()
@@ -161,20 +164,20 @@ def solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
 
 def _solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime,
            retry_after_seconds: float | None, settings: BatchSettings,
-           costs: Costs | None = None) -> BatchResult:
+           costs: Costs | None = None, stop: solver.Stop | None = None) -> BatchResult:
     deadline = time.perf_counter() + settings.budget_seconds
     builder = CandidateBuilder(view, policy, now, settings.candidates,
                        indexed=len(asks) >= settings.index_min_batch, costs=costs)
     try:
         return _decide(builder, asks, policy, deadline=deadline,
-                       retry_after_seconds=retry_after_seconds, settings=settings)
+                       retry_after_seconds=retry_after_seconds, settings=settings, stop=stop)
     finally:
         builder.release()
 
 
 def _decide(builder: CandidateBuilder, asks: Sequence[Ask], policy: Policy, *,
             deadline: float, retry_after_seconds: float | None,
-            settings: BatchSettings) -> BatchResult:
+            settings: BatchSettings, stop: solver.Stop | None = None) -> BatchResult:
     resident = Residency(policy.residency.tags)
     outcomes: list[Outcome | None] = [None] * len(asks)
     index: list[int] = []  # request of the problem -> ask
@@ -209,7 +212,7 @@ def _decide(builder: CandidateBuilder, asks: Sequence[Ask], policy: Policy, *,
                            deadline=deadline)
     left = min(settings.exact_time_limit, deadline - time.perf_counter())
     if not sol.optimal and len(requests) <= settings.exact_max_batch and left > 0:
-        sol = solver.exact(problem, time_limit=left, incumbent=sol)
+        sol = solver.exact(problem, time_limit=left, incumbent=sol, stop=stop)
     note = (f"batch of {len(requests)} placed by {sol.solver}"
             + (", optimal" if sol.optimal else f", within {sol.gap:.2%} of optimal"))
     why = why_unplaced(problem, sol.choice) if None in sol.choice else {}

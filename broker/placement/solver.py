@@ -50,7 +50,7 @@ from broker.placement.heuristic import (
     _team_swaps,
     heuristic,
 )
-from broker.placement.milp import _LP, PRICE_STEP, _price_out, exact, preload
+from broker.placement.milp import _LP, PRICE_STEP, Stop, _price_out, exact, preload
 from broker.placement.problem import (
     EPS,
     Alive,
@@ -67,7 +67,7 @@ from policies.teams import TeamRoom
 
 __all__ = [
     "EPS", "PRICE_STEP", "RECLAIM", "_LP", "Alive", "AssignmentProblem", "Group", "More",
-    "Option", "Request", "Shrinking", "Solution", "State", "TeamRoom", "_improve",
+    "Option", "Request", "Shrinking", "Solution", "State", "Stop", "TeamRoom", "_improve",
     "_make_room", "_price_out", "_reclaim", "_spare_limits", "_team_swaps", "exact",
     "heuristic", "preload", "trivial_bound", "why_unplaced",
 ]
