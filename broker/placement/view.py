@@ -121,6 +121,11 @@ PRICE = "price"
 SCANS_MAX = 10_000
 """Entries of `CostIndex.scans`: one per shape of request with no option."""
 
+PLACE_STEP = 500
+"""Changed offers a step of `CostIndex.prepare` places again in the lists at most: a poll
+round changes every offer, and placing tens of thousands again at once held the event
+loop for a second or more."""
+
 WALKS_MAX = 50_000
 """Entries of one `CostMemo.walks` table (some 200 bytes each): the walks of a steady
 stream of requests read a few thousand."""
@@ -377,6 +382,15 @@ class CostIndex:
         """Every list as the pool is now: all of them again after a refresh of the hazard
         estimator (or another one), the offers changed since placed again, the parts by
         room kept (`_reroom`)."""
+        self._drop_if_refreshed()
+        if self._dirty:
+            self._place_again()
+        if self._room_dirty:
+            self._reroom()
+
+    def _drop_if_refreshed(self) -> None:
+        """Every list dropped after a refresh of the hazard estimator (or another one):
+        made again when next asked for (or by `prepare`)."""
         hazard = self.pool.hazard
         seen = (id(hazard), hazard.refreshes if hazard is not None else 0)
         if seen != self._hazard_seen:
@@ -388,10 +402,6 @@ class CostIndex:
             self._dirty.clear()
             self._room_dirty.clear()
             self._hazard_seen = seen
-        if self._dirty:
-            self._place_again()
-        if self._room_dirty:
-            self._reroom()
 
     def _cost(self, offer: Offer, h: float, level: str) -> float:
         """What a list orders `offer` by: its price per GPU-hour in the list by price,
@@ -473,7 +483,12 @@ class CostIndex:
         tens of milliseconds a list, hundreds for a batch, all on the event loop. Made:
         every list made since the start and missing now; at first, those of the default
         horizon at the policy's own risk level. Then the pool's lists by GPU that a
-        `Snapshot` lends (`ResourcePool.unindexed`)."""
+        `Snapshot` lends (`ResourcePool.unindexed`). First of all, the offers changed
+        since are placed again, `PLACE_STEP` a step."""
+        self._drop_if_refreshed()
+        while len(self._dirty) > PLACE_STEP:
+            self._place_again(PLACE_STEP)
+            yield
         self._sync()
         wanted = list(self._made) if self._made else self._wheres(
             [self._horizon(DEFAULT_HORIZON)], [self._risk(None)])
@@ -496,10 +511,17 @@ class CostIndex:
             self._lent.discard(where)
         return self._lists[where], self._parts[where]
 
-    def _place_again(self) -> None:
+    def _place_again(self, limit: int | None = None) -> None:
+        """The offers changed since placed again in every list (at most `limit` of them;
+        the others stay to be placed, and every reader places them first: `_sync`)."""
         import bisect
+        import itertools
 
-        dirty, self._dirty = self._dirty, set()
+        if limit is None or len(self._dirty) <= limit:
+            dirty, self._dirty = self._dirty, set()
+        else:
+            dirty = set(itertools.islice(self._dirty, limit))
+            self._dirty -= dirty
         self.scans = {}
         for key in dirty:  # placed again below, in every part as the pool is now
             self._room_dirty.pop(key, None)

@@ -884,6 +884,42 @@ def test_arrays_shared_with_another_batch_read_their_room_and_costs_again() -> N
     assert set(second) == {o.pool for o in offers}  # costed again, for the new table
 
 
+def test_the_index_places_a_rounds_changes_again_a_few_at_a_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A poll round changes every offer; `CostIndex.prepare` places them again in the
+    lists `PLACE_STEP` a step (here 4), yielding between, and the lists end as a new
+    index makes them, in every part the index kept; a refresh in between drops them."""
+    from broker.market.hazard import DEFAULT_HORIZON, HazardEstimator
+    from broker.placement import view
+    from broker.placement.optimizer import CostIndex
+
+    monkeypatch.setattr(view, "PLACE_STEP", 4)
+    offers = [offer(f"us-east-1{z}", instance_type=f"p5.{i}", market=m,
+                    price=10.0 + i + (z == "b"), capacity=1 + i, interruption_rate=0.01 * i)
+              for z in "abc" for i in range(3) for m in ("spot", "on_demand")]
+    pool = pool_of(offers)
+    pool.hazard = HazardEstimator()
+    index = CostIndex(pool, POLICY)
+    for _ in index.prepare():
+        pass
+
+    def lists(ix: CostIndex) -> dict[Any, Any]:
+        return {(gpu, m, how, part): getattr(ix, how)(gpu, m, *(
+                    () if how == "by_price" else (DEFAULT_HORIZON,)), part=part)
+                for gpu in pool.gpus() for m in Market for how in ("sorted", "by_price")
+                for part in (view.WHOLE, view.ROOMY)}
+
+    # The round: every price moves, one offer goes.
+    pool.replace(SLICE, [replace(o, price_per_hour=o.price_per_hour * (1.3 if i % 2 else 0.8))
+                         for i, o in enumerate(offers[1:])])
+    changed = len(index._dirty)
+    assert changed == len(offers)
+    steps = sum(1 for _ in index.prepare())
+    assert steps == math.ceil(changed / 4) - 1  # the last few with the rest, at once
+    assert not index._dirty
+    assert lists(index) == lists(CostIndex(pool, POLICY))
+
+
 def test_the_index_prepares_the_lists_batches_ask_for_and_remakes_them_after_a_refresh(
         ) -> None:
     """`CostIndex.prepare` makes, one list a step, the lists a batch would otherwise
