@@ -3,6 +3,7 @@ worker thread, and the offers in order of their cost per GPU (`CostIndex`)."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import (
     Callable,
     Collection,
@@ -110,7 +111,21 @@ def _pairs(flat: tuple[Any, ...]) -> Iterator[tuple[Any, Any]]:
 
 
 def _first_two(entry: tuple[float, PoolKey, Offer]) -> tuple[float, PoolKey]:
+    """What orders a list's entries: the cost, then the pool (whose entry is in a list
+    once). A list is searched with the pair itself: a pair compares with an entry, in C,
+    by these two, and is less than the entry it equals, so no offer is ever compared
+    and no key function called (`_at`, `_put`)."""
     return entry[0], entry[1]
+
+
+def _at(entries: list[_Entry], u: float, key: PoolKey) -> int:
+    """Where pool `key`'s entry at cost `u` is in `entries`, or would go."""
+    return bisect.bisect_left(entries, (u, key))
+
+
+def _put(entries: list[_Entry], entry: _Entry) -> None:
+    """Put `entry` in `entries` in its place (`_first_two`)."""
+    entries.insert(_at(entries, entry[0], entry[1]), entry)
 
 
 _Where = tuple[str, Market, float, str]  # (GPU model, market, horizon hours, risk level)
@@ -256,17 +271,13 @@ def _places(verdicts: dict[Hashable, Callable[[str, str], bool]], c: Constraints
 
 def _holds(entries: list[_Entry], u: float, key: PoolKey) -> bool:
     """Whether pool `key`'s entry at cost `u` is in `entries`."""
-    import bisect
-
-    i = bisect.bisect_left(entries, (u, key), key=_first_two)
+    i = _at(entries, u, key)
     return i < len(entries) and entries[i][1] == key
 
 
 def _remove(entries: list[_Entry], u: float, key: PoolKey) -> None:
     """Take pool `key`'s entry at cost `u` out of `entries`, if it is there."""
-    import bisect
-
-    i = bisect.bisect_left(entries, (u, key), key=_first_two)
+    i = _at(entries, u, key)
     if i < len(entries) and entries[i][1] == key:
         del entries[i]
 
@@ -514,7 +525,6 @@ class CostIndex:
     def _place_again(self, limit: int | None = None) -> None:
         """The offers changed since placed again in every list (at most `limit` of them;
         the others stay to be placed, and every reader places them first: `_sync`)."""
-        import bisect
         import itertools
 
         if limit is None or len(self._dirty) <= limit:
@@ -544,10 +554,10 @@ class CostIndex:
                 u = self._cost(offer, h, level)
                 entry = (u, key, offer)
                 entries, parts = self._to_change(where)
-                bisect.insort(entries, entry, key=_first_two)
+                _put(entries, entry)
                 for part, got in parts.items():
                     if part.admits(entry, held):
-                        bisect.insort(got, entry, key=_first_two)
+                        _put(got, entry)
                 placed[key] = (*placed.get(key, ()), where, entry)
 
     def _reroom(self) -> None:
@@ -555,7 +565,6 @@ class CostIndex:
         are now: an offer out of those it has no more room for, back into those it has
         room for again. Only the parts whose size lies between what the pool held then
         and holds now can change; a list is copied (once lent) only when one does."""
-        import bisect
 
         keys, self._room_dirty = self._room_dirty, {}
         held = self.pool.held
@@ -571,7 +580,7 @@ class CostIndex:
                 if not moved:
                     continue
                 entries, parts = self._to_change(where)
-                i = bisect.bisect_left(entries, (u, key), key=_first_two)
+                i = _at(entries, u, key)
                 if i == len(entries) or entries[i][1] != key:
                     continue
                 for part in moved:
@@ -579,7 +588,7 @@ class CostIndex:
                     if not part.admits(entry, held):
                         _remove(got, u, key)
                     elif not _holds(got, u, key):
-                        bisect.insort(got, entry, key=_first_two)
+                        _put(got, entry)
 
 
 class FrozenCosts:
