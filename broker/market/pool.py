@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,12 +29,17 @@ def _priced(o: Offer) -> bool:
     return o.price_per_hour is not None and o.gpus > 0
 
 
+_STATE = operator.attrgetter(*(f.name for f in dataclasses.fields(Offer)
+                                if f.name not in ("observed_at", "rate_observed_at")))
+"""What a reading of a pool says, compared by `same_state`: every field of `Offer` (a
+field added to it is compared too) but when it was read."""
+
+
 def same_state(a: Offer, b: Offer) -> bool:
     """Whether two readings of a pool say the same: every field but `observed_at` (a
     cloud that stamps each reading, as AWS does every spot price, changes nothing) and
     `rate_observed_at` (a rate source republished with the same rates changes nothing)."""
-    return dataclasses.replace(a, observed_at=b.observed_at,
-                               rate_observed_at=b.rate_observed_at) == b
+    return _STATE(a) == _STATE(b)
 
 
 def _order(o: Offer) -> tuple[float, PoolKey]:

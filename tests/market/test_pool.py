@@ -286,6 +286,32 @@ def test_a_new_reading_of_the_same_state_is_not_a_change() -> None:
     assert pool.replace(SLICE, [dearer]).updated == {first.pool: again}
 
 
+def test_a_reading_is_the_same_state_unless_a_field_but_its_times_differs() -> None:
+    """`same_state` compares every field of `Offer` but `observed_at` and
+    `rate_observed_at`: one field changed at a time, each of the others makes a change."""
+    import dataclasses
+    from datetime import timedelta
+
+    from broker.market.pool import same_state
+    from broker.model import PoolKey
+
+    base = offer("us-east-1a", price=24.0)
+    other = {
+        "pool": PoolKey("gcp", "us-central1", "us-central1-a", "a3-highgpu-8g", Market.SPOT),
+        "gpu": "A100-80GB", "gpus": 4, "gpu_memory_gb": 40.0, "vcpus": 7, "memory_gb": 3.0,
+        "price_per_hour": 25.0, "observed_at": base.observed_at + timedelta(seconds=5),
+        "availability": 0.123, "capacity": 77, "interruption_rate": 0.321,
+        "quota_headroom": 999, "gpu_known": not base.gpu_known, "quota_group": "q:other",
+        "quota_units": 3, "targets": (("r-1", 2),), "draining": ("r-1",),
+        "rate_observed_at": base.observed_at - timedelta(days=3)}
+    fields = {f.name for f in dataclasses.fields(Offer)}
+    assert set(other) == fields  # a new field of Offer: say here what changes it
+    for name, value in other.items():
+        assert getattr(base, name) != value, name
+        changed = replace(base, **{name: value})
+        assert same_state(base, changed) is (name in ("observed_at", "rate_observed_at")), name
+
+
 def test_a_rate_source_republished_with_the_same_rate_is_not_a_change() -> None:
     """AWS republishes its advisor document every few months: the same rate with a newer
     `rate_observed_at` changes nothing, but the pool keeps the newer reading."""
