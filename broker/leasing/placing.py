@@ -229,6 +229,9 @@ class Placing:
                 if self._costs is not index or next(steps, _DONE) is _DONE:
                     return made  # done, or a new policy's index: its own lists, later
             made += 1
+            # The rest of the loop runs here: a lock no one holds is taken without a
+            # pause, so without this the steps would all run in one go.
+            await asyncio.sleep(0)
 
     def _cost_index(self) -> optimizer.CostIndex:
         """The pool's offers in order of expected cost under the policy in force."""

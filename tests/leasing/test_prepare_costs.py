@@ -41,3 +41,30 @@ async def test_cost_lists_are_made_ahead_between_batches_only(tmp_path: Path) ->
         assert await b.prepare_costs() == lists
     finally:
         await store.close()
+
+
+async def test_the_event_loop_runs_between_two_steps(tmp_path: Path) -> None:
+    """Each step takes the broker's lock and gives it back, then lets the rest of the
+    event loop run: a lock no one holds is taken without a pause, and the steps once ran
+    in one go (a second or more after a poll round of 50,000 offers)."""
+    store = StateStore(tmp_path / "state.db")
+    await store.open()
+    offers = [offer(f"us-east-1{z}", instance_type=f"p5.{i}", market=m, price=10.0 + i,
+                    capacity=2) for z in "ab" for i in range(3) for m in ("spot", "on_demand")]
+    clock = Clock()
+    pool = pool_of(offers, clock=clock, stale_after_seconds=300)
+    b = Broker(pool=pool, book=LeaseBook(), store=store,
+               messages=Messages(Topics("p"), Envelopes("t", "boot", clock=clock)),
+               policy=Policy(), publish=Sink(), retry_after_seconds=60, clock=clock)
+    try:
+        index = b._cost_index()
+        task = asyncio.create_task(b.prepare_costs())
+        seen: list[int] = []
+        while not task.done():  # runs whenever the steps let it
+            seen.append(len(index._lists))
+            await asyncio.sleep(0)
+        made = await task
+        assert made > 2
+        assert len({n for n in seen if 0 < n < len(index._lists)}) >= 2  # between steps
+    finally:
+        await store.close()
