@@ -136,7 +136,7 @@ PRICE = "price"
 SCANS_MAX = 10_000
 """Entries of `CostIndex.scans`: one per shape of request with no option."""
 
-PLACE_STEP = 500
+PLACE_STEP = 200
 """Changed offers a step of `CostIndex.prepare` places again in the lists at most: a poll
 round changes every offer, and placing tens of thousands again at once held the event
 loop for a second or more."""
