@@ -78,10 +78,12 @@ class Placing:
         _created_keys: list[tuple[str, str]] | None
         _requests: asyncio.Queue[Command]
         _waiting: threading.Event
-        _triggers: dict[str, Any]
         _expiry_changed: asyncio.Event
 
         def _resident_now(self) -> Residency: ...
+
+        @property
+        def pending_failovers(self) -> int: ...
 
         def _emit(self, b: Batch, event: Event, cmd: Command | None = None) -> None: ...
 
@@ -162,7 +164,7 @@ class Placing:
             if milp:
                 # Nothing waits now (the queue is empty, above), unless a failover does.
                 self._waiting.clear()
-                if self._triggers:
+                if self.pending_failovers:
                     self._waiting.set()
             result, cpu = await asyncio.to_thread(
                 _solve_timed, batch, view, self.policy, now=now,

@@ -500,6 +500,7 @@ class CostIndex:
         while len(self._dirty) > PLACE_STEP:
             self._place_again(PLACE_STEP)
             yield
+            self._drop_if_refreshed()  # a refresh meanwhile: the lists go, and the changes
         self._sync()
         wanted = list(self._made) if self._made else self._wheres(
             [self._horizon(DEFAULT_HORIZON)], [self._risk(None)])
@@ -565,7 +566,6 @@ class CostIndex:
         are now: an offer out of those it has no more room for, back into those it has
         room for again. Only the parts whose size lies between what the pool held then
         and holds now can change; a list is copied (once lent) only when one does."""
-
         keys, self._room_dirty = self._room_dirty, {}
         held = self.pool.held
         for key, before in keys.items():
