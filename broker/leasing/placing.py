@@ -52,9 +52,6 @@ def _solve_timed(*args: Any, **kwargs: Any) -> tuple[optimizer.BatchResult, floa
     return result, time.thread_time() - started
 
 
-_DONE = object()  # the end of `CostIndex.prepare`'s steps
-
-
 class Placing:
     """The lease authority's placement of `place` requests (`Broker` is made of it)."""
 
@@ -74,7 +71,6 @@ class Placing:
         _milp_budget: float
         _milp_refilled: float
         _costs: optimizer.CostIndex | None
-        _lock: asyncio.Lock
         _created_keys: list[tuple[str, str]] | None
         _requests: asyncio.Queue[Command]
         _waiting: threading.Event
@@ -219,21 +215,22 @@ class Placing:
             self._created_keys.append((lease.scheduler, lease.request_id))
 
     async def prepare_costs(self) -> int:
-        """The cost index's lists made ahead of the batches that will ask for them
-        (`CostIndex.prepare`), one at a time, each under the broker's lock (never while
-        a batch is decided, in a worker thread on lists the index lent it), the event
-        loop free between two. Returns how many were made."""
+        """The cost index's lists made ahead of the batches that will ask for them, and
+        the offers changed since placed again in them (`CostIndex.prepare`), a step at a
+        time, the event loop free between two. Not under the broker's lock: a batch
+        decided in a worker thread meanwhile reads lists the index lent it, which the
+        index copies before it changes them (`CostIndex.frozen`); held back, the changes
+        of every poll made during such a batch were all placed again by the next one,
+        on the loop. Returns how many steps were taken."""
         index = self._cost_index()
-        steps = index.prepare()
         made = 0
-        while True:
-            async with self._lock:
-                if self._costs is not index or next(steps, _DONE) is _DONE:
-                    return made  # done, or a new policy's index: its own lists, later
+        for _ in index.prepare():
             made += 1
-            # The rest of the loop runs here: a lock no one holds is taken without a
-            # pause, so without this the steps would all run in one go.
+            # The rest of the loop runs here: the steps must not run in one go.
             await asyncio.sleep(0)
+            if self._costs is not index:
+                break  # a new policy's index: its own lists, later
+        return made
 
     def _cost_index(self) -> optimizer.CostIndex:
         """The pool's offers in order of expected cost under the policy in force."""

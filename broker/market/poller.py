@@ -10,8 +10,9 @@ failing cloud never holds up the others.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -33,6 +34,11 @@ class PollResult:
     seconds: float
 
 
+APPLY_WAIT_SECONDS = 0.05
+"""The longest a polled slice waits for its `turn` before its offers go into the pool
+anyway: the requests come first, but a broker that is never idle must not starve the
+polls (a round of 400 slices is then applied within 20 s)."""
+
 DEADLINE_GRACE = 2.0
 """Seconds past the poll's deadline before the poll is cancelled: the seams stop retrying
 at the deadline, and a call on the wire may take a moment to end."""
@@ -41,15 +47,21 @@ at the deadline, and a call on the wire may take a moment to end."""
 class Poller:
     def __init__(self, pool: ResourcePool, adapters: Sequence[CloudAdapter], *,
                  interval_seconds: float, timeout_seconds: float,
-                 on_result: Callable[[PollResult], None] | None = None) -> None:
+                 on_result: Callable[[PollResult], None] | None = None,
+                 turn: Callable[[], Awaitable[object]] | None = None) -> None:
+        """`turn`: what a polled slice waits for before its offers go into the pool (the
+        daemon's: no request queued or being decided), `APPLY_WAIT_SECONDS` at most,
+        once the first round is in."""
         self.pool = pool
         self.adapters = list(adapters)
         self.interval = interval_seconds
         self.timeout = timeout_seconds
         self.on_result = on_result
+        self.turn = turn
         self.first_round = asyncio.Event()
         self._first_pending = {(a.name, r) for a in self.adapters for r in a.regions()}
         self._first_delay: dict[SliceId, float] = {}  # the slices taken over (`warmed`)
+        self._applying = asyncio.Lock()  # one slice's offers into the pool at a time
         if not self._first_pending:
             self.first_round.set()
 
@@ -96,9 +108,18 @@ class Poller:
                 log.warning("poll failing", adapter=adapter.name, region=region,
                             error=type(exc).__name__, detail=str(exc))
         else:
-            was_failing = self.pool.failing(slice_id)
-            change = self.pool.replace(slice_id, offers)
-            result = PollResult(slice_id, change, None, loop.time() - started)
+            # One slice into the pool at a time, when the requests have had their turn.
+            # A round's replies come together (the sim's in one turn of the event loop),
+            # and each slice's offers are then placed again in placement's cost lists:
+            # applied in one go, a round held the requests for hundreds of milliseconds
+            # (bench/README.md). Now each slice lets the loop turn, waits for its `turn`,
+            # the others waiting theirs.
+            seconds = loop.time() - started  # the poll's own time, not its turn's
+            async with self._applying:
+                await self._wait_turn()
+                was_failing = self.pool.failing(slice_id)
+                change = self.pool.replace(slice_id, offers)
+            result = PollResult(slice_id, change, None, seconds)
             if was_failing:
                 log.info("poll recovered", adapter=adapter.name, region=region)
         self._first_pending.discard(slice_id)
@@ -107,6 +128,14 @@ class Poller:
         if self.on_result is not None:
             self.on_result(result)
         return result
+
+    async def _wait_turn(self) -> None:
+        await asyncio.sleep(0)
+        # Not in the first round: the requests are taken only once it is in.
+        if self.turn is not None and self.first_round.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(APPLY_WAIT_SECONDS):
+                    await self.turn()
 
     async def poll_all(self) -> list[PollResult]:
         """Poll every region of every adapter once, concurrently."""

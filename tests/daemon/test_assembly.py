@@ -447,6 +447,45 @@ async def test_a_polled_slice_waits_for_its_capacity_summaries_once(mosquitto: M
             await adapter.close()
 
 
+async def test_a_polls_changes_go_into_the_cost_lists_as_they_come(
+        start_daemon: StartDaemon, monkeypatch: Any) -> None:
+    """Placement's cost lists follow the pool as it changes, not when the next batch of
+    requests reads them (that batch once placed a whole round's changes first, held for
+    hundreds of milliseconds): each change is placed at once, without waiting for the
+    periodic check."""
+    from broker.daemon.assembly import tasks
+
+    monkeypatch.setattr(tasks, "PREPARE_COSTS_SECONDS", 3600.0)
+    rd = await start_daemon()
+    daemon = rd.daemon
+    broker = daemon.broker
+
+    async def until(done: Any) -> None:
+        """Poll `done` (the index's own state: nothing to wait on) until it holds."""
+        async with asyncio.timeout(10):
+            while not done():  # noqa: ASYNC110 - no event to wait on (see above)
+                await asyncio.sleep(0.01)
+
+    await until(lambda: broker._costs is not None and broker._costs._lists)
+    index = broker._costs
+    sim = daemon.adapter("sim")
+    changed: list[PoolKey] = []
+    for region in sim.regions()[:3]:
+        changed += (await daemon.poller.poll_once(sim, region)).change.updated
+    assert changed
+
+    def placed(key: PoolKey) -> bool:
+        offer = daemon.pool.get(key)
+        return any(entry[2] is offer for entry in index._placed.get(key, ())[1::2])
+
+    # (an offer without a price is in no list)
+    priced = [k for k in changed if (o := daemon.pool.get(k)) and o.price_per_hour]
+    assert priced
+
+    await until(lambda: all(placed(k) for k in priced))
+    assert broker._costs is index and not index._dirty
+
+
 # --- the state file: synced commits, one daemon per file (#26) ---------------------------
 
 

@@ -267,7 +267,8 @@ class Daemon(PolicyReloading, StandingBy, Tasks):
         self.poller = Poller(self.pool, self.adapters,
                              interval_seconds=cfg.poll.interval_seconds,
                              timeout_seconds=cfg.poll.timeout_seconds,
-                             on_result=self._on_poll)
+                             on_result=self._on_poll,
+                             turn=lambda: self.broker.idle())
         self.ready = asyncio.Event()
         self.stopped = asyncio.Event()
         self._reload = asyncio.Event()

@@ -39,7 +39,8 @@ log = structlog.get_logger("gpubroker.daemon")
 
 PREPARE_COSTS_SECONDS = 1.0
 """How often placement's cost lists are checked for any to make ahead of the requests
-(`Tasks._prepare_costs`); a check that finds none costs microseconds."""
+(`Tasks._prepare_costs`) when the pool has not changed meanwhile (a change is checked at
+once); a check that finds none costs microseconds."""
 
 RETAINED_ENDED_MARGIN = timedelta(hours=1)
 """After a reconnect, retained states are cleared again for leases that ended since up to
@@ -118,20 +119,31 @@ class Tasks:
 
     async def _prepare_costs(self) -> None:
         """Placement's cost lists made ahead of the requests (`Placing.prepare_costs`):
-        once the first poll round is in and the hazard estimates are warm, then every
-        `PREPARE_COSTS_SECONDS`, which remakes those a refresh of the estimator or a new
-        policy dropped. Made by the first batch instead, they held the event loop for
-        hundreds of milliseconds (bench/README.md)."""
+        once the first poll round is in and the hazard estimates are warm, then after
+        every change of the pool (a poll's offers placed again in the lists as they come,
+        not by the next batch of requests), and at least every `PREPARE_COSTS_SECONDS`,
+        which remakes those a refresh of the estimator or a new policy dropped. Made by
+        the batches instead, they held the event loop for hundreds of milliseconds
+        (bench/README.md)."""
         await self.poller.first_round.wait()
         await self.hazard_warm.wait()
         failures = Every(600.0)
-        while True:
-            try:
-                await self.broker.prepare_costs()
-            except Exception:  # the batches make what is missing: no reason to stop
-                if n := failures.hit():
-                    log.exception("placement's cost lists not made ahead", occurrences=n)
-            await asyncio.sleep(PREPARE_COSTS_SECONDS)
+        changed = asyncio.Event()
+        unsubscribe = self.pool.subscribe(lambda _change: changed.set())
+        try:
+            while True:
+                changed.clear()
+                try:
+                    await self.broker.prepare_costs()
+                except Exception:  # the batches make what is missing: no reason to stop
+                    if n := failures.hit():
+                        log.exception("placement's cost lists not made ahead",
+                                      occurrences=n)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(PREPARE_COSTS_SECONDS):
+                        await changed.wait()
+        finally:
+            unsubscribe()
 
     async def _preload_solver(self) -> None:
         """Import the MILP solver in a thread while the first poll runs (placement starts
