@@ -16,11 +16,15 @@ pool came from itself (gone = missing from its own slice's poll). The listener o
 queues the poll (bounded; when full, the poll is dropped and the next poll of that slice
 records whatever changed meanwhile), so it never holds up the poller or placement.
 
-**Writes** run on the state store's one SQLite thread (`StateStore.call`), one short
-transaction per polled slice, appended at the end of the time-ordered table. The
-recorder's memory of recorded states is used only on that thread and updated only after
-a commit, so a failed write is simply redone by the next poll of the slice. Recording is
-best effort: a failing write is logged once (and its recovery once), the daemon goes on.
+**Writes** run on the state store's one SQLite thread (`StateStore.call`), appended at
+the end of the time-ordered table: the polls queued meanwhile in one short transaction
+(`WRITE_MAX_OFFERS` offers at most), at most every `WRITE_EVERY_SECONDS` unless more
+wait. The state store's thread and its durable commits are the lease decisions' too: a
+transaction per polled slice (tens a second while a round comes in) held them back. The
+recorder's memory of recorded states is used only on that thread, and a failed write
+puts it back as it was, so that the next write records whatever changed since.
+Recording is best effort: a failing write is logged once (and its recovery once), the
+daemon goes on.
 
 **Snapshots.** Once the change rows since the last snapshot outnumber the live pools
 `snapshot_factor` times over, the recorder writes every live pool's state again, at one
@@ -44,11 +48,12 @@ marked: a trace carries the last recorded states across it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import sqlite3
 import struct
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -69,6 +74,12 @@ SCALE = 1_000_000
 PRUNE_EVERY_SECONDS = 3600.0
 QUEUE_SIZE = 1024
 SNAPSHOT_FACTOR = 8.0
+WRITE_EVERY_SECONDS = 0.25
+"""The pause after each write, for the polls that come meanwhile to be written together
+(history is kept to the second)."""
+WRITE_MAX_OFFERS = 1_000
+"""The offers of the polls written in one transaction, at most (one poll at least): the
+transaction holds the state store's thread, some 17 µs an offer (50 ms for a 3,000)."""
 # Rows per transaction when writing a snapshot, and when pruning (deletes from the start
 # of the table are cheaper): a few milliseconds of the SQLite thread each
 # (bench/recorder.py measures them).
@@ -176,6 +187,7 @@ class _Book:
         self.unclaimed: dict[tuple[str, str], set[PoolKey]] = {}
         self.last_t = 0
         self.since_snapshot = 0  # change rows written since the last complete snapshot
+        self.loaded = False  # read from the store (`load`)
 
     def load(self, source: Path | Callable[[], Db]) -> int:
         """Read back every pool's last recorded state; returns how many are live."""
@@ -194,79 +206,98 @@ class _Book:
         self.slices, self.unclaimed = {}, {}
         for key in self.live:
             self.unclaimed.setdefault((key.cloud, key.region), set()).add(key)
+        self.loaded = True
         return len(self.live)
 
-    def record(self, db: Db, poll: _Poll) -> int:
-        """Write what changed in one slice's poll, in one transaction; returns the rows
-        written. The book changes only once the transaction is committed."""
-        t, offers = max(poll.t, self.last_t), poll.offers  # a clock step back keeps order
-        slice_id, live = poll.slice, self.live
+    def record(self, db: Db, polls: Sequence[_Poll]) -> int:
+        """Write what changed in these slices' polls, in order, in one transaction;
+        returns the rows written. The book follows each poll as it goes (the next one is
+        compared with it); should the transaction fail, the book is put back as it was,
+        so that the next write records whatever changed since."""
         rows: list[tuple[Any, ...]] = []
-        new_ids: dict[_Ident, int] = {}
-        updates: dict[PoolKey, _Recorded] = {}
+        undo = _Undo(self)
         db.begin()
         try:
-            for key, offer in offers.items():
-                values = values_of(offer)
-                packed = _pack(values)
-                prev = live.get(key)
-                if prev is not None and prev.gpu == offer.gpu and prev.gpus == offer.gpus:
-                    if prev.packed != packed:
-                        rows.append((t, prev.pool_id, *values, CHANGE))
-                        updates[key] = _Recorded(prev.pool_id, prev.gpu, prev.gpus, packed,
-                                                 slice_id)
-                    elif prev.slice != slice_id:
-                        updates[key] = _Recorded(prev.pool_id, prev.gpu, prev.gpus, packed,
-                                                 slice_id)
-                    continue
-                ident = (key, offer.gpu, offer.gpus)
-                pid = self.ids.get(ident) or new_ids.get(ident)
-                if pid is None:
-                    pid = _pool_id(db, ident)
-                    new_ids[ident] = pid
-                if prev is not None:
-                    # Same pool key, other GPU model or count: the old pool row ends here.
-                    rows.append((t, prev.pool_id, None, None, None, None, None, GONE))
-                rows.append((t, pid, *values, CHANGE))
-                updates[key] = _Recorded(pid, offer.gpu, offer.gpus, packed, slice_id)
-            gone = [k for k in self.slices.get(slice_id, ())
-                    if k not in offers and (r := live.get(k)) is not None
-                    and r.slice == slice_id]
-            regions = {(k.cloud, k.region) for k in offers} & self.unclaimed.keys()
-            for region in regions:
-                gone.extend(k for k in self.unclaimed[region] if k not in offers)
-            rows.extend((t, live[k].pool_id, None, None, None, None, None, GONE)
-                        for k in gone)
+            for poll in polls:
+                self._record(db, poll, rows, undo)
             db.executemany(_INSERT_CHANGE, rows)
             db.commit()
         except BaseException:
+            undo.restore(self)
             if db.in_transaction:
                 db.rollback()
             raise
-        ids = self.ids
-        for key, rec in updates.items():
-            prev = live.get(key)
-            if prev is not None and prev.pool_id != rec.pool_id:
-                ids[(key, prev.gpu, prev.gpus)] = prev.pool_id
-            ids.pop((key, rec.gpu, rec.gpus), None)
-            live[key] = rec
-        for k in gone:
-            prev = live.pop(k)
-            ids[(k, prev.gpu, prev.gpus)] = prev.pool_id
-        for region in regions:
-            del self.unclaimed[region]
-        self.slices[slice_id] = tuple(offers)
-        self.last_t = t
         self.since_snapshot += len(rows)
         return len(rows)
 
-    def write(self, db: Db, poll: _Poll, snapshot_factor: float
+    def _record(self, db: Db, poll: _Poll, rows: list[tuple[Any, ...]], undo: _Undo
+                ) -> None:
+        """What changed in one slice's poll, added to `rows`; the book as after it, what
+        it changed kept in `undo`."""
+        t, offers = max(poll.t, self.last_t), poll.offers  # a clock step back keeps order
+        slice_id, live = poll.slice, self.live
+        new_ids: dict[_Ident, int] = {}
+        updates: dict[PoolKey, _Recorded] = {}
+        for key, offer in offers.items():
+            values = values_of(offer)
+            packed = _pack(values)
+            prev = live.get(key)
+            if prev is not None and prev.gpu == offer.gpu and prev.gpus == offer.gpus:
+                if prev.packed != packed:
+                    rows.append((t, prev.pool_id, *values, CHANGE))
+                    updates[key] = _Recorded(prev.pool_id, prev.gpu, prev.gpus, packed,
+                                             slice_id)
+                elif prev.slice != slice_id:
+                    updates[key] = _Recorded(prev.pool_id, prev.gpu, prev.gpus, packed,
+                                             slice_id)
+                continue
+            ident = (key, offer.gpu, offer.gpus)
+            pid = self.ids.get(ident) or new_ids.get(ident)
+            if pid is None:
+                pid = _pool_id(db, ident)
+                new_ids[ident] = pid
+            if prev is not None:
+                # Same pool key, other GPU model or count: the old pool row ends here.
+                rows.append((t, prev.pool_id, None, None, None, None, None, GONE))
+            rows.append((t, pid, *values, CHANGE))
+            updates[key] = _Recorded(pid, offer.gpu, offer.gpus, packed, slice_id)
+        gone = [k for k in self.slices.get(slice_id, ())
+                if k not in offers and (r := live.get(k)) is not None
+                and r.slice == slice_id]
+        regions = {(k.cloud, k.region) for k in offers} & self.unclaimed.keys()
+        for region in regions:
+            gone.extend(k for k in self.unclaimed[region] if k not in offers)
+        rows.extend((t, live[k].pool_id, None, None, None, None, None, GONE)
+                    for k in gone)
+        ids = self.ids
+        for key, rec in updates.items():
+            prev = live.get(key)
+            undo.keep(undo.live, live, key)
+            if prev is not None and prev.pool_id != rec.pool_id:
+                undo.keep(undo.ids, ids, (key, prev.gpu, prev.gpus))
+                ids[(key, prev.gpu, prev.gpus)] = prev.pool_id
+            undo.keep(undo.ids, ids, (key, rec.gpu, rec.gpus))
+            ids.pop((key, rec.gpu, rec.gpus), None)
+            live[key] = rec
+        for k in gone:
+            undo.keep(undo.live, live, k)
+            prev = live.pop(k)
+            undo.keep(undo.ids, ids, (k, prev.gpu, prev.gpus))
+            ids[(k, prev.gpu, prev.gpus)] = prev.pool_id
+        for region in regions:
+            undo.keep(undo.unclaimed, self.unclaimed, region)
+            del self.unclaimed[region]
+        undo.keep(undo.slices, self.slices, slice_id)
+        self.slices[slice_id] = tuple(offers)
+        self.last_t = t
+
+    def write(self, db: Db, polls: Sequence[_Poll], snapshot_factor: float
               ) -> tuple[int, float, bool]:
         """`record`, timed: the rows written, the seconds taken, and whether a snapshot
         is due (the change rows since the last one outnumber the live pools
         `snapshot_factor` times over)."""
         started = time.perf_counter()
-        rows = self.record(db, poll)
+        rows = self.record(db, polls)
         due = self.since_snapshot >= snapshot_factor * max(1, len(self.live))
         return rows, time.perf_counter() - started, due
 
@@ -278,6 +309,37 @@ class _Book:
 
     def snapshot_done(self, covered: int) -> None:
         self.since_snapshot -= covered
+
+
+_ABSENT: Any = object()
+
+
+class _Undo:
+    """What a transaction of `_Book.record` changed in the book: each entry's value
+    before it (`_ABSENT`: none), to put back should it fail."""
+
+    def __init__(self, book: _Book) -> None:
+        self.live: dict[PoolKey, Any] = {}
+        self.ids: dict[_Ident, Any] = {}
+        self.unclaimed: dict[tuple[str, str], Any] = {}
+        self.slices: dict[SliceId, Any] = {}
+        self.last_t = book.last_t
+
+    @staticmethod
+    def keep(kept: dict[Any, Any], table: dict[Any, Any], key: Any) -> None:
+        """`table[key]` as it was before the transaction first changed it."""
+        if key not in kept:
+            kept[key] = table.get(key, _ABSENT)
+
+    def restore(self, book: _Book) -> None:
+        for kept, table in ((self.live, book.live), (self.ids, book.ids),
+                            (self.unclaimed, book.unclaimed), (self.slices, book.slices)):
+            for key, was in kept.items():
+                if was is _ABSENT:
+                    table.pop(key, None)
+                else:
+                    table[key] = was
+        book.last_t = self.last_t
 
 
 def _pool_id(db: Db, ident: _Ident) -> int:
@@ -378,8 +440,8 @@ class MarketRecorder:
         self.on_write = on_write
         self._clock = clock
         self._queue: asyncio.Queue[_Poll] = asyncio.Queue(maxsize=queue_size)
+        self._now = asyncio.Event()  # set by `flush`: no pause before the next write
         self._book = _Book()
-        self._loaded = False
         self._failing = False
         self._dropping = False
         self.rows_written = 0
@@ -404,30 +466,53 @@ class MarketRecorder:
             log.info("market recorder caught up", dropped=self.polls_dropped)
 
     async def run(self) -> None:
-        """Write queued polls, in order, forever."""
+        """Write queued polls, in order, forever: those queued meanwhile together (at
+        most `WRITE_MAX_OFFERS` offers), at most every `WRITE_EVERY_SECONDS` unless
+        more wait."""
+        carry: _Poll | None = None  # taken from the queue, for the next write
         while True:
-            poll = await self._queue.get()
+            polls = [carry if carry is not None else await self._queue.get()]
+            carry, offers = None, len(polls[0].offers)
+            while not self._queue.empty():
+                poll = self._queue.get_nowait()
+                if offers + len(poll.offers) > WRITE_MAX_OFFERS:
+                    carry = poll
+                    break
+                polls.append(poll)
+                offers += len(poll.offers)
             try:
-                await self._write(poll)
+                await self._write(polls)
             finally:
-                self._queue.task_done()
+                for _ in polls:
+                    self._queue.task_done()
+            del polls
+            if carry is not None:  # more waits
+                continue
+            if self._now.is_set():  # flushed: the next write at once
+                self._now.clear()
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(WRITE_EVERY_SECONDS):
+                    await self._now.wait()
+            self._now.clear()
 
     async def flush(self) -> None:
-        """Return once every poll queued before the call is written (or has failed)."""
+        """Return once every poll queued before the call is written (or has failed):
+        written at once, not after the pause between writes."""
+        self._now.set()
         await self._queue.join()
 
-    async def _write(self, poll: _Poll) -> None:
+    async def _write(self, polls: Sequence[_Poll]) -> None:
         book = self._book
         try:
-            if not self._loaded:
+            if not book.loaded:
                 # A read-only connection of its own: the SQLite thread stays free.
                 live = await asyncio.to_thread(book.load, self.store.reader)
-                self._loaded = True
                 log.info("market history loaded", live_pools=live)
             rows, seconds, due = await self.store.call(
-                partial(book.write, poll=poll, snapshot_factor=self.snapshot_factor))
+                partial(book.write, polls=polls, snapshot_factor=self.snapshot_factor))
             self.rows_written += rows
-            self.polls_recorded += 1
+            self.polls_recorded += len(polls)
             if self.on_write is not None:
                 self.on_write(rows, seconds)
             if due:

@@ -30,6 +30,7 @@ from structlog.testing import capture_logs
 from broker.daemon.assembly import Daemon
 from broker.daemon.config import Config, HttpConfig, StateConfig
 from broker.market.changes import SliceId
+from broker.market import recorder as recording
 from broker.market.pool import ResourcePool
 from broker.market.recorder import (
     HistoryReader,
@@ -561,6 +562,64 @@ async def test_a_failing_write_is_logged_once_and_the_next_poll_catches_up(
     # The failed polls' change is recorded by the next one.
     assert [r.price_per_hour for r in rig.rows()] == [1.0, 3.0]
     assert not rig.task.done()
+
+
+async def test_polls_queued_meanwhile_are_one_transaction_and_a_failed_one_is_redone(
+        places: Places) -> None:
+    """The store's thread and its durable commits are the lease decisions' too: the polls
+    that queued while the recorder wrote or paused go in one transaction. One that
+    fails leaves the recorder's memory as it was, though a poll in it went through: the
+    next write records whatever changed since."""
+    refuse, allow, _ = READ_ONLY[places.engine]
+    writes: list[int] = []
+    async with rig_at(places.new(), on_write=lambda rows, _s: writes.append(rows)) as rig:
+        await rig.poll([offer("us-east-1a", price=1.0)])
+        assert writes == [1]
+
+        def polls(*offered: tuple[SliceId, list[Offer]]) -> None:
+            for slice_id, offers in offered:  # queued without a pause: none written yet
+                rig.clock.advance(60)
+                rig.pool.replace(slice_id, [replace(o, observed_at=rig.clock())
+                                            for o in offers])
+
+        polls((SLICE, [offer("us-east-1a", price=2.0), offer("us-east-1b", price=5.0)]),
+              (GCP, [gcp()]),
+              (SLICE, [offer("us-east-1a", price=3.0), offer("us-east-1b", price=5.0)]))
+        async with asyncio.timeout(10):
+            await rig.recorder.flush()
+        assert writes == [1, 4]  # 1a twice, 1b and the GCP pool new: one transaction
+        assert [r.price_per_hour for r in rig.rows(clouds=["aws"])] == [1.0, 2.0, 5.0, 3.0]
+
+        await rig.store.call(lambda db: db.execute(refuse))
+        # The first poll goes through (1a changed, 1b gone); the second's new pool is
+        # refused.
+        polls((SLICE, [offer("us-east-1a", price=4.0)]),
+              (SLICE, [offer("us-east-1a", price=6.0), offer("us-east-1c", price=7.0)]))
+        async with asyncio.timeout(10):
+            await rig.recorder.flush()
+        assert rig.recorder.failures == 1 and writes == [1, 4]
+        await rig.store.call(lambda db: db.execute(allow))
+        await rig.poll([offer("us-east-1a", price=6.0)])
+        assert writes == [1, 4, 2]  # as if the failed polls were never seen: 1a, 1b gone
+        last = [state(r) for r in rig.rows()[-2:]]
+        assert sorted(last) == [("us-east-1a", 6.0, 1.0, None, 0.0, None, False),
+                                ("us-east-1b", None, None, None, None, None, True)]
+
+
+async def test_a_transaction_takes_so_many_offers_at_most(places: Places,
+                                                          monkeypatch: Any) -> None:
+    """A transaction holds the store's thread (the lease decisions' commits wait): the
+    polls queued meanwhile are split, each transaction `WRITE_MAX_OFFERS` offers at
+    most, one poll at least."""
+    monkeypatch.setattr(recording, "WRITE_MAX_OFFERS", 3)
+    writes: list[int] = []
+    async with rig_at(places.new(), on_write=lambda rows, _s: writes.append(rows)) as rig:
+        for i, n in enumerate((2, 1, 4, 1, 1)):  # offers per poll, each of its own slice
+            rig.pool.replace(("sim", f"aws:r{i}"), [offer(f"r{i}{z}", region=f"r{i}")
+                                                    for z in "abcd"[:n]])
+        async with asyncio.timeout(10):
+            await rig.recorder.flush()
+        assert writes == [3, 4, 2]
 
 
 async def test_a_full_queue_drops_polls_without_losing_the_state(places: Places) -> None:
