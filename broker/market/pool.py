@@ -46,6 +46,15 @@ def _order(o: Offer) -> tuple[float, PoolKey]:
     return (o.price_per_hour / o.gpus, o.pool)  # type: ignore[operator]
 
 
+def _same_place(a: Offer, b: Offer) -> bool:
+    """Whether two readings of a pool are counted alike and indexed in the same place
+    (`_count`, `_index`): same GPU model, known or not alike, and either both unpriced or
+    both at the same price per GPU."""
+    if a.gpu != b.gpu or a.gpu_known != b.gpu_known or _priced(a) != _priced(b):
+        return False
+    return not _priced(a) or _order(a) == _order(b)
+
+
 @dataclass(slots=True)
 class SliceHealth:
     slice: SliceId
@@ -133,13 +142,19 @@ class ResourcePool:
                 self._swap(prev, offer)
             elif prev != offer:
                 updated[key] = prev
-                if prev is not None:
-                    self._keys_by_gpu[prev.gpu].discard(key)
-                    self._count(prev, -1)
-                    self._unindex(prev)
-                self._keys_by_gpu.setdefault(offer.gpu, set()).add(key)
-                self._count(offer, 1)
-                self._index(offer)
+                if prev is not None and _same_place(prev, offer):
+                    # Counted alike and in the same place of every index: the new reading
+                    # takes the old one's place (half of a sim poll's changes keep their
+                    # price).
+                    self._swap(prev, offer)
+                else:
+                    if prev is not None:
+                        self._keys_by_gpu[prev.gpu].discard(key)
+                        self._count(prev, -1)
+                        self._unindex(prev)
+                    self._keys_by_gpu.setdefault(offer.gpu, set()).add(key)
+                    self._count(offer, 1)
+                    self._index(offer)
             self._offers[key] = offer
             was = self._slice_of.get(key)
             if was != slice_id:

@@ -444,3 +444,36 @@ def test_the_census_is_what_reading_every_offer_gives(
         pool.by_gpu("H100-80GB", Market.SPOT)  # a sorted list kept from the start
         pool.replace(slice_id, offers)
         assert pool.census() == _census_by_reading_every_offer(pool)
+
+
+_SAME_PRICE_OFFER = st.builds(
+    lambda zone, market, gpu, gpus, price, capacity, known: replace(offer(
+        zone, market=market, gpu=gpu, gpus=gpus, price=price, capacity=capacity),
+        gpu_known=known),
+    st.sampled_from(("a", "b", "c")), st.sampled_from((Market.SPOT, Market.ON_DEMAND)),
+    st.sampled_from(("H100-80GB", "L4")), st.sampled_from((0, 1, 8)),
+    st.sampled_from((None, 1.0, 2.0, 8.0)), st.sampled_from((None, 0, 3)), st.booleans())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(_SAME_PRICE_OFFER, max_size=6), max_size=12))
+def test_the_sorted_lists_hold_the_newest_readings_in_price_order(
+        polls: list[list[Offer]]) -> None:
+    """A new reading at the same price per GPU takes the old one's place in the lists
+    by GPU (not taken out and put back); every other change moves it. After each poll,
+    each list is the pool's priced offers of its model (and market), newest readings,
+    cheapest per GPU-hour first; and the census is what reading every offer gives."""
+    pool = ResourcePool(stale_after_seconds=300, clock=Clock())
+    wheres = [(g, m) for g in ("H100-80GB", "L4") for m in (None, *Market)]
+    for offers in polls:
+        for gpu, market in wheres:
+            pool.by_gpu(gpu, market)  # every list kept from the start
+        pool.replace(SLICE, offers)
+        for gpu, market in wheres:
+            want = sorted((o for o in pool if o.gpu == gpu and o.price_per_hour is not None
+                           and o.gpus > 0 and market in (None, o.pool.market)),
+                          key=lambda o: (o.price_per_hour / o.gpus, o.pool))
+            got = list(pool.by_gpu(gpu, market))
+            assert got == want
+            assert all(o is pool.get(o.pool) for o in got)  # the newest reading
+        assert pool.census() == _census_by_reading_every_offer(pool)
