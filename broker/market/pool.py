@@ -142,19 +142,7 @@ class ResourcePool:
                 self._swap(prev, offer)
             elif prev != offer:
                 updated[key] = prev
-                if prev is not None and _same_place(prev, offer):
-                    # Counted alike and in the same place of every index: the new reading
-                    # takes the old one's place (half of a sim poll's changes keep their
-                    # price).
-                    self._swap(prev, offer)
-                else:
-                    if prev is not None:
-                        self._keys_by_gpu[prev.gpu].discard(key)
-                        self._count(prev, -1)
-                        self._unindex(prev)
-                    self._keys_by_gpu.setdefault(offer.gpu, set()).add(key)
-                    self._count(offer, 1)
-                    self._index(offer)
+                self._changed(key, prev, offer)
             self._offers[key] = offer
             was = self._slice_of.get(key)
             if was != slice_id:
@@ -490,6 +478,22 @@ class ResourcePool:
         if _priced(offer):
             for index in self._views(offer):
                 bisect.insort(index, offer, key=_order)
+
+    def _changed(self, key: PoolKey, prev: Offer | None, offer: Offer) -> None:
+        """A changed reading of pool `key` (`prev`: the last one; None: a new pool) in the
+        counts and the indexes."""
+        if prev is not None and _same_place(prev, offer):
+            # Counted alike and in the same place of every index: the new reading takes
+            # the old one's place (half of a sim poll's changes keep their price).
+            self._swap(prev, offer)
+            return
+        if prev is not None:
+            self._keys_by_gpu[prev.gpu].discard(key)
+            self._count(prev, -1)
+            self._unindex(prev)
+        self._keys_by_gpu.setdefault(offer.gpu, set()).add(key)
+        self._count(offer, 1)
+        self._index(offer)
 
     def _swap(self, old: Offer, new: Offer) -> None:
         """Put `new` where `old` is in the indexes (both sort the same)."""
