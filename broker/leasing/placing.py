@@ -44,6 +44,13 @@ THREAD_MIN_BATCH = 1024
 """Batches of this many requests or more are solved in a worker thread (see `_place`),
 and so is every batch that may go to the MILP."""
 
+FREEZE_MAKE_MAX = 2_000
+"""The most cost-list entries a batch for a worker thread leaves `CostIndex.frozen` to
+make at once, on the event loop (`CostIndex.unmade`; some 6 µs each: every list at
+50,000 offers, after a refresh of the hazard estimator, took 323 ms). Beyond it a batch
+that may go to the MILP is decided by the heuristic instead, which makes only the lists
+it reads, and a large batch waits for them, made a step at a time."""
+
 
 def _solve_timed(*args: Any, **kwargs: Any) -> tuple[optimizer.BatchResult, float]:
     """`optimizer.solve`, and the CPU time it took (of the thread it ran on)."""
@@ -144,19 +151,30 @@ class Placing:
             dataclasses.replace(self.settings, exact_max_batch=0)
         batch = [a for _, _, a in todo]
         milp = 1 < len(batch) <= settings.exact_max_batch and settings.exact_time_limit > 0
+        horizons = {horizon_bucket(a.request.duration_hours) for a in batch}
+        risks = {a.constraints.risk for a in batch if a.constraints is not None}
+        index = self._cost_index()
+        if milp and index.unmade(horizons, risks) > FREEZE_MAKE_MAX:
+            # The cost lists are being made (again, after a refresh of the hazard
+            # estimator): frozen for the MILP's thread they would all be made at once, on
+            # the loop; the heuristic here makes only those it reads.
+            milp = False
+            settings = dataclasses.replace(settings, exact_max_batch=0)
         if not milp and len(batch) < THREAD_MIN_BATCH:
             result, cpu = _solve_timed(batch, self.pool, self.policy, now=now,
                                        retry_after_seconds=self._retry_after,
-                                       settings=settings, costs=self._cost_index())
+                                       settings=settings, costs=index)
         else:
             # A large batch (the MILP, or thousands of requests) is solved in a worker
             # thread on a snapshot of the pool, so the event loop keeps serving MQTT,
             # polls and HTTP meanwhile; the lock keeps every other change out until the
             # outcome is committed, here, on the loop.
+            if index.unmade(horizons, risks) > FREEZE_MAKE_MAX:
+                # A large batch: the lists made first, a step at a time, the event loop
+                # free between two (the batch waits, as its requests would anyway).
+                await self.prepare_costs()
             view = optimizer.Snapshot(self.pool, now)
-            costs = self._cost_index().frozen(
-                {horizon_bucket(a.request.duration_hours) for a in batch},
-                {a.constraints.risk for a in batch if a.constraints is not None})
+            costs = index.frozen(horizons, risks)
             if milp:
                 # Nothing waits now (the queue is empty, above), unless a failover does.
                 self._waiting.clear()

@@ -479,6 +479,18 @@ class CostIndex:
                            held=self.pool.held_now(), scans=self.scans,
                            asked=self._asked, verdicts=self._verdicts)
 
+    def unmade(self, horizons: Iterable[float] = (DEFAULT_HORIZON,),
+               risks: Iterable[RiskLevel | None] = (None,)) -> int:
+        """The entries `frozen` for these horizons and risk levels would make at once, on
+        the event loop: those of the lists not made (yet, or again: a refresh of the
+        hazard estimator, every ten minutes, drops them all; `prepare` makes them again
+        a list a step)."""
+        self._drop_if_refreshed()
+        want = {self._horizon(h) for h in horizons}
+        levels = {self._risk(r) for r in risks}
+        return sum(len(self.pool.by_gpu(w[0], w[1]))
+                   for w in self._wheres(want, levels) if w not in self._lists)
+
     def _wheres(self, horizons: Iterable[float], levels: Iterable[str]) -> list[_Where]:
         """Every list of the pool's models for these horizons and levels (made by
         `_horizon`, `_risk`), and each one's list by price."""

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from pathlib import Path
+from typing import Any
 
 from factories import Clock, Sink, offer, pool_of
 
+from broker.leasing import placing
 from broker.leasing.authority import Broker
 from broker.leasing.book import LeaseBook
+from broker.market.hazard import HazardEstimator
 from broker.model import Market
 from broker.state.store import StateStore
+from broker.wire.commands import Command
 from broker.wire.messages import Envelopes, Messages, Topics
 from policies.model import Policy
 
@@ -81,5 +86,80 @@ async def test_the_event_loop_runs_between_two_steps(tmp_path: Path) -> None:
         made = await task
         assert made > 2
         assert len({n for n in seen if 0 < n < len(index._lists)}) >= 2  # between steps
+    finally:
+        await store.close()
+
+
+def _two_models(tmp_path: Path) -> tuple[Broker, StateStore]:
+    clock = Clock()
+    store = StateStore(tmp_path / "state.db")
+    offers = [offer(f"us-east-1{z}", instance_type=f"{kind}.{i}", gpu=gpu, market=m,
+                    price=10.0 + i, capacity=4)
+              for z in "ab" for i in range(2) for m in ("spot", "on_demand")
+              for kind, gpu in (("p5", "H100-80GB"), ("g6", "L4"))]
+    pool = pool_of(offers, clock=clock, stale_after_seconds=300)
+    pool.hazard = HazardEstimator()
+    b = Broker(pool=pool, book=LeaseBook(), store=store,
+               messages=Messages(Topics("p"), Envelopes("t", "boot", clock=clock)),
+               policy=Policy(), publish=Sink(), retry_after_seconds=60, clock=clock)
+    return b, store
+
+
+def _place(request_id: str) -> Command:
+    body = {"request_id": request_id, "gpu": ["H100-80GB"], "gpus": 8}
+    return Command("sched-a", "place", json.dumps(body).encode(), "p/requests/sched-a/place")
+
+
+async def test_after_a_refresh_a_batch_makes_only_the_lists_it_reads(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """A refresh of the hazard estimator drops every cost list. A batch that would go to
+    the MILP in a worker thread (which freezes every list: all made at once, on the
+    event loop, 300 ms at 50,000 offers) is decided by the heuristic instead, which
+    makes only the lists it reads; the others are made a step at a time."""
+    monkeypatch.setattr(placing, "FREEZE_MAKE_MAX", 0)  # these lists are short
+    b, store = _two_models(tmp_path)
+    await store.open()
+    try:
+        await b.prepare_costs()
+        index = b._cost_index()
+        every = set(index._lists)
+        assert {w[0] for w in every} == {"H100-80GB", "L4"}
+        assert b.pool.hazard is not None
+        b.pool.hazard.refresh()
+        assert index.unmade() > 0
+        await b.handle([_place("r1"), _place("r2")])  # a batch the MILP would take
+        assert all(b.book.find("sched-a", r) is not None for r in ("r1", "r2"))
+        made = set(index._lists)
+        assert made and made < every and {w[0] for w in made} == {"H100-80GB"}
+        await b.prepare_costs()
+        assert set(index._lists) == every and index.unmade() == 0
+    finally:
+        await store.close()
+
+
+async def test_after_a_refresh_a_large_batch_waits_for_the_lists_made_a_step_at_a_time(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """A batch large enough for a worker thread needs every list frozen: it waits for them,
+    made a step at a time, the event loop running between two."""
+    monkeypatch.setattr(placing, "THREAD_MIN_BATCH", 2)
+    monkeypatch.setattr(placing, "FREEZE_MAKE_MAX", 0)
+    b, store = _two_models(tmp_path)
+    b.settings = dataclasses.replace(b.settings, exact_max_batch=0)
+    await store.open()
+    try:
+        await b.prepare_costs()
+        index = b._cost_index()
+        every = set(index._lists)
+        assert b.pool.hazard is not None
+        b.pool.hazard.refresh()
+        task = asyncio.create_task(b.handle([_place("r1"), _place("r2")]))
+        seen: list[int] = []
+        while not task.done():
+            seen.append(len(index._lists))
+            await asyncio.sleep(0)
+        await task
+        assert all(b.book.find("sched-a", r) is not None for r in ("r1", "r2"))
+        assert set(index._lists) == every
+        assert len({n for n in seen if 0 < n < len(every)}) >= 2  # made between turns
     finally:
         await store.close()
