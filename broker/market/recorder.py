@@ -332,8 +332,10 @@ class _Undo:
             kept[key] = table.get(key, _ABSENT)
 
     def restore(self, book: _Book) -> None:
-        for kept, table in ((self.live, book.live), (self.ids, book.ids),
-                            (self.unclaimed, book.unclaimed), (self.slices, book.slices)):
+        tables: tuple[tuple[dict[Any, Any], dict[Any, Any]], ...] = (
+            (self.live, book.live), (self.ids, book.ids),
+            (self.unclaimed, book.unclaimed), (self.slices, book.slices))
+        for kept, table in tables:
             for key, was in kept.items():
                 if was is _ABSENT:
                     table.pop(key, None)
