@@ -151,10 +151,13 @@ class Placing:
             dataclasses.replace(self.settings, exact_max_batch=0)
         batch = [a for _, _, a in todo]
         milp = 1 < len(batch) <= settings.exact_max_batch and settings.exact_time_limit > 0
+        index = self._cost_index()
         horizons = {horizon_bucket(a.request.duration_hours) for a in batch}
         risks = {a.constraints.risk for a in batch if a.constraints is not None}
-        index = self._cost_index()
-        if milp and index.unmade(horizons, risks) > FREEZE_MAKE_MAX:
+        # Cost lists a freeze would make at once, on the loop, beyond FREEZE_MAKE_MAX.
+        behind = (milp or len(batch) >= THREAD_MIN_BATCH) and \
+            index.unmade(horizons, risks) > FREEZE_MAKE_MAX
+        if milp and behind:
             # The cost lists are being made (again, after a refresh of the hazard
             # estimator): frozen for the MILP's thread they would all be made at once, on
             # the loop; the heuristic here makes only those it reads.
@@ -169,7 +172,7 @@ class Placing:
             # thread on a snapshot of the pool, so the event loop keeps serving MQTT,
             # polls and HTTP meanwhile; the lock keeps every other change out until the
             # outcome is committed, here, on the loop.
-            if index.unmade(horizons, risks) > FREEZE_MAKE_MAX:
+            if behind:
                 # A large batch: the lists made first, a step at a time, the event loop
                 # free between two (the batch waits, as its requests would anyway).
                 await self.prepare_costs()

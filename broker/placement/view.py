@@ -4,6 +4,7 @@ worker thread, and the offers in order of their cost per GPU (`CostIndex`)."""
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import (
     Callable,
     Collection,
@@ -538,8 +539,6 @@ class CostIndex:
     def _place_again(self, limit: int | None = None) -> None:
         """The offers changed since placed again in every list (at most `limit` of them;
         the others stay to be placed, and every reader places them first: `_sync`)."""
-        import itertools
-
         if limit is None or len(self._dirty) <= limit:
             dirty, self._dirty = self._dirty, set()
         else:
