@@ -4,7 +4,6 @@ tags the policy and the private servers give."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -15,6 +14,7 @@ import structlog
 from broker.leasing import failover
 from broker.leasing.batch import Batch, ms
 from broker.leasing.book import LeaseBook
+from broker.leasing.placing import on_loan
 from broker.market.pool import ResourcePool
 from broker.model import (
     Event,
@@ -88,9 +88,9 @@ class Moves:
         if not chunk:
             return []
         now = self._clock()
-        triggers = await asyncio.to_thread(
-            failover.reoptimize, chunk, optimizer.Snapshot(self.pool, now), self.policy,
-            self._resident_now(), now)
+        view = optimizer.Snapshot(self.pool, now)
+        triggers = await on_loan((view,), failover.reoptimize, chunk, view, self.policy,
+                                 self._resident_now(), now)
         for t in triggers:
             self._trigger(t)
         return triggers

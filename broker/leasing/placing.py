@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import structlog
 
@@ -32,7 +32,7 @@ from broker.wire import validation
 from broker.wire.commands import Command
 from broker.wire.messages import Messages, lease_subject, request_subject
 from policies.evaluate import Denied, evaluate
-from policies.model import Policy
+from policies.model import Policy, RiskLevel
 from policies.residency import Residency
 
 log = structlog.get_logger("gpubroker.broker")
@@ -50,6 +50,35 @@ make at once, on the event loop (`CostIndex.unmade`; some 6 µs each: every list
 50,000 offers, after a refresh of the hazard estimator, took 323 ms). Beyond it a batch
 that may go to the MILP is decided by the heuristic instead, which makes only the lists
 it reads, and a large batch waits for them, made a step at a time."""
+
+
+_T = TypeVar("_T")
+
+
+class Loan(Protocol):
+    """What a worker thread reads that the event loop lent it: `optimizer.Snapshot`,
+    `optimizer.FrozenCosts`."""
+
+    def return_loan(self) -> None: ...
+
+
+async def on_loan(loans: Sequence[Loan], fn: Callable[..., _T], *args: Any,
+                  **kwargs: Any) -> _T:
+    """`fn(*args, **kwargs)` in a worker thread that reads `loans`, returned once it is
+    done: until then the pool and the cost index copy what they lent before changing
+    it. Not when the wait is cancelled: the thread may still be reading (those loans
+    stay out, and what they lent is copied first from then on)."""
+    try:
+        result = await asyncio.to_thread(fn, *args, **kwargs)
+    except asyncio.CancelledError:
+        raise
+    except BaseException:
+        for loan in loans:
+            loan.return_loan()
+        raise
+    for loan in loans:
+        loan.return_loan()
+    return result
 
 
 def _solve_timed(*args: Any, **kwargs: Any) -> tuple[optimizer.BatchResult, float]:
@@ -176,15 +205,14 @@ class Placing:
                 # A large batch: the lists made first, a step at a time, the event loop
                 # free between two (the batch waits, as its requests would anyway).
                 await self.prepare_costs()
-            view = optimizer.Snapshot(self.pool, now)
-            costs = index.frozen(horizons, risks)
+            view, costs = self._lend(index, horizons, risks, now)
             if milp:
                 # Nothing waits now (the queue is empty, above), unless a failover does.
                 self._waiting.clear()
                 if self.pending_failovers:
                     self._waiting.set()
-            result, cpu = await asyncio.to_thread(
-                _solve_timed, batch, view, self.policy, now=now,
+            result, cpu = await on_loan(
+                (view, costs), _solve_timed, batch, view, self.policy, now=now,
                 retry_after_seconds=self._retry_after, settings=settings, costs=costs,
                 stop=self._waiting.is_set if milp else None)
         self.last_batch = result
@@ -216,6 +244,18 @@ class Placing:
             self._expiry_changed.set()
         for observe in self.batch_observers:
             observe(result)
+
+    def _lend(self, index: optimizer.CostIndex, horizons: set[float],
+              risks: set[RiskLevel | None], now: datetime
+              ) -> tuple[optimizer.Snapshot, optimizer.FrozenCosts]:
+        """The pool and the cost lists lent to a batch for a worker thread (`on_loan`
+        returns them)."""
+        view = optimizer.Snapshot(self.pool, now)
+        try:
+            return view, index.frozen(horizons, risks)
+        except BaseException:
+            view.return_loan()  # else every later change would copy first
+            raise
 
     def _milp_allowed(self) -> bool:
         """Whether a batch may go to the MILP now: a token bucket of solve time that

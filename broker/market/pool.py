@@ -96,6 +96,9 @@ class ResourcePool:
         # the next change once lent out.
         self._held_now: dict[PoolKey, int] = {}
         self._held_now_lent = False
+        # Readers in worker threads of what was lent (`borrow`): once none is left, the
+        # lent lists and `held_now` are the pool's again, changed in place.
+        self._borrowers = 0
         # Told of each pool whose `held` changed (`subscribe_room`).
         self._room_listeners: list[Callable[[PoolKey, int], None]] = []
         self._held_targets: dict[PoolKey, Counter[str]] = {}
@@ -303,11 +306,30 @@ class ResourcePool:
     def held_now(self) -> Mapping[PoolKey, int]:
         """`held` of every pool it is not 0 for, as of now — a paid-for pool's too when
         the broker holds none of it and its cloud counts some of it used — not to be
-        changed: lent out (a placement `Snapshot` reads it in a worker thread), so the
-        pool copies it before its next change instead of the reader copying it every
-        time."""
-        self._held_now_lent = True
+        changed. While a reader in a worker thread has `borrow`ed (a placement
+        `Snapshot`), lent: the pool copies it before its next change instead of the
+        reader copying it every time. A reader on the event loop reads it at once."""
+        if self._borrowers:
+            self._held_now_lent = True
         return self._held_now
+
+    def borrow(self) -> None:
+        """A reader in a worker thread (a placement `Snapshot`) is to read lists by GPU
+        (`lend`) and the holdings (`held_now`) while the event loop changes the pool:
+        what it takes is copied before its next change until it is returned
+        (`return_loan`)."""
+        self._borrowers += 1
+
+    def return_loan(self) -> None:
+        """A reader that `borrow`ed is done with what it took. Once every one is, nothing
+        is lent: a change no longer copies a list of thousands of offers (nor the
+        holdings) that no reader holds, and the young collections do not walk such
+        copies. A borrower that never returns it (one whose thread may still read) keeps
+        every later loan copied first, as it would be without this."""
+        self._borrowers -= 1
+        if self._borrowers == 0:
+            self._lent.clear()
+            self._held_now_lent = False
 
     def _note_held(self, key: PoolKey) -> None:
         """`held_now` after a change of what `held(key)` reads."""

@@ -70,6 +70,8 @@ class Snapshot:
 
     def __init__(self, pool: ResourcePool, now: datetime) -> None:
         self._pool = pool
+        pool.borrow()
+        self._returned = False
         self._lists: dict[tuple[str, Market | None], Sequence[Offer]] = {}
         for gpu in pool.gpus():
             for market in _BOTH_AND_EACH:
@@ -78,6 +80,12 @@ class Snapshot:
         self._cooling = frozenset(pool.cooling(now))
         self._held = pool.held_now()
         self._hazard = pool.hazard
+
+    def return_loan(self) -> None:
+        """Done reading (`ResourcePool.return_loan`); once only."""
+        if not self._returned:
+            self._returned = True
+            self._pool.return_loan()
 
     def by_gpu(self, gpu: str, market: Market | None = None) -> Sequence[Offer]:
         return self._lists.get((gpu, market), ())
@@ -315,6 +323,7 @@ class CostIndex:
         self._lists: dict[_Where, list[_Entry]] = {}
         self._parts: dict[_Where, dict[Part, list[_Entry]]] = {}
         self._lent: set[_Where] = set()  # of `_lists`, lent out by `frozen`: copied first
+        self._borrowers = 0  # frozen indexes not returned (`return_loan`)
         self._made: set[_Where] = set()  # every list made since the start (`prepare`)
         # Where each pool's offer is placed: (where, its entry there, where, …), flat, so
         # that the tens of thousands of pools cost one tuple each (`_pairs` reads it).
@@ -474,11 +483,22 @@ class CostIndex:
         lists = {k: v for k, v in self._lists.items()
                  if k[3] == PRICE or (k[2] in want and k[3] in levels)}
         self._lent.update(lists)
+        self._borrowers += 1
+        self.pool.borrow()  # for `held_now`
         return FrozenCosts(self.policy, lists,
                            normalise=not by_horizon(self.pool.hazard, self.policy),
                            memo=self.memo, parts={k: dict(self._parts[k]) for k in lists},
                            held=self.pool.held_now(), scans=self.scans,
-                           asked=self._asked, verdicts=self._verdicts)
+                           asked=self._asked, verdicts=self._verdicts,
+                           on_return=self._returned)
+
+    def _returned(self) -> None:
+        """A frozen index is done (`FrozenCosts.return_loan`): once none is out, no list
+        is lent, and a change no longer copies one first (`_to_change`)."""
+        self._borrowers -= 1
+        if self._borrowers == 0:
+            self._lent.clear()
+        self.pool.return_loan()
 
     def unmade(self, horizons: Iterable[float] = (DEFAULT_HORIZON,),
                risks: Iterable[RiskLevel | None] = (None,)) -> int:
@@ -613,9 +633,11 @@ class FrozenCosts:
                  held: Mapping[PoolKey, int] | None = None,
                  scans: dict[Hashable, Any] | None = None,
                  asked: set[tuple[_Where, Part]] | None = None,
-                 verdicts: dict[Hashable, Callable[[str, str], bool]] | None = None
-                 ) -> None:
+                 verdicts: dict[Hashable, Callable[[str, str], bool]] | None = None,
+                 on_return: Callable[[], None] | None = None) -> None:
         self.policy = policy
+        self._on_return = on_return
+        """Tells the index this one is done (`return_loan`)."""
         self.memo = memo if memo is not None else CostMemo()
         """The index's `CostMemo` (a batch in a worker thread adds to it; entries are
         per offer object, so one made from a later reading is never taken for an
@@ -633,6 +655,12 @@ class FrozenCosts:
         self._normalise = normalise
         self._horizons = {w[2] for w in lists if w[3] != PRICE}
         self._risks = {w[3] for w in lists if w[3] != PRICE} or {policy.scoring.risk}
+
+    def return_loan(self) -> None:
+        """Done reading what the index lent (`CostIndex.frozen`); once only."""
+        on_return, self._on_return = self._on_return, None
+        if on_return is not None:
+            on_return()
 
     def _held_of(self, key: PoolKey) -> int:
         return self._held.get(key, 0)

@@ -7,8 +7,10 @@ force."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +165,63 @@ async def test_after_a_refresh_a_large_batch_waits_for_the_lists_made_a_step_at_
         assert len({n for n in seen if 0 < n < len(every)}) >= 2  # made between turns
     finally:
         await store.close()
+
+
+async def test_a_batch_in_a_worker_thread_returns_what_it_was_lent(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """Once a batch decided in a worker thread is done, the pool's lists and the cost
+    lists it was lent are changed in place again, not copied at the next change (a copy
+    of thousands of offers for every poll that lands after each such batch), whether it
+    decided or failed."""
+    monkeypatch.setattr(placing, "THREAD_MIN_BATCH", 2)
+    b, store = _two_models(tmp_path)
+    b.settings = dataclasses.replace(b.settings, exact_max_batch=0)
+    await store.open()
+    try:
+        await b.prepare_costs()
+        index = b._cost_index()
+        for r, fails in (("r1", False), ("r3", True)):
+            if fails:
+                def broken(*args: Any, **kwargs: Any) -> Any:
+                    raise RuntimeError("a bug in the solver")
+                monkeypatch.setattr(placing, "_solve_timed", broken)
+            await b.handle([_place(r), _place(r + "b")])
+            assert (b.book.find("sched-a", r) is None) is fails
+            by_gpu = b.pool.by_gpu("H100-80GB", Market.SPOT)
+            costs = index.sorted("H100-80GB", Market.SPOT)
+            spot = [o for o in b.pool if o.pool.market is Market.SPOT]
+            b.pool.replace(("aws", "us-east-1"), [
+                dataclasses.replace(o, price_per_hour=o.price_per_hour / 2)
+                if o.pool.market is Market.SPOT else o for o in b.pool])
+            await b.prepare_costs()
+            assert b.pool.by_gpu("H100-80GB", Market.SPOT) is by_gpu
+            assert index.sorted("H100-80GB", Market.SPOT) is costs
+            assert {o.price_per_hour for o in by_gpu} == \
+                {o.price_per_hour / 2 for o in spot if o.gpu == "H100-80GB"}
+    finally:
+        await store.close()
+
+
+async def test_a_thread_whose_wait_was_cancelled_keeps_what_it_was_lent() -> None:
+    """Cancelling the wait does not stop the thread: what it reads stays lent."""
+    returned: list[str] = []
+
+    class Loan:
+        def return_loan(self) -> None:
+            returned.append("returned")
+
+    started, go = threading.Event(), threading.Event()
+
+    def read() -> bool:
+        started.set()
+        return go.wait(5)
+
+    task = asyncio.create_task(placing.on_loan([Loan()], read))
+    assert await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    go.set()
+    assert returned == []
+    assert await placing.on_loan([Loan(), Loan()], go.wait, 5) is True
+    assert returned == ["returned", "returned"]

@@ -303,6 +303,31 @@ def test_a_snapshot_and_frozen_costs_keep_what_they_saw_while_the_pool_changes()
     assert index.frozen().sorted(GPU, Market.SPOT)[0][2] == cheaper
 
 
+def test_the_cost_lists_are_changed_in_place_once_every_frozen_index_is_returned() -> None:
+    """A frozen index's lists stay as they were while it is out, and so do the
+    holdings it read; once every one is returned, the index changes its lists in place
+    (no copy of a list per change for a batch long decided) and the pool its own."""
+    pool = pool_of([CHEAP, DEAR])
+    index = CostIndex(pool, Policy())
+    view, first, second = Snapshot(pool, T0), index.frozen(), index.frozen()
+    entries = list(first.sorted(GPU, Market.SPOT))
+    first.return_loan()
+    first.return_loan()  # once only: `second` is still out
+    cheaper = replace(DEAR, price_per_hour=0.5)
+    pool.replace(SLICE, [CHEAP, cheaper])
+    pool.hold(CHEAP.pool, 1)
+    index.frozen().return_loan()  # the changes placed again
+    assert list(second.sorted(GPU, Market.SPOT)) == entries
+    assert view.held(CHEAP.pool) == 0
+    second.return_loan()
+    view.return_loan()
+    mine, by_gpu = index.sorted(GPU, Market.SPOT), pool.by_gpu(GPU, Market.SPOT)
+    pool.replace(SLICE, [CHEAP, DEAR])
+    now = index.frozen()
+    assert now.sorted(GPU, Market.SPOT) is mine and mine[0][2] == CHEAP
+    assert pool.by_gpu(GPU, Market.SPOT) is by_gpu
+
+
 def _west_denied(cloud: str, region: str) -> bool:
     return region != "us-west-2"
 
