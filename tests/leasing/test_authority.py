@@ -635,6 +635,59 @@ async def test_the_milp_is_charged_all_the_cpu_its_batch_took(
     assert before - broker._milp_budget >= spent - 0.01  # the refill meanwhile
 
 
+def _threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the batches sent to a worker thread (`placing.on_loan`), as they go."""
+    from broker.leasing import placing
+
+    sent: list[int] = []
+    real = placing.on_loan
+
+    async def on_loan(loans: Any, fn: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(len(batch))
+        return await real(loans, fn, batch, *args, **kwargs)
+
+    monkeypatch.setattr(placing, "on_loan", on_loan)
+    return sent
+
+
+async def test_a_batch_the_heuristic_proves_optimal_is_decided_without_a_worker_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch small enough for the MILP is decided by the heuristic first, on the
+    event loop: one it proves optimal (both requests on their cheapest pool, which has
+    room for both) never goes to a worker thread."""
+    clock = Clock()
+    store = StateStore(tmp_path / "state.db")
+    await store.open()
+    pool = pool_of([offer("us-east-1a", price=20.0, capacity=2),
+                    offer("us-east-1b", price=30.0, capacity=1)],
+                   clock=clock, stale_after_seconds=300)
+    broker = Broker(pool=pool, book=LeaseBook(), store=store,
+                    messages=Messages(Topics("p"), Envelopes("t", "boot", clock=clock)),
+                    policy=Policy(), publish=Sink(), retry_after_seconds=60, clock=clock)
+    sent = _threads(monkeypatch)
+    try:
+        await broker.handle([_place_cmd("r1"), _place_cmd("r2")])
+        assert _decisions(broker) == {"r1": "us-east-1a", "r2": "us-east-1a"}
+        assert broker.last_batch is not None and broker.last_batch.optimal
+        assert sent == []
+    finally:
+        await store.close()
+
+
+async def test_a_batch_the_heuristic_cannot_prove_optimal_goes_to_the_milp_in_a_thread(
+        setup: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests for the one cheap pool's single instance: the heuristic's answer is
+    not proven optimal (its bound counts both there), so the batch goes to the MILP, in
+    a worker thread, as before; the MILP proves it optimal."""
+    broker, _, _ = setup
+    sent = _threads(monkeypatch)
+    await broker.handle([_place_cmd("r1"), _place_cmd("r2")])
+    assert sent == [2]
+    assert broker.last_batch is not None and broker.last_batch.optimal
+    assert broker.last_batch.objective == broker.last_batch.bound == 50.0
+    assert sorted(z for z in _decisions(broker).values() if z) == ["us-east-1a", "us-east-1b"]
+
+
 # --- a command is done once its outcome is committed (#26) -----------------------------
 
 
