@@ -22,20 +22,27 @@ from broker.wire.messages import Envelopes, Messages, Topics
 from policies.model import Policy
 
 
-@pytest.fixture
-async def setup(tmp_path: Path) -> AsyncIterator[Any]:
+async def _on_two_pools(tmp_path: Path, cheap: int = 1) -> tuple[Broker, Clock, Sink]:
+    """A broker on two pools of one p5 each ($20 and $30 an hour; `cheap`: instances
+    of the cheaper), its store open."""
     clock = Clock()
     store = StateStore(tmp_path / "state.db")
     await store.open()
-    pool = pool_of([offer("us-east-1a", price=20.0, capacity=1),
+    pool = pool_of([offer("us-east-1a", price=20.0, capacity=cheap),
                     offer("us-east-1b", price=30.0, capacity=1)],
                    clock=clock, stale_after_seconds=300)
     sink = Sink()
     broker = Broker(pool=pool, book=LeaseBook(), store=store,
                     messages=Messages(Topics("p"), Envelopes("t", "boot", clock=clock)),
                     policy=Policy(), publish=sink, retry_after_seconds=60, clock=clock)
+    return broker, clock, sink
+
+
+@pytest.fixture
+async def setup(tmp_path: Path) -> AsyncIterator[Any]:
+    broker, clock, sink = await _on_two_pools(tmp_path)
     yield broker, clock, sink
-    await store.close()
+    await broker.store.close()
 
 
 async def test_leases_on_a_stale_cloud_region_are_flagged_unhealthy(setup: Any) -> None:
@@ -655,15 +662,7 @@ async def test_a_batch_the_heuristic_proves_optimal_is_decided_without_a_worker_
     """A batch small enough for the MILP is decided by the heuristic first, on the
     event loop: one it proves optimal (both requests on their cheapest pool, which has
     room for both) never goes to a worker thread."""
-    clock = Clock()
-    store = StateStore(tmp_path / "state.db")
-    await store.open()
-    pool = pool_of([offer("us-east-1a", price=20.0, capacity=2),
-                    offer("us-east-1b", price=30.0, capacity=1)],
-                   clock=clock, stale_after_seconds=300)
-    broker = Broker(pool=pool, book=LeaseBook(), store=store,
-                    messages=Messages(Topics("p"), Envelopes("t", "boot", clock=clock)),
-                    policy=Policy(), publish=Sink(), retry_after_seconds=60, clock=clock)
+    broker, _, _ = await _on_two_pools(tmp_path, cheap=2)
     sent = _threads(monkeypatch)
     try:
         await broker.handle([_place_cmd("r1"), _place_cmd("r2")])
@@ -671,7 +670,7 @@ async def test_a_batch_the_heuristic_proves_optimal_is_decided_without_a_worker_
         assert broker.last_batch is not None and broker.last_batch.optimal
         assert sent == []
     finally:
-        await store.close()
+        await broker.store.close()
 
 
 async def test_a_batch_the_heuristic_cannot_prove_optimal_goes_to_the_milp_in_a_thread(

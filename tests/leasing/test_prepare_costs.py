@@ -107,6 +107,15 @@ def _two_models(tmp_path: Path) -> tuple[Broker, StateStore]:
     return b, store
 
 
+def _in_a_thread(tmp_path: Path, monkeypatch: Any) -> tuple[Broker, StateStore]:
+    """`_two_models`, where a batch of two is large enough for a worker thread (and goes
+    to no MILP)."""
+    monkeypatch.setattr(placing, "THREAD_MIN_BATCH", 2)
+    b, store = _two_models(tmp_path)
+    b.settings = dataclasses.replace(b.settings, exact_max_batch=0)
+    return b, store
+
+
 def _place(request_id: str) -> Command:
     body = {"request_id": request_id, "gpu": ["H100-80GB"], "gpus": 8}
     return Command("sched-a", "place", json.dumps(body).encode(), "p/requests/sched-a/place")
@@ -143,10 +152,8 @@ async def test_after_a_refresh_a_large_batch_waits_for_the_lists_made_a_step_at_
         tmp_path: Path, monkeypatch: Any) -> None:
     """A batch large enough for a worker thread needs every list frozen: it waits for them,
     made a step at a time, the event loop running between two."""
-    monkeypatch.setattr(placing, "THREAD_MIN_BATCH", 2)
     monkeypatch.setattr(placing, "FREEZE_MAKE_MAX", 0)
-    b, store = _two_models(tmp_path)
-    b.settings = dataclasses.replace(b.settings, exact_max_batch=0)
+    b, store = _in_a_thread(tmp_path, monkeypatch)
     await store.open()
     try:
         await b.prepare_costs()
@@ -173,9 +180,7 @@ async def test_a_batch_in_a_worker_thread_returns_what_it_was_lent(
     lists it was lent are changed in place again, not copied at the next change (a copy
     of thousands of offers for every poll that lands after each such batch), whether it
     decided or failed."""
-    monkeypatch.setattr(placing, "THREAD_MIN_BATCH", 2)
-    b, store = _two_models(tmp_path)
-    b.settings = dataclasses.replace(b.settings, exact_max_batch=0)
+    b, store = _in_a_thread(tmp_path, monkeypatch)
     await store.open()
     try:
         await b.prepare_costs()
