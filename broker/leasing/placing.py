@@ -5,6 +5,7 @@ share of the CPU), and each request decided or rejected."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
@@ -71,20 +72,25 @@ class Loan(Protocol):
 async def on_loan(loans: Sequence[Loan], fn: Callable[..., _T], *args: Any,
                   **kwargs: Any) -> _T:
     """`fn(*args, **kwargs)` in a worker thread that reads `loans`, returned once it is
-    done: until then the pool and the cost index copy what they lent before changing
-    it. Not when the wait is cancelled: the thread may still be reading (those loans
-    stay out, and what they lent is copied first from then on)."""
-    try:
-        result = await asyncio.to_thread(fn, *args, **kwargs)
-    except asyncio.CancelledError:
-        raise
-    except BaseException:
+    done (until then the pool and the cost index copy what they lent before changing
+    it): by the thread as it ends, through the loop, so a wait cancelled meanwhile (the
+    thread goes on reading) returns them all the same, once the thread is done."""
+    loop = asyncio.get_running_loop()
+
+    def returned() -> None:
         for loan in loans:
             loan.return_loan()
-        raise
-    for loan in loans:
-        loan.return_loan()
-    return result
+
+    def run() -> _T:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            # Before the result reaches the waiting task: both go through the loop's
+            # queue, in this order.
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(returned)
+
+    return await asyncio.to_thread(run)
 
 
 def _solve_timed(*args: Any, **kwargs: Any) -> tuple[optimizer.BatchResult, float]:

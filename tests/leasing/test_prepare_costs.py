@@ -207,13 +207,18 @@ async def test_a_batch_in_a_worker_thread_returns_what_it_was_lent(
         await store.close()
 
 
-async def test_a_thread_whose_wait_was_cancelled_keeps_what_it_was_lent() -> None:
-    """Cancelling the wait does not stop the thread: what it reads stays lent."""
+async def test_what_a_thread_was_lent_is_returned_when_it_ends_even_if_its_wait_was_cancelled(
+        ) -> None:
+    """Cancelling the wait does not stop the thread: what it reads stays lent until it
+    ends, and is returned then; a thread that ends normally has returned its loans by
+    the time its result is awaited."""
     returned: list[str] = []
+    back = asyncio.Event()
 
     class Loan:
         def return_loan(self) -> None:
             returned.append("returned")
+            back.set()
 
     started, go = threading.Event(), threading.Event()
 
@@ -226,7 +231,10 @@ async def test_a_thread_whose_wait_was_cancelled_keeps_what_it_was_lent() -> Non
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    assert returned == []  # the thread still reads
     go.set()
-    assert returned == []
+    await asyncio.wait_for(back.wait(), 5)
+    assert returned == ["returned"]
+    returned.clear()
     assert await placing.on_loan([Loan(), Loan()], go.wait, 5) is True
     assert returned == ["returned", "returned"]
