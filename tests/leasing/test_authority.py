@@ -501,14 +501,17 @@ async def test_a_snapshot_places_as_the_pool_does() -> None:
         for i in range(12)]
     policy = Policy()
     direct = optimizer.place(asks, pool, policy, now=T0)
+    # On the loop, as a batch the heuristic decides first: the live index.
+    live = optimizer.solve(asks, pool, policy, now=T0, costs=optimizer.CostIndex(pool, policy))
     snap = optimizer.Snapshot(pool, T0)
     costs = optimizer.CostIndex(pool, policy).frozen()
     pool.replace(SLICE, [])  # every offer gone from the pool, not from the snapshot
     on_snapshot = optimizer.place(asks, snap, policy, now=T0)
-    by_cost = optimizer.solve(asks, snap, policy, now=T0, costs=costs).outcomes
-    for outcomes in (on_snapshot, by_cost):
+    frozen = optimizer.solve(asks, snap, policy, now=T0, costs=costs)
+    for outcomes in (on_snapshot, frozen.outcomes, live.outcomes):
         assert [getattr(o, "placement", None) for o in outcomes] == \
             [getattr(o, "placement", None) for o in direct]
+    assert (live.optimal, live.objective) == (frozen.optimal, frozen.objective)
     assert any(isinstance(o, optimizer.Decision) for o in direct)
 
 
