@@ -43,7 +43,7 @@ MILP_SHARE = 0.1
 MILP_BURST_SECONDS = 1.0
 THREAD_MIN_BATCH = 1024
 """Batches of this many requests or more are solved in a worker thread (see `_place`),
-and so is every batch that may go to the MILP."""
+and so is every batch that goes to the MILP (`HEURISTIC_FIRST_MAX`)."""
 
 HEURISTIC_FIRST_MAX = 16
 """A batch that may go to the MILP of at most this many requests is decided by the
