@@ -20,9 +20,11 @@ from datetime import datetime, timedelta
 
 from broker.market.changes import PoolChange, SliceId
 from broker.market.hazard import HazardEstimator
+from broker.market.loans import Loans
 from broker.model import Market, Offer, Placement, PoolKey, utcnow
 
 _STALE_CACHE = timedelta(seconds=1)
+_HELD_NOW = "held_now"  # `held_now` among the parts the pool lends (`Loans`)
 
 
 def _priced(o: Offer) -> bool:
@@ -89,16 +91,13 @@ class ResourcePool:
         # change them (a poll changes a few dozen offers; re-sorting thousands each time
         # would cost more than placing).
         self._by_gpu: dict[tuple[str, Market | None], list[Offer]] = {}
-        # Those of `_by_gpu` lent out (`lend`): copied before their next change.
-        self._lent: set[tuple[str, Market | None]] = set()
+        # Those of `_by_gpu` lent out (`lend`), and `held_now` (as `_HELD_NOW`), to
+        # readers in worker threads: copied before their next change.
+        self._loans = Loans()
         self._held: Counter[PoolKey] = Counter()
         # `held` of every pool in `_held`, kept as they change (`held_now`); copied before
         # the next change once lent out.
         self._held_now: dict[PoolKey, int] = {}
-        self._held_now_lent = False
-        # Readers in worker threads of what was lent (`borrow`): once none is left, the
-        # lent lists and `held_now` are the pool's again, changed in place.
-        self._borrowers = 0
         # Told of each pool whose `held` changed (`subscribe_room`).
         self._room_listeners: list[Callable[[PoolKey, int], None]] = []
         self._held_targets: dict[PoolKey, Counter[str]] = {}
@@ -134,9 +133,7 @@ class ResourcePool:
             gone = self._offers.pop(key)
             del self._slice_of[key]
             removed[key] = gone
-            self._keys_by_gpu[gone.gpu].discard(key)
-            self._count(gone, -1)
-            self._unindex(gone)
+            self._forget(key, gone)
         for key, offer in new.items():
             prev = self._offers.get(key)
             if prev is not None and same_state(prev, offer):
@@ -309,8 +306,8 @@ class ResourcePool:
         changed. While a reader in a worker thread has `borrow`ed (a placement
         `Snapshot`), lent: the pool copies it before its next change instead of the
         reader copying it every time. A reader on the event loop reads it at once."""
-        if self._borrowers:
-            self._held_now_lent = True
+        if self._loans.out:
+            self._loans.lend((_HELD_NOW,))
         return self._held_now
 
     def borrow(self) -> None:
@@ -318,7 +315,7 @@ class ResourcePool:
         (`lend`) and the holdings (`held_now`) while the event loop changes the pool:
         what it takes is copied before its next change until it is returned
         (`return_loan`)."""
-        self._borrowers += 1
+        self._loans.borrow()
 
     def return_loan(self) -> None:
         """A reader that `borrow`ed is done with what it took. Once every one is, nothing
@@ -326,16 +323,12 @@ class ResourcePool:
         holdings) that no reader holds, and the young collections do not walk such
         copies. A borrower that never returns it (one whose thread may still read) keeps
         every later loan copied first, as it would be without this."""
-        self._borrowers -= 1
-        if self._borrowers == 0:
-            self._lent.clear()
-            self._held_now_lent = False
+        self._loans.returned()
 
     def _note_held(self, key: PoolKey) -> None:
         """`held_now` after a change of what `held(key)` reads."""
-        if self._held_now_lent:
+        if self._loans.take_back(_HELD_NOW):
             self._held_now = dict(self._held_now)
-            self._held_now_lent = False
         before = self._held_now.get(key, 0)
         held = self.held(key) if key in self._held or key in self._owned_keys else 0
         if held:
@@ -480,7 +473,7 @@ class ResourcePool:
         worker thread), so the pool copies it before its next change instead of the
         reader copying it every time."""
         index = self.by_gpu(gpu, market)
-        self._lent.add((gpu, market))
+        self._loans.lend(((gpu, market),))
         return index
 
     def _views(self, offer: Offer) -> list[list[Offer]]:
@@ -490,9 +483,8 @@ class ResourcePool:
             where = (offer.gpu, market)
             index = self._by_gpu.get(where)
             if index is not None:
-                if where in self._lent:
+                if self._loans.take_back(where):
                     index = self._by_gpu[where] = list(index)
-                    self._lent.discard(where)
                 views.append(index)
         return views
 
@@ -510,12 +502,16 @@ class ResourcePool:
             self._swap(prev, offer)
             return
         if prev is not None:
-            self._keys_by_gpu[prev.gpu].discard(key)
-            self._count(prev, -1)
-            self._unindex(prev)
+            self._forget(key, prev)
         self._keys_by_gpu.setdefault(offer.gpu, set()).add(key)
         self._count(offer, 1)
         self._index(offer)
+
+    def _forget(self, key: PoolKey, offer: Offer) -> None:
+        """Pool `key`'s reading `offer` out of the counts and the indexes."""
+        self._keys_by_gpu[offer.gpu].discard(key)
+        self._count(offer, -1)
+        self._unindex(offer)
 
     def _swap(self, old: Offer, new: Offer) -> None:
         """Put `new` where `old` is in the indexes (both sort the same)."""

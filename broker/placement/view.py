@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker.market.hazard import DEFAULT_HORIZON, Hazard, HazardEstimator, horizon_bucket
+from broker.market.loans import Loans
 from broker.model import MARKETS, Market, Offer, PlaceRequest, PoolKey
 from broker.placement.cost import by_horizon, hazard_over, unit_cost
 from broker.placement.room import no_room
@@ -322,8 +323,7 @@ class CostIndex:
         self.policy = policy
         self._lists: dict[_Where, list[_Entry]] = {}
         self._parts: dict[_Where, dict[Part, list[_Entry]]] = {}
-        self._lent: set[_Where] = set()  # of `_lists`, lent out by `frozen`: copied first
-        self._borrowers = 0  # frozen indexes not returned (`return_loan`)
+        self._loans = Loans()  # of `_lists`, to the frozen indexes (`frozen`)
         self._made: set[_Where] = set()  # every list made since the start (`prepare`)
         # Where each pool's offer is placed: (where, its entry there, where, …), flat, so
         # that the tens of thousands of pools cost one tuple each (`_pairs` reads it).
@@ -418,7 +418,7 @@ class CostIndex:
             self.scans = {}
             self._lists.clear()
             self._parts.clear()
-            self._lent.clear()
+            self._loans.forget()
             self._placed.clear()
             self._dirty.clear()
             self._room_dirty.clear()
@@ -482,8 +482,8 @@ class CostIndex:
             self._list(where, WHOLE)
         lists = {k: v for k, v in self._lists.items()
                  if k[3] == PRICE or (k[2] in want and k[3] in levels)}
-        self._lent.update(lists)
-        self._borrowers += 1
+        self._loans.borrow()
+        self._loans.lend(lists)
         self.pool.borrow()  # for `held_now`
         return FrozenCosts(self.policy, lists,
                            normalise=not by_horizon(self.pool.hazard, self.policy),
@@ -495,9 +495,7 @@ class CostIndex:
     def _returned(self) -> None:
         """A frozen index is done (`FrozenCosts.return_loan`): once none is out, no list
         is lent, and a change no longer copies one first (`_to_change`)."""
-        self._borrowers -= 1
-        if self._borrowers == 0:
-            self._lent.clear()
+        self._loans.returned()
         self.pool.return_loan()
 
     def unmade(self, horizons: Iterable[float] = (DEFAULT_HORIZON,),
@@ -550,10 +548,9 @@ class CostIndex:
     def _to_change(self, where: _Where) -> tuple[list[_Entry], dict[Part, list[_Entry]]]:
         """The list at `where` and its parts, to be changed (copies of them once lent
         out)."""
-        if where in self._lent:
+        if self._loans.take_back(where):
             self._lists[where] = list(self._lists[where])
             self._parts[where] = {k: list(v) for k, v in self._parts[where].items()}
-            self._lent.discard(where)
         return self._lists[where], self._parts[where]
 
     def _place_again(self, limit: int | None = None) -> None:
