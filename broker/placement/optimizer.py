@@ -166,7 +166,12 @@ def _solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime
            retry_after_seconds: float | None, settings: BatchSettings,
            costs: Costs | None = None, stop: solver.Stop | None = None) -> BatchResult:
     deadline = time.perf_counter() + settings.budget_seconds
-    builder = CandidateBuilder(view, policy, now, settings.candidates,
+    # A request alone is placed on the first option, in order of cost, that every
+    # constraint admits, listing more when those run out (`heuristic`): up front it needs
+    # only that one and the alternatives its decision names. A batch's requests need
+    # more, to give way to one another.
+    k = settings.candidates if len(asks) > 1 else min(settings.candidates, ALTERNATIVES + 1)
+    builder = CandidateBuilder(view, policy, now, k,
                        indexed=len(asks) >= settings.index_min_batch, costs=costs)
     try:
         return _decide(builder, asks, policy, deadline=deadline,
