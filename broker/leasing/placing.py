@@ -122,7 +122,8 @@ class Placing:
         _created_keys: list[tuple[str, str]] | None
         _requests: asyncio.Queue[Command]
         _waiting: threading.Event
-        _expiry_changed: asyncio.Event
+
+        def _expires(self, at: datetime) -> None: ...
 
         def _resident_now(self) -> Residency: ...
 
@@ -265,7 +266,7 @@ class Placing:
             self._note_key(lease)
             b.answered[(req.scheduler, req.request_id)] = lease
             self._decided(b, lease, cmd, out.reason, out.alternatives, made)
-            self._expiry_changed.set()
+            self._expires(min(part.expires_at for part in made))
         for observe in self.batch_observers:
             observe(result)
 

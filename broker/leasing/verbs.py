@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime
@@ -57,7 +56,8 @@ class Verbs:
         _clock: Callable[[], datetime]
         _moves: dict[str, list[datetime]]
         _cooled_by: dict[str, dict[PoolKey, datetime]]
-        _expiry_changed: asyncio.Event
+
+        def _expires(self, at: datetime) -> None: ...
 
         def _fail_over_into(self, b: Batch, trigger: failover.Trigger,
                             cmd: Command | None = None) -> None: ...
@@ -91,7 +91,7 @@ class Verbs:
             "expires_at": iso(lease.expires_at)}, lease_subject(lease.lease_id),
             lease.request_id), cmd)
         b.rows.append(self.messages.lease_state(lease))
-        self._expiry_changed.set()
+        self._expires(lease.expires_at)
 
     def _release(self, b: Batch, cmd: Command, lease: Lease, now: datetime) -> None:
         lease = self.book.end(lease.lease_id, LeaseState.RELEASED, now, cmd.scheduler)

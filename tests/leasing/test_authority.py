@@ -606,6 +606,58 @@ async def test_a_renewal_queued_before_the_first_poll_renews_an_overdue_lease(
     assert now.expires_at > clock()
 
 
+async def test_expiry_wakes_for_a_lease_that_expires_sooner_and_only_then(
+        tmp_path: Path) -> None:
+    """The expiry task waits for the lease book's first expiry. A lease placed to expire
+    later does not wake it; one placed to expire sooner does, and expires on time."""
+    import asyncio
+
+    from broker.model import LeaseState
+
+    broker, clock, _ = await _on_two_pools(tmp_path, cheap=2)
+    try:
+        await broker.handle([_place_cmd("first", lease_seconds=3600)])
+        first = broker.book.find("sched-a", "first")
+        assert first is not None
+        ready = asyncio.Event()
+        ready.set()
+        expiry = asyncio.create_task(broker.run_expiry(ready))
+        try:
+            async with asyncio.timeout(5):
+                while broker._expiry_at != first.expires_at:
+                    await asyncio.sleep(0)  # a turn of the loop, until it waits
+            wakes: list[bool] = []
+            real_set = broker._expiry_changed.set
+
+            def counted() -> None:
+                wakes.append(True)
+                real_set()
+
+            broker._expiry_changed.set = counted  # type: ignore[method-assign]
+            await broker.handle([_place_cmd("later", lease_seconds=7200)])
+            assert broker.book.find("sched-a", "later") is not None
+            assert wakes == []
+            await broker.handle([_place_cmd("sooner", lease_seconds=60)])
+            assert wakes == [True]
+            async with asyncio.timeout(5):
+                while broker._expiry_at != broker.book.find("sched-a", "sooner").expires_at:  # type: ignore[union-attr]
+                    await asyncio.sleep(0)
+            clock.advance(61)
+            real_set()  # the clock is the test's: wake the loop
+            sooner = broker.book.find("sched-a", "sooner")
+            assert sooner is not None
+            async with asyncio.timeout(5):
+                while (now := broker.book.get(sooner.lease_id)) is None or \
+                        now.state is not LeaseState.EXPIRED:
+                    await asyncio.sleep(0)
+            assert broker.book.get(first.lease_id).state is LeaseState.ACTIVE  # type: ignore[union-attr]
+        finally:
+            expiry.cancel()
+            await asyncio.gather(expiry, return_exceptions=True)
+    finally:
+        await broker.store.close()
+
+
 async def test_the_milp_gets_its_share_of_the_cpu_and_no_more(setup: Any) -> None:
     """A token bucket of solve time: spent, it refuses the MILP until it has refilled
     at MILP_SHARE of a second per second (the heuristic answers meanwhile)."""
