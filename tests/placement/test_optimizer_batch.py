@@ -195,6 +195,29 @@ def test_a_budget_rejection_in_a_batch_says_what_the_batch_left() -> None:
     assert "($2.00/h left)" in rejected(r.outcomes[2]).detail
 
 
+def test_a_request_alone_lists_more_when_its_first_options_are_ruled_out() -> None:
+    """A request alone lists only its best option and the alternatives its decision
+    names up front. When its team's spread limit rules out all of them (five instance
+    types in the zone the team holds most of), more are listed: it goes to the next
+    zone, and names the same alternatives as with every option listed at once."""
+    from broker.placement.candidates import ALTERNATIVES
+
+    policy = Policy(teams={"ml": Team(max_zone_share=0.5, spread_grace_gpus=0)})
+    full = [offer("us-east-1a", instance_type=f"p5.{i}", price=20.0 + i)
+            for i in range(ALTERNATIVES + 2)]
+    pool = pool_of([*full, offer("us-east-1b", price=40.0)])
+    usage = TeamUsage(gpus=16, gpus_by_zone={("aws", "us-east-1a"): 16})
+    ask = with_usage(request("r1", team="ml"), policy, usage)
+    out = decided(run([ask], pool, policy, HEURISTIC).outcomes[0])
+    assert out.placement.pool.zone == "us-east-1b"
+    assert [a.pool.instance_type for a in out.alternatives] == \
+        [o.pool.instance_type for o in full[:ALTERNATIVES]]
+    # The same as a batch's request, which lists `candidates` (8) up front.
+    builder = CandidateBuilder(pool, policy, T0, HEURISTIC.candidates)
+    listed, _ = builder.request(ask, ask.constraints)  # type: ignore[arg-type]
+    assert listed is not None and len(listed.options) == len(full) + 1
+
+
 @BOTH
 def test_spread_limit_per_zone_with_grace(settings: BatchSettings) -> None:
     # Half the team's GPUs per zone, plus 8 GPUs of grace: of 24 GPUs, 20 in one zone.
