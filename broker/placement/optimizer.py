@@ -169,8 +169,11 @@ def _solve(asks: Sequence[Ask], view: PoolView, policy: Policy, *, now: datetime
     # A request alone is placed on the first option, in order of cost, that every
     # constraint admits, listing more when those run out (`heuristic`): up front it needs
     # only that one and the alternatives its decision names. A batch's requests need
-    # more, to give way to one another.
-    k = settings.candidates if len(asks) > 1 else min(settings.candidates, ALTERNATIVES + 1)
+    # more, to give way to one another; and so does one that may be split, whose parts
+    # read what is left of a quota group as its options listed so far raised it
+    # (`CandidateBuilder.option`).
+    alone = len(asks) == 1 and asks[0].request.max_parts <= 1
+    k = min(settings.candidates, ALTERNATIVES + 1) if alone else settings.candidates
     builder = CandidateBuilder(view, policy, now, k,
                        indexed=len(asks) >= settings.index_min_batch, costs=costs)
     try:
