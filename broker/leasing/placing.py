@@ -207,7 +207,7 @@ class Placing:
             settings = dataclasses.replace(settings, exact_max_batch=0)
         result: optimizer.BatchResult | None = None
         cpu = 0.0
-        if len(batch) <= HEURISTIC_FIRST_MAX if milp else len(batch) < THREAD_MIN_BATCH:
+        if (len(batch) <= HEURISTIC_FIRST_MAX) if milp else (len(batch) < THREAD_MIN_BATCH):
             # Decided here; a small batch for the MILP by the heuristic first, and sent
             # to the MILP only if the heuristic cannot prove its answer optimal. At
             # 500/s that was 26 of 1,826 batches of 2 to 5: the others went to a worker
