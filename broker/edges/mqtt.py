@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import ssl
 from collections import deque
@@ -81,9 +82,10 @@ class Will:
 
 @dataclass(slots=True)
 class Message:
-    """One message received. `ack`: under manual acknowledgement, the QoS 1 message's
-    PUBACK goes out once it is resolved (by `Acks`); None when there is nothing to
-    acknowledge (QoS 0) or it was acknowledged on receipt."""
+    """One message received. `ack`: under manual acknowledgement, sends the QoS 1
+    message's PUBACK (called by `Acks`, in order; nothing once the connection is lost);
+    None when there is nothing to acknowledge (QoS 0) or it was acknowledged on
+    receipt."""
 
     topic: str
     payload: bytes
@@ -91,7 +93,7 @@ class Message:
     retain: bool
     response_topic: str | None = None
     correlation_data: bytes | None = None
-    ack: asyncio.Future[None] | None = None
+    ack: Callable[[], None] | None = None
 
 
 class _QuietEnd(logging.Filter):
@@ -125,6 +127,30 @@ class _Client(gmqtt.Client):  # type: ignore[misc]  # gmqtt has no type hints
     reaches into it."""
 
     handshake_timeout = CONNACK_TIMEOUT
+    on_held: Callable[[int, str, bytes, Mapping[str, Any]], None] | None = None
+    """Under manual acknowledgement: called with each QoS 1 message and its packet id,
+    whose PUBACK the caller sends (`puback`) when it is done with it. gmqtt's own way
+    runs the message handler as a task, and sends the PUBACK from its done callback: a
+    task, a future and two turns of the event loop per request, and the PUBACK in a
+    write of its own."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        handler = self._package_handler
+        gmqtts = handler._handle_qos_1_publish_packet
+
+        def qos_1(mid: int, packet: bytes, print_topic: str,
+                  properties: dict[str, Any]) -> None:
+            if handler._optimistic_acknowledgement or self.on_held is None:
+                gmqtts(mid, packet, print_topic, properties)
+            else:
+                self.on_held(mid, print_topic, packet, properties)
+
+        handler._handle_qos_1_publish_packet = qos_1
+
+    def puback(self, mid: int) -> None:
+        """Send the PUBACK (reason 0) of the QoS 1 message `mid`."""
+        self._package_handler._send_puback(mid)
 
     async def reconnect(self, delay: bool = False) -> None:
         return None
@@ -292,7 +318,6 @@ class Connection:
         self._qos0 = 0
         self._overflow = Every(30.0)
         self._wakeup: asyncio.Future[None] | None = None
-        self._held: set[asyncio.Future[None]] = set()  # PUBACKs not let go yet
         self._subacks: dict[int, asyncio.Future[tuple[int, ...]]] = {}
         self._limit = 1  # set from the CONNACK (`_connected`)
         self._in_flight = 0
@@ -304,6 +329,8 @@ class Connection:
                 will.topic, will.payload, qos=will.qos, retain=will.retain),
             persistent_storage=self._inflight, **properties)
         client.on_message = self._on_message_held if self._manual else self._on_message
+        if self._manual:
+            client.on_held = self._on_qos1_held
         client.on_subscribe = self._on_subscribe
         client.on_disconnect = self._on_disconnect
 
@@ -320,8 +347,8 @@ class Connection:
         return self._error is not None
 
     def _lose(self, error: MqttError) -> None:
-        """The connection is over: everything waiting on it fails, and the held PUBACKs
-        are let go once the socket is closed (so none of them is sent)."""
+        """The connection is over: everything waiting on it fails, and no held PUBACK
+        is sent any more (`_puback`)."""
         if self._error is not None:
             return
         self._error = error
@@ -338,10 +365,6 @@ class Connection:
             if not waiter.done():
                 waiter.set_result(None)
         self._wake()
-        held, self._held = self._held, set()
-        for fut in held:
-            if not fut.done():
-                fut.set_result(None)
 
     def _on_disconnect(self, _client: Any, packet: Any = None, *_: Any) -> None:
         if isinstance(packet, bytes | bytearray) and packet:
@@ -446,25 +469,28 @@ class Connection:
             self._inbox.append(message)
             self._wake()
 
+    def _on_qos1_held(self, mid: int, topic: str, payload: bytes,
+                      properties: Mapping[str, Any]) -> None:
+        """Manual acknowledgement of a QoS 1 message (`_Client.on_held`): its PUBACK is
+        sent when its `ack` is called (`Acks`, once its request is committed). After the
+        end it is not taken, and its PUBACK is not sent: the server sends it again."""
+        message = self._message(topic, payload, 1, properties)
+        if message is None or self._error is not None:
+            return
+        message.ack = functools.partial(self._puback, mid)
+        self._inbox.append(message)
+        self._wake()
+
+    def _puback(self, mid: int) -> None:
+        if self._error is None:
+            self._client.puback(mid)
+
     async def _on_message_held(self, _client: Any, topic: str, payload: bytes, qos: int,
                                properties: Mapping[str, Any]) -> int:
-        """Manual acknowledgement: gmqtt sends the PUBACK (reason 0) when this returns,
-        so a QoS 1 message's waits for its `ack`. gmqtt runs one of these per message,
-        in the order the messages came."""
+        """Manual acknowledgement, for what is not QoS 1 (`_on_qos1_held`): gmqtt sends
+        the acknowledgement, if any, when this returns."""
         message = self._message(topic, payload, qos, properties)
-        if message is None:
-            return 0
-        if qos == 1 and self._error is None:
-            ack = message.ack = self._loop.create_future()
-            self._held.add(ack)
-            self._inbox.append(message)
-            self._wake()
-            try:
-                await ack
-            finally:
-                self._held.discard(ack)
-            return 0
-        if self._error is None:  # after the end: not taken, and its PUBACK not sent
+        if message is not None and self._error is None:
             self._inbox.append(message)
             self._wake()
         return 0
@@ -626,7 +652,7 @@ async def connected(cfg: MqttConfig, client_id: str, **kwargs: Any
 class _Receipt:
     __slots__ = ("ack", "done")
 
-    def __init__(self, ack: asyncio.Future[None]) -> None:
+    def __init__(self, ack: Callable[[], None]) -> None:
         self.ack = ack
         self.done = False
 
@@ -662,11 +688,8 @@ class Acks:
         receipt.done = True
         line = self._line
         while self._open and line and line[0].done:
-            # gmqtt sends the PUBACK once the message's handler sees this (in this order);
-            # on a connection lost meanwhile nothing is sent, and the message comes again.
-            ack = line.popleft().ack
-            if not ack.done():
-                ack.set_result(None)
+            # On a connection lost meanwhile nothing is sent, and the message comes again.
+            line.popleft().ack()
 
     def close(self) -> None:
         self._open = False
