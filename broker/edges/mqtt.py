@@ -474,8 +474,11 @@ class Connection:
         """Manual acknowledgement of a QoS 1 message (`_Client.on_held`): its PUBACK is
         sent when its `ack` is called (`Acks`, once its request is committed). After the
         end it is not taken, and its PUBACK is not sent: the server sends it again."""
+        if self._error is not None:
+            return
         message = self._message(topic, payload, 1, properties)
-        if message is None or self._error is not None:
+        if message is None:  # not taken: acknowledged at once, as gmqtt would
+            self._puback(mid)
             return
         message.ack = functools.partial(self._puback, mid)
         self._inbox.append(message)
