@@ -485,8 +485,18 @@ class Connection:
         self._wake()
 
     def _puback(self, mid: int) -> None:
-        if self._error is None:
+        """Send a held message's PUBACK, unless the connection is over. It is called
+        after its request's batch is committed, from the broker's task: a write that
+        fails must not end that task, so it is logged and the connection dropped (the
+        server sends the message again on the next one)."""
+        if self._error is not None:
+            return
+        try:
             self._client.puback(mid)
+        except Exception as exc:
+            log.warning("a PUBACK could not be written; dropping the connection",
+                        error=f"{type(exc).__name__}: {exc}")
+            self._lose(MqttError(f"a PUBACK could not be written: {exc}"))
 
     async def _on_message_held(self, _client: Any, topic: str, payload: bytes, qos: int,
                                properties: Mapping[str, Any]) -> int:
