@@ -238,12 +238,14 @@ class Daemon:
     def __init__(self, workdir: Path, mqtt_url: str, *, seed: int, regions: int,
                  poll_interval: float, state_url: str | None = None, node: str | None = None,
                  http_listen: str | None = None, root: Path = ROOT,
-                 synchronous: str | None = None) -> None:
+                 synchronous: str | None = None, env: dict[str, str] | None = None) -> None:
         """`state_url`: the state on PostgreSQL instead of a SQLite file in `workdir`;
         `node`, `http_listen`, `synchronous` (SQLite's `state.synchronous`): those
-        settings (default: the daemon's); `root`: the checkout the daemon runs from."""
+        settings (default: the daemon's); `root`: the checkout the daemon runs from;
+        `env`: more of the daemon's environment (a `PYTHONPATH` there comes first)."""
         self.workdir = workdir
         self.root = root
+        self.env = env or {}
         workdir.mkdir(parents=True, exist_ok=True)
         self.config = workdir / "config.yaml"
         state = (f"state: {{url: '{state_url}'}}\n" if state_url
@@ -270,7 +272,10 @@ class Daemon:
 
     async def start(self) -> None:
         cmd = [sys.executable, "-m", "broker.cli", "run", "--config", str(self.config)]
-        env = None if self.root == ROOT else {**os.environ, "PYTHONPATH": str(self.root)}
+        env = None
+        if self.root != ROOT or self.env:
+            path = os.pathsep.join(p for p in (self.env.get("PYTHONPATH"), str(self.root)) if p)
+            env = {**os.environ, **self.env, "PYTHONPATH": path}
         self.proc = await asyncio.create_subprocess_exec(
             *cmd, env=env,
             cwd=self.root, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
