@@ -274,8 +274,11 @@ class Daemon:
         cmd = [sys.executable, "-m", "broker.cli", "run", "--config", str(self.config)]
         env = None
         if self.root != ROOT or self.env:
-            path = os.pathsep.join(p for p in (self.env.get("PYTHONPATH"), str(self.root)) if p)
-            env = {**os.environ, **self.env, "PYTHONPATH": path}
+            # The checkout's packages first (its client library too, where it has one).
+            client = self.root / "client"
+            path = [self.env.get("PYTHONPATH", ""), str(self.root),
+                    str(client) if client.is_dir() else ""]
+            env = {**os.environ, **self.env, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
         self.proc = await asyncio.create_subprocess_exec(
             *cmd, env=env,
             cwd=self.root, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,

@@ -7,8 +7,9 @@ about 20,000 offers, a fresh SQLite file) and open-loop load of `place` requests
 up the CPU time of the event loop's thread inside each (`time.thread_time`) and its
 calls, from the end of the warm-up to the end of the sends (SIGUSR1, SIGUSR2). Printed:
 per phase its calls, CPU a call and share of the loop's CPU; the loop's CPU as % of a
-core; and the rest, outside every phase named (the event loop itself, tasks, futures,
-the glue between the phases). Only the loop's thread is counted: a batch solved in a
+core; the rest, outside every phase named (the event loop itself, tasks, futures, the
+glue between the phases); and how many turns the event loop took and callbacks it ran
+(`COUNTS`) a request. Only the loop's thread is counted: a batch solved in a
 worker thread is not.
 
 Why not a sampling profiler: py-spy without pausing the daemon (`--nonblocking`) reads
@@ -62,14 +63,21 @@ PHASES: list[tuple[str, str, str, str | None]] = [
     ("broker.state.thread", "OneThread.run", "hand-over to the store's thread", None),
     ("broker.state.store", "lease_row", "lease rows for the commit", None),
     ("broker.wire.messages", "Messages.sequence", "schedseq numbering", None),
+    ("broker.edges.bus", "command_of", "message to command", None),
+]
+
+COUNTS: list[tuple[str, str, str]] = [
+    # (module, attribute path, what a call is): counted, not timed
+    ("asyncio.base_events", "BaseEventLoop._run_once", "turns of the event loop"),
+    ("asyncio.events", "Handle._run", "callbacks run (task steps among them)"),
 ]
 
 PROBE = '''
 import os, signal, sys, threading, time, json, functools, importlib
 OUT = os.environ.get("GPUBROKER_BENCH_PHASES")
 if OUT and "broker.cli" in " ".join(getattr(sys, "orig_argv", [])):
-    PHASES = json.loads(os.environ["GPUBROKER_BENCH_PHASES_LIST"])
-    spent, calls, missing = {}, {}, []
+    PHASES, COUNTS = json.loads(os.environ["GPUBROKER_BENCH_PHASES_LIST"])
+    spent, calls, counted, missing = {}, {}, {}, []
     state = {"on": False, "installed": False}
     main = threading.main_thread().ident
     clock = time.thread_time
@@ -87,17 +95,31 @@ if OUT and "broker.cli" in " ".join(getattr(sys, "orig_argv", [])):
                 calls[phase] += 1
         return timed
 
+    def counter(fn, what):
+        @functools.wraps(fn)
+        def count(*a, **k):
+            if state["on"] and threading.get_ident() == main:
+                counted[what] += 1
+            return fn(*a, **k)
+        return count
+
+    def patch(module, path, wrap):
+        try:
+            owner = importlib.import_module(module)
+            *outer, name = path.split(".")
+            for part in outer:
+                owner = getattr(owner, part)
+            setattr(owner, name, wrap(getattr(owner, name)))
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{path}")
+
     def install():
         for module, path, phase, _ in PHASES:
             spent[phase], calls[phase] = 0.0, 0
-            try:
-                owner = importlib.import_module(module)
-                *outer, name = path.split(".")
-                for part in outer:
-                    owner = getattr(owner, part)
-                setattr(owner, name, wrapped(getattr(owner, name), phase))
-            except (ImportError, AttributeError):
-                missing.append(f"{module}.{path}")
+            patch(module, path, lambda fn, phase=phase: wrapped(fn, phase))
+        for module, path, what in COUNTS:
+            counted[what] = 0
+            patch(module, path, lambda fn, what=what: counter(fn, what))
 
     def start(*_):
         if not state["installed"]:
@@ -105,12 +127,15 @@ if OUT and "broker.cli" in " ".join(getattr(sys, "orig_argv", [])):
             state["installed"] = True
         for phase in spent:
             spent[phase], calls[phase] = 0.0, 0
+        for what in counted:
+            counted[what] = 0
         state.update(on=True, cpu=clock(), wall=time.monotonic())
 
     def stop(*_):
         state["on"] = False
         out = {"cpu": clock() - state["cpu"], "wall": time.monotonic() - state["wall"],
-               "phases": {p: [spent[p], calls[p]] for p in spent}, "missing": missing}
+               "phases": {p: [spent[p], calls[p]] for p in spent}, "counts": counted,
+               "missing": missing}
         with open(OUT + ".tmp", "w") as f:
             json.dump(out, f)
         os.replace(OUT + ".tmp", OUT)
@@ -133,7 +158,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                         regions=args.regions_per_cloud, poll_interval=args.poll_interval,
                         root=args.root,
                         env={"PYTHONPATH": str(probe), "GPUBROKER_BENCH_PHASES": str(out),
-                             "GPUBROKER_BENCH_PHASES_LIST": json.dumps(PHASES)})
+                             "GPUBROKER_BENCH_PHASES_LIST": json.dumps([PHASES, COUNTS])})
         await daemon.start()
         try:
             await daemon.wait_ready()
@@ -195,6 +220,10 @@ def report(got: dict[str, Any], args: argparse.Namespace) -> None:
     rest = cpu - counted
     print(f"  {'the rest (loop, tasks, futures, glue)':<40} {'':>8} {'':>10} "
           f"{100 * rest / cpu:>13.1f}%")
+    answered = max(lat["answered"], 1)
+    for _, _, what in COUNTS:
+        n = got["counts"].get(what, 0)
+        print(f"  {what}: {n} ({n / answered:.1f} a request answered)")
     if got["missing"]:
         print(f"  not found in this checkout (not measured): {', '.join(got['missing'])}")
     assert all(parent is None or parent in inner for parent in inner.values())
