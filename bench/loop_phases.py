@@ -64,12 +64,13 @@ PHASES: list[tuple[str, str, str, str | None]] = [
     ("broker.state.store", "lease_row", "lease rows for the commit", None),
     ("broker.wire.messages", "Messages.sequence", "schedseq numbering", None),
     ("broker.edges.bus", "command_of", "message to command", None),
+    ("selectors", "EpollSelector.select", "the selector's polls (CPU, not the waits)", None),
 ]
 
 COUNTS: list[tuple[str, str, str]] = [
     # (module, attribute path, what a call is): counted, not timed
-    ("asyncio.base_events", "BaseEventLoop._run_once", "turns of the event loop"),
-    ("asyncio.events", "Handle._run", "callbacks run (task steps among them)"),
+    ("asyncio.base_events", "BaseEventLoop._run_once", "turns of the event loop (asyncio's loop only)"),
+    ("asyncio.events", "Handle._run", "callbacks run (asyncio's loop only)"),
 ]
 
 PROBE = '''
