@@ -31,7 +31,7 @@ from broker.placement.problem import Alive, Group, Option, Request, Shrinking
 from broker.placement.residual import State
 from broker.placement.rules import OfferArrays, Probe
 from broker.placement.view import SCANS_MAX, WHOLE, Costs, Part, PoolView
-from broker.placement.walk import walk
+from broker.placement.walk import Entries, walk
 from policies.evaluate import Constraints
 from policies.model import Policy, RiskLevel
 from policies.teams import TeamRoom
@@ -505,32 +505,31 @@ class CandidateBuilder:
                 if not ((cooling and o.pool in cooling)
                         or (stale and view.slice_of(o.pool) in stale))]
 
-    def _plain(self, gpu: str, m: Market) -> Iterator[tuple[float, Offer, float, int | None]]:
+    def _plain(self, gpu: str, m: Market) -> Entries:
         # Read as far as the walk goes: the pool's own list when nothing is passed over.
         filtered = self.stale or self.cooling
         for offer in self._offers(gpu, m) if filtered else self.view.by_gpu(gpu, m):
-            ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
-            yield ppg, offer, ppg, None  # free instances: computed where needed
+            yield offer.price_per_hour / offer.gpus, offer.pool, offer  # type: ignore[operator]
 
-    def _by_price(self, gpu: str, m: Market, part: Part = WHOLE
-                  ) -> Iterator[tuple[float, Offer, float, int | None]]:
+    def _by_price(self, gpu: str, m: Market, part: Part = WHOLE) -> Entries:
         """`_plain` from the `CostIndex`'s list in order of price: only the offers of
         `part`."""
         assert self.costs is not None
-        view, stale, cooling = self.view, self.stale, self.cooling
-        for ppg, key, offer in self.costs.by_price(gpu, m, part=part):
-            if (cooling and key in cooling) or (stale and view.slice_of(key) in stale):
-                continue
-            yield ppg, offer, ppg, None
+        return self._fresh_of(self.costs.by_price(gpu, m, part=part))
 
     def _by_cost(self, gpu: str, m: Market, h: float, risk: RiskLevel, part: Part = WHOLE
-                 ) -> Iterator[tuple[float, Offer, float, int | None]]:
+                 ) -> Entries:
         """`_plain` in order of `unit_cost` at risk level `risk` (from the `CostIndex`),
         which is the bound; only the offers of `part`."""
         assert self.costs is not None
-        view, stale, cooling = self.view, self.stale, self.cooling
-        for u, key, offer in self.costs.sorted(gpu, m, h, risk, part=part):
-            if (cooling and key in cooling) or (stale and view.slice_of(key) in stale):
-                continue
-            yield u, offer, offer.price_per_hour / offer.gpus, None  # type: ignore[operator]
+        return self._fresh_of(self.costs.sorted(gpu, m, h, risk, part=part))
 
+    def _fresh_of(self, entries: list[tuple[float, PoolKey, Offer]]) -> Entries:
+        """The index's list as it is when nothing is stale or cooling (most batches),
+        else those of its entries that are neither, as the walk reads them."""
+        view, stale, cooling = self.view, self.stale, self.cooling
+        if not stale and not cooling:
+            return entries
+        return (e for e in entries
+                if not ((cooling and e[1] in cooling)
+                        or (stale and view.slice_of(e[1]) in stale)))

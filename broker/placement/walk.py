@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,9 +22,10 @@ from broker.placement.rules import Probe
 from broker.placement.view import WHOLE, Costs, Part
 from policies.model import Policy, RiskLevel
 
-Entries = Iterator[tuple[float, Offer, float, int | None]]
-"""(bound, offer, price per GPU-hour, _) in order of the bound: the offer's price per
-GPU-hour, or its `unit_cost`; no option of an offer further on costs less per GPU."""
+Entries = Iterable[tuple[float, PoolKey, Offer]]
+"""(bound, pool key, offer) in order of the bound: the offer's price per GPU-hour, or its
+`unit_cost`; no option of an offer further on costs less per GPU. The index's own lists
+are entries as they are (`CostIndex.sorted`), read without a copy or a generator."""
 
 
 class Walker(Protocol):
@@ -99,6 +100,10 @@ class _Found:
 
 
 _PASS, _SKIP, _DEARER = 0, 1, 2
+_UNDER = 1.0 - 1e-12
+"""A bound scaled by instances is made a little lower: rounding must never let it pass
+the very cost it bounds (`cost.expected_cost` of one instance is `unit_cost` × its GPUs,
+but not always to the last bit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +152,7 @@ def _fits(p: Probe, offer: Offer, instances: int) -> bool:
     return rules.first_failing(p, offer, instances, rules.FIT) is None
 
 
-def _judge(p: Probe, offer: Offer, ppg: float, scan: Scan, checks: _Checks = ALL) -> int:
+def _judge(p: Probe, offer: Offer, scan: Scan, checks: _Checks = ALL) -> int:
     """The rules up to the price cap (`rules.WHERE`, `policy_region`, `price_cap`; those of
     them `checks` names), counted in `scan` as `broker.placement.outcomes.reject` reads
     them."""
@@ -158,6 +163,7 @@ def _judge(p: Probe, offer: Offer, ppg: float, scan: Scan, checks: _Checks = ALL
         scan.policy_excluded += 1
         return _SKIP
     scan.matching += 1
+    ppg = offer.price_per_hour / offer.gpus  # type: ignore[operator]
     if ppg < scan.cheapest_ppg:
         scan.cheapest_ppg = ppg
     if checks.cap and not rules.PRICE_CAP.check(p, offer, 1):
@@ -173,9 +179,10 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
     of them up to `limit` per hour; the cost per hour below which the list holds every
     option (inf: it holds them all); and what the walk saw. The offer lists are fresh
     (`rules.FRESH`) and of the verdict's models and markets (`rules.MODEL`,
-    `rules.MARKET`). `skip`: pass over offers with no room unjudged (the same options;
-    False: judge every one). `known`: what the walk made again to count would see
-    (`CandidateBuilder.request` keeps it): returned instead of walking again."""
+    `rules.MARKET`). `skip`: pass over unjudged the offers with no room, and those too
+    dear for the list once it left one out (the same options; False: judge every one).
+    `known`: what the walk made again to count would see (`CandidateBuilder.request`
+    keeps it): returned instead of walking again."""
     risk = p.policy.scoring.risk
     # In order of price when there is a price cap (the walk ends at the cap), else in
     # order of cost when the index is there (it ends once no option can make the list).
@@ -209,14 +216,13 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
             p.c.regions_bounded() else None
         part = Part(Part.room_for(p.request.gpus) if skipping else 0, p.own_clouds,
                     p.own_regions, places)
-        for gpu in p.c.gpus:
-            for m in p.c.markets:
-                entries = (b._plain(gpu, m) if not indexed else
-                           b._by_price(gpu, m, part) if by_price else
-                           b._by_cost(gpu, m, h, risk, part))
-                _walk_list(b, p, entries, by_price, out, scan, alive, h, indexed,
-                           roomy=indexed and part.room == p.request.gpus,
-                           allowed=places is not None)
+        lists = ((b._plain(gpu, m) if not indexed else
+                  b._by_price(gpu, m, part) if by_price else
+                  b._by_cost(gpu, m, h, risk, part))
+                 for gpu in p.c.gpus for m in p.c.markets)
+        _walk_lists(b, p, lists, by_price, out, scan, alive, h, indexed,
+                    roomy=indexed and part.room == p.request.gpus,
+                    allowed=places is not None)
         if first is None:
             first = out
         if out.heap or out.found or not (out.skipped or (skipping and indexed)):
@@ -225,10 +231,13 @@ def walk(b: Walker, p: Probe, k: int | None, limit: float | None, alive: Alive |
     return (*first.result(), scan)
 
 
-def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Found,  # noqa: PLR0913
-               scan: Scan, alive: Alive | None, h: float, own: bool = False, *,
-               roomy: bool = False, allowed: bool = False) -> None:
-    """`own`: the entries are within the request's own clouds and regions already;
+def _walk_lists(b: Walker, p: Probe, lists: Iterable[Entries], by_price: bool,  # noqa: C901, PLR0912, PLR0913
+                out: _Found, scan: Scan, alive: Alive | None, h: float, own: bool = False, *,
+                roomy: bool = False, allowed: bool = False) -> None:
+    """Each of `lists` walked in turn into `out`, each until no offer further on in it
+    can make the list (one function, its set-up once a walk: it is the placement path's
+    innermost loop, and most lists are a few entries long).
+    `own`: the entries are within the request's own clouds and regions already;
     `roomy`: their pools have room for the request, on the probe's view (the index's
     part by room of its very size): none is passed over for want of it; `allowed`:
     they are within the regions the verdict allows (the index's part of them)."""
@@ -248,49 +257,65 @@ def _walk_list(b: Walker, p: Probe, entries: Entries, by_price: bool, out: _Foun
     region_ok = p.c.region_ok if bounded and not allowed and \
         (skip or (counting and own and not p.exclude)) else None
     checks = _checks(p, own, allowed or region_ok is not None)
-    for bound, offer, ppg, _ in entries:
-        if region_ok is not None and not region_ok(offer.pool.cloud, offer.pool.region):
-            if skip:
+    # Once an option was left out (`out.cut`) in a walk that keeps the best `keep` in
+    # order of cost, an offer is first asked what it costs: one that cannot make the
+    # list is passed over unjudged, whatever the rules say of it (it would only be
+    # counted in `scan`, which is read only of a walk that found no option, and
+    # `out.cut` is set already), and the walk of its list ends where no offer further
+    # on can make it. Its instances bound it first: an offer of 8 GPUs an instance
+    # costs a request for 2 at least 8 × its bound, not 2 ×.
+    dearer = skip and not by_price and out.keep is not None
+    for entries in lists:
+        for bound, key, offer in entries:
+            if region_ok is not None and not region_ok(key.cloud, key.region):
+                if skip:
+                    out.skipped += 1
+                else:
+                    scan.policy_excluded += 1
+                continue
+            # An offer with no room can never be an option: passed over unjudged unless the
+            # walk would stop at it. Where the next offer that passes the rules up to `fit`
+            # would end the walk (`out.full`), so might this one: judged then, so that the
+            # walk ends where it would have (and `out.cut` says the same). In order of
+            # price, one over the cap ends it (the rest are dearer).
+            if check_room and no_room(offer, held(key), need) and \
+                    not out.full(need * bound):
                 out.skipped += 1
-            else:
-                scan.policy_excluded += 1
-            continue
-        # An offer with no room can never be an option: passed over unjudged unless the
-        # walk would stop at it. Where the next offer that passes the rules up to `fit`
-        # would end the walk (`out.full`), so might this one: judged then, so that the
-        # walk ends where it would have (and `out.cut` says the same). In order of
-        # price, one over the cap ends it (the rest are dearer).
-        if check_room and no_room(offer, held(offer.pool), need) and \
-                not out.full(need * bound):
-            out.skipped += 1
-            if by_price and not rules.PRICE_CAP.check(p, offer, 1):
+                if by_price and not rules.PRICE_CAP.check(p, offer, 1):
+                    break
+                continue
+            if dearer and out.cut:
+                if out.full(need * bound):
+                    break
+                instances = rules.instances_for(need, offer.gpus)
+                if out.beaten(instances * offer.gpus * bound * _UNDER) or \
+                        out.beaten(_cost(memo, offer, instances, need, policy, hazard)):
+                    continue
+            judged = _judge(p, offer, scan, checks)
+            if judged == _SKIP:
+                continue
+            if judged == _DEARER:
+                if by_price:
+                    break  # sorted by price per GPU-hour: the rest are dearer
+                continue
+            # Any later offer costs at least need × its bound: stop when that cannot make
+            # the list.
+            if out.full(need * bound):
+                out.cut = True
                 break
-            continue
-        judged = _judge(p, offer, ppg, scan, checks)
-        if judged == _SKIP:
-            continue
-        if judged == _DEARER:
-            if by_price:
-                break  # sorted by price per GPU-hour: the rest are dearer
-            continue
-        # Any later offer costs at least need × its bound: stop when that cannot make
-        # the list.
-        if out.full(need * bound):
-            out.cut = True
-            break
-        if counting:
-            continue
-        instances = rules.instances_for(need, offer.gpus)
-        # The cost before the rules of room and quota: most offers judged never make the
-        # list, and once one option was left out (`cut`) those need not be asked of them.
-        cost = _cost(memo, offer, instances, need, policy, hazard)
-        if out.beaten(cost):
-            # An option left out: the list does not hold them all.
-            out.cut = out.cut or _fits(p, offer, instances)
-            continue
-        if not _fits(p, offer, instances):
-            continue
-        o = b.option(offer, instances, need, h, policy.scoring.risk, cost)
-        if alive is not None and not alive(o):
-            continue
-        out.add(o)
+            if counting:
+                continue
+            instances = rules.instances_for(need, offer.gpus)
+            # The cost before the rules of room and quota: most offers judged never make the
+            # list, and once one option was left out (`cut`) those need not be asked of them.
+            cost = _cost(memo, offer, instances, need, policy, hazard)
+            if out.beaten(cost):
+                # An option left out: the list does not hold them all.
+                out.cut = out.cut or _fits(p, offer, instances)
+                continue
+            if not _fits(p, offer, instances):
+                continue
+            o = b.option(offer, instances, need, h, policy.scoring.risk, cost)
+            if alive is not None and not alive(o):
+                continue
+            out.add(o)

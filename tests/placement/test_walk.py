@@ -1,5 +1,6 @@
 """The walk (`broker.placement.walk`) passes over offers with no room (`rules.no_room`)
-without judging them: on random pools with some of their offers held, it lists the same
+without judging them, and once it left an option out, those too dear for its list: on
+random pools with some of their offers held, it lists the same
 options, in the same order, up to the same cost, as a walk that judges every offer, and a
 request left without any option is told the same reason. Offers that fill up, are
 released or are polled again are seen as they are now, through the lists a `Snapshot`
