@@ -88,7 +88,7 @@ def build_book(pool: Any, folder: str) -> Any:
             book = _Book()
             for slice_id, offers in by_slice.items():
                 poll = _Poll(slice_id, epoch(NOW), offers)
-                await store.call(partial(book.write, poll=poll, snapshot_factor=1e9))
+                await store.call(partial(book.write, polls=[poll], snapshot_factor=1e9))
             return book
         finally:
             await store.close()
