@@ -102,11 +102,21 @@ class TeamRoom:
         """Whether `gpus` more GPUs in `zone` of `cloud` keep it within its spread limits."""
         if not self.spreads:
             return True
+        return self._spread_ok(gpus, self.by_zone.get((cloud, zone), 0),
+                               self.by_cloud.get(cloud, 0))
+
+    def spread_allows_somewhere(self, gpus: int) -> bool:
+        """Whether `gpus` more GPUs keep it within its spread limits in a zone and a cloud
+        where it has none: where it has some, fewer fit; if these do not fit there, they
+        fit nowhere."""
+        return not self.spreads or self._spread_ok(gpus, 0, 0)
+
+    def _spread_ok(self, gpus: int, in_zone: int, in_cloud: int) -> bool:
         total = self.total + gpus
-        if self.zone_share is not None and self.by_zone.get((cloud, zone), 0) + gpus > \
+        if self.zone_share is not None and in_zone + gpus > \
                 self.zone_share * total + self.grace + EPS:
             return False
-        return not (self.cloud_share is not None and self.by_cloud.get(cloud, 0) + gpus >
+        return not (self.cloud_share is not None and in_cloud + gpus >
                     self.cloud_share * total + self.grace + EPS)
 
     def spread_holds(self) -> bool:

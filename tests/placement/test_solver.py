@@ -270,6 +270,37 @@ def test_spread_grace_lets_a_small_team_sit_in_one_zone() -> None:
         assert sorted(o.zone for o in sol.choice if o) == ["a", "b", "b"]
 
 
+def test_a_request_alone_that_no_zone_could_take_is_not_listed_to_the_end() -> None:
+    # No grace and at most half of the team's GPUs in a zone, none held yet: wherever 4
+    # GPUs go, they are all of the team's. The request alone is left unplaced, for its
+    # spread limit, without listing more of its 50 options (a pool's thousands, on the
+    # event loop).
+    full = [opt(10 + n, zone=f"z{n}", gpus=4) for n in range(50)]
+    group = short_group(full, 4)
+    listed = group.more
+    assert listed is not None
+    grown: list[object] = []
+
+    def more(*args: object, **kw: object) -> tuple[list[Option], float]:
+        grown.append(args)
+        return listed(*args, **kw)  # type: ignore[arg-type]
+
+    group.more = more
+    p = AssignmentProblem([Request(group, 1.0, 1000.0, "t", min_gpus=4)], limits={},
+                          teams={"t": TeamRoom(zone_share=0.5, grace=0)})
+    sol = solver.heuristic(p)
+    assert sol.choice == [None]
+    assert grown == []
+    assert solver.why_unplaced(p, sol.choice) == {0: ("spread", "t")}
+    # With 8 of its GPUs in two other zones, 4 more in a zone of their own are a third
+    # of them: placed, on the cheapest.
+    p.teams["t"] = TeamRoom(zone_share=0.5, grace=0, total=8,
+                            by_zone={("gcp", "x"): 4, ("gcp", "y"): 4}, by_cloud={"gcp": 8})
+    sol = solver.heuristic(p)
+    check_solution(p, sol)
+    assert sol.choice == [full[0]]
+
+
 def test_team_gpus_and_budget_bind_across_the_batch() -> None:
     both = [opt(10, gpus=8, price=10), opt(10, gpus=8, price=10), opt(10, gpus=8, price=10)]
     p = AssignmentProblem([req(o, team="t") for o in both],
