@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import shutil
 import sys
 import tempfile
 import time
@@ -49,6 +50,7 @@ async def run(root: Path, args: argparse.Namespace) -> str:
             await daemon.stop()
     finally:
         mosq.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 async def load(host: str, port: int, pid: int, args: argparse.Namespace) -> str:
