@@ -285,11 +285,14 @@ def _walk_lists(b: Walker, p: Probe, lists: Iterable[Entries], by_price: bool,  
                     break
                 continue
             if dearer and out.cut:
-                if out.full(need * bound):
+                # `out.full` and `out.beaten` written out: the heap holds `keep` once cut.
+                worst = -out.heap[0][0]
+                if need * bound > worst:
                     break
-                instances = rules.instances_for(need, offer.gpus)
-                if out.beaten(instances * offer.gpus * bound * _UNDER) or \
-                        out.beaten(_cost(memo, offer, instances, need, policy, hazard)):
+                gpus = offer.gpus
+                instances = rules.instances_for(need, gpus)
+                if instances * gpus * bound * _UNDER >= worst or \
+                        _cost(memo, offer, instances, need, policy, hazard) >= worst:
                     continue
             judged = _judge(p, offer, scan, checks)
             if judged == _SKIP:
