@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable
 
 from broker.placement.problem import (
@@ -40,6 +41,8 @@ def heuristic(p: AssignmentProblem, *, improve_rounds: int = 2, chains: bool = T
     reqs = p.requests
     global_ok = st.global_ok
     alone = len(reqs) == 1
+    # The teams with one request in the batch: nothing else in it moves their shares.
+    teams_of = Counter(r.team for r in reqs if r.team is not None)
 
     def best_two(i: int) -> tuple[Option | None, float, float]:
         """The request's cheapest option that fits now, its cost, and the cost of the
@@ -49,11 +52,12 @@ def heuristic(p: AssignmentProblem, *, improve_rounds: int = 2, chains: bool = T
         t = st.teams.get(r.team) if r.team is not None else None
         budget = t.budget_left if t is not None else None
         if t is not None and (t.binding(r.min_gpus) is not None or
-                              (alone and not t.spread_allows_somewhere(r.min_gpus))):
+                              (teams_of[r.team] == 1 and
+                               not t.spread_allows_somewhere(r.min_gpus))):
             # The team has no room for any option. (Its spread limits, checked up front
-            # for a request alone, else would list every offer there is, some 40 ms of
-            # the event loop at 2,600 of them, only to find each one over its share. In
-            # a batch, the others may yet widen the shares.)
+            # for its only request in the batch, else would list every offer there is,
+            # some 40 ms of the event loop at 2,600 of them, only to find each one over
+            # its share. Its other requests in the batch may yet widen the shares.)
             return None, r.penalty, r.penalty
         # The team's checks straight on its `TeamRoom` (`State.team_ok`, `fits_spread`).
         binding = t.binding if t is not None and t.limited else None

@@ -270,11 +270,11 @@ def test_spread_grace_lets_a_small_team_sit_in_one_zone() -> None:
         assert sorted(o.zone for o in sol.choice if o) == ["a", "b", "b"]
 
 
-def test_a_request_alone_that_no_zone_could_take_is_not_listed_to_the_end() -> None:
+def test_a_teams_only_request_that_no_zone_could_take_is_not_listed_to_the_end() -> None:
     # No grace and at most half of the team's GPUs in a zone, none held yet: wherever 4
-    # GPUs go, they are all of the team's. The request alone is left unplaced, for its
-    # spread limit, without listing more of its 50 options (a pool's thousands, on the
-    # event loop).
+    # GPUs go, they are all of the team's. The team's only request is left unplaced, for
+    # its spread limit, without listing more of its 50 options (a pool's thousands, on
+    # the event loop).
     full = [opt(10 + n, zone=f"z{n}", gpus=4) for n in range(50)]
     group = short_group(full, 4)
     listed = group.more
@@ -292,6 +292,13 @@ def test_a_request_alone_that_no_zone_could_take_is_not_listed_to_the_end() -> N
     assert sol.choice == [None]
     assert grown == []
     assert solver.why_unplaced(p, sol.choice) == {0: ("spread", "t")}
+    # So in a batch where it is its team's only request.
+    other = req(opt(5, zone="q", gpus=4), team="u")
+    batch = AssignmentProblem([other, p.requests[0]], limits={},
+                              teams={"t": p.teams["t"], "u": TeamRoom()})
+    sol = solver.heuristic(batch)
+    assert sol.choice == [other.options[0], None]
+    assert grown == []
     # With 8 of its GPUs in two other zones, 4 more in a zone of their own are a third
     # of them: placed, on the cheapest.
     p.teams["t"] = TeamRoom(zone_share=0.5, grace=0, total=8,
