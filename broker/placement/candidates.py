@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -46,6 +46,22 @@ _OWN = rules.PRICE_CAP
 """The listed rule whose key is most often the request's own (its price cap: 5,020 of
 them for 8,190 lists at 10,000 requests): its mask is made per list, not kept."""
 _SHARED = tuple(r for r in rules.LISTED if r is not _OWN)
+
+
+def fewest_paid(need: int, lists: Iterable[Iterable[Offer]]) -> int:
+    """The fewest GPUs `need` GPUs pay for on the offers of `lists`, in whole instances
+    (`rules.instances_for`); `need` when there is none (it is never less)."""
+    best: int | None = None
+    for offers in lists:
+        for offer in offers:
+            if offer.gpus <= 0:
+                continue
+            paid = rules.instances_for(need, offer.gpus) * offer.gpus
+            if best is None or paid < best:
+                best = paid
+                if best <= need:
+                    return best
+    return need if best is None else best
 
 
 class CandidateBuilder:
@@ -80,6 +96,7 @@ class CandidateBuilder:
         # otherwise every horizon scores alike and all share one.
         self._by_horizon = by_horizon(view.hazard, policy)
         self._hazards: dict[float, Hazard | None] = {}
+        self._paid: dict[Hashable, int] = {}  # `_least_paid`
 
     def release(self) -> None:
         """Break the batch's cycles once it is solved: each group's `more` is a closure
@@ -90,7 +107,7 @@ class CandidateBuilder:
         for group, _ in self._groups.values():
             group.more = None
         for cache in (self._groups, self._options, self._index, self._masks,
-                      self._rule_masks, self._sizes, self._hazards):
+                      self._rule_masks, self._sizes, self._hazards, self._paid):
             cache.clear()
 
     def horizon(self, req: PlaceRequest) -> float:
@@ -203,7 +220,23 @@ class CandidateBuilder:
             best = max(min((o.cost_per_hour for o in group.options if o.cost_per_hour > 0),
                            default=0.0), PENALTY_FLOOR_PER_GPU_HOUR * req.gpus)
         return Request(group=group, horizon=horizon, penalty=PENALTY * horizon * best,
-                              team=c.team, extra=extra, min_gpus=req.gpus), scan
+                              team=c.team, extra=extra, min_gpus=req.gpus,
+                              least_paid=self._least_paid(req.gpus, c)), scan
+
+    def _least_paid(self, need: int, c: Constraints) -> Callable[[], int]:
+        """The fewest GPUs a request for `need` of the verdict's models and markets pays
+        for on any offer of the view (`rules.instances_for` whole instances), once per
+        batch and shape, when first asked: a bound below every option it can have."""
+        key = (need, c.gpus, c.markets)
+
+        def least() -> int:
+            got = self._paid.get(key)
+            if got is None:
+                got = self._paid[key] = fewest_paid(
+                    need, (self.view.by_gpu(gpu, m) for gpu in c.gpus for m in c.markets))
+            return got
+
+        return least
 
     def team_of(self, c: Constraints) -> None:
         """Count the verdict's team in the batch's limits (a request with options does

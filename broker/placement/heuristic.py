@@ -19,6 +19,7 @@ from broker.placement.problem import (
     Solution,
 )
 from broker.placement.residual import State, trivial_bound
+from policies.teams import TeamRoom
 
 RECLAIM = 500
 """Requests the heuristic's last two phases (`_spare_limits`, `_reclaim`) look at each,
@@ -52,13 +53,8 @@ def heuristic(p: AssignmentProblem, *, improve_rounds: int = 2, chains: bool = T
         t = st.teams.get(r.team) if r.team is not None else None
         budget = t.budget_left if t is not None else None
         if t is not None and (t.binding(r.min_gpus) is not None or
-                              (teams_of[r.team] == 1 and
-                               not t.spread_allows_somewhere(r.min_gpus))):
-            # The team has no room for any option. (Its spread limits, checked up front
-            # for its only request in the batch, else would list every offer there is,
-            # some 40 ms of the event loop at 2,600 of them, only to find each one over
-            # its share. Its other requests in the batch may yet widen the shares.)
-            return None, r.penalty, r.penalty
+                              (teams_of[r.team] == 1 and _shut_out(t, r))):
+            return None, r.penalty, r.penalty  # the team has no room for any option
         # The team's checks straight on its `TeamRoom` (`State.team_ok`, `fits_spread`).
         binding = t.binding if t is not None and t.limited else None
         spread = t.spread_allows if t is not None and t.spreads else None
@@ -133,6 +129,22 @@ def heuristic(p: AssignmentProblem, *, improve_rounds: int = 2, chains: bool = T
     objective = st.objective()
     return Solution(st.choice, objective, bound, "heuristic", time.perf_counter() - started,
                     optimal=alone or objective <= bound + EPS * max(1.0, bound))
+
+
+def _shut_out(t: TeamRoom, r: Request) -> bool:
+    """Whether no option of `r`, listed or not, fits its team's spread limits or its GPUs
+    left, with nothing else of the team's in the batch (which could widen its shares,
+    or give GPUs back as it moves). Else the heuristic would list every offer there is
+    to find each one over (some 40 ms of the event loop at 2,600 of them): a gang of
+    8 where no zone may hold all of a team's GPUs; 4 H100s (8 an instance) with 4 left.
+    The instances are counted only when the listed options are all too large."""
+    if not t.spread_allows_somewhere(r.min_gpus):
+        return True
+    left = t.gpus_left
+    if left is None or r.least_paid is None or not r.options or \
+            min(o.gpus for o in r.options) <= left + EPS:
+        return False
+    return t.binding(r.least_paid()) is not None
 
 
 def _short_teams(p: AssignmentProblem) -> dict[str, bool]:

@@ -123,6 +123,9 @@ class Request:
     team: str | None = None
     extra: Callable[[Option], float] | None = None
     min_gpus: int = 0  # no option has fewer GPUs (the request's count)
+    least_paid: Callable[[], int] | None = None
+    """The fewest GPUs any of its options pays for, listed or not (whole instances: at
+    least `min_gpus`), worked out when first asked; None: `min_gpus`."""
 
     @property
     def options(self) -> list[Option]:

@@ -15,6 +15,7 @@ from factories import SLICE, T0, Clock, offer, pool_of, request
 from adapters.sim import SimAdapter
 from broker.market.pool import ResourcePool
 from broker.model import Market, Offer, PlaceRequest, PoolKey, RejectCode
+from broker.placement.candidates import fewest_paid
 from broker.placement.optimizer import Ask, CostIndex, Decision, Outcome, Rejection, place, solve
 from policies.model import Defaults, Policy, Scoring, Team
 
@@ -731,3 +732,29 @@ def test_explain_ranks_candidates_at_the_requests_risk_level() -> None:
     first = calm["candidates"][0]
     assert first["expected_cost_per_hour"] == pytest.approx(21.505)
     assert 21.0 * (1 + sum(first["terms"].values())) == pytest.approx(21.505)
+
+
+def test_the_fewest_gpus_a_request_pays_for_are_whole_instances_of_its_offers() -> None:
+    eights = [offer(f"z{i}", instance_type=f"p{i}", gpus=8) for i in range(3)]
+    assert fewest_paid(4, [eights]) == 8
+    assert fewest_paid(12, [eights]) == 16
+    assert fewest_paid(3, [eights, [offer(gpus=2), offer(gpus=1)]]) == 3
+    assert fewest_paid(3, [[offer(gpus=2)]]) == 4
+    assert fewest_paid(5, []) == 5  # no offer: never fewer than asked for
+
+
+def test_a_team_with_fewer_gpus_left_than_any_instance_is_refused_for_them() -> None:
+    # H100s come 8 an instance; the team may take 4 more: a request for 4 is refused,
+    # named for the team's GPUs, whatever it finds on the way.
+    pool = pool_of([offer(f"us-east-1{z}", instance_type="p5.48xlarge", gpus=8,
+                          price=24.0 + i) for i, z in enumerate("abc")])
+    policy = Policy(teams={"t": Team(max_gpus=4)})
+    [out] = solve([Ask(request("r1", "H100-80GB", 4, team="t"))], pool, policy, now=T0,
+                  costs=CostIndex(pool, policy)).outcomes
+    assert isinstance(out, Rejection) and out.code is RejectCode.OVER_BUDGET
+    assert "4 GPUs left" in out.detail
+    # With 8 left, it goes on the cheapest instance.
+    policy = Policy(teams={"t": Team(max_gpus=8)})
+    [out] = solve([Ask(request("r1", "H100-80GB", 4, team="t"))], pool, policy, now=T0,
+                  costs=CostIndex(pool, policy)).outcomes
+    assert isinstance(out, Decision) and out.placement.pool.zone == "us-east-1a"

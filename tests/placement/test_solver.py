@@ -308,6 +308,41 @@ def test_a_teams_only_request_that_no_zone_could_take_is_not_listed_to_the_end()
     assert sol.choice == [full[0]]
 
 
+def test_a_teams_only_request_whose_instances_pass_its_gpus_left_is_not_listed_to_the_end(
+        ) -> None:
+    # 4 GPUs asked for, 4 left to the team, but every offer is of 8 GPUs an instance
+    # (H100s): no option fits, listed or not.
+    full = [opt(10 + n, zone=f"z{n}", gpus=8) for n in range(50)]
+    group = short_group(full, 4)
+    listed = group.more
+    assert listed is not None
+    grown: list[object] = []
+
+    def more(*args: object, **kw: object) -> tuple[list[Option], float]:
+        grown.append(args)
+        return listed(*args, **kw)  # type: ignore[arg-type]
+
+    group.more = more
+    asked: list[int] = []
+
+    def least_paid() -> int:
+        asked.append(8)
+        return 8
+
+    r = Request(group, 1.0, 1000.0, "t", min_gpus=4, least_paid=least_paid)
+    p = AssignmentProblem([r], limits={}, teams={"t": TeamRoom(gpus_left=4)})
+    sol = solver.heuristic(p)
+    assert sol.choice == [None]
+    assert grown == [] and asked == [8]
+    assert solver.why_unplaced(p, sol.choice) == {0: ("team_gpus", 4)}
+    # With 8 left it goes on the cheapest, and the instances are not counted.
+    asked.clear()
+    p.teams["t"] = TeamRoom(gpus_left=8)
+    sol = solver.heuristic(p)
+    check_solution(p, sol)
+    assert sol.choice == [full[0]] and asked == []
+
+
 def test_team_gpus_and_budget_bind_across_the_batch() -> None:
     both = [opt(10, gpus=8, price=10), opt(10, gpus=8, price=10), opt(10, gpus=8, price=10)]
     p = AssignmentProblem([req(o, team="t") for o in both],
