@@ -270,13 +270,8 @@ def test_spread_grace_lets_a_small_team_sit_in_one_zone() -> None:
         assert sorted(o.zone for o in sol.choice if o) == ["a", "b", "b"]
 
 
-def test_a_teams_only_request_that_no_zone_could_take_is_not_listed_to_the_end() -> None:
-    # No grace and at most half of the team's GPUs in a zone, none held yet: wherever 4
-    # GPUs go, they are all of the team's. The team's only request is left unplaced, for
-    # its spread limit, without listing more of its 50 options (a pool's thousands, on
-    # the event loop).
-    full = [opt(10 + n, zone=f"z{n}", gpus=4) for n in range(50)]
-    group = short_group(full, 4)
+def growth_counted(group: Group) -> tuple[Group, list[object]]:
+    """`group`, its `more` wrapped to record each time it is asked to list more."""
     listed = group.more
     assert listed is not None
     grown: list[object] = []
@@ -286,6 +281,16 @@ def test_a_teams_only_request_that_no_zone_could_take_is_not_listed_to_the_end()
         return listed(*args, **kw)  # type: ignore[arg-type]
 
     group.more = more
+    return group, grown
+
+
+def test_a_teams_only_request_that_no_zone_could_take_is_not_listed_to_the_end() -> None:
+    # No grace and at most half of the team's GPUs in a zone, none held yet: wherever 4
+    # GPUs go, they are all of the team's. The team's only request is left unplaced, for
+    # its spread limit, without listing more of its 50 options (a pool's thousands, on
+    # the event loop).
+    full = [opt(10 + n, zone=f"z{n}", gpus=4) for n in range(50)]
+    group, grown = growth_counted(short_group(full, 4))
     p = AssignmentProblem([Request(group, 1.0, 1000.0, "t", min_gpus=4)], limits={},
                           teams={"t": TeamRoom(zone_share=0.5, grace=0)})
     sol = solver.heuristic(p)
@@ -313,16 +318,7 @@ def test_a_teams_only_request_whose_instances_pass_its_gpus_left_is_not_listed_t
     # 4 GPUs asked for, 4 left to the team, but every offer is of 8 GPUs an instance
     # (H100s): no option fits, listed or not.
     full = [opt(10 + n, zone=f"z{n}", gpus=8) for n in range(50)]
-    group = short_group(full, 4)
-    listed = group.more
-    assert listed is not None
-    grown: list[object] = []
-
-    def more(*args: object, **kw: object) -> tuple[list[Option], float]:
-        grown.append(args)
-        return listed(*args, **kw)  # type: ignore[arg-type]
-
-    group.more = more
+    group, grown = growth_counted(short_group(full, 4))
     asked: list[int] = []
 
     def least_paid() -> int:
