@@ -221,7 +221,8 @@ class CandidateBuilder:
                            default=0.0), PENALTY_FLOOR_PER_GPU_HOUR * req.gpus)
         return Request(group=group, horizon=horizon, penalty=PENALTY * horizon * best,
                               team=c.team, extra=extra, min_gpus=req.gpus,
-                              least_paid=self._least_paid(req.gpus, c)), scan
+                              least_paid=None if c.gpus_left is None else
+                              self._least_paid(req.gpus, c)), scan
 
     def _least_paid(self, need: int, c: Constraints) -> Callable[[], int]:
         """The fewest GPUs a request for `need` of the verdict's models and markets pays

@@ -125,7 +125,8 @@ class Request:
     min_gpus: int = 0  # no option has fewer GPUs (the request's count)
     least_paid: Callable[[], int] | None = None
     """The fewest GPUs any of its options pays for, listed or not (whole instances: at
-    least `min_gpus`), worked out when first asked; None: `min_gpus`."""
+    least `min_gpus`), worked out when first asked; None where its team's GPUs are not
+    limited (nothing reads it then)."""
 
     @property
     def options(self) -> list[Option]:
